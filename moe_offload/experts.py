@@ -1,0 +1,59 @@
+"""The MoE layer API that models call: ``route -> experts -> combine``.
+
+An ``Experts`` backend turns routed expert ids into the layer's output. ``ResidentExperts`` keeps
+every expert on the device and indexes the banks by expert id; the offloaded backends (expert
+cache, prefill pipeline) implement the same ``forward`` and slot in behind ``MoEBlock``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from moe_offload.grouped import grouped_swiglu
+from moe_offload.routing import route
+
+
+class ExpertBanks(NamedTuple):
+    """All expert weights of the model, stacked: ``w13 [L, E, 2I, H]`` (gate; up), ``w2 [L, E, H, I]``."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def num_layers(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[1]
+
+
+class Experts(Protocol):
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``."""
+        ...
+
+
+class ResidentExperts:
+    """Every expert resident on the device: no lookups at all."""
+
+    def __init__(self, banks: ExpertBanks):
+        self.banks = banks
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer])
+
+
+class MoEBlock:
+    """One layer's sparse MLP; the router weight belongs to the model, the experts to a backend."""
+
+    def __init__(self, layer: int, experts: Experts, top_k: int, renormalize: bool):
+        self.layer = layer
+        self.experts = experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return self.experts.forward(self.layer, hidden, weights, ids)
