@@ -1,0 +1,36 @@
+"""Attention backends over the paged KV pool, chosen by name from a small registry."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from worker.batch import ForwardBatch
+from worker.kv_pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Store the new ``k, v [T, kv_heads, D]`` in the pool, attend ``q [T, heads, D]`` over each
+        sequence's cached and new tokens (causal), return ``[T, heads, D]``."""
+        ...
+
+
+BACKENDS: dict[str, Callable[[KVPool, float], AttentionBackend]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        BACKENDS[name] = factory
+        return factory
+    return wrap
+
+
+def create_backend(name: str, pool: KVPool, scale: float) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
+    return BACKENDS[name](pool, scale)
+
+
+from worker.attention import torch_backend  # noqa: E402,F401  (registers "torch")

@@ -1,0 +1,76 @@
+"""One forward step's inputs: the new tokens of every sequence and where their KV lives.
+
+All index lists are built on the host from Python ints (the scheduler knows every length) and
+sent to the device in one pinned, non-blocking copy, so building a batch never waits on the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class SequenceChunk(NamedTuple):
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # new tokens (for an overlapped decode step, placeholders)
+    prefix_len: int  # tokens of this sequence already in the KV pool
+    pages: list[int]  # page table covering prefix_len + len(token_ids) tokens
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_loc: torch.Tensor  # [T] flat KV slot (page * page_size + offset) of each new token
+    last_index: torch.Tensor  # [B] index in T of each sequence's last new token
+    page_table: torch.Tensor  # [B, max_pages] int64, padded with page 0
+    seq_lens: torch.Tensor  # [B] tokens in KV after this step
+    q_index: torch.Tensor  # [B, max_q] index in T of each query row, T for padding
+    q_flat: torch.Tensor  # [T] index of each token in the flattened [B * max_q] query grid
+    max_q: int
+    num_tokens: int
+    is_decode: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.last_index.shape[0]
+
+
+def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
+                input_ids: torch.Tensor | None = None) -> ForwardBatch:
+    """``input_ids`` overrides the chunks' token ids with a device tensor (overlap scheduling)."""
+    max_q = max(len(c.token_ids) for c in chunks)
+    max_pages = max(len(c.pages) for c in chunks)
+    ids, pos, loc, last, table, lens, q_index, q_flat = [], [], [], [], [], [], [], []
+    for b, c in enumerate(chunks):
+        n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
+        if n == 0 or len(c.pages) * page_size < seq_len:
+            raise ValueError(f"sequence {b}: {n} new tokens, {seq_len} in all, {len(c.pages)} pages")
+        start = len(ids)
+        ids += c.token_ids
+        pos += range(c.prefix_len, seq_len)
+        loc += [c.pages[p // page_size] * page_size + p % page_size for p in range(c.prefix_len, seq_len)]
+        last.append(start + n - 1)
+        table.append(c.pages + [0] * (max_pages - len(c.pages)))
+        lens.append(seq_len)
+        q_index.append(list(range(start, start + n)) + [-1] * (max_q - n))
+        q_flat += range(b * max_q, b * max_q + n)
+    T = len(ids)
+    q_index = [[T if i < 0 else i for i in row] for row in q_index]
+    packed = _to_device([ids, pos, loc, last, sum(table, []), lens, sum(q_index, []), q_flat], device)
+    ids_t, pos_t, loc_t, last_t, table_t, lens_t, qi_t, qf_t = packed
+    if input_ids is not None:
+        ids_t = input_ids
+    return ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
+                        qi_t.view(len(chunks), max_q), qf_t, max_q, T, is_decode=max_q == 1)
+
+
+def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """One host buffer, one copy: pinned and non-blocking on CUDA, so no stream is drained."""
+    sizes = [len(x) for x in lists]
+    host = torch.tensor([v for x in lists for v in x], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return list(host.split(sizes))

@@ -1,0 +1,115 @@
+"""Model configuration read from a Hugging Face ``config.json``."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "mixtral" | "qwen3_moe"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    expert_intermediate_size: int
+    num_experts: int
+    top_k: int
+    renormalize: bool  # renormalise the top-k routing weights
+    qk_norm: bool  # RMSNorm over each head of q and k (Qwen3)
+    rope_theta: float
+    rms_norm_eps: float
+    max_context: int
+    tie_word_embeddings: bool
+    checkpoint_dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise CheckpointError(f"{source}: unsupported architecture {archs or '(none)'}; Sluice runs {supported}")
+        _refuse_unsupported_features(raw, family, source)
+        hidden = raw["hidden_size"]
+        heads = raw["num_attention_heads"]
+        qwen = family == "qwen3_moe"
+        return cls(
+            family=family,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            expert_intermediate_size=raw["moe_intermediate_size"] if qwen else raw["intermediate_size"],
+            num_experts=raw.get("num_experts") or raw["num_local_experts"],
+            top_k=raw["num_experts_per_tok"],
+            renormalize=bool(raw.get("norm_topk_prob", False)) if qwen else True,
+            qk_norm=qwen,
+            rope_theta=float(_rope_theta(raw)),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            max_context=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            checkpoint_dtype=_DTYPES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", torch.float32),
+            eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+        )
+
+
+def _rope_theta(raw: dict) -> float:
+    params = raw.get("rope_parameters") or {}
+    return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+
+
+def _refuse_unsupported_features(raw: dict, family: str, source: str) -> None:
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    problems = []
+    if rope_type != "default":
+        problems.append(f"rope scaling {rope_type!r}")
+    if family == "qwen3_moe":
+        if raw.get("mlp_only_layers"):
+            problems.append("dense mlp_only_layers")
+        if raw.get("decoder_sparse_step", 1) != 1:
+            problems.append("decoder_sparse_step != 1")
+        if raw.get("use_sliding_window"):
+            problems.append("sliding-window attention")
+        if raw.get("attention_bias"):
+            problems.append("attention bias")
+    elif raw.get("sliding_window") and raw["sliding_window"] < raw.get("max_position_embeddings", 0):
+        problems.append("sliding-window attention")
+    if problems:
+        raise CheckpointError(f"{source}: not supported: {', '.join(problems)}")
+
+
+def _int_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)

@@ -1,0 +1,64 @@
+"""The paged KV pool: fixed-size pages of K and V for every layer, handed out from a free list.
+
+    k[layer] : [num_pages, page_size, kv_heads, head_dim]     (v alike)
+    a token's slot = page * page_size + offset
+
+Page 0 is reserved as a scratch page: padded page-table entries point at it, so gathers of padding
+never address outside the pool.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        if num_pages < 2:
+            raise ValueError(f"KV pool needs at least 2 pages (one is scratch), got {num_pages}")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be allocated (all but the scratch page)."""
+        return self.num_pages - 1
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV pool: {n} pages asked, {len(self._free)} free")
+        pages = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def free_pages(self) -> set[int]:
+        return set(self._free)
+
+    def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens' K/V ``[T, kv_heads, D]`` to their slots (device index, no host read)."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, out_loc, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, out_loc, v)
+
+    @classmethod
+    def pages_that_fit(cls, budget_bytes: int, num_layers: int, page_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype) -> int:
+        per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return budget_bytes // per_page

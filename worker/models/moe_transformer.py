@@ -1,0 +1,48 @@
+"""The decoder both families share: pre-norm GQA attention with RoPE (and per-head q/k RMSNorm for
+Qwen3), then a sparse MoE MLP behind the ``MoEBlock`` API of ``moe_offload``."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_offload.experts import Experts, MoEBlock
+from worker.attention import AttentionBackend
+from worker.batch import ForwardBatch
+from worker.config import ModelConfig
+from worker.models.layers import Rotary, rms_norm
+from worker.models.weights import LayerWeights, ModelWeights
+
+
+class MoETransformer:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts):
+        self.cfg = cfg
+        self.weights = weights
+        self.attention = attention
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device)
+        self.moe = [MoEBlock(i, experts, cfg.top_k, cfg.renormalize) for i in range(cfg.num_layers)]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32) of each sequence's last token: ``[B, V]``."""
+        w = self.weights
+        x = w.embed[batch.input_ids]
+        for i, lw in enumerate(w.layers):
+            x = x + self._attention(i, lw, rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps), batch)
+            h = rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps)
+            x = x + self.moe[i](h, F.linear(h, lw.router))
+        last = rms_norm(x[batch.last_index], w.final_norm, self.cfg.rms_norm_eps)
+        return F.linear(last, w.lm_head).float()
+
+    def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q, k, v = F.linear(x, lw.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+        q = self.rotary(q, batch.positions)
+        k = self.rotary(k, batch.positions)
+        out = self.attention.forward(layer, q, k, v, batch)
+        return F.linear(out.reshape(T, cfg.q_size), lw.o)

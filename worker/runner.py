@@ -1,0 +1,87 @@
+"""ModelRunner: loads a checkpoint onto a device and runs one batch (prefill chunks, with any
+cached prefix already in the KV pool, or decode tokens), returning logits and sampled tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
+from worker.attention import create_backend
+from worker.batch import SequenceChunk, build_batch
+from worker.config import ModelConfig
+from worker.kv_pool import KVPool
+from worker.models.moe_transformer import MoETransformer
+from worker.models.weights import ModelWeights
+from worker.sampling import SamplingParams, SamplingTensors, sample
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: str
+    device: str = "auto"  # "auto" = cuda when available
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    page_size: int = 16
+    kv_tokens: int = 0  # 0 = choose from free memory (GPU) or 16384 (CPU)
+    attention: str = "torch"
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor  # [B, V] float32, each sequence's last token
+    next_tokens: torch.Tensor  # [B] int64, on the device
+
+
+ExpertsFactory = Callable[[ExpertBanks], Experts]
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, experts: ExpertsFactory = ResidentExperts):
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
+        self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device)
+        self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
+                              cfg.head_dim, self.dtype, self.device)
+        attention = create_backend(config.attention, self.kv_pool, cfg.head_dim ** -0.5)
+        self.model = MoETransformer(cfg, self.weights, attention, experts(self.weights.experts))
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+                input_ids: torch.Tensor | None = None) -> ForwardOutput:
+        """Run one step. ``steps[b]`` is the index of the token sequence b draws next (seeded
+        sampling); ``input_ids`` optionally replaces the chunks' tokens with a device tensor."""
+        batch = build_batch(chunks, self.page_size, self.device, input_ids)
+        logits = self.model.forward(batch)
+        tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
+        return ForwardOutput(logits, sample(logits, tensors))
+
+    def _num_pages(self) -> int:
+        cfg, c = self.model_config, self.config
+        if c.kv_tokens:
+            tokens = c.kv_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            per_token = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=self.dtype).element_size()
+            tokens = min(int(free * 0.8) // per_token, 1 << 20)
+        else:
+            tokens = 16384
+        return 1 + -(-tokens // c.page_size)
