@@ -1,0 +1,106 @@
+"""Offline generation for people and tests:
+
+    python -m worker.generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N]
+                              [--temperature T] [--seed S]
+
+Without ``--model`` it uses (and if needed prepares) the embedded default model.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from worker.batch import SequenceChunk
+from worker.errors import CheckpointError
+from worker.runner import ModelRunner, RunnerConfig
+from worker.sampling import SamplingParams
+from worker.tokenizer import ChatTokenizer
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prefill_seconds: float
+    decode_seconds: float
+
+
+def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+             eos_ids: tuple[int, ...] = (), max_prefill_tokens: int = 2048) -> Generation:
+    """Prefill the prompt in chunks, then decode one token at a time (greedy or sampled)."""
+    pool = runner.kv_pool
+    total = len(prompt_ids) + max_tokens
+    if total > runner.model_config.max_context:
+        raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the context "
+                         f"of {runner.model_config.max_context} tokens")
+    pages = pool.allocate(pool.pages_for(total))
+    try:
+        start = time.perf_counter()
+        for pos in range(0, len(prompt_ids), max_prefill_tokens):
+            out = runner.forward([SequenceChunk(prompt_ids[pos:pos + max_prefill_tokens], pos, pages)], [params], [0])
+        tokens = [int(out.next_tokens[0])]
+        mid = time.perf_counter()
+        while len(tokens) < max_tokens and tokens[-1] not in eos_ids:
+            step = len(tokens)
+            out = runner.forward([SequenceChunk([tokens[-1]], len(prompt_ids) + step - 1, pages)], [params], [step])
+            tokens.append(int(out.next_tokens[0]))
+        end = time.perf_counter()
+    finally:
+        pool.free(pages)
+    finish = "stop" if tokens[-1] in eos_ids else "length"
+    return Generation(tokens, finish, mid - start, end - mid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=RunnerConfig.device)
+    parser.add_argument("--dtype", default=RunnerConfig.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
+    parser.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s to stderr")
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (CheckpointError, ValueError, MemoryError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    model_dir = args.model
+    if model_dir is None:
+        from worker.default_model import default_model_dir
+
+        model_dir = str(default_model_dir())
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params.validate()
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    tokenizer = ChatTokenizer(model_dir)
+    runner = ModelRunner(RunnerConfig(model_dir, device=args.device, dtype=args.dtype))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt_ids = tokenizer.encode(text)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    gen = generate(runner, prompt_ids, params, args.max_tokens, runner.model_config.eos_token_ids,
+                   args.max_prefill_tokens)
+    print(tokenizer.decode(gen.token_ids))
+    if args.stats:
+        print(f"prefill {len(prompt_ids)} tokens in {gen.prefill_seconds:.3f} s "
+              f"({len(prompt_ids) / gen.prefill_seconds:.1f} tok/s); decode {len(gen.token_ids)} tokens in "
+              f"{gen.decode_seconds:.3f} s ({(len(gen.token_ids) - 1) / max(gen.decode_seconds, 1e-9):.1f} tok/s)",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
