@@ -17,6 +17,7 @@ class SequenceChunk(NamedTuple):
     token_ids: list[int]  # new tokens (for an overlapped decode step, placeholders)
     prefix_len: int  # tokens of this sequence already in the KV pool
     pages: list[int]  # page table covering prefix_len + len(token_ids) tokens
+    buffer_slot: int = -1  # >= 0: the (single) new token is token_buffer[buffer_slot], on the device
 
 
 @dataclass
@@ -39,17 +40,19 @@ class ForwardBatch:
 
 
 def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
-                input_ids: torch.Tensor | None = None) -> ForwardBatch:
-    """``input_ids`` overrides the chunks' token ids with a device tensor (overlap scheduling)."""
+                token_buffer: torch.Tensor | None = None) -> ForwardBatch:
+    """Chunks with a ``buffer_slot`` take their token from ``token_buffer`` on the device: the
+    token sampled by the previous step, which the host has not read yet (overlap scheduling)."""
     max_q = max(len(c.token_ids) for c in chunks)
     max_pages = max(len(c.pages) for c in chunks)
-    ids, pos, loc, last, table, lens, q_index, q_flat = [], [], [], [], [], [], [], []
+    ids, pos, loc, last, table, lens, q_index, q_flat, src = [], [], [], [], [], [], [], [], []
     for b, c in enumerate(chunks):
         n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
         if n == 0 or len(c.pages) * page_size < seq_len:
             raise ValueError(f"sequence {b}: {n} new tokens, {seq_len} in all, {len(c.pages)} pages")
         start = len(ids)
         ids += c.token_ids
+        src += [c.buffer_slot] * n
         pos += range(c.prefix_len, seq_len)
         loc += [c.pages[p // page_size] * page_size + p % page_size for p in range(c.prefix_len, seq_len)]
         last.append(start + n - 1)
@@ -59,15 +62,15 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
         q_flat += range(b * max_q, b * max_q + n)
     T = len(ids)
     q_index = [[T if i < 0 else i for i in row] for row in q_index]
-    packed = _to_device([ids, pos, loc, last, sum(table, []), lens, sum(q_index, []), q_flat], device)
-    ids_t, pos_t, loc_t, last_t, table_t, lens_t, qi_t, qf_t = packed
-    if input_ids is not None:
-        ids_t = input_ids
+    packed = to_device([ids, pos, loc, last, sum(table, []), lens, sum(q_index, []), q_flat, src], device)
+    ids_t, pos_t, loc_t, last_t, table_t, lens_t, qi_t, qf_t, src_t = packed
+    if token_buffer is not None:
+        ids_t = torch.where(src_t >= 0, token_buffer[src_t.clamp(min=0)], ids_t)
     return ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
                         qi_t.view(len(chunks), max_q), qf_t, max_q, T, is_decode=max_q == 1)
 
 
-def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """One host buffer, one copy: pinned and non-blocking on CUDA, so no stream is drained."""
     sizes = [len(x) for x in lists]
     host = torch.tensor([v for x in lists for v in x], dtype=torch.int64)

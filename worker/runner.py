@@ -66,10 +66,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
-                input_ids: torch.Tensor | None = None) -> ForwardOutput:
+                token_buffer: torch.Tensor | None = None) -> ForwardOutput:
         """Run one step. ``steps[b]`` is the index of the token sequence b draws next (seeded
-        sampling); ``input_ids`` optionally replaces the chunks' tokens with a device tensor."""
-        batch = build_batch(chunks, self.page_size, self.device, input_ids)
+        sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``."""
+        batch = build_batch(chunks, self.page_size, self.device, token_buffer)
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))

@@ -1,0 +1,189 @@
+"""The scheduler's engine: admission, continuous batching with chunked prefill, and the overlap
+loop, without any sockets (the server drives it; tests drive it directly).
+
+One call of ``step``:
+  1. admit waiting requests while KV pages and token-buffer rows allow;
+  2. launch the next batch: decode tokens of running requests plus prefill chunks within the
+     prefill token budget; decode inputs come from the device token buffer, never the host;
+  3. read back the previous step's sampled tokens (pinned copy + event, one step late);
+  4. turn them into updates, finish requests, and release their pages.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from scheduler.messages.from_scheduler import TokenUpdate
+from scheduler.page_manager import PageManager
+from scheduler.request import Request
+from worker.batch import SequenceChunk, to_device
+from worker.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_prefill_tokens: int = 2048
+    max_running: int = 64
+    prefix_cache: bool = True
+    overlap: bool = True
+
+
+class _Launched(NamedTuple):
+    reqs: list[Request]
+    samples: list[bool]  # the entry's sampled token is an output token (not a mid-prompt chunk)
+    tokens: torch.Tensor  # [B] on the host (pinned on CUDA), valid once ``event`` completes
+    event: torch.cuda.Event | None
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig()):
+        self.runner = runner
+        self.config = config
+        self.pages = PageManager(runner.kv_pool, config.prefix_cache)
+        self.device = runner.device
+        self.token_buffer = torch.zeros(config.max_running, dtype=torch.int64, device=self.device)
+        self.free_rows = list(range(config.max_running - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.in_flight: _Launched | None = None
+        self.counters = dict(requests_finished=0, requests_aborted=0, prompt_tokens=0, generated_tokens=0,
+                             cached_prompt_tokens=0, steps=0)
+        self.started = time.monotonic()
+
+    # ==== requests ====
+
+    def submit(self, req: Request) -> str | None:
+        """Queue ``req``; returns an error message instead when it can never run."""
+        ctx = self.runner.model_config.max_context
+        if len(req.prompt) + req.max_tokens > ctx:
+            return f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {ctx}"
+        if self.pages.pages_needed(req) > self.pages.pool.capacity:
+            return (f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) needs more KV pages "
+                    f"than the pool holds ({self.pages.pool.capacity} pages of {self.pages.page_size})")
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str) -> bool:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.counters["requests_aborted"] += 1
+                return True
+        for req in self.running:
+            if req.rid == rid:
+                self._finish(req, kv_tokens=req.prompt[:req.prefilled])
+                self.counters["requests_aborted"] += 1
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.in_flight)
+
+    def live_requests(self) -> list[Request]:
+        return list(self.running)
+
+    def check_pages(self) -> None:
+        self.pages.check(self.running)
+
+    # ==== the loop ====
+
+    def step(self) -> list[TokenUpdate]:
+        self._admit()
+        launched = self._launch()
+        if not self.config.overlap and launched is not None:
+            launched, self.in_flight = None, launched
+        previous, self.in_flight = self.in_flight, launched
+        return self._process(previous) if previous else []
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            if not self.pages.admit(req):
+                break
+            self.waiting.popleft()
+            req.slot = self.free_rows.pop()
+            self.running.append(req)
+            self.counters["cached_prompt_tokens"] += req.cached_tokens
+
+    def _launch(self) -> _Launched | None:
+        chunks, params, steps, reqs, samples = [], [], [], [], []
+        budget = self.config.max_prefill_tokens
+        for req in self.running:
+            if req.wants_decode:
+                pos = len(req.prompt) + req.launched_outputs - 1
+                chunks.append(SequenceChunk([0], pos, req.pages, buffer_slot=req.slot))
+            elif not req.prefill_done and budget > 0:
+                n = min(budget, len(req.prompt) - req.prefilled)
+                chunks.append(SequenceChunk(req.prompt[req.prefilled:req.prefilled + n], req.prefilled, req.pages))
+                budget -= n
+                req.prefilled += n
+            else:
+                continue
+            reqs.append(req)
+            params.append(req.sampling)
+            steps.append(req.launched_outputs)
+            samples.append(req.prefill_done)
+            req.launched_outputs += req.prefill_done
+        if not chunks:
+            return None
+        out = self.runner.forward(chunks, params, steps, self.token_buffer)
+        (rows,) = to_device([[r.slot for r in reqs]], self.device)
+        self.token_buffer.index_copy_(0, rows, out.next_tokens)
+        self.counters["steps"] += 1
+        if self.device.type != "cuda":
+            return _Launched(reqs, samples, out.next_tokens, None)
+        host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
+        host.copy_(out.next_tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Launched(reqs, samples, host, event)
+
+    def _process(self, launched: _Launched) -> list[TokenUpdate]:
+        if launched.event is not None:
+            launched.event.synchronize()  # the one planned read: tokens of the step before
+        updates = []
+        for req, sampled, token in zip(launched.reqs, launched.samples, launched.tokens.tolist()):
+            if not sampled or req.finished:
+                continue
+            req.output.append(token)
+            self.counters["generated_tokens"] += 1
+            reason = req.finish_reason()
+            first = not req.sent_first
+            req.sent_first = True
+            updates.append(TokenUpdate(rid=req.rid, token_ids=[token], finished=reason is not None,
+                                       finish_reason=reason, prompt_tokens=len(req.prompt),
+                                       cached_prompt_tokens=req.cached_tokens))
+            if first:
+                self.counters["prompt_tokens"] += len(req.prompt)
+            if reason:
+                self._finish(req, kv_tokens=req.prompt + req.output[:-1])
+                self.counters["requests_finished"] += 1
+        return updates
+
+    def _finish(self, req: Request, kv_tokens: list[int]) -> None:
+        req.finished = True
+        self.running.remove(req)
+        self.pages.release(req, kv_tokens)
+        self.free_rows.append(req.slot)
+
+    # ==== stats ====
+
+    def stats(self) -> dict[str, int | float]:
+        pool = self.pages.pool
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        radix = self.pages.radix
+        return {
+            **self.counters,
+            "requests_running": len(self.running),
+            "requests_waiting": len(self.waiting),
+            "generated_tokens_per_s": self.counters["generated_tokens"] / elapsed,
+            "kv_pages_total": pool.capacity,
+            "kv_pages_free": pool.num_free,
+            "kv_pages_cached": radix.num_pages if radix else 0,
+            "kv_usage": 1 - pool.num_free / pool.capacity,
+        }

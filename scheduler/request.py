@@ -1,0 +1,46 @@
+"""A request's life in the scheduler, as the host sees it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.radix_cache import PrefixMatch
+from worker.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    eos_ids: frozenset[int]
+    ignore_eos: bool = False
+    output: list[int] = field(default_factory=list)  # tokens read back from the device
+    pages: list[int] = field(default_factory=list)  # page table: prefix pages, then own pages
+    prefix: PrefixMatch | None = None  # the locked radix match the first pages came from
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefilled: int = 0  # prompt tokens whose KV is written (or launched)
+    launched_outputs: int = 0  # output tokens whose sampling has been launched
+    slot: int = -1  # row of the device token buffer
+    sent_first: bool = False
+    finished: bool = False
+
+    @property
+    def own_pages(self) -> list[int]:
+        """Pages this request allocated (the rest belong to the radix cache)."""
+        return self.pages[self.prefix.num_pages if self.prefix else 0:]
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+    @property
+    def wants_decode(self) -> bool:
+        return self.prefill_done and self.launched_outputs < self.max_tokens and not self.finished
+
+    def finish_reason(self) -> str | None:
+        if self.output and self.output[-1] in self.eos_ids and not self.ignore_eos:
+            return "stop"
+        if len(self.output) >= self.max_tokens:
+            return "length"
+        return None
