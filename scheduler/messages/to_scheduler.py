@@ -1,0 +1,59 @@
+"""Messages from the frontend to the scheduler (frontend PUSH -> scheduler PULL)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from scheduler.messages.codec import Codec
+
+PROTOCOL_VERSION = 1
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0 means greedy (argmax)
+    top_k: NonNegInt = 0  # 0 means no top-k cut
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None  # None: the scheduler's own generator
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = PROTOCOL_VERSION
+
+
+class TokenizedRequest(_Message, tag="tokenized_request", kw_only=True):
+    """A validated request: ``len(input_ids) + max_tokens <= max_context_tokens`` (from ``Ready``)
+    and ``max_tokens >= 1`` already hold. ``rid`` is unique among the frontend's live requests."""
+
+    rid: str
+    input_ids: list[NonNegInt]
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    eos_token_ids: list[NonNegInt] = []
+    ignore_eos: bool = False
+
+
+class AbortRequest(_Message, tag="abort_request", kw_only=True):
+    """Stop generating ``rid`` and free its pages. The frontend has already forgotten ``rid``;
+    updates for it still in flight are ignored, and an unknown ``rid`` is not an error."""
+
+    rid: str
+
+
+class StatsRequest(_Message, tag="stats_request", kw_only=True):
+    nonce: int  # echoed in StatsReply so the frontend can match concurrent requests
+
+
+class Shutdown(_Message, tag="shutdown", kw_only=True):
+    """Finish nothing, free the device and exit 0. The frontend kills the process after a grace
+    period if it is still alive."""
+
+
+ToScheduler = Union[TokenizedRequest, AbortRequest, StatsRequest, Shutdown]
+
+codec: Codec[ToScheduler] = Codec(ToScheduler, PROTOCOL_VERSION, "frontend->scheduler")
+encode = codec.encode
+decode = codec.decode

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Start Sluice: scripts/serve.sh [--model DIR] [--endpoint E] [--pid-file F] [engine options]
+# Sets up .venv on first use, prepares the embedded default model when no --model is given,
+# then runs the frontend, which spawns the scheduler and prints the endpoint and the scheduler pid.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/setup_env.sh"
+cd "$SLUICE_ROOT"
+for arg in "$@"; do
+    if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+        "$SLUICE_PY" -m frontend --help
+        echo
+        echo "engine options (passed through to the scheduler):"
+        "$SLUICE_PY" -m scheduler --help | sed -n '/^options:/,$p' | tail -n +2 \
+            | grep -v -e '-h, --help' -e '--frontend-to-scheduler' -e '--scheduler-to-frontend' \
+            | grep -v -e 'ZMQ endpoint to P'
+        exit 0
+    fi
+done
+model_given=0
+for arg in "$@"; do
+    case "$arg" in --model|--model=*) model_given=1 ;; esac
+done
+if [ $model_given = 0 ]; then
+    model=$("$SLUICE_PY" scripts/prepare_default_model.py)
+    set -- --model "$model" "$@"
+fi
+exec "$SLUICE_PY" -m frontend "$@"
