@@ -45,6 +45,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """A checkpoint directory, or the name of a geometry of ``worker.geometry``."""
+        from worker.geometry import GEOMETRIES
+
+        if str(model_dir) in GEOMETRIES:
+            return cls.from_dict(GEOMETRIES[str(model_dir)], source=str(model_dir))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")

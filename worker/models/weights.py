@@ -33,9 +33,9 @@ class ModelWeights:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 expert_device: torch.device | None = None) -> ModelWeights:
-        def empty(*shape, dev=device):
-            return torch.empty(shape, dtype=dtype, device=dev)
+                 with_experts: bool = True) -> ModelWeights:
+        def empty(*shape):
+            return torch.empty(shape, dtype=dtype, device=device)
 
         H, D, I, E, L = cfg.hidden_size, cfg.head_dim, cfg.expert_intermediate_size, cfg.num_experts, cfg.num_layers
         layers = [
@@ -45,8 +45,8 @@ class ModelWeights:
         ]
         embed = empty(cfg.vocab_size, H)
         lm_head = embed if cfg.tie_word_embeddings else empty(cfg.vocab_size, H)
-        expert_device = expert_device or device
-        banks = ExpertBanks(empty(L, E, 2 * I, H, dev=expert_device), empty(L, E, H, I, dev=expert_device))
+        n = E if with_experts else 0
+        banks = ExpertBanks(empty(L, n, 2 * I, H), empty(L, n, H, I))
         return cls(embed, empty(H), lm_head, layers, banks)
 
     def targets(self, cfg: ModelConfig, checkpoint: set[str], with_experts: bool = True) -> dict[str, torch.Tensor]:
@@ -65,10 +65,26 @@ class ModelWeights:
         return t
 
     @classmethod
-    def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+             with_experts: bool = True) -> ModelWeights:
+        """With ``with_experts=False`` the expert banks are left empty (``[L, 0, ...]``): the
+        experts then live in the expert store."""
         files = checkpoint_files(model_dir)
-        weights = cls.allocate(cfg, dtype, device)
-        load_tensors(files, weights.targets(cfg, tensor_names(files)), label="loading weights")
+        weights = cls.allocate(cfg, dtype, device, with_experts)
+        load_tensors(files, weights.targets(cfg, tensor_names(files), with_experts), label="loading weights")
+        return weights
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
+               with_experts: bool = True) -> ModelWeights:
+        """Seeded random weights (``--dummy-weights``): norms 1, matrices N(0, 0.02)."""
+        weights = cls.allocate(cfg, dtype, device, with_experts)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for name, t in weights.targets(cfg, set(), with_experts).items():
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, 0.02, generator=gen)
         return weights
 
 
