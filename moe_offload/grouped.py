@@ -7,8 +7,13 @@ is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def grouped_swiglu(
@@ -17,9 +22,49 @@ def grouped_swiglu(
     slots: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
-    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype."""
-    return grouped_swiglu_eager(hidden, weights, slots, w13, w2)
+    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
+
+    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``), anything
+    else the eager twin; ``use_triton=True`` forces the kernels (on the CPU only under
+    ``TRITON_INTERPRET=1``). Slot ids are not checked on the host (that would read the device): the
+    Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin requires them
+    in range.
+    """
+    _check_args(hidden, weights, slots, w13, w2)
+    if use_triton is None:
+        use_triton = hidden.is_cuda and _triton_available()
+    if not use_triton:
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2)
+    from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
+
+    return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Shapes, dtypes and devices, from metadata only: the kernels do raw pointer arithmetic."""
+    if hidden.dim() != 2 or weights.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError("expected hidden [T, H], weights and slots [T, k], w13 [N, 2I, H], w2 [N, H, I]")
+    num_tokens, dim = hidden.shape
+    num_slots, inter = w2.shape[0], w2.shape[2]
+    if slots.shape != weights.shape or slots.shape[0] != num_tokens or slots.shape[1] < 1:
+        raise ValueError(f"slots {tuple(slots.shape)} and weights {tuple(weights.shape)} must both be [{num_tokens}, k>=1]")
+    if w13.shape != (num_slots, 2 * inter, dim) or w2.shape != (num_slots, dim, inter) or num_slots < 1:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden size {dim}")
+    if hidden.dtype not in _FLOAT_DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError(f"hidden, w13, w2 must share one of {_FLOAT_DTYPES}; got {hidden.dtype}, {w13.dtype}, {w2.dtype}")
+    if not weights.dtype.is_floating_point or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"weights must be floating point and slots int32/int64; got {weights.dtype}, {slots.dtype}")
+    if len({t.device for t in (hidden, weights, slots, w13, w2)}) != 1:
+        raise ValueError("hidden, weights, slots, w13 and w2 must be on one device")
 
 
 def grouped_swiglu_eager(

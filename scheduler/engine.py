@@ -30,6 +30,9 @@ class EngineConfig:
     max_running: int = 64
     prefix_cache: bool = True
     overlap: bool = True
+    kv_host_gib: float = 0.0  # host KV tier size; 0 disables it (evicted prefixes are recomputed)
+    kv_tier_mode: str = "writeback"  # or "writethrough": mirror cached pages to the host as they enter
+    kv_tier_copy: str = "kernel"  # host<->GPU page moves: zero-copy kernel, or "memcpy" per run
 
 
 class _Launched(NamedTuple):
@@ -43,7 +46,8 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig()):
         self.runner = runner
         self.config = config
-        self.pages = PageManager(runner.kv_pool, config.prefix_cache)
+        self.pages = PageManager(runner.kv_pool, config.prefix_cache, int(config.kv_host_gib * 2**30),
+                                 config.kv_tier_mode, config.kv_tier_copy)
         self.device = runner.device
         self.token_buffer = torch.zeros(config.max_running, dtype=torch.int64, device=self.device)
         self.free_rows = list(range(config.max_running - 1, -1, -1))
@@ -186,4 +190,5 @@ class Engine:
             "kv_pages_free": pool.num_free,
             "kv_pages_cached": radix.num_pages if radix else 0,
             "kv_usage": 1 - pool.num_free / pool.capacity,
+            **self.pages.stats(),
         }

@@ -1,21 +1,29 @@
-"""KV page ownership: the free list, the radix prefix cache and the requests that hold pages.
+"""KV page ownership in two tiers: the GPU pool's free list, the host pool's free list, the radix
+prefix cache and the requests that hold pages.
 
-Every page of the pool (but the scratch page) is at any time exactly one of: free, held by the
-radix cache (possibly shared by requests that locked it), or owned by one live request.
+Every GPU page (but the scratch page) is at any time exactly one of: free, held by the radix cache
+(possibly shared by requests that locked it), or owned by one live request. Every host page is free
+or held by exactly one radix node.
 """
 from __future__ import annotations
 
+from worker.host_kv_pool import HostKVPool
 from worker.kv_pool import KVPool
 
-from scheduler.radix_cache import RadixCache
+from scheduler.kv_tier import KVTier
+from scheduler.radix_cache import PrefixMatch, RadixCache
 from scheduler.request import Request
 
 
 class PageManager:
-    def __init__(self, pool: KVPool, prefix_cache: bool = True):
+    def __init__(self, pool: KVPool, prefix_cache: bool = True, host_bytes: int = 0,
+                 tier_mode: str = "writeback", copy_method: str = "kernel"):
         self.pool = pool
         self.page_size = pool.page_size
         self.radix = RadixCache(pool.page_size) if prefix_cache else None
+        host = HostKVPool.like(pool, host_bytes) if prefix_cache and host_bytes > 0 else None
+        self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method) if host else None
+        self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0)
 
     @property
     def available_pages(self) -> int:
@@ -26,58 +34,96 @@ class PageManager:
         return self.pool.pages_for(len(req.prompt) + req.max_tokens - 1)
 
     def admit(self, req: Request) -> bool:
-        """Give ``req`` its page table: the cached prefix (locked) plus fresh pages for the rest.
-        False, with nothing held, when the pool cannot fit it now."""
-        if self.radix:
-            # at least one prompt token must be computed to get logits
-            match = self.radix.match(req.prompt[:-1])
-            self.radix.lock(match.node)
-        else:
-            match = None
-        num_cached = match.num_pages if match else 0
-        fresh = self.pages_needed(req) - num_cached
+        """Give ``req`` its page table: the cached prefix (locked; restored to the GPU from the host
+        where only the host holds it) plus fresh pages for the rest. False, with nothing held, when
+        the GPU pool cannot fit it now."""
+        if self.radix is None:
+            if not self._make_room(self.pages_needed(req)):
+                return False
+            req.pages = self.pool.allocate(self.pages_needed(req))
+            return True
+        tokens = req.prompt[:-1]  # at least one prompt token must be computed to get logits
+        match = self.radix.match(tokens)
+        self.radix.lock(match.node)
+        fresh = self.pages_needed(req) - match.num_pages
         if not self._make_room(fresh):
-            if match:
-                self.radix.unlock(match.node)
+            self.radix.unlock(match.node)
             return False
-        req.prefix = match
-        req.pages = (match.pages if match else []) + self.pool.allocate(fresh)
-        req.cached_tokens = req.prefilled = num_cached * self.page_size
+        pages = self.pool.allocate(fresh)
+        prefix = self._restore(tokens, match, pages) if self.tier else match
+        self.radix.lock(prefix.node)
+        self.radix.unlock(match.node)
+        req.prefix = prefix
+        req.pages = prefix.pages + pages[prefix.num_pages - match.num_pages:]
+        req.cached_tokens = req.prefilled = prefix.num_pages * self.page_size
+        self.counters["kv_prefix_tokens_gpu"] += match.num_pages * self.page_size
+        self.counters["kv_prefix_tokens_host"] += (prefix.num_pages - match.num_pages) * self.page_size
         return True
 
     def release(self, req: Request, kv_tokens: list[int]) -> None:
         """Give back ``req``'s pages; the full pages of ``kv_tokens`` (tokens whose KV is written)
         go to the prefix cache, the rest to the free list."""
-        own = req.own_pages
         if self.radix is None:
-            self.pool.free(own)
+            self.pool.free(req.own_pages)
+            req.pages = []
             return
         num_full = min(len(kv_tokens) // self.page_size, len(req.pages))
-        already = self.radix.insert(kv_tokens, req.pages[:num_full])
-        first_own = req.prefix.num_pages
-        duplicates = req.pages[first_own:max(first_own, already)]
-        self.pool.free(duplicates + req.pages[max(num_full, first_own):])
+        inserted = self.radix.insert(kv_tokens, req.pages[:num_full])
+        self.pool.free([p for p in req.own_pages if p not in inserted.adopted])
         self.radix.unlock(req.prefix.node)
         req.pages, req.prefix = [], None
+        if self.tier and self.tier.mode == "writethrough" and inserted.new_node is not None:
+            self.tier.mirror(inserted.new_node)
+
+    def stats(self) -> dict[str, int | float]:
+        return {**self.counters, **(self.tier.stats() if self.tier else {})}
 
     def check(self, live: list[Request]) -> None:
-        """Self-check: every page is free, cached or owned by one live request, exactly once."""
+        """Self-check: every GPU page is free, cached or owned by one live request, exactly once;
+        every host page is free or held by one radix node, exactly once."""
         owners: list[int] = list(self.pool.free_pages())
-        cached = self.radix.all_pages() if self.radix else []
-        owners += cached
+        owners += self.radix.all_pages() if self.radix else []
         for req in live:
             owners += req.own_pages
-        expected = set(range(1, self.pool.num_pages))
-        if len(owners) != len(set(owners)) or set(owners) != expected:
-            dup = len(owners) - len(set(owners))
-            lost = sorted(expected - set(owners))[:8]
-            raise AssertionError(f"KV page accounting broken: {dup} pages held twice, lost pages {lost}")
-        if self.radix and self.radix.num_locked_pages < 0:
-            raise AssertionError("radix cache lock count negative")
+        _check_once("GPU", owners, set(range(1, self.pool.num_pages)))
+        if self.radix:
+            self.radix.check()
+        if self.tier:
+            host = self.tier.host
+            _check_once("host", list(host.free_pages()) + self.radix.all_host_pages(), set(range(host.num_pages)))
+
+    # ==== internals ====
+
+    def _restore(self, tokens: list[int], locked: PrefixMatch, pages: list[int]) -> PrefixMatch:
+        """Move the host continuation of ``locked`` (matched again: making room may have evicted
+        some of it) into the first of ``pages``; returns the whole prefix, now on the GPU."""
+        match = self.radix.match(tokens)
+        num = match.num_host_pages
+        if num:
+            self.radix.attach(match.host_nodes, pages[:num])
+            self.tier.restore([p for n in match.host_nodes for p in n.host_pages], pages[:num])
+            match = PrefixMatch(match.pages + pages[:num], match.host_nodes[-1])
+        self.tier.fence()  # the next forward reads restored pages and overwrites evicted ones
+        return match
 
     def _make_room(self, n: int) -> bool:
         if n > self.available_pages:
             return False
         if n > self.pool.num_free:
-            self.pool.free(self.radix.evict(n - self.pool.num_free))
+            save = self.tier.save if self.tier else _drop
+            freed, host_freed = self.radix.evict(n - self.pool.num_free, save)
+            self.pool.free(freed)
+            if host_freed:
+                self.tier.host.free(host_freed)
         return True
+
+
+def _drop(node) -> None:
+    return None
+
+
+def _check_once(tier: str, owners: list[int], expected: set[int]) -> None:
+    if len(owners) != len(set(owners)) or set(owners) != expected:
+        dup = len(owners) - len(set(owners))
+        lost = sorted(expected - set(owners))[:8]
+        raise AssertionError(f"{tier} KV page accounting broken: {dup} pages held twice, lost pages {lost}")

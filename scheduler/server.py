@@ -98,4 +98,9 @@ class SchedulerServer:
     def stats(self) -> dict:
         stats = dict(self.engine.stats())
         stats["scheduler_pid"] = os.getpid()
+        cache = getattr(self.engine.runner.experts, "cache", None)
+        if cache is not None:
+            moe = cache.stats()
+            stats.update({f"moe_{k}": v for k, v in moe["total"].items()})
+            stats.update(moe_hit_rate=moe["hit_rate"], moe_cache_slots=moe["slots"], moe_policy=moe["policy"])
         return stats

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from worker.batch import SequenceChunk
 from worker.errors import CheckpointError
-from worker.runner import ModelRunner, RunnerConfig
+from worker.cli_options import add_runner_args, resolve_model, runner_config
+from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import ChatTokenizer
 
@@ -55,7 +56,7 @@ def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
+    add_runner_args(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -63,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=RunnerConfig.device)
-    parser.add_argument("--dtype", default=RunnerConfig.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-prefill-tokens", type=int, default=2048)
     parser.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s to stderr")
     args = parser.parse_args(argv)
     try:
@@ -76,17 +74,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    model_dir = args.model
-    if model_dir is None:
-        from worker.default_model import default_model_dir
-
-        model_dir = str(default_model_dir())
+    model_dir = resolve_model(args.model)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     params.validate()
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     tokenizer = ChatTokenizer(model_dir)
-    runner = ModelRunner(RunnerConfig(model_dir, device=args.device, dtype=args.dtype))
+    runner = ModelRunner(runner_config(args, model_dir))
     text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tokenizer.encode(text)
     if not prompt_ids:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
+from worker.expert_placement import ExpertOptions, place_experts
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
@@ -26,6 +26,8 @@ class RunnerConfig:
     page_size: int = 16
     kv_tokens: int = 0  # 0 = choose from free memory (GPU) or 16384 (CPU)
     attention: str = "torch"
+    experts: ExpertOptions = ExpertOptions()
+    max_prefill_tokens: int = 2048  # sizes the activation reserve of --moe-cache-auto
 
     @property
     def torch_device(self) -> torch.device:
@@ -45,20 +47,24 @@ class ForwardOutput(NamedTuple):
     next_tokens: torch.Tensor  # [B] int64, on the device
 
 
-ExpertsFactory = Callable[[ExpertBanks], Experts]
-
-
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, experts: ExpertsFactory = ResidentExperts):
+    def __init__(self, config: RunnerConfig):
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
-        self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device)
+        in_store = config.experts.uses_store
+        if config.experts.dummy_weights:
+            self.weights = ModelWeights.random(cfg, self.dtype, self.device, config.experts.seed, not in_store)
+        else:
+            self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store)
+        experts = place_experts(cfg, config.model_dir, config.experts, self.weights.experts, self.dtype,
+                                self.device, self._activation_bytes())
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         attention = create_backend(config.attention, self.kv_pool, cfg.head_dim ** -0.5)
-        self.model = MoETransformer(cfg, self.weights, attention, experts(self.weights.experts))
+        self.experts = experts
+        self.model = MoETransformer(cfg, self.weights, attention, experts)
 
     @property
     def page_size(self) -> int:
@@ -73,6 +79,13 @@ class ModelRunner:
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))
+
+    def _activation_bytes(self) -> int:
+        """A generous estimate of the largest prefill chunk's transient memory."""
+        cfg, tokens = self.model_config, self.config.max_prefill_tokens
+        per_token = cfg.top_k * (3 * cfg.expert_intermediate_size + 2 * cfg.hidden_size) + 8 * cfg.hidden_size
+        logits = tokens * cfg.vocab_size
+        return 4 * (tokens * per_token + logits) + (1 << 30)
 
     def _num_pages(self) -> int:
         cfg, c = self.model_config, self.config

@@ -31,7 +31,9 @@ class Codec(Generic[M]):
         self.direction = direction
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(message_type)
-        self.tags = tuple(m.__struct_config__.tag for m in get_args(message_type) or (message_type,))
+        self.tags = tuple(
+            m.__struct_config__.tag for m in get_args(message_type) or (message_type,)
+        )
 
     def encode(self, message: M) -> bytes:
         return self._encoder.encode(message)

@@ -1,0 +1,5 @@
+import sys
+
+from frontend.app import main
+
+sys.exit(main())

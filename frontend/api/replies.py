@@ -1,0 +1,65 @@
+"""Messages from the frontend to a client (frontend ROUTER -> client DEALER), one per frame."""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from frontend.api.requests import API_VERSION
+from scheduler.messages.codec import Codec
+
+# "stop": EOS or a stop string; "length": max_tokens (after clamping to the context) reached;
+# "abort": aborted by the client or the scheduler; "error" is never in a Chunk, an Error is sent.
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Error.code values.
+BAD_REQUEST = "bad_request"  # malformed frame, wrong field, failed validation
+CONTEXT_LENGTH = "context_length"  # prompt leaves no room for one generated token
+DUPLICATE_RID = "duplicate_rid"  # the client already has a live request with this rid
+SCHEDULER_ERROR = "scheduler_error"  # the scheduler rejected or failed the request
+SCHEDULER_DIED = "scheduler_died"  # the scheduler process exited or stopped answering
+SHUTTING_DOWN = "shutting_down"  # the frontend is stopping
+INTERNAL = "internal"  # a bug in the frontend; the server keeps serving
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int  # every sampled token, the EOS that ended the request included
+    cached_prompt_tokens: int  # prompt tokens served from the scheduler's prefix cache
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = API_VERSION
+
+
+class Chunk(_Message, tag="chunk", kw_only=True):
+    """New text and token ids of ``rid``. Text is held back while it ends in an incomplete UTF-8
+    sequence or could be the start of a stop string, so a chunk may carry ids but no text.
+    After a stop string the text is cut before it; ``token_ids`` keeps every sampled id."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None  # set on the last chunk of a request only
+    usage: Usage | None = None  # set on the last chunk of a request only
+
+
+class Error(_Message, tag="error", kw_only=True):
+    """A request failed (``rid`` set when known); it gets no further reply."""
+
+    rid: str | None
+    code: str
+    message: str
+
+
+class Stats(_Message, tag="stats", kw_only=True):
+    rid: str
+    stats: dict[str, Union[bool, int, float, str, None]]
+
+
+ServerReply = Union[Chunk, Error, Stats]
+
+codec: Codec[ServerReply] = Codec(ServerReply, API_VERSION, "frontend->client")
+encode = codec.encode
+decode = codec.decode

@@ -1,0 +1,72 @@
+"""Messages from a client to the frontend (client DEALER -> frontend ROUTER), one per frame."""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from scheduler.messages.codec import Codec
+
+API_VERSION = 1
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str  # "system", "user", "assistant", ... as the model's chat template knows them
+    content: str
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = API_VERSION
+
+
+class Generate(_Message, tag="generate", kw_only=True):
+    """Exactly one of ``prompt`` (raw text, tokenized as is), ``messages`` (rendered with the
+    model's chat template, generation prompt added) or ``input_ids`` is given.
+
+    ``max_tokens`` is clamped to the context left after the prompt; a prompt that leaves no room
+    for one token is an error. The reply is a ``Chunk`` per scheduler step when ``stream``, else
+    one ``Chunk`` at the end; the last one has ``finish_reason`` and ``usage``."""
+
+    rid: RequestId  # chosen by the client, unique among its own live requests
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[NonNegInt] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0 means greedy
+    top_k: NonNegInt = 0  # 0 means off
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
+    stream: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"exactly one of prompt, messages, input_ids must be given, got {given or 'none'}"
+            )
+        if not getattr(self, given[0]):
+            raise ValueError(f"{given[0]} is empty")
+
+
+class Abort(_Message, tag="abort", kw_only=True):
+    """Abort a live request of this client; it ends with a ``Chunk`` whose finish_reason is
+    "abort". Aborting an unknown or finished request does nothing."""
+
+    rid: RequestId
+
+
+class GetStats(_Message, tag="get_stats", kw_only=True):
+    rid: RequestId  # echoed in the Stats reply
+
+
+ClientRequest = Union[Generate, Abort, GetStats]
+
+codec: Codec[ClientRequest] = Codec(ClientRequest, API_VERSION, "client->frontend")
+encode = codec.encode
+decode = codec.decode

@@ -1,0 +1,126 @@
+"""``python -m frontend``: bind the client endpoint, spawn the scheduler, wait for it, serve.
+
+Options the frontend does not know are passed to the scheduler verbatim (e.g. ``--model DIR``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, fields
+
+import zmq
+import zmq.asyncio
+
+from frontend.launch import SchedulerStartError, scheduler_command, spawn_scheduler, wait_ready
+from frontend.server import Frontend
+from frontend.tokenizer import ChatTokenizer
+
+log = logging.getLogger("sluice.frontend")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    endpoint: str = "tcp://127.0.0.1:5557"
+    pid_file: str | None = None
+    tokenizer: str | None = None  # default: the tokenizer_path the scheduler announces in Ready
+    scheduler_cmd: str | None = None  # default: $SLUICE_SCHEDULER_CMD, else python -m scheduler
+    ready_timeout_s: float = 900.0
+    heartbeat_timeout_s: float = 30.0
+    shutdown_grace_s: float = 10.0
+    engine_args: tuple[str, ...] = ()
+
+
+def parse_args(argv: list[str] | None = None) -> FrontendConfig:
+    d = FrontendConfig
+    p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__, allow_abbrev=False)
+    p.add_argument("--endpoint", default=d.endpoint, help="client ZMQ endpoint (tcp:// or ipc://)")
+    p.add_argument("--pid-file", default=d.pid_file, help="write the scheduler's pid here")
+    p.add_argument("--tokenizer", default=d.tokenizer, help="directory with tokenizer.json")
+    p.add_argument(
+        "--scheduler-cmd", default=d.scheduler_cmd, help="command that starts the scheduler"
+    )
+    p.add_argument("--ready-timeout", dest="ready_timeout_s", type=float, default=d.ready_timeout_s)
+    p.add_argument(
+        "--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=d.heartbeat_timeout_s
+    )
+    p.add_argument(
+        "--shutdown-grace", dest="shutdown_grace_s", type=float, default=d.shutdown_grace_s
+    )
+    known, engine_args = p.parse_known_args(argv)
+    values = {
+        f.name: getattr(known, f.name) for f in fields(FrontendConfig) if f.name != "engine_args"
+    }
+    return FrontendConfig(**values, engine_args=tuple(engine_args))
+
+
+def _bind_clients(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises EHOSTUNREACH
+    router.setsockopt(zmq.SNDHWM, 0)  # never EAGAIN: one slow client must not stall the others
+    router.bind(endpoint)
+    return router
+
+
+def _load_tokenizer(path: str) -> ChatTokenizer:
+    try:
+        return ChatTokenizer.from_dir(path)
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad tokenizer.json
+        raise OSError(f"cannot load the tokenizer from {path}: {exc}") from exc
+
+
+async def run(config: FrontendConfig) -> int:
+    ctx = zmq.asyncio.Context()
+    router = _bind_clients(ctx, config.endpoint)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    scheduler = spawn_scheduler(
+        ctx, scheduler_command(config.scheduler_cmd), list(config.engine_args)
+    )
+    code = 1
+    try:
+        ready = asyncio.create_task(wait_ready(scheduler, config.ready_timeout_s))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            ready.cancel()
+            code = 0
+            return code
+        stopped.cancel()
+        model = ready.result().model
+        tokenizer = _load_tokenizer(config.tokenizer or model.tokenizer_path)
+        endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        if config.pid_file:  # before the announcement, so a reader of stdout finds it
+            with open(config.pid_file, "w") as f:
+                f.write(f"{scheduler.pid}\n")
+        print(f"frontend endpoint {endpoint}\nscheduler pid {scheduler.pid}", flush=True)
+        frontend = Frontend(router, scheduler, tokenizer, model, config.heartbeat_timeout_s, stop)
+        code = await frontend.serve()
+        return code
+    except (SchedulerStartError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if code == 0:
+            await scheduler.shutdown(config.shutdown_grace_s)
+        else:
+            scheduler.kill()
+        if config.pid_file and os.path.exists(config.pid_file):
+            os.unlink(config.pid_file)  # a stale pid would point py-spy at another process
+        router.close(linger=1000)  # let the last errors reach their clients
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(config))
+    return uvloop.run(run(config))

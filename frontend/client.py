@@ -1,0 +1,292 @@
+"""Client library: ``Client`` (blocking, one request at a time) and ``AsyncClient`` (asyncio,
+many concurrent requests on one socket). Both use a DEALER socket and time out every wait.
+
+``python -m frontend.client --prompt TEXT`` prints a completion; ``--chat`` is an interactive chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+
+import zmq
+import zmq.asyncio
+
+from frontend.api import ProtocolError, replies, requests
+from frontend.api.replies import Chunk, Usage
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class ServerError(RuntimeError):
+    def __init__(self, error: replies.Error) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.code = error.code
+        self.rid = error.rid
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage | None
+
+
+def collect(chunks: Iterable[Chunk]) -> Completion:
+    """A Completion from a request's chunks (a stream's, or the single non-streaming one)."""
+    text, ids, last = [], [], None
+    for last in chunks:
+        text.append(last.text)
+        ids.extend(last.token_ids)
+    if last is None or last.finish_reason is None:
+        raise ValueError("the chunks do not include the last one of the request")
+    return Completion("".join(text), ids, last.finish_reason, last.usage)
+
+
+def build_generate(
+    *,
+    rid: str | None = None,
+    prompt: str | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    input_ids: Sequence[int] | None = None,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    stream: bool = False,
+) -> requests.Generate:
+    chat = None
+    if messages is not None:
+        chat = [requests.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+    return requests.Generate(
+        rid=rid or uuid.uuid4().hex,
+        prompt=prompt,
+        messages=chat,
+        input_ids=list(input_ids) if input_ids is not None else None,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+        stream=stream,
+    )
+
+
+def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+class Client:
+    """Blocking client. ``timeout`` bounds each wait for a reply (each chunk, when streaming)."""
+
+    def __init__(
+        self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = _dealer(self._ctx, endpoint)
+
+    def generate(self, *, timeout: float | None = None, **params) -> Completion:
+        """Keyword arguments as ``build_generate``; raises ServerError or TimeoutError."""
+        request = build_generate(**params, stream=False)
+        self._send(request)
+        try:
+            return collect([self._next(request.rid, timeout)])
+        except TimeoutError:
+            self.abort(request.rid)
+            raise
+
+    def stream(self, *, timeout: float | None = None, **params) -> Stream:
+        request = build_generate(**params, stream=True)
+        self._send(request)
+        return Stream(self, request.rid, timeout)
+
+    def stats(self, timeout: float | None = None) -> dict:
+        rid = uuid.uuid4().hex
+        self._send(requests.GetStats(rid=rid))
+        return dict(self._next(rid, timeout).stats)
+
+    def abort(self, rid: str) -> None:
+        self._send(requests.Abort(rid=rid))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, message: requests.ClientRequest) -> None:
+        self._sock.send(requests.encode(message))
+
+    def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats:
+        """The next reply for ``rid``; replies to earlier, abandoned requests are skipped."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            left_ms = int(1000 * (deadline - time.monotonic()))
+            if left_ms <= 0 or not self._sock.poll(left_ms):
+                raise TimeoutError(f"no reply for request {rid} from the server in time")
+            try:
+                reply = replies.decode(self._sock.recv())
+            except ProtocolError:
+                continue
+            if isinstance(reply, replies.Error) and reply.rid in (rid, None):
+                raise ServerError(reply)
+            if not isinstance(reply, replies.Error) and reply.rid == rid:
+                return reply
+
+
+class Stream:
+    """The chunks of one streaming request. Closing it (or leaving a ``with`` block) before the
+    last chunk aborts the request."""
+
+    def __init__(self, client: Client, rid: str, timeout: float | None) -> None:
+        self.rid = rid
+        self._client = client
+        self._timeout = timeout
+        self._done = False
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._done:
+            raise StopIteration
+        try:
+            chunk = self._client._next(self.rid, self._timeout)
+        except ServerError:
+            self._done = True  # the server has dropped the request already
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._done = chunk.finish_reason is not None
+        return chunk
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client.abort(self.rid)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; concurrent requests share one socket, a reader task routes replies."""
+
+    def __init__(
+        self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _dealer(self._ctx, endpoint)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def generate(self, *, timeout: float | None = None, **params) -> Completion:
+        request = build_generate(**params, stream=False)
+        async with self._request(request):
+            return collect([await self._next(request.rid, timeout)])
+
+    async def stream(self, *, timeout: float | None = None, **params) -> AsyncIterator[Chunk]:
+        """Async generator of chunks; leaving it early aborts the request."""
+        request = build_generate(**params, stream=True)
+        async with self._request(request):
+            while True:
+                chunk = await self._next(request.rid, timeout)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+
+    async def stats(self, timeout: float | None = None) -> dict:
+        request = requests.GetStats(rid=uuid.uuid4().hex)
+        async with self._request(request):
+            return dict((await self._next(request.rid, timeout)).stats)
+
+    async def abort(self, rid: str) -> None:
+        await self._sock.send(requests.encode(requests.Abort(rid=rid)))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _request(self, request: requests.ClientRequest) -> _Pending:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read_loop())
+        return _Pending(self, request)
+
+    async def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats:
+        try:
+            reply = await asyncio.wait_for(
+                self._queues[rid].get(), self.timeout if timeout is None else timeout
+            )
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no reply for request {rid} from the server in time") from None
+        if isinstance(reply, replies.Error):
+            raise ServerError(reply)
+        return reply
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                reply = replies.decode(await self._sock.recv())
+            except ProtocolError:
+                continue
+            queue = self._queues.get(reply.rid) if reply.rid is not None else None
+            if queue is not None:
+                queue.put_nowait(reply)
+
+
+class _Pending:
+    """Registers a request's reply queue, sends it, and on exit forgets it (aborting a generation
+    that did not finish)."""
+
+    def __init__(self, client: AsyncClient, request: requests.ClientRequest) -> None:
+        self._client = client
+        self._request = request
+
+    async def __aenter__(self) -> _Pending:
+        self._client._queues[self._request.rid] = asyncio.Queue()
+        await self._client._sock.send(requests.encode(self._request))
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self._client._queues.pop(self._request.rid, None)
+        if exc_type is not None and isinstance(self._request, requests.Generate):
+            if not isinstance(exc, ServerError):
+                await self._client.abort(self._request.rid)
+
+
+if __name__ == "__main__":
+    from frontend.cli import main
+
+    raise SystemExit(main())

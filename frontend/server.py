@@ -1,0 +1,262 @@
+"""The frontend's serving loop: client ROUTER <-> validation/tokenization <-> scheduler ipc.
+
+Three tasks on one asyncio loop: client frames in, scheduler frames in, and a watchdog that
+notices a dead or silent scheduler. Requests are keyed twice: by the frontend's own ``rid`` (what
+the scheduler sees) and by (client identity, client rid) (what a client may abort)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from frontend import validate
+from frontend.api import replies, requests
+from frontend.api.replies import Chunk, Error
+from frontend.launch import SchedulerProcess
+from frontend.request_state import RequestState
+from frontend.tokenizer import ChatTokenizer
+from scheduler.messages import ProtocolError, from_scheduler
+from scheduler.messages.from_scheduler import ModelInfo, TokenUpdate
+from scheduler.messages.to_scheduler import AbortRequest, StatsRequest
+
+log = logging.getLogger("sluice.frontend")
+
+WATCHDOG_INTERVAL_S = 0.1
+
+
+class Frontend:
+    def __init__(
+        self,
+        router: zmq.asyncio.Socket,
+        scheduler: SchedulerProcess,
+        tokenizer: ChatTokenizer,
+        model: ModelInfo,
+        heartbeat_timeout_s: float,
+        stop: asyncio.Event,
+    ) -> None:
+        self._router = router
+        self._scheduler = scheduler
+        self._tokenizer = tokenizer
+        self._model = model
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._stop = stop
+        self._requests: dict[str, RequestState] = {}
+        self._by_client: dict[tuple[bytes, str], str] = {}
+        self._stats_waiting: dict[int, tuple[list[bytes], str]] = {}
+        self._ids = itertools.count()
+        self._last_heard = time.monotonic()
+        self._counts = {"requests_total": 0, "errors_total": 0, "client_disconnects_total": 0}
+        self.exit_code = 0
+
+    async def serve(self) -> int:
+        """Serve until ``stop`` is set (signal) or the scheduler dies; returns the exit code."""
+        tasks = [
+            asyncio.create_task(self._client_loop()),
+            asyncio.create_task(self._scheduler_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+        for task in tasks:
+            task.add_done_callback(self._on_task_done)
+        await self._stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # No-op after the watchdog's own errors: it has answered everyone already.
+        await self._fail_all(replies.SHUTTING_DOWN, "the server is shutting down")
+        return self.exit_code
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("a frontend task failed; stopping", exc_info=task.exception())
+        self.exit_code = 1
+        self._stop.set()
+
+    # ==== clients ====
+
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self._router.recv_multipart()
+            # [identity, payload] from a DEALER; a REQ client adds an empty delimiter frame.
+            envelope, payload = frames[:-1], frames[-1]
+            try:
+                await self._on_client(envelope, payload)
+            except Exception:
+                log.exception("failed to handle a client message")
+                await self._send(
+                    envelope, Error(rid=None, code=replies.INTERNAL, message="internal error")
+                )
+
+    async def _on_client(self, envelope: list[bytes], payload: bytes) -> None:
+        try:
+            request = requests.decode(payload)
+        except ProtocolError as exc:
+            await self._error(envelope, exc.rid, replies.BAD_REQUEST, str(exc))
+            return
+        if isinstance(request, requests.Generate):
+            await self._on_generate(envelope, request)
+        elif isinstance(request, requests.Abort):
+            await self._on_abort(envelope[0], request.rid)
+        else:
+            nonce = next(self._ids)
+            self._stats_waiting[nonce] = (envelope, request.rid)
+            self._scheduler.send(StatsRequest(nonce=nonce))
+
+    async def _on_generate(self, envelope: list[bytes], request: requests.Generate) -> None:
+        self._counts["requests_total"] += 1
+        key = (envelope[0], request.rid)
+        if key in self._by_client:
+            await self._error(
+                envelope,
+                request.rid,
+                replies.DUPLICATE_RID,
+                f"request {request.rid!r} is still running",
+            )
+            return
+        rid = str(next(self._ids))
+        try:
+            ids = validate.prompt_ids(request, self._tokenizer, self._model.vocab_size)
+            message = validate.to_scheduler(request, rid, ids, self._model)
+        except validate.Rejected as exc:
+            await self._error(envelope, request.rid, exc.code, str(exc))
+            return
+        self._requests[rid] = RequestState(
+            envelope=envelope,
+            client_rid=request.rid,
+            tokenizer=self._tokenizer,
+            prompt_ids=ids,
+            stream=request.stream,
+            stop=request.stop,
+            eos_token_ids=[] if request.ignore_eos else self._model.eos_token_ids,
+        )
+        self._by_client[key] = rid
+        self._scheduler.send(message)
+
+    async def _on_abort(self, identity: bytes, client_rid: str) -> None:
+        rid = self._by_client.get((identity, client_rid))
+        if rid is None:
+            return  # finished already: aborting is idempotent
+        state = self._forget(rid)
+        self._scheduler.send(AbortRequest(rid=rid))
+        await self._send(state.envelope, state.finish("abort"))
+
+    def _forget(self, rid: str) -> RequestState:
+        state = self._requests.pop(rid)
+        del self._by_client[(state.envelope[0], state.client_rid)]
+        return state
+
+    def _drop_client(self, identity: bytes) -> None:
+        """The client is gone: abort its requests, forget its stats requests."""
+        self._counts["client_disconnects_total"] += 1
+        for rid in [r for r, s in self._requests.items() if s.envelope[0] == identity]:
+            self._forget(rid)
+            self._scheduler.send(AbortRequest(rid=rid))
+        for nonce in [n for n, (env, _) in self._stats_waiting.items() if env[0] == identity]:
+            del self._stats_waiting[nonce]
+
+    async def _send(self, envelope: list[bytes], reply: replies.ServerReply) -> None:
+        try:
+            await self._router.send_multipart([*envelope, replies.encode(reply)])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.info("client %s is gone; aborting its requests", envelope[0].hex())
+            self._drop_client(envelope[0])
+
+    async def _error(self, envelope: list[bytes], rid: str | None, code: str, message: str) -> None:
+        self._counts["errors_total"] += 1
+        await self._send(envelope, Error(rid=rid, code=code, message=message))
+
+    # ==== scheduler ====
+
+    async def _scheduler_loop(self) -> None:
+        while True:
+            frame = await self._scheduler.from_scheduler.recv()
+            self._last_heard = time.monotonic()
+            try:
+                message = from_scheduler.decode(frame)
+            except ProtocolError as exc:
+                log.error("bad frame from the scheduler: %s", exc)
+                continue
+            if isinstance(message, from_scheduler.TokenBatch):
+                for update in message.updates:
+                    try:
+                        await self._on_update(update)
+                    except Exception:  # one request's failure must not stop the others
+                        log.exception("failed to handle an update of request %s", update.rid)
+                        await self._fail_request(update.rid, "internal error while detokenizing")
+            elif isinstance(message, from_scheduler.RequestError):
+                if message.rid in self._requests:
+                    state = self._forget(message.rid)
+                    await self._error(
+                        state.envelope, state.client_rid, replies.SCHEDULER_ERROR, message.message
+                    )
+            elif isinstance(message, from_scheduler.StatsReply):
+                await self._on_stats(message)
+
+    async def _on_update(self, update: TokenUpdate) -> None:
+        state = self._requests.get(update.rid)
+        if state is None:
+            return  # aborted here while the update was in flight
+        chunk: Chunk | None = state.on_update(update)
+        if chunk is None:
+            return
+        if chunk.finish_reason is not None:
+            self._forget(update.rid)
+            if not update.finished:  # a stop string matched: free the scheduler's pages now
+                self._scheduler.send(AbortRequest(rid=update.rid))
+        await self._send(state.envelope, chunk)
+
+    async def _fail_request(self, rid: str, message: str) -> None:
+        if rid in self._requests:
+            state = self._forget(rid)
+            self._scheduler.send(AbortRequest(rid=rid))
+            await self._error(state.envelope, state.client_rid, replies.INTERNAL, message)
+
+    async def _on_stats(self, message: from_scheduler.StatsReply) -> None:
+        waiting = self._stats_waiting.pop(message.nonce, None)
+        if waiting is None:
+            return
+        stats = dict(message.stats)
+        stats.update({f"frontend_{k}": v for k, v in self._counts.items()})
+        stats["frontend_active_requests"] = len(self._requests)
+        stats["frontend_clients"] = len({s.envelope[0] for s in self._requests.values()})
+        stats["scheduler_pid"] = self._scheduler.pid
+        await self._send(waiting[0], replies.Stats(rid=waiting[1], stats=stats))
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            code = self._scheduler.process.poll()
+            silent_s = time.monotonic() - self._last_heard
+            if code is not None:
+                reason = f"the scheduler (pid {self._scheduler.pid}) exited with code {code}"
+            elif silent_s > self._heartbeat_timeout_s:
+                self._scheduler.process.kill()
+                reason = (
+                    f"the scheduler (pid {self._scheduler.pid}) sent nothing for {silent_s:.1f} s; "
+                    "killed it"
+                )
+            else:
+                continue
+            log.error("%s", reason)
+            await self._fail_all(replies.SCHEDULER_DIED, reason)
+            self.exit_code = 1
+            self._stop.set()
+            return
+
+    async def _fail_all(self, code: str, message: str) -> None:
+        """Answer every waiting request and stats request with an Error."""
+        for rid in list(self._requests):
+            if rid not in self._requests:
+                continue  # dropped with its client while we were answering another request
+            state = self._forget(rid)
+            await self._error(state.envelope, state.client_rid, code, message)
+        waiting, self._stats_waiting = self._stats_waiting, {}
+        for envelope, rid in waiting.values():
+            await self._error(envelope, rid, code, message)

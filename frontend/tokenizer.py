@@ -1,0 +1,108 @@
+"""The model's tokenizer (tokenizer.json through ``tokenizers``) and its chat template
+(tokenizer_config.json, rendered with jinja2 the way transformers does)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (``raise_exception``) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json spells special tokens as a string or as {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_chat_template(path: Path, config: dict) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    if template is None and (path / "chat_template.json").is_file():
+        template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    return template
+
+
+class ChatTokenizer:
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template  # the Jinja source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._template = None
+        if chat_template is not None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(
+                x, ensure_ascii=False, indent=indent
+            )
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ChatTokenizer:
+        path = Path(path)
+        tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(
+            tokenizer,
+            _read_chat_template(path, config),
+            _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """A raw prompt, plus the special tokens (BOS) that tokenizer.json's post-processor adds."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        if self._template is None:
+            raise ChatTemplateError("the model has no chat template; send a prompt instead")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        # The template writes BOS itself when the model wants one, as transformers assumes.
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)

@@ -1,0 +1,133 @@
+"""The GPU expert cache: one slot pool per weight bank shared by all MoE layers, and its tables.
+
+```
+ slots   | 0 ........ 2E-1 | 2E ......................................... S-1 |
+         | lent to prefill |                 decode only                     |
+         |  (invalidated before each prefill streams into them; decode may     |
+         |   fill them again in between)                                       |
+ tables  slot_for_id [L*E] int32 -> slot or -1      id_of_slot [S] int32 -> id or -1
+         score, last_use [S] int64 (policy)         step [1] int64          stats [L, 5] int64
+```
+
+Everything the hot path touches stays on the device: lookups, admissions, the copy plan, the step
+counter and the statistics. ``stats()`` reads the counters and is meant for off the hot path.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_offload.experts import ExpertBanks
+from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.kernels.invalidate_slots import invalidate_slots
+from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, Policy, lookup_admit
+
+POLICIES = ("lru", "lfru")
+# LFRU in model steps (one lookup per layer per step): each use banks two steps of credit against
+# the one that decays, so an expert used every step outlives up to 32 steps of one-off traffic.
+LFRU_CREDIT_STEPS = 2
+LFRU_CAP_STEPS = 32
+
+
+def policy_for(name: str, num_layers: int) -> Policy:
+    """Policy parameters in launches; every layer's lookup advances the step counter."""
+    if name == "lru":
+        return Policy(credit=0, cap=0)
+    if name == "lfru":
+        return Policy(credit=LFRU_CREDIT_STEPS * num_layers, cap=LFRU_CAP_STEPS * num_layers)
+    raise ValueError(f"cache policy {name!r} is not one of {POLICIES}")
+
+
+def resolve_cache_slots(num_experts_total: int, slot_bytes: int, size: int | None = None,
+                        fraction: float | None = None, auto_free_bytes: int | None = None) -> int:
+    """Number of cache slots from exactly one of: ``size`` (slots), ``fraction`` (of all experts),
+    ``auto_free_bytes`` (device bytes the cache may take). Never more than there are experts."""
+    given = [name for name, value in (("size", size), ("fraction", fraction), ("auto_free_bytes", auto_free_bytes))
+             if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of size, fraction, auto_free_bytes; got {given or 'none'}")
+    if num_experts_total < 1 or slot_bytes < 1:
+        raise ValueError(f"need at least one expert and one byte per slot, got {num_experts_total}, {slot_bytes}")
+    if size is not None:
+        slots = size
+    elif fraction is not None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        slots = max(1, int(fraction * num_experts_total))
+    else:
+        slots = auto_free_bytes // slot_bytes
+    if slots < 1:
+        raise ValueError(f"the cache would hold no expert (size={size}, auto_free_bytes={auto_free_bytes}, "
+                         f"{slot_bytes} bytes per slot)")
+    return min(slots, num_experts_total)
+
+
+class ExpertCache:
+    """Slot pools ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and the device tables that map expert ids
+    (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels._triton``)."""
+
+    def __init__(self, num_layers: int, num_experts: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
+                 num_slots: int, dtype: torch.dtype, device: torch.device | str, policy: str = "lfru",
+                 backend: str | None = None):
+        if num_slots < 1 or num_layers < 1 or num_experts < 1:
+            raise ValueError(f"need layers, experts and slots >= 1, got {num_layers}, {num_experts}, {num_slots}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.policy_name = policy
+        self.policy = policy_for(policy, num_layers)
+        self.backend = backend
+        # ==== slot pools: contents are only meaningful where id_of_slot says so ====
+        self.w13 = torch.empty((num_slots, *w13_shape), dtype=dtype, device=device)
+        self.w2 = torch.empty((num_slots, *w2_shape), dtype=dtype, device=device)
+        # ==== tables ====
+        self.tables = CacheTables(
+            slot_for_id=torch.full((num_layers * num_experts,), -1, dtype=torch.int32, device=device),
+            id_of_slot=torch.full((num_slots,), -1, dtype=torch.int32, device=device),
+            score=torch.zeros(num_slots, dtype=torch.int64, device=device),
+            last_use=torch.zeros(num_slots, dtype=torch.int64, device=device),
+            step=torch.ones(1, dtype=torch.int64, device=device),
+            stats=torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device),
+        )
+
+    @classmethod
+    def for_banks(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
+                  backend: str | None = None) -> ExpertCache:
+        """A cache on ``device`` for the experts of ``banks`` (wherever those live)."""
+        return cls(banks.num_layers, banks.num_experts, tuple(banks.w13.shape[2:]), tuple(banks.w2.shape[2:]),
+                   num_slots, banks.w13.dtype, device, policy, backend)
+
+    @property
+    def num_slots(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one expert (both banks): what a miss moves over PCIe."""
+        return self.w13[0].nbytes + self.w2[0].nbytes
+
+    def lookup(self, layer: int, ids: torch.Tensor, slot_start: int = 0,
+               num_slots: int | None = None) -> tuple[CopyPlan, torch.Tensor]:
+        """Route ``ids [T, k]`` of ``layer`` to slots, admitting misses into ``[slot_start, +num_slots)``
+        (default: every slot from ``slot_start`` on). The plan still has to be gathered (``fill``)."""
+        if num_slots is None:
+            num_slots = self.num_slots - slot_start
+        return lookup_admit(ids, layer, self.num_experts, self.tables, slot_start, num_slots, self.policy,
+                            self.slot_bytes, self.backend)
+
+    def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor) -> None:
+        """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``."""
+        gather_missing(plan.src_id, plan.dst_slot, plan.count, host_w13, host_w2, self.w13, self.w2, self.backend)
+
+    def invalidate(self, slot_start: int, num_slots: int) -> None:
+        """Empty ``[slot_start, slot_start + num_slots)`` (the prefill pipeline's lent slots)."""
+        invalidate_slots(slot_start, num_slots, self.tables, self.backend)
+
+    def stats(self) -> dict:
+        """Per-layer and total counters; reads the device, so call it off the hot path."""
+        layers = [dict(zip(STAT_FIELDS, row)) for row in self.tables.stats.cpu().tolist()]
+        total = {field: sum(layer[field] for layer in layers) for field in STAT_FIELDS}
+        hit_rate = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+        return {"policy": self.policy_name, "slots": self.num_slots, "slot_bytes": self.slot_bytes,
+                "hit_rate": hit_rate, "total": total, "layers": layers}
+
+    def reset_stats(self) -> None:
+        self.tables.stats.zero_()

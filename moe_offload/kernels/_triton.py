@@ -1,0 +1,49 @@
+"""Lazy Triton plumbing shared by the kernel files: which path an op takes, and small helpers.
+
+An op runs its Triton kernel on CUDA tensors and its eager twin elsewhere. ``backend="triton"``
+(or ``SLUICE_KERNELS=triton``) forces the kernel, which on CPU tensors needs the interpreter
+(``TRITON_INTERPRET=1`` set before triton is first imported); ``"eager"`` forces the twin.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKEND_ENV = "SLUICE_KERNELS"
+BACKENDS = ("auto", "triton", "eager")
+
+
+def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether an op on ``tensor``'s device runs its Triton kernel."""
+    choice = backend or os.environ.get(BACKEND_ENV, "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"kernel backend {choice!r} is not one of {BACKENDS}")
+    if choice == "eager":
+        return False
+    if choice == "triton":
+        if not tensor.is_cuda and not interpreting():
+            raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 before triton is imported")
+        return True
+    return tensor.is_cuda and triton_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether kernels decorated now become interpreted functions (Triton reads this env var)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def num_warps_for(block: int) -> int:
+    """Warps for a one-program kernel holding ``block`` elements per tensor in registers."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16

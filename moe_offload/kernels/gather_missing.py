@@ -1,0 +1,87 @@
+"""Copy the experts of a copy plan from the host banks into their cache slots.
+
+On CUDA the host banks are pinned, mapped host memory (or device views of it): the kernel reads
+them through their device addresses (zero-copy over PCIe), so a decode step with misses needs no
+``cudaMemcpy`` the host would have to size, and is capturable in a CUDA graph. The grid is fixed
+by the expert's size: program ``p`` copies block ``p`` of every planned expert, looping over the
+count read on the device, so a step without misses costs one launch of empty loops.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_offload.kernels._triton import use_triton
+
+BLOCK = 4096
+
+
+def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+           banks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if plan_src.dim() != 1 or plan_src.shape != plan_dst.shape or count.numel() != 1:
+        raise ValueError("plan_src and plan_dst must be [P] and count [1]")
+    if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (plan_src, plan_dst, count)):
+        raise ValueError("plan_src, plan_dst and count must be contiguous int32")
+    slot_device = banks[0][1].device
+    if any(t.device != slot_device for t in (plan_src, plan_dst, count)):
+        raise ValueError("the copy plan must be on the slot pools' device")
+    for host, slots in banks:
+        if host.dim() != 3 or host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
+            raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match slots "
+                             f"{tuple(slots.shape)} {slots.dtype}")
+        if not (host.is_contiguous() and slots.is_contiguous()) or slots.device != slot_device:
+            raise ValueError("host banks and slot pools must be contiguous, the pools on one device")
+    if banks[0][0].shape[0] != banks[1][0].shape[0] or banks[0][1].shape[0] != banks[1][1].shape[0]:
+        raise ValueError("the w13 and w2 banks must hold the same experts and slots")
+
+
+def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+                   host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
+                   backend: str | None = None) -> None:
+    """Copy rows ``host[plan_src[i]] -> slots[plan_dst[i]]`` for ``i < count``, both banks.
+
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``, ``slot_w13 [S, 2I, H]``, ``slot_w2 [S, H, I]``.
+    Plan entries are not checked (that would read the device): ``lookup_admit`` produces them in
+    range. On CUDA the host banks must be device-addressable (pinned/registered, or device views).
+    """
+    banks = [(host_w13, slot_w13), (host_w2, slot_w2)]
+    _check(plan_src, plan_dst, count, banks)
+    if use_triton(slot_w13, backend):
+        for host, slots in banks:
+            numel = host[0].numel()
+            _kernel()[(_num_blocks(numel),)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK)
+    else:
+        gather_missing_eager(plan_src, plan_dst, count, host_w13, host_w2, slot_w13, slot_w2)
+
+
+def _num_blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def gather_missing_eager(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+                         host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor,
+                         slot_w2: torch.Tensor) -> None:
+    """Reference twin: reads the count on the host (CPU path and oracle only)."""
+    num = int(count[0])
+    for host, slots in ((host_w13, slot_w13), (host_w2, slot_w2)):
+        src = plan_src[:num].long().to(host.device)
+        slots[plan_dst[:num].long()] = host[src].to(slots.device)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_missing_kernel(src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, numel, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < numel
+        for j in range(0, tl.load(count_ptr)):
+            src = tl.load(plan_src_ptr + j).to(tl.int64)
+            dst = tl.load(plan_dst_ptr + j).to(tl.int64)
+            vals = tl.load(src_ptr + src * numel + offs, mask=inside)
+            tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
+
+    return gather_missing_kernel

@@ -1,0 +1,272 @@
+"""Triton grouped SwiGLU expert GEMM with fixed shapes and no host reads of the routing.
+
+The T*k (token, slot) pairs are sorted by slot on the device and every slot's group is padded to a
+multiple of BLOCK_M, so a BLOCK_M row block of the GEMMs reads one slot's weights:
+
+```
+ sorted_pairs  | s3 s3 s3 -- | s7 -- -- -- | s9 s9 s9 s9 | s9 -- -- -- | unused ...     (BLOCK_M = 4)
+               |   block 0   |   block 1   |   block 2   |   block 3   | blocks >= total/BLOCK_M exit
+```
+
+``--`` is the padding id ``T*k``. The grid is sized from shapes for the worst case (every group
+one row short of a full block); the padded total stays on the device and surplus blocks return
+at once. Launches: align (which sorts in registers up to IN_KERNEL_SORT_MAX pairs; larger inputs
+are sorted by torch.sort first), gate_up+SiLU, down (times the combine weight), sum over k.
+
+Callers go through ``moe_offload.grouped.grouped_swiglu``, which checks the arguments.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class BlockConfig(NamedTuple):
+    """Tile sizes. ``block_m`` is also the padding unit of the alignment; the fused gate/up GEMM
+    keeps two accumulators, so it uses ``block_n // 2`` columns of each."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
+    """Bf16/fp16 tiles for H200 after vLLM's tuned table for E=128, N=768 (keyed on tokens, as
+    there): small row blocks while the weights dominate, big tiles once compute does."""
+    if dtype == torch.float32:
+        return BlockConfig(32, 64, 32, 8, 4, 2)
+    if num_tokens <= 32:
+        return BlockConfig(16, 64, 128, 1, 4, 3)
+    if num_tokens <= 128:
+        return BlockConfig(16, 128, 128, 1, 4, 2)
+    if num_tokens <= 512:
+        return BlockConfig(64, 128, 64, 8, 4, 3)
+    return BlockConfig(128, 256, 64, 8, 8, 3)
+
+
+class Alignment(NamedTuple):
+    sorted_pairs: torch.Tensor  # [num_blocks * block_m] int32 pair ids grouped by slot, T*k = padding
+    total: torch.Tensor  # [1] int32 padded row count, read only by kernels
+    num_blocks: int  # grid bound from shapes
+
+
+def max_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
+    """Worst-case row blocks: ``G = min(N, T*k)`` groups need at most ``G + (T*k - G) // block_m``
+    blocks (sum of ceil(c/B) <= G + floor((sum c - G) / B)); small decode batches stay small even
+    with thousands of cache slots."""
+    groups = min(num_slots, num_pairs)
+    return groups + (num_pairs - groups) // block_m
+
+
+@triton.jit
+def _max_fn(a, b):
+    return tl.maximum(a, b)
+
+
+# Pairs sort by ``slot * T*k + pair``: unique keys, so the order is deterministic without a stable
+# sort, and one int64 carries both the slot and the pair id. Out-of-range slots become N, last.
+# Up to this many pairs (decode batches) the align kernel sorts in registers: one launch in all.
+IN_KERNEL_SORT_MAX = 1024
+
+
+@triton.jit
+def _align_kernel(slots_ptr, sorted_ptr, sorted_pairs_ptr, total_ptr, num_pairs, num_slots, capacity,
+                  SORT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    if SORT_BLOCK > 0:
+        pos = tl.arange(0, SORT_BLOCK)
+        slot = tl.load(slots_ptr + pos, mask=pos < num_pairs, other=num_slots).to(tl.int64)
+        key = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots)
+        key = tl.where(pos < num_pairs, key * num_pairs + pos, 9223372036854775807)
+        tl.store(sorted_ptr + pos, tl.sort(key, 0), mask=pos < num_pairs)
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.full((CHUNK,), num_pairs, tl.int32), mask=offs < capacity)
+    # The stores above and the loads and scatter below touch the same addresses from other threads.
+    tl.debug_barrier()
+    # Walk the sorted pairs in chunks, carrying the open group's first position and the padding
+    # inserted so far; a pair lands at its sorted position plus that padding.
+    carry_first = tl.zeros((), tl.int32)
+    carry_pad = tl.zeros((), tl.int32)
+    num_valid = tl.zeros((), tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pos = start + tl.arange(0, CHUNK)
+        live = pos < num_pairs
+        comp = tl.load(sorted_ptr + pos, mask=live, other=0)
+        key = tl.where(live, comp // num_pairs, num_slots)
+        # -1 differs from every slot: the first and last pair always bound a group.
+        has_prev = live & (pos > 0)
+        prev = tl.where(has_prev, tl.load(sorted_ptr + pos - 1, mask=has_prev, other=0) // num_pairs, -1)
+        has_next = pos + 1 < num_pairs
+        nxt = tl.where(has_next, tl.load(sorted_ptr + pos + 1, mask=has_next, other=0) // num_pairs, -1)
+        valid = live & (key < num_slots)
+        first = tl.associative_scan(tl.where(key != prev, pos, 0), 0, _max_fn)
+        first = tl.maximum(first, carry_first)
+        count = pos - first + 1
+        pad = tl.where(valid & (key != nxt), (BLOCK_M - count % BLOCK_M) % BLOCK_M, 0)
+        dest = pos + carry_pad + tl.cumsum(pad, 0) - pad
+        tl.store(sorted_pairs_ptr + dest, (comp % num_pairs).to(tl.int32), mask=valid)
+        carry_first = tl.max(first, 0)
+        carry_pad += tl.sum(pad, 0)
+        num_valid += tl.sum(valid.to(tl.int32), 0)
+    tl.store(total_ptr, num_valid + carry_pad)
+
+
+def align_by_slot(slots: torch.Tensor, num_slots: int, block_m: int, sort_in_kernel: bool | None = None) -> Alignment:
+    """Group the flat pairs by slot and pad each group to ``block_m`` rows, on the device.
+
+    Out-of-range slot ids are never placed, so they contribute nothing. Small inputs sort inside
+    the align kernel; larger ones sort with ``torch.sort`` first (same keys, same result).
+    """
+    flat = slots.reshape(-1)
+    num_pairs = flat.numel()
+    num_blocks = max_blocks(num_pairs, num_slots, block_m)
+    if sort_in_kernel is None:
+        sort_in_kernel = num_pairs <= IN_KERNEL_SORT_MAX
+    if sort_in_kernel:
+        sorted_keys = torch.empty(num_pairs, dtype=torch.int64, device=flat.device)
+    else:
+        key = torch.where((flat >= 0) & (flat < num_slots), flat, num_slots).to(torch.int64)
+        positions = torch.arange(num_pairs, device=flat.device)
+        sorted_keys = torch.sort(key * num_pairs + positions).values
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    total = torch.empty(1, dtype=torch.int32, device=flat.device)
+    sort_block = triton.next_power_of_2(num_pairs) if sort_in_kernel else 0
+    _align_kernel[(1,)](flat, sorted_keys, sorted_pairs, total, num_pairs, num_slots, sorted_pairs.numel(),
+                        SORT_BLOCK=sort_block, BLOCK_M=block_m, CHUNK=1024, num_warps=8)
+    return Alignment(sorted_pairs, total, num_blocks)
+
+
+@triton.jit
+def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    # Neighbouring programs take row blocks of one group first so weight tiles are reused in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % rows, (pid % width) // rows
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
+                    num_pairs, top_k, hidden, inter, num_blocks,
+                    stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n])."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
+    # The first row of a block is always a real pair, so it names the block's slot.
+    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt
+    g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(a_ptrs + ks[None, :] * stride_xh, mask=(pairs < num_pairs)[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    # Padding rows are stored too (as zeros) so the down GEMM reads no uninitialised memory.
+    out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr, weights_ptr,
+                 num_pairs, hidden, inter, num_blocks,
+                 stride_ws, stride_wh, stride_wi,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), one row per (token, k) pair."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs < num_pairs
+    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter
+    w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(a_ptrs + ks[None, :], mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_k_kernel(pair_out_ptr, slots_ptr, out_ptr, num_slots, hidden, top_k,
+                  TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j pair_out[t*k + j] in fp32, in a fixed order; out-of-range slots were never
+    computed (their rows are uninitialised) and are skipped here."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    js = tl.arange(0, TOP_K)
+    j_ok = js < top_k
+    slot = tl.load(slots_ptr + token * top_k + js, mask=j_ok, other=-1)
+    use = j_ok & (slot >= 0) & (slot < num_slots)
+    rows = token * top_k + js
+    vals = tl.load(pair_out_ptr + rows[:, None] * hidden + cols[None, :],
+                   mask=use[:, None] & (cols < hidden)[None, :], other=0.0)
+    tl.store(out_ptr + token * hidden + cols, tl.sum(vals.to(tl.float32), 0).to(out_ptr.dtype.element_ty),
+             mask=cols < hidden)
+
+
+def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+                         w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None) -> torch.Tensor:
+    """The Triton path of ``grouped_swiglu``; arguments are already checked."""
+    num_tokens, top_k = slots.shape
+    num_slots, inter, dim = w2.shape[0], w2.shape[2], hidden.shape[1]
+    num_pairs = num_tokens * top_k
+    out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    if num_pairs == 0:
+        return out
+    cfg = config or default_config(num_tokens, hidden.dtype)
+    slots = slots.reshape(-1).contiguous()
+    weights = weights.reshape(-1).contiguous()
+    align = align_by_slot(slots, num_slots, cfg.block_m)
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    act = torch.empty(align.sorted_pairs.numel(), inter, dtype=hidden.dtype, device=hidden.device)
+    n1 = cfg.block_n // 2
+    grid1 = (align.num_blocks * triton.cdiv(inter, n1),)
+    _gate_up_kernel[grid1](hidden, w13, act, align.sorted_pairs, align.total, slots,
+                           num_pairs, top_k, dim, inter, align.num_blocks,
+                           hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+                           BLOCK_M=cfg.block_m, BLOCK_N=n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                           PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pair_out = torch.empty(num_pairs, dim, dtype=hidden.dtype, device=hidden.device)
+    grid2 = (align.num_blocks * triton.cdiv(dim, cfg.block_n),)
+    _down_kernel[grid2](act, w2, pair_out, align.sorted_pairs, align.total, slots, weights,
+                        num_pairs, dim, inter, align.num_blocks,
+                        w2.stride(0), w2.stride(1), w2.stride(2),
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                        PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block_h = min(1024, triton.next_power_of_2(dim))
+    _sum_k_kernel[(num_tokens, triton.cdiv(dim, block_h))](pair_out, slots, out, num_slots, dim, top_k,
+                                                           TOP_K=triton.next_power_of_2(top_k), BLOCK_H=block_h)
+    return out

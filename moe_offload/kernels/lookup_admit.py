@@ -1,0 +1,283 @@
+"""Expert-cache lookup and admission for one layer's routing: one launch, fixed shapes.
+
+The kernel dedupes the routed expert ids, marks hits, picks a victim slot for every miss among the
+slots of the managed range that this launch does not use, updates the tables and the policy state,
+writes a fixed-shape copy plan ``(src_id, dst_slot)`` with its count on the device, and rewrites the
+routing to slot ids. Victims are the lowest eviction keys, one int64 per slot:
+
+```
+ bits 63 62 | 61 60 | 59 ............. 20 | 19 ......... 0
+     0   0 | class | score - step + 2^39 | slot - start        class: 0 empty, 1 resident, 3 used now
+```
+
+Keys are unique (the slot is in them), so the twin's sort and the kernel's repeated min agree. The
+kernel extracts one min per miss: its cost follows the misses, each of which moves a whole expert.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from moe_offload.kernels._triton import next_pow2, num_warps_for, use_triton
+
+# Per layer, summed over launches: distinct experts looked up, of which resident (hits) and admitted
+# (misses, each copied in by gather_missing), misses that displaced a resident expert, bytes copied.
+STAT_FIELDS = ("lookups", "hits", "misses", "evictions", "bytes_h2d")
+IDX_BITS = 20
+REL_BITS = 40
+MAX_SLOTS = 1 << IDX_BITS
+
+
+class CacheTables(NamedTuple):
+    """Device state of the expert cache. Global expert id = ``layer * E + e``."""
+
+    slot_for_id: torch.Tensor  # [L*E] int32, -1 = not resident
+    id_of_slot: torch.Tensor  # [S] int32, -1 = empty
+    score: torch.Tensor  # [S] int64, eviction score (lowest goes first)
+    last_use: torch.Tensor  # [S] int64, the launch that last used the slot (0 = never)
+    step: torch.Tensor  # [1] int64, launch counter, starts at 1, advanced by every lookup
+    stats: torch.Tensor  # [L, len(STAT_FIELDS)] int64, per-layer counters
+
+
+class CopyPlan(NamedTuple):
+    """Experts to copy into slots: the first ``count`` rows are valid, the rest are -1."""
+
+    src_id: torch.Tensor  # [P] int32 global expert ids
+    dst_slot: torch.Tensor  # [P] int32
+    count: torch.Tensor  # [1] int32, stays on the device
+
+
+class Policy(NamedTuple):
+    """Score on use: ``min(step + cap, max(score, step) + credit)``, in launches.
+
+    The score is the last use plus a bonus that decays by one per launch; each use adds ``credit``
+    to what is left of it, up to ``cap``. ``(0, 0)`` is LRU; with ``credit`` above the launches
+    between an expert's uses, frequently used experts bank credit that one-off experts lack.
+    """
+
+    credit: int
+    cap: int
+
+
+def plan_capacity(num_routed: int, num_experts: int) -> int:
+    """Rows of the copy plan: a launch admits at most one copy per distinct expert."""
+    return min(num_routed, num_experts)
+
+
+def check_tables(tables: CacheTables, slot_start: int, num_slots: int) -> int:
+    """Host-side bounds of a slot range; returns the table size S."""
+    dtypes = (torch.int32, torch.int32, torch.int64, torch.int64, torch.int64, torch.int64)
+    if any(t.dtype != d or not t.is_contiguous() for t, d in zip(tables, dtypes)):
+        raise ValueError(f"cache tables must be contiguous with dtypes {dtypes}")
+    size = tables.id_of_slot.numel()
+    if any(t.numel() != size for t in (tables.score, tables.last_use)):
+        raise ValueError("id_of_slot, score and last_use must have one length")
+    if tables.step.numel() != 1 or tables.stats.dim() != 2 or tables.stats.shape[1] != len(STAT_FIELDS):
+        raise ValueError(f"step must be [1] and stats [L, {len(STAT_FIELDS)}]")
+    if slot_start < 0 or num_slots < 1 or slot_start + num_slots > size:
+        raise ValueError(f"slot range [{slot_start}, {slot_start + num_slots}) is outside the {size} cache slots")
+    if num_slots > MAX_SLOTS:
+        raise ValueError(f"{num_slots} slots exceed the {MAX_SLOTS} an eviction key can address")
+    return size
+
+
+def _check(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables,
+           slot_start: int, num_slots: int, policy: Policy) -> None:
+    check_tables(tables, slot_start, num_slots)
+    if ids.dim() != 2 or ids.dtype != torch.int64 or ids.numel() < 1:
+        raise ValueError(f"ids must be a non-empty [T, k] int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    num_layers = tables.stats.shape[0]
+    if tables.slot_for_id.numel() != num_layers * num_experts or not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer} / {num_experts} experts do not match slot_for_id of {tables.slot_for_id.numel()} ids")
+    if num_slots < plan_capacity(ids.numel(), num_experts):
+        raise ValueError(f"{num_slots} slots cannot hold the up to {plan_capacity(ids.numel(), num_experts)} "
+                         "distinct experts of one launch")
+    if not 0 <= policy.credit <= policy.cap < 1 << (REL_BITS - 2):
+        raise ValueError(f"policy {policy} needs 0 <= credit <= cap < 2^{REL_BITS - 2}")
+    if len({t.device for t in (ids, *tables)}) != 1:
+        raise ValueError("ids and the cache tables must be on one device")
+
+
+def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
+                 num_slots: int, policy: Policy, expert_bytes: int,
+                 backend: str | None = None) -> tuple[CopyPlan, torch.Tensor]:
+    """Look up ``ids [T, k]`` (experts of ``layer``) and admit the misses into victims of slots
+    ``[slot_start, slot_start + num_slots)``. Returns the copy plan and the slot ids ``[T, k]``
+    int64 (-1 for ids outside ``[0, E)``). Advances ``tables.step`` and the layer's stats.
+
+    ``num_slots`` must be at least ``min(T*k, E)``, checked from shapes, so victims never run out.
+    """
+    _check(ids, layer, num_experts, tables, slot_start, num_slots, policy)
+    capacity = plan_capacity(ids.numel(), num_experts)
+    device = ids.device
+    plan = CopyPlan(torch.empty(capacity, dtype=torch.int32, device=device),
+                    torch.empty(capacity, dtype=torch.int32, device=device),
+                    torch.empty(1, dtype=torch.int32, device=device))
+    slots = torch.empty(ids.shape, dtype=torch.int64, device=device)
+    args = (ids.contiguous(), layer, num_experts, tables, slot_start, num_slots, policy, expert_bytes, plan, slots)
+    if use_triton(ids, backend):
+        _launch(*args)
+    else:
+        lookup_admit_eager(*args)
+    return plan, slots
+
+
+def _touch(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int) -> None:
+    old = tables.score[slots]
+    tables.score[slots] = torch.minimum(old.clamp(min=step) + policy.credit, torch.full_like(old, step + policy.cap))
+    tables.last_use[slots] = step
+
+
+def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
+                       num_slots: int, policy: Policy, expert_bytes: int, plan: CopyPlan,
+                       slots: torch.Tensor) -> None:
+    """Reference twin: reads the step and the miss count on the host (CPU path and oracle only)."""
+    device, step = ids.device, int(tables.step[0])
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    present = torch.zeros(num_experts, dtype=torch.bool, device=device)
+    present[flat[valid]] = True
+    gid = layer * num_experts + torch.arange(num_experts, device=device)
+    cur = tables.slot_for_id[gid].long()
+    hit, miss = present & (cur >= 0), present & (cur < 0)
+    _touch(tables, cur[hit], policy, step)
+
+    rng = torch.arange(num_slots, device=device)
+    occ = tables.id_of_slot[slot_start + rng]
+    used = tables.last_use[slot_start + rng] == step
+    cls = torch.where(used, 3, torch.where(occ < 0, 0, 1)).long()
+    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1))).clamp(0, (1 << REL_BITS) - 1)
+    keys = torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values
+    src = gid[miss]
+    num_miss = src.numel()
+    dst = slot_start + (keys[:num_miss] & (MAX_SLOTS - 1))
+    old = tables.id_of_slot[dst].long()
+    tables.slot_for_id[old[old >= 0]] = -1
+    tables.slot_for_id[src] = dst.int()
+    tables.id_of_slot[dst] = src.int()
+    tables.score[dst] = 0
+    _touch(tables, dst, policy, step)
+
+    plan.src_id.fill_(-1)
+    plan.dst_slot.fill_(-1)
+    plan.src_id[:num_miss] = src.int()
+    plan.dst_slot[:num_miss] = dst.int()
+    plan.count.fill_(num_miss)
+    looked = tables.slot_for_id[layer * num_experts + flat.clamp(0, num_experts - 1)].long()
+    slots.copy_(torch.where(valid, looked, -1).view_as(slots))
+    counts = [int(present.sum()), int(hit.sum()), num_miss, int((old >= 0).sum()), num_miss * expert_bytes]
+    tables.stats[layer].add_(torch.tensor(counts, dtype=torch.int64, device=device))
+    tables.step.add_(1)
+
+
+def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
+            num_slots: int, policy: Policy, expert_bytes: int, plan: CopyPlan, slots: torch.Tensor) -> None:
+    block_e = next_pow2(num_experts)
+    block_s = next_pow2(num_slots)
+    _kernel()[(1,)](
+        ids, tables.slot_for_id, tables.id_of_slot, tables.score, tables.last_use, tables.step, tables.stats,
+        plan.src_id, plan.dst_slot, plan.count, slots,
+        ids.numel(), layer, num_experts, slot_start, num_slots, plan.src_id.numel(),
+        policy.credit, policy.cap, expert_bytes,
+        BLOCK_N=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=next_pow2(plan.src_id.numel()),
+        NUM_STATS=len(STAT_FIELDS), num_warps=num_warps_for(max(block_s, block_e)),
+    )
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lookup_admit_kernel(ids_ptr, slot_for_id_ptr, id_of_slot_ptr, score_ptr, last_use_ptr, step_ptr, stats_ptr,
+                            plan_src_ptr, plan_dst_ptr, count_ptr, slots_ptr,
+                            num_routed, layer, num_experts, slot_start, num_slots, plan_cap,
+                            credit, cap, expert_bytes,
+                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr):
+        # Where a block is smaller than the CTA, threads hold replicas of one element; every
+        # read-then-write of one address is split by a barrier so that no replica reads a value
+        # its owner already replaced. Counters and the step are read up front for the same reason.
+        step = tl.load(step_ptr)
+        fields = tl.arange(0, 8)
+        stat_ptrs = stats_ptr + layer * NUM_STATS + fields
+        stats = tl.load(stat_ptrs, mask=fields < NUM_STATS)
+        # 1. dedupe: which experts of this layer are routed to, by comparing chunks against all E
+        experts = tl.arange(0, BLOCK_E)
+        present = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for start in range(0, num_routed, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            ids = tl.load(ids_ptr + offs, mask=offs < num_routed, other=-1)
+            present = tl.maximum(present, tl.max((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+        present = (present > 0) & (experts < num_experts)
+        gid = layer * num_experts + experts
+        cur = tl.load(slot_for_id_ptr + gid, mask=present, other=-1)
+        hit = present & (cur >= 0)
+        miss = present & (cur < 0)
+        num_miss = tl.sum(miss.to(tl.int32), axis=0)
+
+        # 2. touch the hits; last_use == step then marks them as used by this launch
+        old_score = tl.load(score_ptr + cur, mask=hit, other=0)
+        tl.debug_barrier()
+        tl.store(score_ptr + cur, tl.minimum(tl.maximum(old_score, step) + credit, step + cap), mask=hit)
+        tl.store(last_use_ptr + cur, step, mask=hit)
+        # 3. plan sources: misses in expert order; padding rows -1
+        rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        tl.store(plan_src_ptr + rank, gid, mask=miss)
+        rows = tl.arange(0, BLOCK_P)
+        pad = (rows >= num_miss) & (rows < plan_cap)
+        tl.store(plan_src_ptr + rows, -1, mask=pad)
+        tl.store(plan_dst_ptr + rows, -1, mask=pad)
+        tl.debug_barrier()
+
+        # 4. victims: the num_miss lowest keys of the range, in key order
+        s = tl.arange(0, BLOCK_S)
+        in_range = s < num_slots
+        occ = tl.load(id_of_slot_ptr + slot_start + s, mask=in_range, other=-1)
+        used = tl.load(last_use_ptr + slot_start + s, mask=in_range, other=0) == step
+        score = tl.load(score_ptr + slot_start + s, mask=in_range, other=0)
+        cls = tl.where(used | ~in_range, 3, tl.where(occ < 0, 0, 1)).to(tl.int64)
+        rel = tl.minimum(tl.maximum(score - step + (1 << 39), 0), (1 << 40) - 1)
+        keys = (cls << 60) | (rel << 20) | s.to(tl.int64)  # the layout drawn in the module docstring
+        for j in range(0, num_miss):
+            low = tl.min(keys, axis=0)
+            tl.store(plan_dst_ptr + j, (slot_start + (low & ((1 << 20) - 1))).to(tl.int32))
+            keys = tl.where(keys == low, 0x7FFFFFFFFFFFFFFF, keys)
+        tl.debug_barrier()
+
+        # 5. admit: the victim's old id leaves, the new one moves in with a fresh score
+        admit = rows < num_miss
+        src = tl.load(plan_src_ptr + rows, mask=admit, other=0)
+        dst = tl.load(plan_dst_ptr + rows, mask=admit, other=0)
+        old = tl.load(id_of_slot_ptr + dst, mask=admit, other=-1)
+        evicted = admit & (old >= 0)
+        tl.debug_barrier()
+        tl.store(slot_for_id_ptr + old, -1, mask=evicted)
+        tl.store(slot_for_id_ptr + src, dst, mask=admit)
+        tl.store(id_of_slot_ptr + dst, src, mask=admit)
+        tl.store(score_ptr + dst, tl.minimum(step + credit, step + cap), mask=admit)
+        tl.store(last_use_ptr + dst, step, mask=admit)
+        tl.debug_barrier()
+
+        # 6. routing -> slots, read back from the updated table
+        for start in range(0, num_routed, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            ids = tl.load(ids_ptr + offs, mask=offs < num_routed, other=-1)
+            ok = (ids >= 0) & (ids < num_experts)
+            slot = tl.load(slot_for_id_ptr + layer * num_experts + ids, mask=ok, other=-1)
+            tl.store(slots_ptr + offs, slot.to(tl.int64), mask=offs < num_routed)
+
+        # 7. counters
+        num_present = tl.sum(present.to(tl.int64), axis=0)
+        num_hit = tl.sum(hit.to(tl.int64), axis=0)
+        num_evicted = tl.sum(evicted.to(tl.int64), axis=0)
+        add = tl.where(fields == 0, num_present, tl.where(fields == 1, num_hit, tl.where(
+            fields == 2, num_miss.to(tl.int64), tl.where(fields == 3, num_evicted, num_miss.to(tl.int64) * expert_bytes))))
+        tl.store(stat_ptrs, stats + add, mask=fields < NUM_STATS)
+        tl.store(count_ptr, num_miss)
+        tl.store(step_ptr, step + 1)
+
+    return lookup_admit_kernel

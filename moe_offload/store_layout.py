@@ -1,0 +1,196 @@
+"""What an expert store holds and whose it is: the bank layout, the store identity and the header
+at the start of the shared-memory segment.
+
+```
+ 0              HEADER_BYTES         (every offset a multiple of ALIGN)                total_bytes
+ ┌──────────────┬──────────────────────┬─────┬──────────────────────┬─────┐
+ │ header       │ bank w13 [L,E,2I,H]  │ pad │ bank w2 [L,E,H,I]    │ pad │
+ └──────────────┴──────────────────────┴─────┴──────────────────────┴─────┘
+ header: magic 8s | version u32 | complete u32 | json_len u64 | created f64 | fill_seconds f64 | json
+```
+
+`complete` is written last, after the data and `fill_seconds`, so a crashed fill is never taken
+for a usable store.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+MAGIC = b"SLUICEXS"
+FORMAT_VERSION = 1
+SEGMENT_PREFIX = "sluice-experts-"
+HEADER_BYTES = 1 << 16
+ALIGN = 4096
+_FIXED = struct.Struct("<8sIIQdd")
+COMPLETE_OFFSET = 12
+FILL_SECONDS_OFFSET = 32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ExpertGeometry(NamedTuple):
+    num_layers: int
+    num_experts: int
+    hidden: int
+    intermediate: int
+
+    @property
+    def w13_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_experts, 2 * self.intermediate, self.hidden)
+
+    @property
+    def w2_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_experts, self.hidden, self.intermediate)
+
+
+class BankSpec(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BankLayout:
+    """Named banks placed one after another behind the header, each at an ALIGN boundary."""
+
+    banks: tuple[BankSpec, ...]
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> BankLayout:
+        banks, offset = [], HEADER_BYTES
+        for name, shape in shapes.items():
+            spec = BankSpec(name, tuple(int(d) for d in shape), dtype, offset)
+            banks.append(spec)
+            offset = _align(offset + spec.nbytes)
+        return cls(tuple(banks))
+
+    @classmethod
+    def experts(cls, geometry: ExpertGeometry, dtype: torch.dtype) -> BankLayout:
+        return cls.of({"w13": geometry.w13_shape, "w2": geometry.w2_shape}, dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return _align(self.banks[-1].offset + self.banks[-1].nbytes) if self.banks else HEADER_BYTES
+
+    def bank(self, name: str) -> BankSpec:
+        for spec in self.banks:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no bank {name!r} in the expert store (has {[b.name for b in self.banks]})")
+
+    def to_json(self) -> list[dict]:
+        return [
+            {"name": b.name, "shape": list(b.shape), "dtype": dtype_name(b.dtype), "offset": b.offset, "nbytes": b.nbytes}
+            for b in self.banks
+        ]
+
+    @classmethod
+    def from_json(cls, banks: list[dict]) -> BankLayout:
+        return cls(tuple(BankSpec(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"]), b["offset"]) for b in banks))
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """Whose weights a store holds. ``key`` holds everything that must match for reuse and is hashed
+    into the segment name; ``label`` is what ``scripts/expert_store.py list`` shows."""
+
+    label: str
+    key: str
+
+    @property
+    def name(self) -> str:
+        return SEGMENT_PREFIX + hashlib.sha256(self.key.encode()).hexdigest()[:16]
+
+    @classmethod
+    def checkpoint(cls, path: str | Path, dtype: torch.dtype) -> StoreIdentity:
+        """A checkpoint directory or one file; a rewritten shard changes the key."""
+        resolved = Path(path).resolve()
+        files = checkpoint_files(resolved)
+        stats = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        key = {"checkpoint": str(resolved), "files": stats, "dtype": dtype_name(dtype), "layout": FORMAT_VERSION}
+        return cls(f"checkpoint {resolved} {dtype_name(dtype)}", json.dumps(key, sort_keys=True))
+
+    @classmethod
+    def dummy(cls, geometry: ExpertGeometry, seed: int, dtype: torch.dtype) -> StoreIdentity:
+        key = ["dummy", list(geometry), seed, dtype_name(dtype), FORMAT_VERSION]
+        g = geometry
+        label = f"dummy L={g.num_layers} E={g.num_experts} H={g.hidden} I={g.intermediate} seed={seed} {dtype_name(dtype)}"
+        return cls(label, json.dumps(key))
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The shards named by a checkpoint directory's ``model.safetensors.index.json`` (some repos
+    also ship a consolidated copy, not to be read twice), else all its ``*.safetensors``; or the
+    one file given."""
+    resolved = Path(path).resolve()
+    index = resolved / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({resolved / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(resolved.glob("*.safetensors")) if resolved.is_dir() else [resolved]
+    if not files:
+        raise ValueError(f"no *.safetensors files in {resolved}")
+    return files
+
+
+class Header(NamedTuple):
+    identity: StoreIdentity
+    layout: BankLayout
+    complete: bool
+    created: float
+    fill_seconds: float
+
+
+def pack_header(identity: StoreIdentity, layout: BankLayout) -> bytes:
+    """A header with ``complete`` unset; the creator sets it once the banks are filled."""
+    meta = json.dumps({"label": identity.label, "key": identity.key, "banks": layout.to_json()}).encode()
+    if _FIXED.size + len(meta) > HEADER_BYTES:
+        raise ValueError(f"expert store header of {len(meta)} bytes does not fit in {HEADER_BYTES}")
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(meta), time.time(), 0.0) + meta
+
+
+def parse_header(raw: bytes) -> Header:
+    """Raises ValueError saying what is wrong with a header that is not ours or not readable."""
+    if len(raw) < _FIXED.size:
+        raise ValueError(f"too short for a header ({len(raw)} bytes)")
+    magic, version, complete, meta_len, created, fill_seconds = _FIXED.unpack_from(raw)
+    if magic != MAGIC:
+        raise ValueError(f"foreign magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"format version {version}, expected {FORMAT_VERSION}")
+    if _FIXED.size + meta_len > min(len(raw), HEADER_BYTES):
+        raise ValueError(f"header metadata length {meta_len} out of range")
+    try:
+        meta = json.loads(raw[_FIXED.size : _FIXED.size + meta_len])
+        identity = StoreIdentity(meta["label"], meta["key"])
+        layout = BankLayout.from_json(meta["banks"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"unreadable header metadata ({e})") from None
+    return Header(identity, layout, complete == 1, created, fill_seconds)

@@ -1,0 +1,159 @@
+"""The host KV tier: moves radix-cache pages between the GPU pool and the host pool, and counts.
+
+    write-back   a GPU node evicted without a host copy is written to the host then (once)
+    write-through  a node is mirrored to the host when it enters the cache; eviction writes nothing
+
+On CUDA every move runs on one copy stream. The copy stream first waits for the compute stream
+(the step in flight may still write pages just freed, or read pages just unlocked), and the compute
+stream waits for the copies (``fence``) before its next forward reads restored pages or overwrites
+evicted ones. The host never waits. On the CPU the copies are plain and immediate.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from scheduler.radix_cache import RadixCache
+from worker.host_kv_pool import HostKVPool
+from worker.kv_pool import KVPool
+from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages
+
+if TYPE_CHECKING:
+    from scheduler.radix_cache import _Node
+
+MODES = ("writeback", "writethrough")
+COPY_METHODS = ("kernel", "memcpy")
+PLAN_CAPACITY = 512  # pairs per launch; longer moves take several launches of the same shape
+
+
+class KVTier:
+    def __init__(self, pool: KVPool, host: HostKVPool, radix: RadixCache, mode: str = "writeback",
+                 method: str = "kernel"):
+        if mode not in MODES or method not in COPY_METHODS:
+            raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {MODES} / {COPY_METHODS}")
+        self.pool, self.host, self.radix, self.mode, self.method = pool, host, radix, mode, method
+        self.device = pool.k.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._writes: tuple[list[int], list[int]] = ([], [])  # (GPU, host) pages queued for the host
+        self._unfenced = False  # copies issued that the compute stream has not been told to wait for
+        self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.counters = dict(kv_host_pages_written=0, kv_host_pages_restored=0)
+        self._seconds = dict(written=0.0, restored=0.0)
+        self._timed_bytes = dict(written=0, restored=0)
+
+    # ==== called by the page manager ====
+
+    def save(self, node: _Node) -> list[int] | None:
+        """Radix eviction callback: host pages holding ``node``'s KV, queued for writing unless a
+        copy is there already; None when the host pool cannot hold it."""
+        if node.host_pages is not None:
+            return node.host_pages
+        host = self._allocate(len(node.pages))
+        if host is not None:
+            self._writes[0].extend(node.pages)
+            self._writes[1].extend(host)
+        return host
+
+    def mirror(self, node: _Node) -> None:
+        """Write-through: copy a node that just entered the cache to the host now."""
+        host = self._allocate(len(node.pages))
+        if host is None:
+            return
+        self._writes[0].extend(node.pages)
+        self._writes[1].extend(host)
+        self.radix.set_host_pages(node, host)
+        self._flush()
+
+    def restore(self, host_pages: list[int], pages: list[int]) -> None:
+        """Copy ``host_pages`` into GPU ``pages`` (queued writes go first: they may read those pages)."""
+        self._flush()
+        self._copy("restored", host_pages, pages)
+        self.counters["kv_host_pages_restored"] += len(pages)
+
+    def fence(self) -> None:
+        """Issue queued writes; the compute stream waits for every copy issued so far."""
+        self._flush()
+        if self.stream is not None and self._unfenced:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._unfenced = False
+
+    def stats(self) -> dict[str, int | float]:
+        self._collect_timings()
+        page_bytes = self.pool.page_bytes
+        return {
+            **self.counters,
+            "kv_host_bytes_written": self.counters["kv_host_pages_written"] * page_bytes,
+            "kv_host_bytes_restored": self.counters["kv_host_pages_restored"] * page_bytes,
+            "kv_host_write_gb_per_s": self._bandwidth("written"),
+            "kv_host_restore_gb_per_s": self._bandwidth("restored"),
+            "kv_host_pages_total": self.host.capacity,
+            "kv_host_pages_used": self.host.capacity - self.host.num_free,
+            "kv_host_bytes_total": self.host.capacity * self.host.page_bytes,
+            "kv_host_usage": 1 - self.host.num_free / self.host.capacity,
+        }
+
+    # ==== internals ====
+
+    def _allocate(self, n: int) -> list[int] | None:
+        if n > self.host.capacity:
+            return None
+        if n > self.host.num_free:
+            self._flush()  # queued writes target host pages that eviction may hand out again
+            self.host.free(self.radix.evict_host(n - self.host.num_free))
+        return self.host.allocate(n) if n <= self.host.num_free else None
+
+    def _flush(self) -> None:
+        pages, host = self._writes
+        if pages:
+            self._copy("written", pages, host)
+            self.counters["kv_host_pages_written"] += len(pages)
+            self._writes = ([], [])
+
+    def _copy(self, kind: str, src: list[int], dst: list[int]) -> None:
+        if self.stream is None:
+            start = time.perf_counter()
+            self._launch(kind, src, dst)
+            self._seconds[kind] += time.perf_counter() - start
+            self._timed_bytes[kind] += len(src) * self.pool.page_bytes
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._launch(kind, src, dst)
+            end.record()
+        self._timings.append((kind, start, end, len(src) * self.pool.page_bytes))
+        self._unfenced = True
+
+    def _launch(self, kind: str, src: list[int], dst: list[int]) -> None:
+        pool, host = self.pool, self.host
+        if self.method == "memcpy":
+            pools = (pool.k, pool.v, host.k, host.v) if kind == "written" else (host.k, host.v, pool.k, pool.v)
+            copy_page_runs(src, dst, *pools)
+            return
+        for i in range(0, len(src), PLAN_CAPACITY):
+            s, d = src[i:i + PLAN_CAPACITY], dst[i:i + PLAN_CAPACITY]
+            if kind == "written":
+                plan = build_plan(s, d, PLAN_CAPACITY, pool.num_pages, host.num_pages, self.device)
+                write_pages(plan, pool.k, pool.v, host.kernel_k, host.kernel_v)
+            else:
+                plan = build_plan(s, d, PLAN_CAPACITY, host.num_pages, pool.num_pages, self.device)
+                load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+
+    def _collect_timings(self) -> None:
+        """Fold in the timings of copies that have finished (``query`` never waits)."""
+        pending = []
+        for kind, start, end, nbytes in self._timings:
+            if end.query():
+                self._seconds[kind] += start.elapsed_time(end) / 1e3
+                self._timed_bytes[kind] += nbytes
+            else:
+                pending.append((kind, start, end, nbytes))
+        self._timings = pending
+
+    def _bandwidth(self, kind: str) -> float:
+        seconds = self._seconds[kind]
+        return self._timed_bytes[kind] / seconds / 1e9 if seconds > 0 else 0.0

@@ -1,0 +1,334 @@
+"""Parity of the expert-cache kernels (lookup_admit, gather_missing, invalidate_slots) with their
+eager twins, and their host-side bounds checks. Interpreted on the CPU (TRITON_INTERPRET=1, tiny
+sizes); compiled and sync-free on a GPU."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+
+# The interpreter is chosen when a kernel is decorated, i.e. lazily on the first launch inside a
+# test; on a GPU the kernels must compile instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
+from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
+from moe_offload.kernels import invalidate_slots as invalidate_mod  # noqa: E402
+from moe_offload.kernels import lookup_admit as lookup_mod  # noqa: E402
+from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, Policy  # noqa: E402
+from moe_offload.offloaded import OffloadedExperts  # noqa: E402
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                                 reason="needs triton and TRITON_INTERPRET=1")
+TRIALS = 20
+
+
+class Config(NamedTuple):
+    layers: int
+    experts: int
+    table_slots: int
+    slot_start: int
+    num_slots: int
+    tokens: int
+    top_k: int
+    policy: Policy
+
+
+CONFIGS = {
+    "lru-small": Config(2, 8, 12, 0, 12, 3, 2, Policy(0, 0)),
+    "lfru-offset": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96)),  # hits may sit outside the range
+    "exact-capacity": Config(2, 8, 10, 2, 8, 8, 2, Policy(4, 64)),  # T*k > E = num_slots
+    "odd-sizes": Config(3, 6, 9, 1, 6, 1, 3, Policy(3, 30)),
+}
+
+
+def empty_tables(cfg: Config, device="cpu") -> CacheTables:
+    size, ids = cfg.table_slots, cfg.layers * cfg.experts
+    return CacheTables(torch.full((ids,), -1, dtype=torch.int32, device=device),
+                       torch.full((size,), -1, dtype=torch.int32, device=device),
+                       torch.zeros(size, dtype=torch.int64, device=device),
+                       torch.zeros(size, dtype=torch.int64, device=device),
+                       torch.ones(1, dtype=torch.int64, device=device),
+                       torch.zeros(cfg.layers, len(STAT_FIELDS), dtype=torch.int64, device=device))
+
+
+def random_tables(cfg: Config, gen: torch.Generator) -> CacheTables:
+    """A consistent cache: empty, half, nearly full or full, with random (often tied) scores."""
+    tables = empty_tables(cfg)
+    size = cfg.table_slots
+    fill = [0, size // 2, size - 1, size][int(torch.randint(4, (1,), generator=gen))]
+    slots = torch.randperm(size, generator=gen)[:fill]
+    ids = torch.randperm(cfg.layers * cfg.experts, generator=gen)[:fill]
+    tables.id_of_slot[slots] = ids.int()
+    tables.slot_for_id[ids] = slots.int()
+    step = int(torch.randint(20, 200, (1,), generator=gen))
+    tables.step.fill_(step)
+    ago = torch.randint(1, step, (fill,), generator=gen)
+    recent = torch.rand(fill, generator=gen) < 0.5  # banked credit near the cap only matters for these
+    tables.last_use[slots] = step - torch.where(recent, torch.randint(1, 4, (fill,), generator=gen), ago)
+    bonus = torch.randint(0, cfg.policy.cap + 1, (fill,), generator=gen) // 4 * 4  # coarse: many ties
+    tables.score[slots] = tables.last_use[slots] + bonus
+    tables.stats.copy_(torch.randint(0, 100, tables.stats.shape, generator=gen))
+    return tables
+
+
+def random_ids(cfg: Config, gen: torch.Generator) -> torch.Tensor:
+    """Routing drawn from a random subset of the experts, so duplicates are common."""
+    pool = torch.randperm(cfg.experts, generator=gen)[:int(torch.randint(1, cfg.experts + 1, (1,), generator=gen))]
+    return pool[torch.randint(len(pool), (cfg.tokens, cfg.top_k), generator=gen)]
+
+
+def clone(tables: CacheTables, device="cpu") -> CacheTables:
+    return CacheTables(*(t.clone().to(device) for t in tables))
+
+
+def assert_same(got, want) -> None:
+    for name, a, b in zip(got._fields if hasattr(got, "_fields") else range(len(got)), got, want):
+        assert torch.equal(a.cpu(), b.cpu()), f"{name}: {a} != {b}"
+
+
+def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext,
+                launches: int = 3) -> None:
+    """Consecutive launches on random layers from a random state, kernel (under ``guard``) vs twin."""
+    gen = torch.Generator().manual_seed(seed)
+    want = random_tables(cfg, gen)
+    got = clone(want, device)
+    for _ in range(launches):
+        layer = int(torch.randint(cfg.layers, (1,), generator=gen))
+        ids = random_ids(cfg, gen)
+        args = (layer, cfg.experts)
+        rest = (cfg.slot_start, cfg.num_slots, cfg.policy, 1000)
+        want_plan, want_slots = lookup_mod.lookup_admit(ids, *args, want, *rest, backend="eager")
+        dev_ids = ids.to(device)
+        with guard():
+            got_plan, got_slots = lookup_mod.lookup_admit(dev_ids, *args, got, *rest, backend=backend)
+        assert_same(got_plan, want_plan)
+        assert torch.equal(got_slots.cpu(), want_slots)
+        assert_same(got, want)
+    check_consistent(want, cfg)
+
+
+def check_consistent(tables: CacheTables, cfg: Config) -> None:
+    """The twin keeps the two maps inverse to each other: the oracle itself must be sane."""
+    resident = torch.nonzero(tables.slot_for_id >= 0).squeeze(-1)
+    assert torch.equal(tables.id_of_slot[tables.slot_for_id[resident].long()].long(), resident)
+    assert int((tables.id_of_slot >= 0).sum()) == resident.numel()
+
+
+# ==== lookup_admit ====
+
+@interpreted
+@pytest.mark.parametrize("name", CONFIGS)
+def test_lookup_admit_interpreted(name):
+    for trial in range(TRIALS):
+        run_lookups(CONFIGS[name], seed=trial, device="cpu", backend="triton")
+
+
+def test_lookup_admit_twin_semantics():
+    """Hand-checked case: hits keep their slots, misses fill empty slots first, then the lowest
+    score among slots not used by this launch; the step and the stats advance."""
+    cfg = Config(1, 8, 4, 0, 4, 2, 2, Policy(0, 0))
+    tables = empty_tables(cfg)
+    for slot, (expert, last) in enumerate([(0, 5), (1, 3), (2, 4)]):  # slot 3 empty
+        tables.id_of_slot[slot], tables.slot_for_id[expert] = expert, slot
+        tables.last_use[slot] = tables.score[slot] = last
+    tables.step.fill_(10)
+    ids = torch.tensor([[2, 5], [6, 5]])
+    plan, slots = lookup_mod.lookup_admit(ids, 0, 8, tables, 0, 4, cfg.policy, 7, backend="eager")
+    assert plan.count.tolist() == [2] and plan.src_id.tolist() == [5, 6, -1, -1]
+    assert plan.dst_slot.tolist() == [3, 1, -1, -1]  # the empty slot, then expert 1 (oldest)
+    assert slots.tolist() == [[2, 3], [1, 3]]
+    assert tables.id_of_slot.tolist() == [0, 6, 2, 5] and tables.slot_for_id.tolist() == [0, -1, 2, -1, -1, 3, 1, -1]
+    assert tables.last_use.tolist() == [5, 10, 10, 10] and tables.step.tolist() == [11]
+    assert tables.stats[0].tolist() == [3, 1, 2, 1, 14]
+
+
+def test_lookup_admit_bounds():
+    cfg = Config(1, 256, 600, 0, 600, 4, 8, Policy(0, 0))
+    tables = empty_tables(cfg)
+    ids = torch.zeros(4, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="outside"):
+        lookup_mod.lookup_admit(ids, 0, 256, tables, 512, 256, cfg.policy, 1)
+    with pytest.raises(ValueError, match="outside"):
+        lookup_mod.lookup_admit(ids, 0, 256, tables, -1, 8, cfg.policy, 1)
+    with pytest.raises(ValueError, match="distinct"):  # 31 slots < min(T*k=32, E=256)
+        lookup_mod.lookup_admit(ids, 0, 256, tables, 0, 31, cfg.policy, 1)
+    with pytest.raises(ValueError, match="layer"):
+        lookup_mod.lookup_admit(ids, 1, 256, tables, 0, 32, cfg.policy, 1)
+    with pytest.raises(ValueError, match="int64"):
+        lookup_mod.lookup_admit(ids.int(), 0, 256, tables, 0, 32, cfg.policy, 1)
+    with pytest.raises(ValueError, match="credit"):
+        lookup_mod.lookup_admit(ids, 0, 256, tables, 0, 32, Policy(5, 1), 1)
+
+
+# ==== gather_missing ====
+
+class GatherShape(NamedTuple):
+    num_ids: int
+    num_slots: int
+    hidden: int
+    inter: int
+    capacity: int
+
+
+GATHER_SHAPES = [GatherShape(6, 4, 10, 3, 5), GatherShape(10, 7, 4, 8, 16),
+                 GatherShape(3, 3, 64, 40, 32)]  # the last needs two blocks per expert
+
+
+def random_gather(shape: GatherShape, gen: torch.Generator):
+    """Host banks [N, 2I, H], [N, H, I], slot pools, and a plan of distinct slots, padded -1."""
+    num_ids, num_slots, hidden, inter, capacity = shape
+    host_w13 = torch.randn(num_ids, 2 * inter, hidden, generator=gen)
+    host_w2 = torch.randn(num_ids, hidden, inter, generator=gen)
+    slot_w13 = torch.randn(num_slots, 2 * inter, hidden, generator=gen)
+    slot_w2 = torch.randn(num_slots, hidden, inter, generator=gen)
+    count = int(torch.randint(0, min(capacity, num_slots) + 1, (1,), generator=gen))
+    src = torch.full((capacity,), -1, dtype=torch.int32)
+    dst = torch.full((capacity,), -1, dtype=torch.int32)
+    src[:count] = torch.randint(num_ids, (count,), generator=gen).int()
+    dst[:count] = torch.randperm(num_slots, generator=gen)[:count].int()
+    return (src, dst, torch.tensor([count], dtype=torch.int32)), (host_w13, host_w2), (slot_w13, slot_w2)
+
+
+def run_gather(shape: GatherShape, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext) -> None:
+    plan, host, slots = random_gather(shape, torch.Generator().manual_seed(seed))
+    want = [t.clone() for t in slots]
+    got = [t.to(device) for t in slots]
+    gather_mod.gather_missing(*plan, *host, *want, backend="eager")
+    dev_host = host if device == "cpu" else [t.pin_memory() for t in host]  # zero-copy from pinned memory
+    dev_plan = [t.to(device) for t in plan]
+    with guard():
+        gather_mod.gather_missing(*dev_plan, *dev_host, *got, backend=backend)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", GATHER_SHAPES, ids=str)
+def test_gather_missing_interpreted(shape):
+    for trial in range(TRIALS):
+        run_gather(shape, trial, "cpu", "triton")
+
+
+def test_gather_missing_checks():
+    plan, host, slots = random_gather(GATHER_SHAPES[0], torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="does not match"):
+        gather_mod.gather_missing(*plan, host[0][:, :, :-1].contiguous(), host[1], *slots)
+    with pytest.raises(ValueError, match="int32"):
+        gather_mod.gather_missing(plan[0].long(), plan[1], plan[2], *host, *slots)
+    with pytest.raises(ValueError, match="same experts"):
+        gather_mod.gather_missing(*plan, host[0][:-1].contiguous(), host[1], *slots)
+
+
+# ==== invalidate_slots ====
+
+def run_invalidate(cfg: Config, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    want = random_tables(cfg, gen)
+    got = clone(want, device)
+    start = int(torch.randint(cfg.table_slots, (1,), generator=gen))
+    count = int(torch.randint(1, cfg.table_slots - start + 1, (1,), generator=gen))
+    invalidate_mod.invalidate_slots(start, count, want, backend="eager")
+    with guard():
+        invalidate_mod.invalidate_slots(start, count, got, backend=backend)
+    assert_same(got, want)
+    check_consistent(want, cfg)
+    assert (want.id_of_slot[start:start + count] == -1).all() and (want.score[start:start + count] == 0).all()
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["lru-small", "lfru-offset", "odd-sizes"])
+def test_invalidate_slots_interpreted(name):
+    for trial in range(TRIALS):
+        run_invalidate(CONFIGS[name], trial, "cpu", "triton")
+
+
+def test_invalidate_slots_bounds():
+    tables = empty_tables(Config(1, 256, 600, 0, 600, 1, 1, Policy(0, 0)))
+    with pytest.raises(ValueError, match="outside"):
+        invalidate_mod.invalidate_slots(512, 256, tables)
+    with pytest.raises(ValueError, match="outside"):
+        invalidate_mod.invalidate_slots(0, 0, tables)
+
+
+@interpreted
+def test_offloaded_experts_interpreted():
+    """The three kernels together behind ``OffloadedExperts`` match resident experts."""
+    layers, experts, hidden, inter = 2, 8, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    banks = ExpertBanks(torch.randn(layers, experts, 2 * inter, hidden, generator=gen),
+                        torch.randn(layers, experts, hidden, inter, generator=gen))
+    offloaded = OffloadedExperts.create(banks, experts + 2, "cpu", "lfru", backend="triton")
+    resident = ResidentExperts(banks)
+    for step in range(8):
+        if step == 4:
+            offloaded.cache.invalidate(0, experts)
+        for layer in range(layers):
+            x, weights = torch.randn(3, hidden, generator=gen), torch.rand(3, 2, generator=gen)
+            ids = torch.randint(experts, (3, 2), generator=gen)
+            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids))
+    assert offloaded.cache.stats()["total"]["evictions"] > 0
+
+
+@interpreted
+def test_kernels_really_interpret():
+    """Forcing the Triton path on the CPU must run the interpreter, not silently the twin."""
+    for module in (lookup_mod, gather_mod, invalidate_mod):
+        assert type(module._kernel()).__name__ == "InterpretedFunction"
+
+
+# ==== GPU ====
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", CONFIGS)
+def test_lookup_admit_cuda(name):
+    for trial in range(TRIALS):
+        run_lookups(CONFIGS[name], trial, "cuda", None, guard=sync_errors)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", GATHER_SHAPES, ids=str)
+def test_gather_missing_cuda(shape):
+    for trial in range(TRIALS):
+        run_gather(shape, trial, "cuda", None, guard=sync_errors)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["lru-small", "lfru-offset", "odd-sizes"])
+def test_invalidate_slots_cuda(name):
+    for trial in range(TRIALS):
+        run_invalidate(CONFIGS[name], trial, "cuda", None, guard=sync_errors)
+
+
+@pytest.mark.cuda
+def test_cache_kernels_do_not_sync():
+    cfg = CONFIGS["lfru-offset"]
+    tables = clone(random_tables(cfg, torch.Generator().manual_seed(0)), "cuda")
+    ids = torch.randint(cfg.experts, (cfg.tokens, cfg.top_k), device="cuda")
+    host = [torch.randn(cfg.layers * cfg.experts, 6, 4).pin_memory(), torch.randn(cfg.layers * cfg.experts, 4, 3).pin_memory()]
+    pools = [torch.zeros(cfg.table_slots, 6, 4, device="cuda"), torch.zeros(cfg.table_slots, 4, 3, device="cuda")]
+    for checked in (False, True):  # the first round compiles
+        with sync_errors(checked):
+            plan, _ = lookup_mod.lookup_admit(ids, 0, cfg.experts, tables, cfg.slot_start, cfg.num_slots, cfg.policy, 1)
+            gather_mod.gather_missing(*plan, *host, *pools)
+            invalidate_mod.invalidate_slots(0, cfg.table_slots, tables)
+    torch.cuda.synchronize()
+
+
+class sync_errors:
+    """``set_sync_debug_mode("error")`` for the block (when ``on``)."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")

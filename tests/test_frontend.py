@@ -1,0 +1,567 @@
+"""The frontend on CPU: its parts (detokenizer, stop strings, chat template, validation) and the
+real process end to end over real ZMQ sockets, with tests/fake_scheduler.py as the scheduler and
+its byte-level tokenizer (token id = byte value, EOS 256)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_scheduler import EOS_ID, write_byte_tokenizer  # noqa: E402
+
+from frontend.api import replies, requests  # noqa: E402
+from frontend.client import AsyncClient, Client, ServerError  # noqa: E402
+from frontend.detokenize import IncrementalDetokenizer  # noqa: E402
+from frontend.request_state import RequestState  # noqa: E402
+from frontend.stops import StopMatcher  # noqa: E402
+from frontend.tokenizer import ChatTemplateError, ChatTokenizer  # noqa: E402
+from frontend.validate import Rejected, prompt_ids, to_scheduler  # noqa: E402
+from scheduler.messages.from_scheduler import ModelInfo, TokenUpdate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_scheduler.py'}"
+CONTEXT = 256
+HANG, REJECT = 1, 2  # first prompt byte: the fake hangs after one token / rejects the request
+WAIT_S = 30.0  # upper bound on any wait, never a measured duration
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return write_byte_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> ChatTokenizer:
+    return ChatTokenizer.from_dir(tok_dir)
+
+
+# ==== units ====
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(st.characters(exclude_characters="\ufffd"), max_size=40),
+    cuts=st.lists(st.integers(0, 200), max_size=8),
+    data=st.data(),
+)
+def test_detokenizer_never_emits_broken_utf8(tok, text, cuts, data):
+    ids = list(text.encode())  # byte tokenizer: multi-byte characters span several ids
+    prompt = data.draw(st.lists(st.integers(0, 255).filter(lambda b: b < 0x80), max_size=6))
+    detok = IncrementalDetokenizer(tok.decode, prompt)
+    bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
+    pieces = [detok.step(ids[a:b]) for a, b in zip(bounds, bounds[1:])] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_detokenizer_flushes_an_incomplete_character(tok):
+    detok = IncrementalDetokenizer(tok.decode, [])
+    assert detok.step([ord("a"), 0xE2, 0x82]) == "a"
+    assert detok.flush() == "\ufffd"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+)
+def test_stop_matcher_matches_one_shot_search(text, stops, cuts):
+    # The stop string that is complete first, as the text grows character by character.
+    ends = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    want = (text[: min(ends)[1]], True) if ends else (text, False)
+    matcher = StopMatcher(stops)
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    out, stopped = "", False
+    for a, b in zip(bounds, bounds[1:]):
+        piece, stopped = matcher.feed(text[a:b])
+        out += piece
+        if stopped:
+            break
+    if not stopped:
+        out += matcher.flush()
+    assert (out, stopped) == want
+
+
+def test_stop_matcher_holds_back_a_possible_stop_start():
+    matcher = StopMatcher(["</s>", "END"])
+    assert matcher.feed("hello </") == ("hello ", False)
+    assert matcher.feed("x E") == ("</x ", False)
+    assert matcher.feed("NDING") == ("", True)
+
+
+def test_chat_template_renders_like_transformers(tmp_path, tok):
+    ids = tok.encode_chat([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
+    assert tok.render_chat([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+    assert ids[0] == 257 and tok.decode(ids) == "system\ns\nuser\nhi\nassistant\n"
+    with pytest.raises(ChatTemplateError, match="unknown role robot"):
+        tok.encode_chat([{"role": "robot", "content": "x"}])
+    bos = ChatTokenizer(
+        tok.tokenizer,
+        "{{ bos_token }}{% for m in messages %}{{ m.content | tojson }}{% endfor %}",
+        "<s>",
+    )
+    assert bos.render_chat([{"role": "user", "content": "é"}]) == '<s>"é"'
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTokenizer(tok.tokenizer).render_chat([{"role": "user", "content": "x"}])
+
+
+def test_validation_clamps_max_tokens_and_rejects_long_prompts(tok):
+    model = ModelInfo(
+        name="m", tokenizer_path="", max_context_tokens=10, vocab_size=259, eos_token_ids=[EOS_ID]
+    )
+    request = requests.Generate(rid="a", prompt="abcd", max_tokens=100, temperature=0.5, seed=3)
+    message = to_scheduler(request, "7", prompt_ids(request, tok, 259), model)
+    assert (message.rid, message.input_ids, message.max_tokens) == ("7", [97, 98, 99, 100], 6)
+    assert (message.sampling.temperature, message.sampling.seed, message.eos_token_ids) == (
+        0.5,
+        3,
+        [EOS_ID],
+    )
+    with pytest.raises(Rejected, match="10 tokens") as info:
+        to_scheduler(request, "8", list(range(10)), model)
+    assert info.value.code == replies.CONTEXT_LENGTH
+    with pytest.raises(Rejected, match="outside the vocabulary"):
+        prompt_ids(requests.Generate(rid="a", input_ids=[1, 300]), tok, 259)
+
+
+def test_request_state_strips_eos_and_reports_usage(tok):
+    state = RequestState(
+        envelope=[b"id"],
+        client_rid="c",
+        tokenizer=tok,
+        prompt_ids=[1],
+        stream=False,
+        stop=[],
+        eos_token_ids=[EOS_ID],
+    )
+    assert (
+        state.on_update(TokenUpdate(rid="r", token_ids=[104, 0xC3], cached_prompt_tokens=1)) is None
+    )
+    chunk = state.on_update(
+        TokenUpdate(rid="r", token_ids=[0xA9, EOS_ID], finished=True, finish_reason="stop")
+    )
+    assert (chunk.text, chunk.token_ids, chunk.finish_reason) == (
+        "hé",
+        [104, 0xC3, 0xA9, EOS_ID],
+        "stop",
+    )
+    assert chunk.usage == replies.Usage(
+        prompt_tokens=1, completion_tokens=4, cached_prompt_tokens=0
+    )
+
+
+# ==== the default model's real tokenizer (SmolLM2's byte-level BPE and chat template) ====
+
+
+@pytest.fixture(scope="module")
+def smollm() -> ChatTokenizer:
+    default_model = pytest.importorskip("worker.default_model")
+    try:
+        path = default_model.gguf_path()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    spec = default_model.read_spec(reader)
+    tok = default_model.tokenizer_from_gguf(reader)
+    return ChatTokenizer(
+        tok, spec.chat_template, tok.id_to_token(spec.bos_id), tok.id_to_token(spec.eos_id)
+    )
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi! What's 12*34?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Grüße 😀"},
+        {"role": "assistant", "content": "Hallo."},
+        {"role": "user", "content": "日本語で?"},
+    ],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_chat_template_matches_transformers(smollm, conversation):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=smollm.tokenizer,
+        chat_template=smollm.chat_template,
+        bos_token=smollm.bos_token,
+        eos_token=smollm.eos_token,
+    )
+    want = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert smollm.render_chat(conversation) == want
+    assert smollm.encode_chat(conversation) == hf(want, add_special_tokens=False)["input_ids"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(st.characters(exclude_characters="\ufffd"), max_size=30), data=st.data())
+def test_detokenizer_on_real_bpe_tokens(smollm, text, data):
+    ids = smollm.encode(text)
+    assume(smollm.decode(ids) == text)  # the GGUF vocabulary lacks a few byte tokens
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=6))
+    detok = IncrementalDetokenizer(smollm.decode, smollm.encode_chat(CONVERSATIONS[0]))
+    bounds = sorted({0, len(ids), *cuts})
+    pieces = [detok.step(ids[a:b]) for a, b in zip(bounds, bounds[1:])] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+# ==== the frontend process with the fake scheduler ====
+
+
+class Server(NamedTuple):
+    proc: subprocess.Popen
+    endpoint: str
+    scheduler_pid: int
+    pid_file: Path
+    stderr: Path
+
+
+def start_server(tmp: Path, tok_dir: Path, *args: str) -> Server:
+    pid_file, stderr = tmp / "scheduler.pid", tmp / "frontend.stderr"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "frontend",
+            "--endpoint",
+            "tcp://127.0.0.1:*",
+            "--scheduler-cmd",
+            FAKE,
+            "--pid-file",
+            str(pid_file),
+            "--ready-timeout",
+            str(WAIT_S),
+            "--tokenizer-path",
+            str(tok_dir),
+            *args,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=stderr.open("w"),
+        text=True,
+    )
+    first, second = proc.stdout.readline(), proc.stdout.readline()  # bounded by --ready-timeout
+    assert first.startswith("frontend endpoint "), stderr.read_text()
+    return Server(proc, first.split()[-1], int(second.split()[-1]), pid_file, stderr)
+
+
+def stop_server(server: Server) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    return server.proc.wait(timeout=WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tok_dir):
+    s = start_server(
+        tmp_path_factory.mktemp("server"),
+        tok_dir,
+        "--max-context",
+        str(CONTEXT),
+        "--hang-id",
+        str(HANG),
+        "--reject-id",
+        str(REJECT),
+        "--model",
+        "/no/such/model",
+    )
+    yield s
+    assert stop_server(s) == 0
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.endpoint, timeout=WAIT_S) as c:
+        yield c
+
+
+def test_startup_prints_endpoint_and_writes_pid_file(server, client):
+    assert int(server.pid_file.read_text()) == server.scheduler_pid
+    stats = client.stats()
+    assert stats["scheduler_pid"] == server.scheduler_pid
+    assert stats["engine_args"] == "--model /no/such/model"  # unknown options reach the scheduler
+
+
+def test_non_streaming(client):
+    c = client.generate(prompt="héllo wörld", max_tokens=50)
+    want = list("héllo wörld".encode())
+    assert (c.text, c.token_ids, c.finish_reason) == ("héllo wörld", want + [EOS_ID], "stop")
+    assert c.usage == replies.Usage(
+        prompt_tokens=len(want), completion_tokens=len(want) + 1, cached_prompt_tokens=2
+    )
+
+
+def test_streaming_holds_back_split_characters(client):
+    text = "a€b😀ö"
+    chunks = list(client.stream(prompt=text, max_tokens=50))
+    assert len(chunks) == len(text.encode()) + 1  # a chunk per scheduler update
+    assert "".join(c.text for c in chunks) == text
+    assert not any("\ufffd" in c.text for c in chunks)
+    assert [c.token_ids for c in chunks[:3]] == [[0x61], [0xE2], [0x82]] and chunks[1].text == ""
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert chunks[-1].usage.completion_tokens == len(chunks)
+
+
+def test_length_and_clamping_to_the_context(client):
+    c = client.generate(prompt="abcdef", max_tokens=3)
+    assert (c.text, c.finish_reason, c.usage.completion_tokens) == ("abc", "length", 3)
+    c = client.generate(prompt="x" * (CONTEXT - 4), max_tokens=100)  # 4 tokens of room
+    assert (c.text, c.finish_reason) == ("xxxx", "length")
+    assert client.stats()["last_max_tokens"] == 4
+    c = client.generate(prompt="ab", max_tokens=5, ignore_eos=True)
+    assert (c.text, c.token_ids, c.finish_reason) == ("ababa", [97, 98, 97, 98, 97], "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_truncate_and_free_the_request(client, stream):
+    aborts = client.stats()["aborts_total"]
+    params = dict(prompt="one STOP two", stop=["STOP", "zzz"], max_tokens=50)
+    chunks = list(client.stream(**params)) if stream else None
+    c = client.generate(**params) if not stream else None
+    text = "".join(ch.text for ch in chunks) if stream else c.text
+    reason = chunks[-1].finish_reason if stream else c.finish_reason
+    assert (text, reason) == ("one ", "stop")
+    stats = client.stats()
+    assert stats["aborts_total"] == aborts + 1 and stats["running"] == 0
+    assert client.generate(prompt="abcabd", stop=["abd"]).text == "abc"
+
+
+def test_chat_and_input_ids(client):
+    c = client.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=60)
+    assert c.text == "user\nhi\nassistant\n" and c.usage.prompt_tokens == 21
+    assert client.generate(input_ids=[104, 105]).text == "hi"
+    with pytest.raises(ServerError, match="unknown role robot") as info:
+        client.generate(messages=[{"role": "robot", "content": "x"}])
+    assert info.value.code == replies.BAD_REQUEST
+
+
+def test_client_abort_ends_with_an_abort_chunk(client):
+    aborts = client.stats()["aborts_total"]
+    with client.stream(prompt="\x01 hangs", max_tokens=50) as stream:
+        first = next(stream)
+        client.abort(stream.rid)
+        rest = list(stream)
+    assert first.token_ids == [HANG] and [c.finish_reason for c in rest] == ["abort"]
+    assert rest[-1].usage.completion_tokens == 1
+    assert client.stats()["aborts_total"] == aborts + 1
+
+
+def test_scheduler_request_error_reaches_the_client(client):
+    with pytest.raises(ServerError, match="fake scheduler rejects") as info:
+        client.generate(prompt="\x02")
+    assert info.value.code == replies.SCHEDULER_ERROR
+
+
+def _ask(sock: zmq.Socket, frame: bytes) -> replies.ServerReply:
+    sock.send(frame)
+    assert sock.poll(int(WAIT_S * 1000)), "no reply"
+    return replies.decode(sock.recv())
+
+
+def _gen(**fields) -> bytes:
+    return msgspec.msgpack.encode({"type": "generate", "v": 1, "rid": "bad", **fields})
+
+
+@pytest.mark.parametrize(
+    "frame,code,match",
+    [
+        (os.urandom(37), "bad_request", "client->frontend"),
+        (b"\xc1\xc1", "bad_request", "malformed"),
+        (_gen(prompt="x", temperature="hot"), "bad_request", "temperature"),
+        (_gen(prompt=["x"]), "bad_request", "prompt"),
+        (
+            msgspec.msgpack.encode({"type": "teleport", "v": 1, "rid": "bad"}),
+            "bad_request",
+            "unknown",
+        ),
+        (_gen(prompt=""), "bad_request", "prompt is empty"),
+        (_gen(prompt="x" * CONTEXT), "context_length", f"{CONTEXT} tokens"),
+        (_gen(prompt="x", temperature=-1.0), "bad_request", "temperature"),
+        (_gen(prompt="x", max_tokens=0), "bad_request", "max_tokens"),
+        (_gen(prompt="x", top_p=0.0), "bad_request", "top_p"),
+        (_gen(prompt="x", top_k=-3), "bad_request", "top_k"),
+        (_gen(input_ids=[999]), "bad_request", "vocabulary"),
+        (_gen(prompt="x", v=9), "bad_request", "version 9"),
+    ],
+)
+def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, frame, code, match):
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.connect(server.endpoint)
+        reply = _ask(sock, frame)
+        assert isinstance(reply, replies.Error) and reply.code == code and match in reply.message
+        ok = _ask(sock, requests.encode(requests.Generate(rid="ok", prompt="fine", max_tokens=10)))
+        assert isinstance(ok, replies.Chunk) and (ok.text, ok.finish_reason) == ("fine", "stop")
+        sock.close(linger=0)
+
+
+def test_duplicate_request_id(server):
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.connect(server.endpoint)
+        hang = requests.encode(requests.Generate(rid="dup", prompt="\x01", stream=True))
+        assert _ask(sock, hang).token_ids == [HANG]
+        reply = _ask(sock, hang)
+        assert isinstance(reply, replies.Error) and (reply.rid, reply.code) == (
+            "dup",
+            replies.DUPLICATE_RID,
+        )
+        assert _ask(sock, requests.encode(requests.Abort(rid="dup"))).finish_reason == "abort"
+        sock.close(linger=0)
+
+
+def test_vanished_client_gets_its_requests_aborted(server, client):
+    before = client.stats()
+    other = Client(server.endpoint, timeout=WAIT_S)
+    stream = other.stream(prompt="long " * 10, max_tokens=60, ignore_eos=True)
+    next(stream)
+    other.close()  # gone without an Abort: the next chunk's send finds no peer
+    deadline = time.monotonic() + WAIT_S
+    while (stats := client.stats())["frontend_client_disconnects_total"] == before[
+        "frontend_client_disconnects_total"
+    ]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    assert (
+        stats["aborts_total"] == before["aborts_total"] + 1
+        and stats["frontend_active_requests"] == 0
+    )
+
+
+def test_async_client_runs_requests_concurrently(server):
+    async def main():
+        async with AsyncClient(server.endpoint, timeout=WAIT_S) as c:
+            prompts = [f"p{i} " * (i + 1) for i in range(6)]
+            done = await asyncio.gather(*(c.generate(prompt=p, max_tokens=60) for p in prompts))
+            streamed = [ch async for ch in c.stream(prompt="åß", max_tokens=9)]
+            with pytest.raises(ServerError):
+                await c.generate(prompt="\x02")
+            return prompts, done, streamed, await c.stats()
+
+    prompts, done, streamed, stats = asyncio.run(main())
+    assert [c.text for c in done] == prompts
+    assert "".join(c.text for c in streamed) == "åß" and streamed[-1].finish_reason == "stop"
+    assert stats["frontend_active_requests"] == 0
+
+
+def test_client_times_out_without_a_server():
+    with Client("tcp://127.0.0.1:9", timeout=0.2) as c, pytest.raises(TimeoutError):
+        c.generate(prompt="x")
+
+
+def test_cli_prompt_and_chat_keep_history(server):
+    run = lambda *a, **kw: subprocess.run(  # noqa: E731
+        [
+            sys.executable,
+            "-m",
+            "frontend.client",
+            "--endpoint",
+            server.endpoint,
+            "--timeout",
+            str(WAIT_S),
+            *a,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S * 2,
+        **kw,
+    )
+    out = run("--prompt", "hi there", "--max-tokens", "20")
+    assert (out.returncode, out.stdout) == (0, "hi there\n")
+    out = run("--chat", input="yo\nhey\n")
+    assert out.returncode == 0, out.stderr
+    # The fake echoes the rendered conversation, so the second reply contains the first turn.
+    assert "user\nyo\nassistant\nuser\nyo\nassistant\n\nuser\nhey\nassistant\n" in out.stdout
+
+
+# ==== failures of the scheduler, shutdown ====
+
+
+def _hang_one(server: Server) -> tuple[Client, object]:
+    client = Client(server.endpoint, timeout=WAIT_S)
+    stream = client.stream(prompt="\x01", max_tokens=10)
+    assert next(stream).token_ids == [HANG]
+    return client, stream
+
+
+def test_scheduler_killed_fails_waiting_clients_and_exits_nonzero(tmp_path, tok_dir):
+    server = start_server(tmp_path, tok_dir, "--hang-id", str(HANG))
+    client, stream = _hang_one(server)
+    os.kill(server.scheduler_pid, signal.SIGKILL)
+    with pytest.raises(ServerError, match="exited with code -9") as info:
+        next(stream)
+    assert info.value.code == replies.SCHEDULER_DIED
+    client.close()
+    assert server.proc.wait(timeout=WAIT_S) == 1
+
+
+def test_silent_scheduler_is_killed_after_the_heartbeat_timeout(tmp_path, tok_dir):
+    server = start_server(tmp_path, tok_dir, "--hang-id", str(HANG), "--heartbeat-timeout", "1")
+    client, stream = _hang_one(server)
+    os.kill(server.scheduler_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ServerError, match="sent nothing"):
+            next(stream)
+        assert server.proc.wait(timeout=WAIT_S) == 1
+    finally:
+        client.close()
+        if server.proc.poll() is None:
+            os.kill(server.scheduler_pid, signal.SIGCONT)
+            stop_server(server)
+
+
+def test_sigterm_shuts_down_cleanly(tmp_path, tok_dir):
+    server = start_server(tmp_path, tok_dir, "--hang-id", str(HANG))
+    client, stream = _hang_one(server)
+    server.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(ServerError) as info:
+        next(stream)
+    assert info.value.code == replies.SHUTTING_DOWN
+    client.close()
+    assert server.proc.wait(timeout=WAIT_S) == 0
+    assert not server.pid_file.exists()
+    with pytest.raises(ProcessLookupError):  # the frontend reaped its scheduler
+        os.kill(server.scheduler_pid, 0)
+
+
+def test_scheduler_failing_to_start_is_reported(tmp_path, tok_dir):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "frontend",
+            "--endpoint",
+            "tcp://127.0.0.1:*",
+            "--scheduler-cmd",
+            FAKE,
+            "--tokenizer-path",
+            str(tok_dir),
+            "--fail-start",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S * 2,
+    )
+    assert proc.returncode == 1
+    assert (
+        "exited with code 3 before it was ready" in proc.stderr
+        and "failing on purpose" in proc.stderr
+    )

@@ -1,0 +1,48 @@
+"""Engine options shared by ``python -m worker.generate`` and the scheduler process."""
+from __future__ import annotations
+
+import argparse
+
+from worker.expert_placement import ExpertOptions
+from worker.runner import RunnerConfig
+
+
+def add_runner_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or a geometry name such as qwen3-30b-geometry "
+                        "(default: the embedded default model)")
+    p.add_argument("--device", default=RunnerConfig.device, help="cuda, cpu or auto")
+    p.add_argument("--dtype", default=RunnerConfig.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, default=RunnerConfig.page_size, help="tokens per KV page")
+    p.add_argument("--kv-tokens", type=int, default=RunnerConfig.kv_tokens,
+                   help="KV pool size in tokens (0: from free memory on GPU, 16384 on CPU)")
+    p.add_argument("--attention", default=RunnerConfig.attention, help="attention backend")
+    p.add_argument("--max-prefill-tokens", type=int, default=RunnerConfig.max_prefill_tokens,
+                   help="prompt tokens per prefill chunk")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--moe-cache-size", type=int, default=None, help="expert cache slots (offload)")
+    cache.add_argument("--moe-cache-fraction", type=float, default=None, help="expert cache as a fraction of experts")
+    cache.add_argument("--moe-cache-auto", action="store_true",
+                       help="expert cache fills the GPU memory left after weights, activations and the KV floor")
+    p.add_argument("--moe-policy", default=ExpertOptions.policy, choices=["lru", "lfru"], help="cache eviction policy")
+    p.add_argument("--kv-reserve-tokens", type=int, default=ExpertOptions.kv_reserve_tokens,
+                   help="KV tokens --moe-cache-auto leaves room for")
+    p.add_argument("--dummy-weights", action="store_true",
+                   help="seeded random weights, experts written straight into the expert store (benchmarks)")
+    p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
+
+
+def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
+    experts = ExpertOptions(args.moe_cache_size, args.moe_cache_fraction, args.moe_cache_auto, args.moe_policy,
+                            args.kv_reserve_tokens, args.dummy_weights, args.seed_weights)
+    return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                        kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
+                        max_prefill_tokens=args.max_prefill_tokens)
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from worker.default_model import default_model_dir
+
+    return str(default_model_dir())

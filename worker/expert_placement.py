@@ -1,0 +1,82 @@
+"""Where the experts run from: all resident on the device, or in the shared-memory expert store
+behind a GPU expert cache of ``--moe-cache-size`` / ``--moe-cache-fraction`` / ``--moe-cache-auto``."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from moe_offload.expert_cache import resolve_cache_slots
+from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
+from moe_offload.offloaded import OffloadedExperts
+from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
+from moe_offload.store_layout import ExpertGeometry
+from worker.config import ModelConfig
+
+log = logging.getLogger("sluice.worker")
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    cache_size: int | None = None  # slots
+    cache_fraction: float | None = None  # of all experts
+    cache_auto: bool = False  # fill the GPU memory left after weights, activations and a KV floor
+    policy: str = "lfru"
+    kv_reserve_tokens: int = 32768  # the KV floor --moe-cache-auto leaves
+    dummy_weights: bool = False
+    seed: int = 0
+
+    @property
+    def uses_store(self) -> bool:
+        given = [n for n, v in (("--moe-cache-size", self.cache_size), ("--moe-cache-fraction", self.cache_fraction),
+                                ("--moe-cache-auto", self.cache_auto or None)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are mutually exclusive")
+        return bool(given) or self.dummy_weights
+
+
+def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resident: ExpertBanks,
+                  dtype: torch.dtype, device: torch.device, activation_bytes: int) -> Experts:
+    """The ``Experts`` backend. ``resident`` holds the banks when the checkpoint loader filled them
+    (no store); otherwise the experts come from the store."""
+    if not options.uses_store:
+        return ResidentExperts(resident)
+    geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+    if options.dummy_weights:
+        store = open_dummy_experts(geometry, options.seed, dtype)
+    else:
+        store = open_checkpoint_experts(model_dir, geometry, dtype)
+    if device.type == "cuda":
+        store.register_cuda(device)
+    host = store.host_banks()
+    total = cfg.num_layers * cfg.num_experts
+    slot_bytes = (host.w13[0, 0].numel() + host.w2[0, 0].numel()) * host.w13.element_size()
+    slots = resolve_cache_slots(total, slot_bytes, **_sizing(options, cfg, dtype, device, activation_bytes))
+    if slots < cfg.num_experts:
+        raise ValueError(f"the expert cache would hold {slots} experts; it needs at least one layer's "
+                         f"{cfg.num_experts} (a prefill chunk can route to all of them)")
+    if slots >= total:
+        log.info("expert cache holds all %d experts: running fully resident", total)
+        return ResidentExperts(ExpertBanks(host.w13.to(device), host.w2.to(device)))
+    log.info("expert cache: %d of %d experts (%.1f%%, %.2f GB), policy %s", slots, total, 100 * slots / total,
+             slots * slot_bytes / 1e9, options.policy)
+    banks = store.device_banks() if device.type == "cuda" else host
+    experts = OffloadedExperts.create(banks, slots, device, options.policy)
+    experts.store = store  # keep the mapping alive as long as the experts
+    return experts
+
+
+def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+            activation_bytes: int) -> dict:
+    if options.cache_size is not None:
+        return {"size": options.cache_size}
+    if options.cache_fraction is not None:
+        return {"fraction": options.cache_fraction}
+    if not options.cache_auto:  # --dummy-weights alone: everything resident
+        return {"fraction": 1.0}
+    if device.type != "cuda":
+        raise ValueError("--moe-cache-auto sizes the cache from free GPU memory; give --moe-cache-size on CPU")
+    free, _ = torch.cuda.mem_get_info(device)
+    kv_floor = options.kv_reserve_tokens * 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
+    return {"auto_free_bytes": max(free - activation_bytes - kv_floor, 0)}

@@ -1,0 +1,97 @@
+"""The host KV pool: pages of K and V in host RAM with the GPU pool's layout, handed out from a
+free list. The radix cache keeps pages evicted from the GPU here, to restore them instead of
+computing them again.
+
+    k, v : [layers, num_pages, page_size, kv_heads, head_dim]   (one buffer, k then v)
+
+On CUDA the buffer is registered as pinned, mapped memory (``cudaHostRegister``): copies run at
+full PCIe speed and the page kernels address it from the device (``kernel_k``/``kernel_v``). It is
+registered rather than allocated with ``pin_memory()`` because torch's pinned allocator rounds an
+allocation up to a power of two, which for a pool of tens of GiB wastes up to half of it.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from moe_offload.host_register import host_register, host_unregister, mapped_device_bytes
+from worker.kv_pool import KVPool
+
+DEFAULT_FRACTION = 0.25  # of the host RAM available at start-up, for --kv-host-size's default
+
+
+class HostKVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        if num_pages < 1:
+            raise ValueError(f"host KV pool needs at least 1 page, got {num_pages}")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self._buffer = torch.empty((2, *shape), dtype=dtype)
+        self.k, self.v = self._buffer[0], self._buffer[1]
+        self.kernel_k, self.kernel_v = self.k, self.v
+        if device.type == "cuda":
+            self._map(device)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+
+    @classmethod
+    def like(cls, pool: KVPool, nbytes: int) -> HostKVPool | None:
+        """A host pool of ``nbytes`` (rounded down to whole pages) beside ``pool``; None if that is no page."""
+        num_pages = nbytes // pool.page_bytes
+        if num_pages < 1:
+            return None
+        L, _, P, kvh, D = pool.k.shape
+        return cls(L, num_pages, P, kvh, D, pool.k.dtype, pool.k.device)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"host KV pool: {n} pages asked, {len(self._free)} free")
+        pages = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def free_pages(self) -> set[int]:
+        return set(self._free)
+
+    def _map(self, device: torch.device) -> None:
+        nbytes = self._buffer.numel() * self._buffer.element_size()
+        ptr = self._buffer.data_ptr()
+        device_ptr = host_register(ptr, nbytes, device)
+        # the finalizer holds the buffer, so the memory outlives its registration
+        finalizer = weakref.finalize(self, _unregister, ptr, self._buffer)
+        finalizer.atexit = False  # at exit the CUDA context is torn down anyway
+        raw = mapped_device_bytes(device_ptr, nbytes, device, owner=self)
+        mapped = raw.view(self._buffer.dtype).view(self._buffer.shape)
+        self.kernel_k, self.kernel_v = mapped[0], mapped[1]
+
+
+def _unregister(ptr: int, _buffer: torch.Tensor) -> None:
+    host_unregister(ptr)
+
+
+def default_host_bytes(fraction: float = DEFAULT_FRACTION) -> int:
+    """``fraction`` of the host RAM the kernel reports available now (0 where it does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return 0
+    available_kib = int(info.get("MemAvailable", "0 kB").split()[0])
+    return int(available_kib * 1024 * fraction)
