@@ -78,6 +78,7 @@ class ExpertCache:
         # ==== slot pools: contents are only meaningful where id_of_slot says so ====
         self.w13 = torch.empty((num_slots, *w13_shape), dtype=dtype, device=device)
         self.w2 = torch.empty((num_slots, *w2_shape), dtype=dtype, device=device)
+        self.slot_bytes = self.w13[0].nbytes + self.w2[0].nbytes  # what one miss moves over PCIe
         # ==== tables ====
         self.tables = CacheTables(
             slot_for_id=torch.full((num_layers * num_experts,), -1, dtype=torch.int32, device=device),
@@ -98,11 +99,6 @@ class ExpertCache:
     @property
     def num_slots(self) -> int:
         return self.w13.shape[0]
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one expert (both banks): what a miss moves over PCIe."""
-        return self.w13[0].nbytes + self.w2[0].nbytes
 
     def lookup(self, layer: int, ids: torch.Tensor, slot_start: int = 0,
                num_slots: int | None = None) -> tuple[CopyPlan, torch.Tensor]:

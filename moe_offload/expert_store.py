@@ -44,7 +44,7 @@ from moe_offload.store_layout import (
 )
 
 log = logging.getLogger("sluice.expert_store")
-SHM_DIR = Path("/dev/shm")
+SHM_DIR = Path(os.environ.get("SLUICE_SHM_DIR", "/dev/shm"))  # where expert segments live
 
 
 def _bank_view(raw: torch.Tensor, spec: BankSpec) -> torch.Tensor:

@@ -7,11 +7,10 @@ is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 import torch.nn.functional as F
+
+from moe_offload.kernels._triton import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -23,29 +22,22 @@ def grouped_swiglu(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
-    use_triton: bool | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
 
     CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``), anything
-    else the eager twin; ``use_triton=True`` forces the kernels (on the CPU only under
-    ``TRITON_INTERPRET=1``). Slot ids are not checked on the host (that would read the device): the
+    else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
+    ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the device): the
     Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin requires them
     in range.
     """
     _check_args(hidden, weights, slots, w13, w2)
-    if use_triton is None:
-        use_triton = hidden.is_cuda and _triton_available()
-    if not use_triton:
+    if not use_triton(hidden, backend):
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
-
-
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,

@@ -127,7 +127,7 @@ def test_out_of_range_slots_contribute_zero():
     bad = torch.tensor([[True, False, False], [False, True, False], [False] * 3, [True, True, True], [False, False, True]])
     slots_bad = slots.clone()
     slots_bad[bad] = torch.tensor([-1, num_slots, num_slots + 7, -5, 2**40, 1 << 33])[: int(bad.sum())]
-    out = grouped_swiglu(hidden, weights, slots_bad, w13, w2, use_triton=True)
+    out = grouped_swiglu(hidden, weights, slots_bad, w13, w2, backend="triton")
     ref = grouped_swiglu_eager(hidden, weights.masked_fill(bad, 0.0), slots.masked_fill(bad, 0), w13, w2)
     assert rel_err(out, ref) < 1e-4
     assert torch.all(out[3] == 0)
@@ -138,7 +138,7 @@ def test_public_op_forced_triton_matches_eager():
     w13, w2 = make_banks(6, 48, 32)
     hidden = torch.randn(4, 48)
     weights, slots = make_routing("random", 4, 2, 6)
-    out = grouped_swiglu(hidden, weights, slots.int(), w13, w2, use_triton=True)
+    out = grouped_swiglu(hidden, weights, slots.int(), w13, w2, backend="triton")
     assert rel_err(out, grouped_swiglu(hidden, weights, slots, w13, w2)) < 1e-4
 
 

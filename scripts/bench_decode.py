@@ -1,0 +1,106 @@
+"""Decode under expert offload: tokens/s, expert-cache hit rate and bytes moved per token, against
+the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
+
+    python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
+
+Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
+checkpoint directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from scheduler.engine import Engine, EngineConfig
+from scheduler.request import Request
+from worker.expert_placement import ExpertOptions
+from worker.geometry import GEOMETRIES
+from worker.runner import ModelRunner, RunnerConfig
+from worker.sampling import SamplingParams
+
+PCIE_BYTES_PER_S = 55e9
+HBM_BYTES_PER_S = 4.3e12
+
+
+def cache_totals(runner: ModelRunner) -> dict:
+    cache = getattr(runner.experts, "cache", None)
+    return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes": 0}
+
+
+def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int) -> dict:
+    engine = Engine(runner, EngineConfig(max_prefill_tokens=prompt_tokens * batch, max_running=batch,
+                                         prefix_cache=False))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = runner.model_config.vocab_size
+    reqs = [Request(str(i), torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), SamplingParams(),
+                    decode_tokens, frozenset(), ignore_eos=True) for i in range(batch)]
+    for r in reqs:
+        engine.submit(r)
+    while not all(r.output for r in reqs):  # prefill (and the first token)
+        engine.step()
+    torch.cuda.synchronize()
+    before, start = cache_totals(runner), time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    torch.cuda.synchronize()
+    seconds, after = time.perf_counter() - start, cache_totals(runner)
+    engine.check_pages()
+    steps = decode_tokens - 1
+    delta = {k: after[k] - before[k] for k in ("lookups", "hits", "misses", "bytes")}
+    return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-geometry")
+    p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--policy", default="lfru")
+    p.add_argument("--json")
+    args = p.parse_args()
+    dummy = args.model in GEOMETRIES
+    rows = []
+    for fraction in args.fractions:
+        runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+                                          experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
+                                                                dummy_weights=dummy)))
+        cfg = runner.model_config
+        w = runner.weights
+        dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
+        dense += w.lm_head.numel() * w.lm_head.element_size()
+        expert_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
+        decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
+        for batch in args.batch:
+            r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
+            tok_s = r["tokens"] / r["seconds"]
+            distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
+            if fraction >= 1.0:
+                distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
+            step_pcie = r["bytes"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
+            step_hbm = (dense + distinct * expert_bytes) / HBM_BYTES_PER_S
+            bound = max(step_pcie, step_hbm)
+            rows.append(dict(fraction=fraction, batch=batch, tok_s=tok_s,
+                             hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
+                             bytes_per_token=r["bytes"] / max(r["tokens"], 1),
+                             bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
+                             ratio=tok_s / (batch / bound)))
+        del runner
+        torch.cuda.empty_cache()
+    print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
+          f"{args.decode_tokens} tokens, policy {args.policy}")
+    print(f"{'cache':>6} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} {'bound':>5} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['fraction']:>6.0%} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
+              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
