@@ -28,9 +28,9 @@ def grouped_swiglu(
 
     CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
-    ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the device): the
-    Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin requires them
-    in range.
+    ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
+    device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
+    requires them in range.
     """
     _check_args(hidden, weights, slots, w13, w2)
     if not use_triton(hidden, backend):

@@ -1,8 +1,11 @@
-"""Experts kept in host memory behind the GPU expert cache, for decode.
+"""Experts kept in host memory behind the GPU expert cache.
 
-``forward`` is three device-side steps and never waits on the host: lookup/admit (one launch per
-layer: hits, victims, copy plan, routing rewritten to slots), gather of the planned experts from the
-host banks into their slots, then the grouped SwiGLU GEMM over the slot pools.
+Decode-sized batches take three device-side steps and never wait on the host: lookup/admit (one
+launch per layer: hits, victims, copy plan, routing rewritten to slots), gather of the planned
+experts from the host banks into their slots, then the grouped SwiGLU GEMM over the slot pools.
+Prefill-sized batches route to nearly every expert of a layer; they run through the prefill
+pipeline instead, which streams each layer's experts into a double buffer while the layer before
+computes, and leaves the cache's contents for decode alone.
 """
 from __future__ import annotations
 
@@ -11,16 +14,24 @@ import torch
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.experts import ExpertBanks
 from moe_offload.grouped import grouped_swiglu
+from moe_offload.prefill_pipeline import PrefillPipeline
+
+# A batch with at least this many routed (token, expert) pairs per expert of the layer goes through
+# the pipeline: under uniform routing an expert then stays unused with probability ~e^-4, so
+# streaming all of them moves about what lookups would, but overlapped and without evicting.
+PIPELINE_PAIRS_PER_EXPERT = 4
 
 
 class OffloadedExperts:
     """The ``Experts`` backend for host-resident banks ``w13 [L, E, 2I, H]``, ``w2 [L, E, H, I]``.
 
     With a CUDA cache the banks must be addressable by kernels: pinned or registered host memory
-    (the expert store's mapped segment), or device views of it.
+    (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
+    pipeline on (the cache then needs ``3E`` slots); ``invalidate`` is its mode (``"fixed"`` or
+    ``"eager"``, see ``prefill_pipeline.INVALIDATE_MODES``).
     """
 
-    def __init__(self, banks: ExpertBanks, cache: ExpertCache):
+    def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed"):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -32,13 +43,21 @@ class OffloadedExperts:
         self.cache = cache
         self.host_w13 = banks.w13.view(num_layers * num_experts, *banks.w13.shape[2:])
         self.host_w2 = banks.w2.view(num_layers * num_experts, *banks.w2.shape[2:])
+        self.pipeline = PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate) if pipeline else None
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
-               backend: str | None = None) -> OffloadedExperts:
-        return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend))
+               backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed") -> OffloadedExperts:
+        return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate)
+
+    def pipelined(self, ids: torch.Tensor) -> bool:
+        """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
+        return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        plan, slots = self.cache.lookup(layer, ids)
+        if self.pipelined(ids):
+            return self.pipeline.forward(layer, hidden, weights, ids)
+        # the pipeline's double buffer is off limits to decode (see prefill_pipeline)
+        plan, slots = self.cache.lookup(layer, ids, self.pipeline.lent if self.pipeline is not None else 0)
         self.cache.fill(plan, self.host_w13, self.host_w2)
         return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2)

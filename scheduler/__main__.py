@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = runner.model_config
     host_gib = default_host_bytes() / 2**30 if args.kv_host_size is None else args.kv_host_size
-    engine = Engine(runner, EngineConfig(args.max_prefill_tokens, args.max_running, args.prefix_cache, args.overlap,
+    engine = Engine(runner, EngineConfig(runner.max_prefill_tokens, args.max_running, args.prefix_cache, args.overlap,
                                          kv_host_gib=host_gib, kv_tier_mode=args.kv_tier_mode))
     info = ModelInfo(name=model_dir, tokenizer_path=model_dir, max_context_tokens=cfg.max_context,
                      vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids))

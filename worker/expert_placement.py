@@ -26,6 +26,8 @@ class ExpertOptions:
     kv_reserve_tokens: int = 32768  # the KV floor --moe-cache-auto leaves
     dummy_weights: bool = False
     seed: int = 0
+    prefill_pipeline: bool = True  # stream prefill chunks' experts through a double buffer (needs 3E slots)
+    prefill_invalidate: str = "fixed"  # "eager": the boolean-mask invalidation, a hidden sync (A/B only)
 
     @property
     def uses_store(self) -> bool:
@@ -61,8 +63,13 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
         return ResidentExperts(ExpertBanks(host.w13.to(device), host.w2.to(device)))
     log.info("expert cache: %d of %d experts (%.1f%%, %.2f GB), policy %s", slots, total, 100 * slots / total,
              slots * slot_bytes / 1e9, options.policy)
+    pipeline = options.prefill_pipeline and slots >= 3 * cfg.num_experts
+    if options.prefill_pipeline and not pipeline:
+        log.warning("expert cache of %d slots is below the %d the prefill pipeline needs (2x%d lent, %d for decode): "
+                    "prefill runs through the cache", slots, 3 * cfg.num_experts, cfg.num_experts, cfg.num_experts)
     banks = store.device_banks() if device.type == "cuda" else host
-    experts = OffloadedExperts.create(banks, slots, device, options.policy)
+    experts = OffloadedExperts.create(banks, slots, device, options.policy, pipeline=pipeline,
+                                      invalidate=options.prefill_invalidate)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts
 

@@ -29,9 +29,9 @@ class Generation:
 
 
 def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-             eos_ids: tuple[int, ...] = (), max_prefill_tokens: int = 2048) -> Generation:
+             eos_ids: tuple[int, ...] = (), max_prefill_tokens: int | None = None) -> Generation:
     """Prefill the prompt in chunks, then decode one token at a time (greedy or sampled)."""
-    pool = runner.kv_pool
+    pool, chunk = runner.kv_pool, max_prefill_tokens or runner.max_prefill_tokens
     total = len(prompt_ids) + max_tokens
     if total > runner.model_config.max_context:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the context "
@@ -39,8 +39,8 @@ def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
     pages = pool.allocate(pool.pages_for(total))
     try:
         start = time.perf_counter()
-        for pos in range(0, len(prompt_ids), max_prefill_tokens):
-            out = runner.forward([SequenceChunk(prompt_ids[pos:pos + max_prefill_tokens], pos, pages)], [params], [0])
+        for pos in range(0, len(prompt_ids), chunk):
+            out = runner.forward([SequenceChunk(prompt_ids[pos:pos + chunk], pos, pages)], [params], [0])
         tokens = [int(out.next_tokens[0])]
         mid = time.perf_counter()
         while len(tokens) < max_tokens and tokens[-1] not in eos_ids:
@@ -85,8 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(text)
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    gen = generate(runner, prompt_ids, params, args.max_tokens, runner.model_config.eos_token_ids,
-                   args.max_prefill_tokens)
+    gen = generate(runner, prompt_ids, params, args.max_tokens, runner.model_config.eos_token_ids)
     print(tokenizer.decode(gen.token_ids))
     if args.stats:
         print(f"prefill {len(prompt_ids)} tokens in {gen.prefill_seconds:.3f} s "

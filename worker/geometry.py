@@ -17,4 +17,11 @@ GEOMETRIES: dict[str, dict] = {
         num_experts_per_tok=4, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
         max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float32", eos_token_id=255,
     ),
+    # enough layers that a cache of 25% holds the prefill pipeline's 3E slots (12 x 16 / 4 = 48)
+    "small-geometry": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=128, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=511,
+    ),
 }

@@ -17,6 +17,12 @@ from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
 from worker.sampling import SamplingParams, SamplingTensors, sample
 
+# --max-prefill-tokens 0 (auto): a multiple of AUTO_PREFILL_STEP up to AUTO_PREFILL_MAX on a GPU.
+AUTO_PREFILL_STEP = 1024
+AUTO_PREFILL_MAX = 32768
+AUTO_PREFILL_RESERVE = 8192  # the chunk --moe-cache-auto reserves activations for while the size is auto
+CPU_PREFILL_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -27,7 +33,7 @@ class RunnerConfig:
     kv_tokens: int = 0  # 0 = choose from free memory (GPU) or 16384 (CPU)
     attention: str = "torch"
     experts: ExpertOptions = ExpertOptions()
-    max_prefill_tokens: int = 2048  # sizes the activation reserve of --moe-cache-auto
+    max_prefill_tokens: int = 0  # 0 = auto, see ModelRunner.max_prefill_tokens
 
     @property
     def torch_device(self) -> torch.device:
@@ -62,6 +68,7 @@ class ModelRunner:
                                 self.device, self._activation_bytes())
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
+        self.max_prefill_tokens = self._resolve_prefill_tokens()
         attention = create_backend(config.attention, self.kv_pool, cfg.head_dim ** -0.5)
         self.experts = experts
         self.model = MoETransformer(cfg, self.weights, attention, experts)
@@ -80,12 +87,32 @@ class ModelRunner:
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))
 
-    def _activation_bytes(self) -> int:
-        """A generous estimate of the largest prefill chunk's transient memory."""
-        cfg, tokens = self.model_config, self.config.max_prefill_tokens
+    def _resolve_prefill_tokens(self) -> int:
+        """Prompt tokens per prefill chunk. ``max_prefill_tokens`` 0 (auto) picks, on a GPU, the largest
+        multiple of 1024 up to 32768 whose activation estimate fits in the memory still free once the
+        weights, the expert cache and the KV pool are allocated (at least 1024); 2048 on CPU. Under
+        expert offload a chunk costs about the same at any size (every expert streams once per
+        chunk), so the biggest chunk that fits gives the most prefill tokens/s."""
+        if self.config.max_prefill_tokens:
+            return self.config.max_prefill_tokens
+        if self.device.type != "cuda":
+            return CPU_PREFILL_TOKENS
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        context = min(self.model_config.max_context, self.kv_pool.capacity * self.page_size)
+        sizes = range(AUTO_PREFILL_MAX, AUTO_PREFILL_STEP - 1, -AUTO_PREFILL_STEP)
+        return next((t for t in sizes if self._activation_bytes(t, context) <= free), AUTO_PREFILL_STEP)
+
+    def _activation_bytes(self, tokens: int | None = None, context: int | None = None) -> int:
+        """A generous estimate of a prefill chunk's transient memory: per-token activations, the
+        logits, and the reference attention's [q, k] boolean mask plus the bf16 bias SDPA makes of
+        it, for ``tokens`` attending over up to ``context`` keys."""
+        cfg = self.model_config
+        tokens = tokens or self.config.max_prefill_tokens or AUTO_PREFILL_RESERVE
+        context = context or cfg.max_context
         per_token = cfg.top_k * (3 * cfg.expert_intermediate_size + 2 * cfg.hidden_size) + 8 * cfg.hidden_size
         logits = tokens * cfg.vocab_size
-        return 4 * (tokens * per_token + logits) + (1 << 30)
+        return 4 * (tokens * per_token + logits) + 3 * tokens * context + (1 << 30)
 
     def _num_pages(self) -> int:
         cfg, c = self.model_config, self.config

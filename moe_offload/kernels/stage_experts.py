@@ -1,0 +1,140 @@
+"""Stage one layer's experts into a prefill buffer: every expert of the layer, in expert order.
+
+An expert resident in the cache outside the lent range (``slot_for_id >= lent``) is copied from its
+slot (device to device, HBM); every other one is read from the host bank (PCIe). Which is which is
+read on the device, per expert, so the host never learns how many hit:
+
+```
+ buf[e] = pool[slot_for_id[layer*E + e]]   if that slot >= lent      (hit: HBM)
+          host[layer*E + e]                 otherwise                 (miss: PCIe, zero-copy)
+```
+
+Why a kernel rather than ``cudaMemcpyAsync``: the misses are not contiguous and only the device
+knows them, so copy-engine transfers would have to cover the whole layer (no PCIe saved by a hit)
+or be sized on the host (a sync). The kernel is persistent with a small grid (``programs`` CTAs
+loop over (expert, block) work items) so that the grouped GEMM on the compute stream keeps most of
+the SMs; it reads mapped host memory through its device address (about 51-55 GB/s measured for the
+decode gather). ``scripts/bench_prefill.py`` measures it against a whole-layer copy-engine copy.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_offload.kernels._triton import next_pow2, use_triton
+
+BLOCK = 8192  # elements per work item: 16 KB of bf16 in flight per CTA
+PROGRAMS = 32  # CTAs: 512 KB in flight covers PCIe latency; the other SMs stay with the GEMM
+STAGE_FIELDS = ("from_cache", "from_host")  # columns of the stats table, in experts
+
+
+def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor, banks: list[tuple[torch.Tensor, ...]],
+           stats: torch.Tensor) -> None:
+    """Shapes, dtypes, devices and the buffer's place in the pool, all from metadata."""
+    num_ids = slot_for_id.numel()
+    if num_experts < 1 or num_ids % num_experts or not 0 <= layer < num_ids // num_experts:
+        raise ValueError(f"layer {layer} of {num_experts} experts is outside slot_for_id of {num_ids} ids")
+    if slot_for_id.dtype != torch.int32 or not slot_for_id.is_contiguous():
+        raise ValueError("slot_for_id must be contiguous int32")
+    if stats.dtype != torch.int64 or stats.shape != (num_ids // num_experts, len(STAGE_FIELDS)) or not stats.is_contiguous():
+        raise ValueError(f"stats must be contiguous int64 [{num_ids // num_experts}, {len(STAGE_FIELDS)}]")
+    for pool, host, buf in banks:
+        if pool.dim() != 3 or host.shape[1:] != pool.shape[1:] or buf.shape != (num_experts, *pool.shape[1:]):
+            raise ValueError(f"pool {tuple(pool.shape)}, host {tuple(host.shape)} and buffer {tuple(buf.shape)} "
+                             f"do not hold one expert shape (buffer: all {num_experts} experts)")
+        if host.shape[0] != num_ids or len({pool.dtype, host.dtype, buf.dtype}) != 1:
+            raise ValueError(f"host bank of {host.shape[0]} experts / dtypes {pool.dtype}, {host.dtype}, {buf.dtype} "
+                             f"do not match {num_ids} ids of one dtype")
+        if not (pool.is_contiguous() and host.is_contiguous() and buf.is_contiguous()):
+            raise ValueError("pools, host banks and buffers must be contiguous")
+        if not num_experts <= lent <= pool.shape[0]:
+            raise ValueError(f"lent range [0, {lent}) must hold a buffer of {num_experts} and fit the {pool.shape[0]} slots")
+        # the buffer must lie in the lent range: a hit's source slot (>= lent) then never overlaps it
+        offset, slot_bytes = buf.data_ptr() - pool.data_ptr(), pool[0].nbytes
+        if buf.device != pool.device or offset % slot_bytes or not 0 <= offset <= (lent - num_experts) * slot_bytes:
+            raise ValueError("the buffer must be a slot-aligned view of the pool inside its lent range")
+        if len({pool.device, buf.device, slot_for_id.device, stats.device}) != 1:
+            raise ValueError("pools, buffers, slot_for_id and stats must be on one device")
+
+
+def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
+                  pool_w13: torch.Tensor, pool_w2: torch.Tensor, host_w13: torch.Tensor, host_w2: torch.Tensor,
+                  buf_w13: torch.Tensor, buf_w2: torch.Tensor, stats: torch.Tensor,
+                  backend: str | None = None, programs: int = PROGRAMS) -> None:
+    """Fill ``buf [E, ...]`` with all experts of ``layer``: hits (slot >= ``lent``) from the pool
+    ``[S, ...]``, the rest from the host bank ``[L*E, ...]``; ``stats[layer] += (hits, misses)``.
+
+    Two launches (w13, w2), fixed grids. On CUDA the host banks must be device-addressable (pinned
+    or registered, or device views of mapped memory). Slot entries are not checked (that would read
+    the device): ``lookup_admit`` keeps them in ``[0, S)`` or -1.
+    """
+    banks = [(pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2)]
+    _check(layer, num_experts, lent, slot_for_id, banks, stats)
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    if not use_triton(buf_w13, backend):
+        stage_experts_eager(layer, num_experts, lent, slot_for_id, pool_w13, pool_w2, host_w13, host_w2,
+                            buf_w13, buf_w2, stats)
+        return
+    for count, (pool, host, buf) in zip((True, False), banks):
+        numel = pool[0].numel()
+        grid = min(programs, num_experts * -(-numel // BLOCK))
+        _kernel()[(grid,)](slot_for_id, pool, host, buf, stats, layer, num_experts, lent, numel,
+                           COUNT=count, BLOCK=BLOCK, PROGRAMS=grid, BLOCK_E=next_pow2(num_experts),
+                           NUM_FIELDS=len(STAGE_FIELDS), num_warps=8)
+
+
+def stage_experts_eager(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
+                        pool_w13: torch.Tensor, pool_w2: torch.Tensor, host_w13: torch.Tensor, host_w2: torch.Tensor,
+                        buf_w13: torch.Tensor, buf_w2: torch.Tensor, stats: torch.Tensor) -> None:
+    """Reference twin: plain gathers and a select (CPU path and oracle; it copies every expert
+    from both sources, so it saves no PCIe traffic)."""
+    gids = layer * num_experts + torch.arange(num_experts, device=slot_for_id.device)
+    slots = slot_for_id[gids].long()
+    hit = slots >= lent
+    for pool, host, buf in ((pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2)):
+        from_host = host[gids.to(host.device)].to(buf.device)
+        buf.copy_(torch.where(hit[:, None, None], pool[slots.clamp(min=0)], from_host))
+    num_hit = hit.sum()
+    stats[layer].add_(torch.stack((num_hit, num_experts - num_hit)))
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stage_experts_kernel(slot_for_id_ptr, pool_ptr, host_ptr, buf_ptr, stats_ptr,
+                             layer, num_experts, lent, numel,
+                             COUNT: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                             BLOCK_E: tl.constexpr, NUM_FIELDS: tl.constexpr):
+        pid = tl.program_id(0)
+        blocks = tl.cdiv(numel, BLOCK)
+        cols = tl.arange(0, BLOCK)
+        # work item w = (expert w // blocks, block w % blocks); neighbouring CTAs read neighbouring blocks
+        for w in range(pid, num_experts * blocks, PROGRAMS):
+            e = w // blocks
+            offs = (w - e * blocks).to(tl.int64) * BLOCK + cols
+            inside = offs < numel
+            gid = layer * num_experts + e
+            # the expert's slot in every lane (added, not broadcast: the interpreter rejects a
+            # scalar bool inside a block mask)
+            slot = tl.zeros([BLOCK], tl.int64) + tl.load(slot_for_id_ptr + gid).to(tl.int64)
+            hit = slot >= lent
+            # masked-off lanes issue no memory traffic: a hit never touches PCIe, a miss never HBM
+            cached = tl.load(pool_ptr + slot * numel + offs, mask=inside & hit, other=0.0)
+            streamed = tl.load(host_ptr + gid.to(tl.int64) * numel + offs, mask=inside & (slot < lent), other=0.0)
+            tl.store(buf_ptr + e.to(tl.int64) * numel + offs, tl.where(hit, cached, streamed), mask=inside)
+        if COUNT:
+            if pid == 0:
+                es = tl.arange(0, BLOCK_E)
+                slots = tl.load(slot_for_id_ptr + layer * num_experts + es, mask=es < num_experts, other=-1)
+                hits = tl.sum((slots >= lent).to(tl.int64), axis=0)
+                fields = tl.arange(0, 2)
+                ptrs = stats_ptr + layer * NUM_FIELDS + fields
+                old = tl.load(ptrs)
+                tl.store(ptrs, old + tl.where(fields == 0, hits, num_experts - hits))
+
+    return stage_experts_kernel

@@ -1,0 +1,184 @@
+"""The prefill-overlap pipeline: a chunk streams every layer's experts into a double buffer on a
+copy stream while the compute stream runs the layer before.
+
+```
+ copy:    [wait begin] inval+stage L0->buf0 | inval+stage L1->buf1 | wait release0, inval+stage L2->buf0 | ...
+ compute:  record begin     wait ready0, L0 | wait ready1, L1     | wait ready0, L2                      | ...
+                               record release0   record release1      record release0
+```
+
+The buffer is the cache's slots ``[0, 2E)``, lent as ``w13 [2, E, 2I, H]`` / ``w2 [2, E, H, I]``;
+buffer ``b`` holds layer ``L`` (``b = L % 2``) indexed by expert id, so the grouped GEMM takes the
+routed ids as slots. Staging copies experts resident elsewhere in the cache device-to-device and
+reads only the rest over PCIe (``kernels.stage_experts``); the host never reads a count.
+
+Why the lent slots stay correct: while a pipeline exists, decode lookups manage only slots
+``[2E, S)`` (``OffloadedExperts`` passes ``slot_start=2E``), so no table entry points into the
+buffer. Had decode used the lent slots too, its victim order (empty slots first) would put the
+experts admitted right after a prefill, its hot set, exactly there, and every prefill would wipe
+them. Staging still empties buffer ``b``'s ``E`` slots first (``invalidate_slots``: one
+fixed-shape launch that clears ``slot_for_id`` of any expert held there), so a lookup into the lent
+range by any other user of the cache can never alias a buffer being overwritten; it runs on the
+copy stream after ``begin``, i.e. after every decode enqueued earlier has finished with the tables
+and the slots that staging reads. No lookup runs inside a pipelined chunk.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager, Protocol
+
+import torch
+
+from moe_offload.expert_cache import ExpertCache
+from moe_offload.grouped import grouped_swiglu
+from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
+from moe_offload.kernels.stage_experts import STAGE_FIELDS, stage_experts
+
+# "fixed": one fixed-shape invalidate_slots launch per staged layer. "eager": the boolean-mask
+# twin (``slot_for_id[held[held >= 0]] = -1``), a hidden device->host sync on the copy stream that
+# blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
+INVALIDATE_MODES = ("fixed", "eager")
+EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
+
+
+class PipelineStreams(Protocol):
+    """The two streams and the pipeline's named events (``EVENTS``)."""
+
+    def on_copy(self, what: str) -> ContextManager[None]:
+        """Enqueue the block's work on the copy stream."""
+        ...
+
+    def on_compute(self, what: str) -> ContextManager[None]:
+        """Enqueue the block's work on the compute stream (the caller's current stream)."""
+        ...
+
+    def record(self, event: str, stream: str) -> None:
+        ...
+
+    def wait(self, stream: str, event: str) -> None:
+        """Work enqueued later on ``stream`` waits for the event's latest record."""
+        ...
+
+
+class CudaStreams:
+    """A dedicated copy stream; the compute stream is whatever stream is current at each call."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy = torch.cuda.Stream(device)
+        self.events = {name: torch.cuda.Event() for name in EVENTS}
+
+    def _stream(self, name: str) -> torch.cuda.Stream:
+        return self.copy if name == "copy" else torch.cuda.current_stream(self.device)
+
+    def on_copy(self, what: str) -> ContextManager[None]:
+        return torch.cuda.stream(self.copy)
+
+    def on_compute(self, what: str) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def record(self, event: str, stream: str) -> None:
+        self.events[event].record(self._stream(stream))
+
+    def wait(self, stream: str, event: str) -> None:
+        self._stream(stream).wait_event(self.events[event])
+
+
+class HostStreams:
+    """Off CUDA everything runs in program order; with ``log`` the calls are recorded as tuples
+    ``("record", event, stream)``, ``("wait", stream, event)``, ``("copy" | "compute", what)``."""
+
+    def __init__(self, log: list[tuple[str, ...]] | None = None):
+        self.log = log
+
+    def _note(self, *entry: str) -> None:
+        if self.log is not None:
+            self.log.append(entry)
+
+    @contextlib.contextmanager
+    def on_copy(self, what: str):
+        self._note("copy", what)
+        yield
+
+    @contextlib.contextmanager
+    def on_compute(self, what: str):
+        self._note("compute", what)
+        yield
+
+    def record(self, event: str, stream: str) -> None:
+        self._note("record", event, stream)
+
+    def wait(self, stream: str, event: str) -> None:
+        self._note("wait", stream, event)
+
+
+class PrefillPipeline:
+    """Runs prefill-sized MoE layers from a double buffer lent by ``cache``.
+
+    The cache must have at least ``3E`` slots (``2E`` lent, ``E`` for decode lookups, the least
+    one of them admits); a smaller one raises ``ValueError`` (``place_experts`` then runs without
+    the pipeline). ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are
+    read from (device-addressable on CUDA). Layers must come in order ``0, 1, ..., L-1`` per chunk.
+    """
+
+    def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
+                 invalidate: str = "fixed", streams: PipelineStreams | None = None):
+        num_experts = cache.num_experts
+        if cache.num_slots < 3 * num_experts:
+            raise ValueError(f"the prefill pipeline lends 2x{num_experts} slots and leaves {num_experts} to decode: "
+                             f"it needs a cache of {3 * num_experts} slots, this one has {cache.num_slots}")
+        if invalidate not in INVALIDATE_MODES:
+            raise ValueError(f"invalidate mode {invalidate!r} is not one of {INVALIDATE_MODES}")
+        self.cache = cache
+        self.host_w13, self.host_w2 = host_w13, host_w2
+        self.invalidate = invalidate
+        self.lent = 2 * num_experts
+        self.buf_w13 = cache.w13[:self.lent].view(2, num_experts, *cache.w13.shape[1:])
+        self.buf_w2 = cache.w2[:self.lent].view(2, num_experts, *cache.w2.shape[1:])
+        device = cache.w13.device
+        self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
+        # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
+        self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
+        self._next_layer = 0
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One layer of a chunk: stage the next layer, wait for this one, run the grouped GEMM."""
+        if layer == 0:
+            self._begin()
+        elif layer != self._next_layer:
+            raise RuntimeError(f"prefill pipeline: layer {layer} called, layer {self._next_layer} was staged")
+        if layer + 1 < self.cache.num_layers:
+            self._stage(layer + 1)
+        buf = layer % 2
+        self.streams.wait("compute", f"ready{buf}")
+        with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
+            out = grouped_swiglu(hidden, weights, ids, self.buf_w13[buf], self.buf_w2[buf])
+        self.streams.record(f"release{buf}", "compute")
+        self._next_layer = layer + 1
+        return out
+
+    def _begin(self) -> None:
+        # fences every decode enqueued before this chunk: it may still read (or fill) the lent slots
+        self.streams.record("begin", "compute")
+        self.streams.wait("copy", "begin")
+        self._stage(0)
+
+    def _stage(self, layer: int) -> None:
+        buf, num_experts = layer % 2, self.cache.num_experts
+        self.streams.wait("copy", f"release{buf}")  # the layer two back is done reading this buffer
+        with self.streams.on_copy(f"layer {layer} to buffer {buf}"):
+            if self.invalidate == "fixed":
+                invalidate_slots(buf * num_experts, num_experts, self.cache.tables, self.cache.backend)
+            else:
+                invalidate_slots_eager(buf * num_experts, num_experts, self.cache.tables)
+            stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13, self.cache.w2,
+                          self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf], self.staged,
+                          self.cache.backend)
+        self.streams.record(f"ready{buf}", "copy")
+
+    def stats(self) -> dict:
+        """Experts staged from the cache and from the host, and the PCIe bytes; reads the device,
+        so call it off the hot path."""
+        from_cache, from_host = (int(v) for v in self.staged.sum(0).tolist())
+        return {"from_cache": from_cache, "from_host": from_host, "bytes_h2d": from_host * self.cache.slot_bytes,
+                "bytes_d2d": from_cache * self.cache.slot_bytes}

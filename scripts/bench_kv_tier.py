@@ -1,0 +1,184 @@
+"""Time to first token of returning agent sessions with the host KV tier against recomputing them,
+and the host->GPU page bandwidth against PCIe (55.3 GB/s measured on the reference H200).
+
+    python scripts/bench_kv_tier.py [--model DIR|qwen3-30b-geometry --dummy-weights --moe-cache-fraction 0.25]
+                                    [--kv-tokens 16384] [--sessions 6] [--rounds 3] [--json PATH]
+
+N sessions whose contexts add up to 3x the GPU KV pool take turns round-robin, so each returning
+session finds its prefix evicted: restored from the host (writeback / writethrough) or recomputed
+(host tier disabled). A copy micro-benchmark compares the two page-move paths: the zero-copy Triton
+kernel and one cudaMemcpyAsync per layer and contiguous run, over contiguous and scattered pages.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from scheduler import kv_tier
+from scheduler.engine import Engine, EngineConfig
+from scheduler.request import Request
+from worker.cli_options import add_runner_args, resolve_model, runner_config
+from worker.host_kv_pool import HostKVPool
+from worker.page_copy import build_plan, copy_page_runs, load_pages
+from worker.runner import ModelRunner
+from worker.sampling import SamplingParams
+
+PCIE_BYTES_PER_S = 55.3e9
+MODES = {  # name -> (host tier on, mode, copy method)
+    "recompute": (False, "writeback", "kernel"),
+    "writeback": (True, "writeback", "kernel"),
+    "writethrough": (True, "writethrough", "kernel"),
+    "writeback-memcpy": (True, "writeback", "memcpy"),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ==== page-move micro-benchmark ====
+
+def time_copy(device: torch.device, fn, repeats: int = 5) -> float:
+    fn()  # warm-up (compiles the kernel)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
+    pool = runner.kv_pool
+    host = HostKVPool.like(pool, num_pages * pool.page_bytes)
+    num_pages = min(num_pages, pool.capacity, host.capacity)
+    rows = []
+    for layout in ("contiguous", "scattered"):
+        src = list(range(num_pages))
+        dst = list(range(1, num_pages + 1))
+        if layout == "scattered":
+            random.Random(0).shuffle(src)
+            random.Random(1).shuffle(dst)
+
+        def kernel():
+            for i in range(0, num_pages, kv_tier.PLAN_CAPACITY):
+                s, d = src[i:i + kv_tier.PLAN_CAPACITY], dst[i:i + kv_tier.PLAN_CAPACITY]
+                plan = build_plan(s, d, kv_tier.PLAN_CAPACITY, host.num_pages, pool.num_pages, runner.device)
+                load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+
+        def memcpy():
+            copy_page_runs(src, dst, host.k, host.v, pool.k, pool.v)
+
+        for method, fn in (("kernel", kernel), ("memcpy", memcpy)):
+            seconds = time_copy(runner.device, fn)
+            gbps = num_pages * pool.page_bytes / seconds / 1e9
+            rows.append(dict(layout=layout, method=method, pages=num_pages, ms=seconds * 1e3, gb_per_s=gbps,
+                             bound_gb_per_s=PCIE_BYTES_PER_S / 1e9, ratio=gbps * 1e9 / PCIE_BYTES_PER_S))
+    return rows
+
+
+# ==== returning sessions ====
+
+def run_turn(engine: Engine, req: Request) -> float:
+    """Seconds from submitting ``req`` to its first token on the host (it then runs to the end)."""
+    sync(engine.device)
+    start = time.perf_counter()
+    assert engine.submit(req) is None
+    first = None
+    while engine.has_work:
+        engine.step()
+        if first is None and req.output:
+            first = time.perf_counter() - start
+    return first
+
+
+def drain(engine: Engine) -> None:
+    """Hand every cached page back to the pool, so the next engine starts from an empty one."""
+    pages = engine.pages
+    freed, _ = pages.radix.evict(pages.pool.capacity, lambda node: None)
+    pages.pool.free(freed)
+
+
+def session_rows(runner: ModelRunner, args: argparse.Namespace) -> list[dict]:
+    pool, vocab = runner.kv_pool, runner.model_config.vocab_size
+    pool_tokens = pool.capacity * pool.page_size
+    context = 3 * pool_tokens // args.sessions - args.rounds * (args.new_tokens + args.decode_tokens)
+    if context < pool.page_size or context + args.rounds * (args.new_tokens + args.decode_tokens) > pool_tokens:
+        raise SystemExit(f"{args.sessions} sessions of 3x{pool_tokens}/{args.sessions} tokens do not fit the "
+                         "pool one at a time: use more sessions or fewer rounds")
+    host_gib = 4 * pool.capacity * pool.page_bytes / 2**30  # room for every session
+    rows = []
+    for name in args.modes:
+        tier_on, mode, method = MODES[name]
+        engine = Engine(runner, EngineConfig(max_prefill_tokens=args.max_prefill_tokens, kv_host_gib=host_gib if tier_on else 0,
+                                             kv_tier_mode=mode, kv_tier_copy=method))
+        gen = random.Random(7)
+        history = [[gen.randrange(vocab) for _ in range(context)] for _ in range(args.sessions)]
+        ttft: list[float] = []
+        for rnd in range(args.rounds):
+            for s in range(args.sessions):
+                prompt = history[s] + [gen.randrange(vocab) for _ in range(args.new_tokens)]
+                req = Request(f"{s}.{rnd}", prompt, SamplingParams(), args.decode_tokens, frozenset(), ignore_eos=True)
+                seconds = run_turn(engine, req)
+                if rnd > 0:  # round 0 fills the caches
+                    ttft.append(seconds)
+                history[s] = prompt + req.output
+        engine.check_pages()
+        stats = engine.stats()
+        drain(engine)
+        restore = stats.get("kv_host_restore_gb_per_s", 0.0)
+        rows.append(dict(mode=name, turns=len(ttft), ttft_ms=statistics.mean(ttft) * 1e3,
+                         cached_share=stats["cached_prompt_tokens"] / max(stats["prompt_tokens"], 1),
+                         pages_restored=stats.get("kv_host_pages_restored", 0),
+                         pages_written=stats.get("kv_host_pages_written", 0),
+                         restore_gb_per_s=restore, bound_gb_per_s=PCIE_BYTES_PER_S / 1e9,
+                         ratio=restore * 1e9 / PCIE_BYTES_PER_S))
+    base = next((r["ttft_ms"] for r in rows if r["mode"] == "recompute"), None)
+    for r in rows:
+        r["speedup"] = base / r["ttft_ms"] if base else float("nan")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    add_runner_args(p)
+    p.set_defaults(kv_tokens=16384)  # a small GPU pool: the sessions are sized from it
+    p.add_argument("--sessions", type=int, default=6, help="sessions; their contexts add up to 3x the GPU pool")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds (the first one warms the caches)")
+    p.add_argument("--new-tokens", type=int, default=64, help="new prompt tokens per turn")
+    p.add_argument("--decode-tokens", type=int, default=8, help="tokens generated per turn")
+    p.add_argument("--copy-pages", type=int, default=2048, help="pages moved by the copy micro-benchmark")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args()
+    model_dir = resolve_model(args.model)
+    runner = ModelRunner(runner_config(args, model_dir))
+    copies = copy_rows(runner, args.copy_pages)
+    turns = session_rows(runner, args)
+    device = torch.cuda.get_device_name() if runner.device.type == "cuda" else "cpu"
+    pool = runner.kv_pool
+    print(f"model {model_dir} on {device}, {runner.dtype}; GPU pool {pool.capacity} pages of {pool.page_size} tokens "
+          f"({pool.page_bytes / 1e6:.2f} MB/page); {args.sessions} sessions x {args.rounds} rounds")
+    print(f"\n{'layout':>10} {'method':>7} {'pages':>6} {'ms':>8} {'GB/s':>7} {'bound':>6} {'ratio':>6}")
+    for r in copies:
+        print(f"{r['layout']:>10} {r['method']:>7} {r['pages']:>6} {r['ms']:>8.2f} {r['gb_per_s']:>7.1f} "
+              f"{r['bound_gb_per_s']:>6.1f} {r['ratio']:>6.3f}")
+    print(f"\n{'mode':>16} {'TTFT ms':>9} {'speedup':>8} {'cached':>7} {'restored':>9} {'written':>8} "
+          f"{'GB/s':>7} {'bound':>6} {'ratio':>6}")
+    for r in turns:
+        print(f"{r['mode']:>16} {r['ttft_ms']:>9.1f} {r['speedup']:>8.2f} {r['cached_share']:>7.2f} "
+              f"{r['pages_restored']:>9} {r['pages_written']:>8} {r['restore_gb_per_s']:>7.1f} "
+              f"{r['bound_gb_per_s']:>6.1f} {r['ratio']:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy=copies, sessions=turns), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Prefill under expert offload through the prefill-overlap pipeline: seconds per chunk, tokens/s,
+bytes over PCIe and HBM, and the ratio to the bound max(PCIe bytes / 55 GB/s, FLOPs / 7.9e14),
+for each chunk size, cache fraction, invalidation mode, with and without a cached prefix.
+
+    python scripts/bench_prefill.py [--model qwen3-30b-geometry] [--fractions 0.25 0.5]
+        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--json FILE]
+
+Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
+part of the cache (slots [2E, S)) is filled evenly across layers, as a decode phase would leave it;
+its experts reach the buffer device-to-device, the rest cross PCIe. With --prefix, a prefix of that
+many tokens is prefilled once (untimed), then each timed chunk attends over it; a combination the
+reference attention cannot hold in memory is reported as "oom". First a short table compares the
+stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from moe_offload.kernels.stage_experts import stage_experts
+from moe_offload.offloaded import OffloadedExperts
+from moe_offload.prefill_pipeline import PrefillPipeline
+from worker.batch import SequenceChunk
+from worker.expert_placement import ExpertOptions
+from worker.geometry import GEOMETRIES
+from worker.runner import ModelRunner, RunnerConfig
+from worker.sampling import SamplingParams
+
+PCIE_BYTES_PER_S = 55e9
+FLOPS_PER_S = 7.9e14
+PREFIX_CHUNK = 16384  # writes the cached prefix; keeps the reference attention's [q, k] mask small
+
+
+def warm_cache(experts: OffloadedExperts, seed: int) -> None:
+    """Fill the decode slots [2E, S) with experts spread evenly over the layers."""
+    cache, lent = experts.cache, experts.pipeline.lent
+    gen = torch.Generator().manual_seed(seed)
+    usable, layers = cache.num_slots - lent, cache.num_layers
+    for layer in range(layers):
+        count = usable // layers + (layer < usable % layers)
+        ids = torch.randperm(cache.num_experts, generator=gen)[:count].view(-1, 1).cuda()
+        plan, _ = cache.lookup(layer, ids, slot_start=lent)
+        cache.fill(plan, experts.host_w13, experts.host_w2)
+    cache.reset_stats()
+
+
+def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 4) -> list[dict]:
+    """GB/s of staging whole layers from the host: the stage kernel with every expert a miss (lent
+    = S), and the copy engine moving the layer's contiguous banks."""
+    cache, num_experts = experts.cache, experts.cache.num_experts
+    host = experts.store.host_banks()  # pinned (registered) CPU views: what cudaMemcpyAsync reads
+    host_w13, host_w2 = (b.view(-1, *b.shape[2:]) for b in host)
+    scratch = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device="cuda")
+    layer_bytes = num_experts * cache.slot_bytes
+
+    def timed(fn) -> float:
+        fn(0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for rep in range(reps):
+            fn(1 + rep % (cache.num_layers - 1))
+        torch.cuda.synchronize()
+        return reps * layer_bytes / (time.perf_counter() - start) / 1e9
+
+    rows = []
+    for n in programs:
+        gbs = timed(lambda layer: stage_experts(layer, num_experts, cache.num_slots, cache.tables.slot_for_id,
+                                                cache.w13, cache.w2, experts.host_w13, experts.host_w2,
+                                                cache.w13[:num_experts], cache.w2[:num_experts], scratch, programs=n))
+        rows.append({"method": f"stage kernel, {n} CTAs", "GB/s": gbs})
+
+    def memcpy(layer: int) -> None:
+        ids = slice(layer * num_experts, (layer + 1) * num_experts)
+        cache.w13[:num_experts].copy_(host_w13[ids], non_blocking=True)
+        cache.w2[:num_experts].copy_(host_w2[ids], non_blocking=True)
+
+    rows.append({"method": "cudaMemcpyAsync, whole layer", "GB/s": timed(memcpy)})
+    return rows
+
+
+def chunk_flops(runner: ModelRunner, tokens: int, prefix: int) -> float:
+    cfg = runner.model_config
+    H, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    dense = 2 * tokens * (H * (q + 2 * kv) + q * H + H * cfg.num_experts)
+    moe = 2 * tokens * cfg.top_k * 3 * H * cfg.expert_intermediate_size
+    attention = 4 * cfg.num_heads * cfg.head_dim * (tokens * prefix + tokens * (tokens + 1) / 2)  # causal
+    return cfg.num_layers * (dense + moe + attention) + 2 * H * cfg.vocab_size
+
+
+def hbm_bytes(runner: ModelRunner, staged: dict, tokens: int, prefix: int) -> float:
+    """Expert traffic (buffer writes, cache reads of hits, one GEMM read of each buffer) and one
+    read of the KV the chunk attends over; activations are not counted."""
+    cfg, cache = runner.model_config, runner.experts.cache
+    experts = cfg.num_layers * cfg.num_experts * cache.slot_bytes
+    kv = cfg.num_layers * 2 * (prefix + tokens) * cfg.kv_size * 2
+    return 2 * experts + staged["from_cache"] * cache.slot_bytes + kv
+
+
+def run_chunk(runner: ModelRunner, tokens: list[int], prefix: int, pages: list[int]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    runner.forward([SequenceChunk(tokens, prefix, pages)], [SamplingParams()], [0])
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: int, prefix: int,
+            prompt: list[int], pages: list[int], warmup: int, fraction: float) -> list[dict]:
+    experts, default = runner.experts, runner.experts.pipeline
+    rows = []
+    try:
+        for _ in range(warmup):
+            run_chunk(runner, prompt[prefix:prefix + chunk], prefix, pages)
+        for mode, pipeline in pipelines.items():
+            experts.pipeline = pipeline
+            before = pipeline.stats()
+            seconds = run_chunk(runner, prompt[prefix:prefix + chunk], prefix, pages)
+            staged = {k: v - before[k] for k, v in pipeline.stats().items()}
+            pcie_s = staged["bytes_h2d"] / PCIE_BYTES_PER_S
+            flops_s = chunk_flops(runner, chunk, prefix) / FLOPS_PER_S
+            total = staged["from_cache"] + staged["from_host"]
+            rows.append(dict(fraction=fraction, invalidate=mode, chunk=chunk, prefix=prefix, seconds=seconds,
+                             tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
+                             pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
+                             bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
+                             ratio=max(pcie_s, flops_s) / seconds))
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        rows.append(dict(fraction=fraction, invalidate="-", chunk=chunk, prefix=prefix, oom=True))
+    finally:
+        experts.pipeline = default
+    return rows
+
+
+def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[dict]) -> list[dict]:
+    longest = max(args.chunks)
+    runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
+                                      max_prefill_tokens=longest,
+                                      experts=ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES)))
+    experts = runner.experts
+    if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
+        raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
+    pipelines = {mode: experts.pipeline if mode == experts.pipeline.invalidate else
+                 PrefillPipeline(experts.cache, experts.host_w13, experts.host_w2, mode) for mode in args.invalidate}
+    warm_cache(experts, seed=1)
+    if not stage_rows and args.stage_programs:
+        stage_rows += stage_bandwidth(experts, args.stage_programs)
+    vocab = runner.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (args.prefix + longest,), generator=torch.Generator().manual_seed(0)).tolist()
+    pool = runner.kv_pool
+    pages = pool.allocate(pool.pages_for(len(prompt)))
+    run_chunk(runner, prompt[:1024], 0, pages)  # compile the kernels
+    rows = []
+    for chunk in args.chunks:
+        rows += measure(runner, pipelines, chunk, 0, prompt, pages, args.warmup, fraction)
+    if args.prefix:
+        for pos in range(0, args.prefix, PREFIX_CHUNK):  # the cached prefix, untimed
+            run_chunk(runner, prompt[pos:min(pos + PREFIX_CHUNK, args.prefix)], pos, pages)
+        for chunk in args.chunks:
+            rows += measure(runner, pipelines, chunk, args.prefix, prompt, pages, args.warmup, fraction)
+    del runner, experts, pipelines
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-geometry")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
+    p.add_argument("--prefix", type=int, default=65536, help="cached prefix tokens (0: none)")
+    p.add_argument("--invalidate", nargs="+", default=["fixed", "eager"], choices=["fixed", "eager"])
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
+    p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],
+                   help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    stage_rows: list[dict] = []
+    rows = []
+    for fraction in args.fractions:
+        rows += bench_fraction(args, fraction, stage_rows)
+    print(f"prefill, {args.model}, {torch.cuda.get_device_name()}, bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
+    if stage_rows:
+        print(f"{'staging one layer from the host':<32} {'GB/s':>6}")
+        for r in stage_rows:
+            print(f"{r['method']:<32} {r['GB/s']:>6.1f}")
+    print(f"{'cache':>6} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} {'hits':>5} "
+          f"{'PCIe GB':>8} {'HBM GB':>7} {'bound s':>8} {'bound':>5} {'ratio':>6}")
+    for r in rows:
+        head = f"{r['fraction']:>6.0%} {r['invalidate']:>6} {r['chunk']:>6} {r['prefix']:>6}"
+        if r.get("oom"):
+            print(f"{head} {'out of memory (reference attention)':>40}")
+            continue
+        print(f"{head} {r['seconds']:>8.3f} {r['tok_s']:>8.0f} {r['hit_rate']:>5.2f} {r['pcie_gb']:>8.1f} "
+              f"{r['hbm_gb']:>7.1f} {r['bound_s']:>8.3f} {r['bound']:>5} {r['ratio']:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"stage": stage_rows, "chunks": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

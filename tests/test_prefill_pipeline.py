@@ -1,0 +1,359 @@
+"""The prefill-overlap pipeline: same results as resident experts and as the cache path, the
+lent slots left empty and consistent, the event order (with recording fakes on the CPU), the stage
+kernel against its eager twin (interpreted), the options; on a GPU a bf16 parity run and a whole
+multi-chunk prefill with no hidden sync (and the eager invalidation caught by the same check)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # interpreted kernels are chosen when first decorated, lazily
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_offload.expert_cache import ExpertCache  # noqa: E402
+from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
+from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
+from moe_offload.offloaded import OffloadedExperts  # noqa: E402
+from moe_offload.prefill_pipeline import HostStreams, PrefillPipeline  # noqa: E402
+from tests.test_expert_cache import assert_consistent, make_banks, skewed_routing  # noqa: E402
+from tests.tiny_models import write_tiny  # noqa: E402
+from worker.batch import SequenceChunk  # noqa: E402
+from worker.expert_placement import ExpertOptions  # noqa: E402
+from worker.generate import generate  # noqa: E402
+from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
+from worker.sampling import SamplingParams  # noqa: E402
+
+LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 4, 8, 16, 8, 2
+PREFILL, DECODE = 24, 2  # tokens: 24 * 2 >= 4E pairs takes the pipeline, 2 * 2 does not
+
+
+def setup(pipeline: bool = True, invalidate: str = "fixed", slots: int = 3 * EXPERTS, log: list | None = None):
+    banks = make_banks(LAYERS, EXPERTS, HIDDEN, INTER)
+    offloaded = OffloadedExperts.create(banks, slots, "cpu", "lfru", pipeline=pipeline, invalidate=invalidate)
+    if log is not None:
+        offloaded.pipeline.streams = HostStreams(log)
+    return banks, offloaded
+
+
+def batches(seed: int, rounds: int = 4):
+    """Prefill chunks with decode steps between them, skewed so that decode warms the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    bias = 2 * torch.randn(LAYERS, EXPERTS, generator=gen)
+    for round_ in range(rounds):
+        for tokens in (PREFILL, DECODE, DECODE, DECODE):
+            yield [(torch.randn(tokens, HIDDEN, generator=gen), *skewed_routing(gen, tokens, EXPERTS, TOP_K, bias[layer]))
+                   for layer in range(LAYERS)]
+
+
+def lent_slots_are_empty(cache: ExpertCache) -> bool:
+    tables, lent = cache.tables, 2 * cache.num_experts
+    pointing_in = ((tables.slot_for_id >= 0) & (tables.slot_for_id < lent)).any()
+    return bool((tables.id_of_slot[:lent] == -1).all()) and not bool(pointing_in)
+
+
+# ==== results ====
+
+def test_pipeline_equals_resident_and_leaves_lent_slots_empty():
+    banks, offloaded = setup()
+    resident = ResidentExperts(banks)
+    for step in batches(0):
+        for layer, (x, weights, ids) in enumerate(step):
+            out, want = offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids)
+            if offloaded.pipelined(ids):  # experts indexed by id as in the resident banks: same arithmetic
+                assert torch.equal(out, want)
+            else:
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        if len(step[0][0]) == PREFILL:
+            assert lent_slots_are_empty(offloaded.cache)
+        assert_consistent(offloaded.cache)
+    stats = offloaded.pipeline.stats()
+    assert stats["from_cache"] > 0 and stats["from_host"] > 0  # decode left experts that the chunks reused
+    assert stats["from_cache"] + stats["from_host"] == 4 * LAYERS * EXPERTS
+    assert stats["bytes_h2d"] == stats["from_host"] * offloaded.cache.slot_bytes
+
+
+@pytest.mark.parametrize("invalidate", ["fixed", "eager"])
+def test_pipeline_equals_cache_path(invalidate):
+    _, piped = setup(invalidate=invalidate)
+    _, plain = setup(pipeline=False)
+    for step in batches(1):
+        for layer, args in enumerate(step):
+            torch.testing.assert_close(piped.forward(layer, *args), plain.forward(layer, *args), rtol=1e-5, atol=1e-5)
+    assert piped.cache.stats()["total"]["lookups"] < plain.cache.stats()["total"]["lookups"]
+
+
+def test_cache_below_three_layers_of_experts_is_refused():
+    with pytest.raises(ValueError, match="needs a cache of 24 slots"):
+        setup(slots=3 * EXPERTS - 1)
+    with pytest.raises(ValueError, match="invalidate mode"):
+        setup(invalidate="lazy")
+
+
+def test_layers_must_come_in_order():
+    _, offloaded = setup()
+    step = next(batches(2))
+    offloaded.forward(0, *step[0])
+    with pytest.raises(RuntimeError, match="layer 2 called, layer 1 was staged"):
+        offloaded.forward(2, *step[2])
+
+
+# ==== event order ====
+
+def happens_before_checker(log: list[tuple[str, ...]]):
+    """Vector clocks over the logged calls: returns the operations (stream, name, stamp) and
+    ``hb(a, b)``, whether ``a`` is ordered before ``b`` by stream order and event waits."""
+    clocks = {"copy": {"copy": 0, "compute": 0}, "compute": {"copy": 0, "compute": 0}}
+    events, ops = {}, []
+    for entry in log:
+        if entry[0] == "record":
+            events[entry[1]] = dict(clocks[entry[2]])
+        elif entry[0] == "wait":
+            clock, seen = clocks[entry[1]], events.get(entry[2], {})
+            for stream in clock:
+                clock[stream] = max(clock[stream], seen.get(stream, 0))
+        else:
+            clocks[entry[0]][entry[0]] += 1
+            ops.append((entry[0], entry[1], dict(clocks[entry[0]])))
+
+    def hb(a, b) -> bool:
+        return a[2][a[0]] <= b[2][a[0]]
+
+    return ops, hb
+
+
+def check_order(log: list[tuple[str, ...]]) -> None:
+    ops, hb = happens_before_checker(log)
+    for i, op in enumerate(ops):
+        stream, name, _ = op
+        if name == "decode":
+            continue
+        layer, buf, earlier = int(name.split()[1]), int(name.split()[-1]), ops[:i]
+        if stream == "copy":  # after every decode before it, and every compute that read its buffer
+            for prev in earlier:
+                if prev[0] == "compute" and (prev[1] == "decode" or prev[1].endswith(f"buffer {buf}")):
+                    assert hb(prev, op), f"{name} may overwrite buffer {buf} while {prev[1]} reads it"
+        else:  # after the copy that staged its layer
+            staged = [p for p in earlier if p[1] == f"layer {layer} to buffer {buf}"]
+            assert staged and hb(staged[-1], op), f"{name} may run before its layer is staged"
+
+
+def test_event_order_with_recording_streams():
+    log: list[tuple[str, ...]] = []
+    _, offloaded = setup(log=log)
+    streams = offloaded.pipeline.streams
+    for step in batches(3, rounds=2):
+        if len(step[0][0]) == DECODE:
+            with streams.on_compute("decode"):  # a decode step reading the cache, lent slots included
+                for layer, args in enumerate(step):
+                    offloaded.forward(layer, *args)
+            continue
+        for layer, args in enumerate(step):
+            offloaded.forward(layer, *args)
+    check_order(log)
+    begin = log.index(("record", "begin", "compute"))
+    assert log[begin + 1] == ("wait", "copy", "begin")
+    assert next(i for i, e in enumerate(log) if e[0] == "copy") > begin
+    assert sum(e == ("copy", "layer 2 to buffer 0") for e in log) == 2
+
+
+def test_order_checker_catches_a_missing_wait():
+    log: list[tuple[str, ...]] = []
+    _, offloaded = setup(log=log)
+    step = next(batches(4))
+    for layer, args in enumerate(step):
+        offloaded.forward(layer, *args)
+    check_order(log)
+    for dropped in (("wait", "copy", "release0"), ("wait", "copy", "begin"), ("wait", "compute", "ready1")):
+        broken = [("compute", "decode")] + [e for e in log if e != dropped]
+        with pytest.raises(AssertionError):
+            check_order(broken)
+
+
+# ==== the stage kernel ====
+
+def stage_case(gen: torch.Generator, layers=3, experts=6, slots=20, lent=12, shape=(5, 7)):
+    host = [torch.randn(layers * experts, *shape, generator=gen), torch.randn(layers * experts, shape[1], shape[0], generator=gen)]
+    pools = [torch.randn(slots, *h.shape[1:], generator=gen) for h in host]
+    slot_for_id = torch.full((layers * experts,), -1, dtype=torch.int32)
+    resident = torch.randperm(layers * experts, generator=gen)[:slots]
+    slot_for_id[resident] = torch.randperm(slots, generator=gen)[:len(resident)].int()  # lent-range ones miss
+    stats = torch.zeros(layers, 2, dtype=torch.int64)
+    return host, pools, slot_for_id, stats
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels run on the CPU only")
+@pytest.mark.parametrize("buf_start", [0, 6])
+def test_stage_kernel_matches_twin(buf_start):
+    gen = torch.Generator().manual_seed(buf_start)
+    for trial in range(6):
+        host, pools, slot_for_id, stats = stage_case(gen)
+        layer, outs = trial % 3, []
+        for backend in ("triton", "eager"):
+            p, s = [t.clone() for t in pools], stats.clone()
+            bufs = [t[buf_start:buf_start + 6] for t in p]
+            stage_mod.stage_experts(layer, 6, 12, slot_for_id, *p, *host, *bufs, s, backend=backend, programs=4)
+            outs.append((p, s))
+        (p_k, s_k), (p_e, s_e) = outs
+        assert all(torch.equal(a, b) for a, b in zip(p_k, p_e)) and torch.equal(s_k, s_e)
+        gids = layer * 6 + torch.arange(6)
+        hit = slot_for_id[gids] >= 12
+        want = torch.where(hit[:, None, None], pools[0][slot_for_id[gids].long().clamp(min=0)], host[0][gids])
+        assert torch.equal(p_e[0][buf_start:buf_start + 6], want)
+        assert s_e[layer].tolist() == [int(hit.sum()), 6 - int(hit.sum())]
+
+
+def test_stage_bounds_are_checked_on_the_host():
+    host, pools, slot_for_id, stats = stage_case(torch.Generator().manual_seed(0))
+    bufs = [t[0:6] for t in pools]
+    with pytest.raises(ValueError, match="layer 3"):
+        stage_mod.stage_experts(3, 6, 12, slot_for_id, *pools, *host, *bufs, stats)
+    with pytest.raises(ValueError, match="inside its lent range"):
+        stage_mod.stage_experts(0, 6, 12, slot_for_id, *pools, *host, *[t[7:13] for t in pools], stats)
+    with pytest.raises(ValueError, match="lent range"):
+        stage_mod.stage_experts(0, 6, 21, slot_for_id, *pools, *host, *bufs, stats)
+    with pytest.raises(ValueError, match="one expert shape"):
+        stage_mod.stage_experts(0, 6, 12, slot_for_id, *pools, *host, bufs[0][:5], bufs[1], stats)
+    with pytest.raises(ValueError, match="stats"):
+        stage_mod.stage_experts(0, 6, 12, slot_for_id, *pools, *host, *bufs, stats[:2])
+
+
+# ==== the runner ====
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-pipeline")
+    write_tiny(path, "mixtral", seed=5, layers=4, experts=8, top_k=2)
+    return str(path)
+
+
+def runner(model_dir, **experts) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=512,
+                                    experts=ExpertOptions(**experts)))
+
+
+def test_generation_through_the_pipeline_equals_resident(model_dir):
+    resident = runner(model_dir)
+    piped = runner(model_dir, cache_size=24)
+    plain = runner(model_dir, cache_size=24, prefill_pipeline=False)
+    assert piped.experts.pipeline is not None and plain.experts.pipeline is None
+    for prompt in (list(range(1, 50)), [7, 3] * 20):  # chunks of 20, 20 and a short one through the cache
+        want = generate(resident, prompt, SamplingParams(), 12, max_prefill_tokens=20).token_ids
+        assert generate(piped, prompt, SamplingParams(), 12, max_prefill_tokens=20).token_ids == want
+        assert generate(plain, prompt, SamplingParams(), 12, max_prefill_tokens=20).token_ids == want
+    stats = piped.experts.pipeline.stats()
+    assert stats["from_host"] > 0 and stats["from_cache"] > 0
+
+
+def test_small_cache_runs_without_the_pipeline(model_dir, caplog):
+    r = runner(model_dir, cache_size=16)
+    assert r.experts.pipeline is None and "below the 24" in caplog.text
+    assert runner(model_dir, cache_size=24, prefill_invalidate="eager").experts.pipeline.invalidate == "eager"
+
+
+def test_cli_options_reach_the_pipeline():
+    import argparse
+
+    from worker.cli_options import add_runner_args, runner_config
+
+    p = argparse.ArgumentParser()
+    add_runner_args(p)
+    default = runner_config(p.parse_args([]), "m")
+    assert default.experts.prefill_pipeline and default.experts.prefill_invalidate == "fixed"
+    assert default.max_prefill_tokens == 0  # auto
+    args = p.parse_args(["--no-prefill-pipeline", "--prefill-invalidate", "eager", "--max-prefill-tokens", "4096"])
+    config = runner_config(args, "m")
+    assert not config.experts.prefill_pipeline and config.experts.prefill_invalidate == "eager"
+    assert config.max_prefill_tokens == 4096
+
+
+def test_auto_prefill_tokens_on_cpu(model_dir):
+    assert runner(model_dir).max_prefill_tokens == 2048
+
+
+# ==== GPU ====
+
+class sync_errors:
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+def test_cuda_pipeline_bf16_matches_resident_without_sync():
+    banks = make_banks(LAYERS, 16, 128, 64)
+    banks = ExpertBanks(banks.w13.bfloat16(), banks.w2.bfloat16())
+    host = ExpertBanks(banks.w13.pin_memory(), banks.w2.pin_memory())
+    piped = OffloadedExperts.create(host, 48, "cuda", pipeline=True)
+    resident = ResidentExperts(ExpertBanks(banks.w13.cuda(), banks.w2.cuda()))
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(LAYERS, 16, generator=gen)
+    for checked in (False, True, True):  # the first round compiles
+        for tokens in (256, 4, 4, 256):
+            inputs = [(torch.randn(tokens, 128, generator=gen).bfloat16().cuda(),
+                       *skewed_routing(gen, tokens, 16, 4, bias[layer], "cuda")) for layer in range(LAYERS)]
+            torch.cuda.set_sync_debug_mode("error" if checked else "default")
+            try:
+                outs = [piped.forward(layer, *inputs[layer]) for layer in range(LAYERS)]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for layer in range(LAYERS):
+                torch.testing.assert_close(outs[layer], resident.forward(layer, *inputs[layer]), rtol=2e-2, atol=2e-2)
+    stats = piped.pipeline.stats()
+    assert stats["from_cache"] > 0 and stats["from_host"] > 0
+    assert lent_slots_are_empty(piped.cache)  # the last batch was a chunk
+
+
+@pytest.mark.cuda
+def test_cuda_stage_kernel_matches_twin():
+    gen = torch.Generator().manual_seed(1)
+    host, pools, slot_for_id, stats = stage_case(gen, layers=4, experts=16, slots=48, lent=32, shape=(128, 96))
+    host = [h.bfloat16().pin_memory() for h in host]
+    outs = []
+    for backend in ("triton", "eager"):
+        p = [t.bfloat16().cuda() for t in pools]
+        s = stats.cuda()
+        with sync_errors():
+            stage_mod.stage_experts(2, 16, 32, slot_for_id.cuda(), *p, *host, *[t[16:32] for t in p], s, backend=backend)
+        outs.append((p, s))
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][0], outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
+
+
+def small_runner(invalidate: str = "fixed", pipeline: bool = True) -> ModelRunner:
+    return ModelRunner(RunnerConfig("small-geometry", device="cuda", dtype="bfloat16", page_size=16, kv_tokens=4096,
+                                    max_prefill_tokens=512,
+                                    experts=ExpertOptions(cache_fraction=0.25, dummy_weights=True,
+                                                          prefill_pipeline=pipeline, prefill_invalidate=invalidate)))
+
+
+def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
+    pages = r.kv_pool.allocate(r.kv_pool.pages_for(len(prompt)))
+    try:
+        for pos in range(0, len(prompt), chunk):
+            out = r.forward([SequenceChunk(prompt[pos:pos + chunk], pos, pages)], [SamplingParams()], [0])
+        return out.logits
+    finally:
+        r.kv_pool.free(pages)
+
+
+@pytest.mark.cuda
+def test_cuda_multichunk_prefill_has_no_hidden_sync():
+    r = small_runner()
+    assert r.experts.pipeline is not None and r.experts.cache.num_slots == 48
+    prompt = torch.randint(0, 512, (1400,), generator=torch.Generator().manual_seed(0)).tolist()
+    prefill(r, prompt[:600], 512)  # compile every kernel outside the check
+    with sync_errors():
+        logits = prefill(r, prompt, 512)  # chunks of 512, 512 and 376 tokens
+    torch.cuda.synchronize()
+    want = prefill(small_runner(pipeline=False), prompt, 512)
+    assert ((logits - want).norm() / want.norm()).item() < 2e-2
+    assert r.experts.pipeline.stats()["from_host"] > 0
+
+    eager = small_runner("eager")
+    prefill(eager, prompt[:600], 512)
+    with pytest.raises(RuntimeError, match="synchroniz"), sync_errors():
+        prefill(eager, prompt, 512)
+    torch.cuda.synchronize()
