@@ -158,7 +158,8 @@ class PrefillPipeline:
         return out
 
     def _begin(self) -> None:
-        # fences every decode enqueued before this chunk: it may still read (or fill) the lent slots
+        # fences every decode enqueued before this chunk: its lookups and gathers write the tables
+        # and the cache slots that staging reads
         self.streams.record("begin", "compute")
         self.streams.wait("copy", "begin")
         self._stage(0)

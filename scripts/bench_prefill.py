@@ -137,9 +137,9 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
 
 def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[dict]) -> list[dict]:
     longest = max(args.chunks)
+    experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES)
     runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
-                                      max_prefill_tokens=longest,
-                                      experts=ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES)))
+                                      max_prefill_tokens=longest, experts=experts))
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")

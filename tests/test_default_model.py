@@ -6,6 +6,8 @@ so a developer's cache is reused (about 1.4 GB + 2.9 GB for the exact f32 copy).
 
 from __future__ import annotations
 
+import os
+
 import importlib.util
 import json
 import subprocess
@@ -241,30 +243,42 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def _sluice(model_dir: Path):
+    from worker.runner import ModelRunner, RunnerConfig
+
+    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", kv_tokens=1024))
+
+
 @pytest.mark.slow
 def test_exact_moe_matches_the_dense_gguf_model(exact_dir, one_thread):
-    from transformers import AutoTokenizer, MixtralForCausalLM
+    """Sluice's engine on the --exact checkpoint against transformers' dense model read from the GGUF."""
+    from transformers import AutoTokenizer
+
+    from worker.batch import SequenceChunk
+    from worker.generate import generate
+    from worker.sampling import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(exact_dir)
-    moe = MixtralForCausalLM.from_pretrained(exact_dir).eval()
-    assert moe.dtype == torch.float32
+    runner = _sluice(exact_dir)
     dense = _dense_gguf_model()
     chat = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
                                    tokenize=False)
     for prompt in ["The capital of France is", "def fibonacci(n):", chat]:
         ids = tok(prompt).input_ids
+        pages = runner.kv_pool.allocate(runner.kv_pool.pages_for(len(ids)))
+        ours = runner.forward([SequenceChunk(ids, 0, pages)], [SamplingParams()], [0]).logits[0]
+        runner.kv_pool.free(pages)
         with torch.no_grad():
-            diff = (moe(torch.tensor([ids])).logits - dense(torch.tensor([ids])).logits).abs().max()
-        assert diff < 1e-3, prompt
-        assert _greedy(moe, ids, 12) == _greedy(dense, ids, 12), prompt
+            ref = dense(torch.tensor([ids])).logits[0, -1]
+        assert (ours - ref).abs().max() < 1e-3, prompt
+        assert generate(runner, ids, SamplingParams(), 12).token_ids == _greedy(dense, ids, 12), prompt
 
 
 @pytest.mark.slow
-def test_default_model_knows_the_capital_of_france(moe_dir, one_thread):
-    from transformers import AutoTokenizer, MixtralForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(moe_dir)
-    model = MixtralForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    assert "Paris" in tok.decode(_greedy(model, list(ids), 16))
+def test_default_model_knows_the_capital_of_france(moe_dir):
+    """Through the offline entry point: chat template, greedy, Sluice's own engine."""
+    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(moe_dir), "--chat",
+                           "--prompt", "What is the capital of France?", "--max-tokens", "16", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

@@ -16,7 +16,7 @@ from moe_offload.expert_cache import ExpertCache  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
-from moe_offload.prefill_pipeline import HostStreams, PrefillPipeline  # noqa: E402
+from moe_offload.prefill_pipeline import HostStreams  # noqa: E402
 from tests.test_expert_cache import assert_consistent, make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
@@ -43,8 +43,8 @@ def batches(seed: int, rounds: int = 4):
     bias = 2 * torch.randn(LAYERS, EXPERTS, generator=gen)
     for round_ in range(rounds):
         for tokens in (PREFILL, DECODE, DECODE, DECODE):
-            yield [(torch.randn(tokens, HIDDEN, generator=gen), *skewed_routing(gen, tokens, EXPERTS, TOP_K, bias[layer]))
-                   for layer in range(LAYERS)]
+            yield [(torch.randn(tokens, HIDDEN, generator=gen),
+                    *skewed_routing(gen, tokens, EXPERTS, TOP_K, bias[layer])) for layer in range(LAYERS)]
 
 
 def lent_slots_are_empty(cache: ExpertCache) -> bool:
@@ -174,7 +174,8 @@ def test_order_checker_catches_a_missing_wait():
 # ==== the stage kernel ====
 
 def stage_case(gen: torch.Generator, layers=3, experts=6, slots=20, lent=12, shape=(5, 7)):
-    host = [torch.randn(layers * experts, *shape, generator=gen), torch.randn(layers * experts, shape[1], shape[0], generator=gen)]
+    host = [torch.randn(layers * experts, *shape, generator=gen),
+            torch.randn(layers * experts, shape[1], shape[0], generator=gen)]
     pools = [torch.randn(slots, *h.shape[1:], generator=gen) for h in host]
     slot_for_id = torch.full((layers * experts,), -1, dtype=torch.int32)
     resident = torch.randperm(layers * experts, generator=gen)[:slots]
@@ -317,7 +318,8 @@ def test_cuda_stage_kernel_matches_twin():
         p = [t.bfloat16().cuda() for t in pools]
         s = stats.cuda()
         with sync_errors():
-            stage_mod.stage_experts(2, 16, 32, slot_for_id.cuda(), *p, *host, *[t[16:32] for t in p], s, backend=backend)
+            stage_mod.stage_experts(2, 16, 32, slot_for_id.cuda(), *p, *host, *[t[16:32] for t in p], s,
+                                    backend=backend)
         outs.append((p, s))
     assert all(torch.equal(a, b) for a, b in zip(outs[0][0], outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
 

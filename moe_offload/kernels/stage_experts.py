@@ -29,16 +29,17 @@ PROGRAMS = 32  # CTAs: 512 KB in flight covers PCIe latency; the other SMs stay 
 STAGE_FIELDS = ("from_cache", "from_host")  # columns of the stats table, in experts
 
 
-def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor, banks: list[tuple[torch.Tensor, ...]],
-           stats: torch.Tensor) -> None:
+def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
+           banks: list[tuple[torch.Tensor, ...]], stats: torch.Tensor) -> None:
     """Shapes, dtypes, devices and the buffer's place in the pool, all from metadata."""
     num_ids = slot_for_id.numel()
     if num_experts < 1 or num_ids % num_experts or not 0 <= layer < num_ids // num_experts:
         raise ValueError(f"layer {layer} of {num_experts} experts is outside slot_for_id of {num_ids} ids")
     if slot_for_id.dtype != torch.int32 or not slot_for_id.is_contiguous():
         raise ValueError("slot_for_id must be contiguous int32")
-    if stats.dtype != torch.int64 or stats.shape != (num_ids // num_experts, len(STAGE_FIELDS)) or not stats.is_contiguous():
-        raise ValueError(f"stats must be contiguous int64 [{num_ids // num_experts}, {len(STAGE_FIELDS)}]")
+    shape = (num_ids // num_experts, len(STAGE_FIELDS))
+    if stats.dtype != torch.int64 or stats.shape != shape or not stats.is_contiguous():
+        raise ValueError(f"stats must be contiguous int64 {list(shape)}")
     for pool, host, buf in banks:
         if pool.dim() != 3 or host.shape[1:] != pool.shape[1:] or buf.shape != (num_experts, *pool.shape[1:]):
             raise ValueError(f"pool {tuple(pool.shape)}, host {tuple(host.shape)} and buffer {tuple(buf.shape)} "
@@ -49,7 +50,8 @@ def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor, b
         if not (pool.is_contiguous() and host.is_contiguous() and buf.is_contiguous()):
             raise ValueError("pools, host banks and buffers must be contiguous")
         if not num_experts <= lent <= pool.shape[0]:
-            raise ValueError(f"lent range [0, {lent}) must hold a buffer of {num_experts} and fit the {pool.shape[0]} slots")
+            raise ValueError(f"lent range [0, {lent}) must hold a buffer of {num_experts} "
+                             f"and fit the {pool.shape[0]} slots")
         # the buffer must lie in the lent range: a hit's source slot (>= lent) then never overlaps it
         offset, slot_bytes = buf.data_ptr() - pool.data_ptr(), pool[0].nbytes
         if buf.device != pool.device or offset % slot_bytes or not 0 <= offset <= (lent - num_experts) * slot_bytes:
