@@ -79,11 +79,11 @@ IN_KERNEL_SORT_MAX = 1024
 def _align_kernel(slots_ptr, sorted_ptr, sorted_pairs_ptr, total_ptr, num_pairs, num_slots, capacity,
                   SORT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     if SORT_BLOCK > 0:
-        pos = tl.arange(0, SORT_BLOCK)
-        slot = tl.load(slots_ptr + pos, mask=pos < num_pairs, other=num_slots).to(tl.int64)
-        key = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots)
-        key = tl.where(pos < num_pairs, key * num_pairs + pos, 9223372036854775807)
-        tl.store(sorted_ptr + pos, tl.sort(key, 0), mask=pos < num_pairs)
+        spos = tl.arange(0, SORT_BLOCK)
+        sslot = tl.load(slots_ptr + spos, mask=spos < num_pairs, other=num_slots).to(tl.int64)
+        skey = tl.where((sslot >= 0) & (sslot < num_slots), sslot, num_slots)
+        skey = tl.where(spos < num_pairs, skey * num_pairs + spos, 9223372036854775807)
+        tl.store(sorted_ptr + spos, tl.sort(skey, 0), mask=spos < num_pairs)
     for start in range(0, capacity, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_pairs_ptr + offs, tl.full((CHUNK,), num_pairs, tl.int32), mask=offs < capacity)
