@@ -37,7 +37,7 @@ class KVTier:
         self.device = pool.k.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._writes: tuple[list[int], list[int]] = ([], [])  # (GPU, host) pages queued for the host
-        self._unfenced = False  # copies issued that the compute stream has not been told to wait for
+        self._reused = False  # GPU pages evicted or restored since the compute stream last waited
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event, int]] = []
         self.counters = dict(kv_host_pages_written=0, kv_host_pages_restored=0)
         self._seconds = dict(written=0.0, restored=0.0)
@@ -48,6 +48,7 @@ class KVTier:
     def save(self, node: _Node) -> list[int] | None:
         """Radix eviction callback: host pages holding ``node``'s KV, queued for writing unless a
         copy is there already; None when the host pool cannot hold it."""
+        self._reused = True  # its GPU pages go to another use: a copy still reading them must finish
         if node.host_pages is not None:
             return node.host_pages
         host = self._allocate(len(node.pages))
@@ -70,14 +71,17 @@ class KVTier:
         """Copy ``host_pages`` into GPU ``pages`` (queued writes go first: they may read those pages)."""
         self._flush()
         self._copy("restored", host_pages, pages)
+        self._reused = True
         self.counters["kv_host_pages_restored"] += len(pages)
 
     def fence(self) -> None:
-        """Issue queued writes; the compute stream waits for every copy issued so far."""
+        """Issue queued writes; if GPU pages were evicted or restored since the last fence, the
+        compute stream waits for every copy issued so far (write-through copies of pages that stay
+        cached need no wait)."""
         self._flush()
-        if self.stream is not None and self._unfenced:
+        if self.stream is not None and self._reused:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self._unfenced = False
+        self._reused = False
 
     def stats(self) -> dict[str, int | float]:
         self._collect_timings()
@@ -126,7 +130,6 @@ class KVTier:
             self._launch(kind, src, dst)
             end.record()
         self._timings.append((kind, start, end, len(src) * self.pool.page_bytes))
-        self._unfenced = True
 
     def _launch(self, kind: str, src: list[int], dst: list[int]) -> None:
         pool, host = self.pool, self.host

@@ -195,9 +195,9 @@ class RadixCache:
             gpu += len(n.pages or [])
             host += len(n.host_pages or [])
             locked += len(n.pages) if n.lock_ref else 0
-        if (gpu, host, locked) != (self.num_pages, self.num_host_pages, self.num_locked_pages):
-            raise AssertionError(f"radix counts (gpu, host, locked) {(self.num_pages, self.num_host_pages, self.num_locked_pages)} "
-                                 f"!= tree {(gpu, host, locked)}")
+        counted = (self.num_pages, self.num_host_pages, self.num_locked_pages)
+        if (gpu, host, locked) != counted:
+            raise AssertionError(f"radix counts (gpu, host, locked) {counted} != tree {(gpu, host, locked)}")
 
     # ==== internals ====
 

@@ -27,7 +27,7 @@ HBM_BYTES_PER_S = 4.3e12
 
 def cache_totals(runner: ModelRunner) -> dict:
     cache = getattr(runner.experts, "cache", None)
-    return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes": 0}
+    return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes_h2d": 0}
 
 
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int) -> dict:
@@ -49,7 +49,7 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     seconds, after = time.perf_counter() - start, cache_totals(runner)
     engine.check_pages()
     steps = decode_tokens - 1
-    delta = {k: after[k] - before[k] for k in ("lookups", "hits", "misses", "bytes")}
+    delta = {k: after[k] - before[k] for k in ("lookups", "hits", "misses", "bytes_h2d")}
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
@@ -81,12 +81,12 @@ def main() -> None:
             distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
             if fraction >= 1.0:
                 distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
-            step_pcie = r["bytes"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
+            step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
             step_hbm = (dense + distinct * expert_bytes) / HBM_BYTES_PER_S
             bound = max(step_pcie, step_hbm)
             rows.append(dict(fraction=fraction, batch=batch, tok_s=tok_s,
                              hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
-                             bytes_per_token=r["bytes"] / max(r["tokens"], 1),
+                             bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
                              bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                              ratio=tok_s / (batch / bound)))
         del runner

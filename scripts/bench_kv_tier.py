@@ -116,8 +116,9 @@ def session_rows(runner: ModelRunner, args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.modes:
         tier_on, mode, method = MODES[name]
-        engine = Engine(runner, EngineConfig(max_prefill_tokens=args.max_prefill_tokens, kv_host_gib=host_gib if tier_on else 0,
-                                             kv_tier_mode=mode, kv_tier_copy=method))
+        config = EngineConfig(max_prefill_tokens=runner.max_prefill_tokens, kv_host_gib=host_gib if tier_on else 0,
+                              kv_tier_mode=mode, kv_tier_copy=method)
+        engine = Engine(runner, config)
         gen = random.Random(7)
         history = [[gen.randrange(vocab) for _ in range(context)] for _ in range(args.sessions)]
         ttft: list[float] = []

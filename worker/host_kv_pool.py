@@ -11,6 +11,8 @@ allocation up to a power of two, which for a pool of tens of GiB wastes up to ha
 """
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 
 import torch
@@ -26,8 +28,14 @@ class HostKVPool:
                  dtype: torch.dtype, device: torch.device):
         if num_pages < 1:
             raise ValueError(f"host KV pool needs at least 1 page, got {num_pages}")
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self._buffer = torch.empty((2, *shape), dtype=dtype)
+        shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        # whole OS pages of its own: CUDA refuses to register a page twice, and small pools share pages
+        span = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        raw = torch.empty(span + mmap.PAGESIZE, dtype=torch.uint8)
+        start = -raw.data_ptr() % mmap.PAGESIZE
+        self._region = raw[start:start + span]
+        self._buffer = self._region[:nbytes].view(dtype).view(shape)
         self.k, self.v = self._buffer[0], self._buffer[1]
         self.kernel_k, self.kernel_v = self.k, self.v
         if device.type == "cuda":
@@ -71,14 +79,14 @@ class HostKVPool:
         return set(self._free)
 
     def _map(self, device: torch.device) -> None:
-        nbytes = self._buffer.numel() * self._buffer.element_size()
-        ptr = self._buffer.data_ptr()
-        device_ptr = host_register(ptr, nbytes, device)
-        # the finalizer holds the buffer, so the memory outlives its registration
-        finalizer = weakref.finalize(self, _unregister, ptr, self._buffer)
+        ptr, span = self._region.data_ptr(), self._region.numel()
+        device_ptr = host_register(ptr, span, device)
+        # the finalizer holds the memory, so it outlives its registration
+        finalizer = weakref.finalize(self, _unregister, ptr, self._region)
         finalizer.atexit = False  # at exit the CUDA context is torn down anyway
-        raw = mapped_device_bytes(device_ptr, nbytes, device, owner=self)
-        mapped = raw.view(self._buffer.dtype).view(self._buffer.shape)
+        raw = mapped_device_bytes(device_ptr, span, device, owner=self)
+        nbytes = self._buffer.numel() * self._buffer.element_size()
+        mapped = raw[:nbytes].view(self._buffer.dtype).view(self._buffer.shape)
         self.kernel_k, self.kernel_v = mapped[0], mapped[1]
 
 
