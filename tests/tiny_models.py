@@ -8,7 +8,7 @@ import torch
 
 def write_tiny(path: Path, family: str, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
                kv_heads: int = 2, head_dim: int = 16, experts: int = 8, top_k: int = 2, inter: int = 32,
-               vocab: int = 128, norm_topk_prob: bool = True):
+               vocab: int = 128, norm_topk_prob: bool = True, router_std: float = 0.3):
     """Write a checkpoint directory and return the HF model (float32, eval mode)."""
     import transformers
 
@@ -30,7 +30,7 @@ def write_tiny(path: Path, family: str, seed: int = 0, layers: int = 2, hidden: 
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.3 if "gate.weight" in name else 0.08)
+                p.normal_(0.0, router_std if "gate.weight" in name else 0.08)
     model.eval()
     model.save_pretrained(path)
     return model
