@@ -30,6 +30,10 @@ class ExpertBanks(NamedTuple):
 
 
 class Experts(Protocol):
+    def begin(self, num_tokens: int, top_k: int) -> None:
+        """A batch starts (before layer 0's attention): a chance to start moving experts early."""
+        ...
+
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``."""
         ...
@@ -40,6 +44,9 @@ class ResidentExperts:
 
     def __init__(self, banks: ExpertBanks):
         self.banks = banks
+
+    def begin(self, num_tokens: int, top_k: int) -> None:
+        pass
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer])

@@ -54,6 +54,11 @@ class OffloadedExperts:
         """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
         return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
 
+    def begin(self, num_tokens: int, top_k: int) -> None:
+        """A batch of ``num_tokens`` starts: a pipelined one begins staging layer 0 now."""
+        if self.pipeline is not None and num_tokens * top_k >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts:
+            self.pipeline.begin()
+
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.pipelined(ids):
             return self.pipeline.forward(layer, hidden, weights, ids)

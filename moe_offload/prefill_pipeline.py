@@ -140,10 +140,17 @@ class PrefillPipeline:
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
         self._next_layer = 0
+        self._begun = False
+
+    def begin(self) -> None:
+        """Start a chunk early: called before layer 0's attention, so staging layer 0 overlaps it
+        instead of waiting for the first MoE layer."""
+        self._begin()
+        self._begun = True
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One layer of a chunk: stage the next layer, wait for this one, run the grouped GEMM."""
-        if layer == 0:
+        if layer == 0 and not self._begun:
             self._begin()
         elif layer != self._next_layer:
             raise RuntimeError(f"prefill pipeline: layer {layer} called, layer {self._next_layer} was staged")
@@ -155,6 +162,7 @@ class PrefillPipeline:
             out = grouped_swiglu(hidden, weights, ids, self.buf_w13[buf], self.buf_w2[buf])
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
+        self._begun = False
         return out
 
     def _begin(self) -> None:
@@ -163,6 +171,7 @@ class PrefillPipeline:
         self.streams.record("begin", "compute")
         self.streams.wait("copy", "begin")
         self._stage(0)
+        self._next_layer = 0
 
     def _stage(self, layer: int) -> None:
         buf, num_experts = layer % 2, self.cache.num_experts

@@ -128,7 +128,7 @@ def check_order(log: list[tuple[str, ...]]) -> None:
     ops, hb = happens_before_checker(log)
     for i, op in enumerate(ops):
         stream, name, _ = op
-        if name == "decode":
+        if name in ("decode", "attention"):
             continue
         layer, buf, earlier = int(name.split()[1]), int(name.split()[-1]), ops[:i]
         if stream == "copy":  # after every decode before it, and every compute that read its buffer
@@ -140,7 +140,8 @@ def check_order(log: list[tuple[str, ...]]) -> None:
             assert staged and hb(staged[-1], op), f"{name} may run before its layer is staged"
 
 
-def test_event_order_with_recording_streams():
+@pytest.mark.parametrize("early_begin", [False, True])  # True: the model calls begin() before layer 0's attention
+def test_event_order_with_recording_streams(early_begin):
     log: list[tuple[str, ...]] = []
     _, offloaded = setup(log=log)
     streams = offloaded.pipeline.streams
@@ -150,6 +151,10 @@ def test_event_order_with_recording_streams():
                 for layer, args in enumerate(step):
                     offloaded.forward(layer, *args)
             continue
+        if early_begin:
+            offloaded.begin(len(step[0][0]), TOP_K)
+            with streams.on_compute("attention"):  # overlaps staging of layer 0
+                pass
         for layer, args in enumerate(step):
             offloaded.forward(layer, *args)
     check_order(log)

@@ -87,8 +87,8 @@ def copy_pages_eager(plan: PagePlan, src_k: torch.Tensor, src_v: torch.Tensor, d
     """Reference twin: reads the count on the host (CPU path and oracle only)."""
     num = int(plan.count[0])
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        rows = src[:, plan.src[:num].long().to(src.device)]
-        dst[:, plan.dst[:num].long().to(dst.device)] = rows.to(dst.device)
+        rows = src.index_select(1, plan.src[:num].long().to(src.device))
+        dst.index_copy_(1, plan.dst[:num].long().to(dst.device), rows.to(dst.device))
 
 
 def copy_page_runs(src: list[int], dst: list[int], src_k: torch.Tensor, src_v: torch.Tensor,

@@ -19,11 +19,13 @@ class MoETransformer:
         self.weights = weights
         self.attention = attention
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device)
+        self.experts = experts
         self.moe = [MoEBlock(i, experts, cfg.top_k, cfg.renormalize) for i in range(cfg.num_layers)]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
+        self.experts.begin(batch.num_tokens, self.cfg.top_k)
         x = w.embed[batch.input_ids]
         for i, lw in enumerate(w.layers):
             x = x + self._attention(i, lw, rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps), batch)
