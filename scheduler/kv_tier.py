@@ -130,6 +130,8 @@ class KVTier:
             self._launch(kind, src, dst)
             end.record()
         self._timings.append((kind, start, end, len(src) * self.pool.page_bytes))
+        if len(self._timings) > 64:  # bounded even when nobody asks for stats
+            self._collect_timings()
 
     def _launch(self, kind: str, src: list[int], dst: list[int]) -> None:
         pool, host = self.pool, self.host

@@ -1,0 +1,237 @@
+"""Paged decode attention in Triton (one new token per sequence), flash-decoding style, and the
+"triton" attention backend that runs decode batches through it and prefill through the torch one.
+
+Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (GQA) and walks its
+split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads)``
+merges the splits. The grid comes from shapes only (the page table's width), the loop bounds from
+``seq_lens`` on the device, so one launch serves any lengths and is capturable in a CUDA graph:
+
+```
+ tokens of row b | split 0: t0 .. t0+S-1 | split 1 | ... | split n-1 |   (S = split_tokens)
+                 |<------------ seq_len[b] ------------>|  splits past seq_len store nothing
+```
+
+Device data is never trusted for addressing: ``seq_len`` is clamped to ``[0, max_pages * page]``
+and page ids to ``[0, num_pages)``, so padded rows (``seq_len`` 0 or 1 on scratch page 0) give finite
+output (zeros for ``seq_len`` 0) and never read outside the pool.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe_offload.kernels._triton import next_pow2, use_triton
+from worker.attention import register
+from worker.attention.torch_backend import TorchAttention
+from worker.batch import ForwardBatch
+from worker.kv_pool import KVPool
+
+BLOCK_N = 64  # tokens per inner step; splits are multiples of it
+SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
+TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
+REDUCE_CHUNK = 16  # splits merged per step of the reduce loop
+_LOG2E = 1.4426950408889634
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@register("triton")
+class TritonDecodeAttention:
+    """Decode batches (``max_q == 1``) through ``paged_decode_attention``; prefill chunks through
+    the torch backend."""
+
+    def __init__(self, pool: KVPool, scale: float):
+        self.pool = pool
+        self.scale = scale
+        self.prefill = TorchAttention(pool, scale)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        if not batch.is_decode:
+            return self.prefill.forward(layer, q, k, v, batch)
+        self.pool.store(layer, batch.out_loc, k, v)
+        return paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer], batch.page_table,
+                                      batch.seq_lens, self.scale)
+
+
+def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | None = None) -> tuple[int, int]:
+    """``(splits, split_tokens)`` from shapes: long page tables split until the grid has about
+    TARGET_PROGRAMS programs, never into splits shorter than SPLIT_MIN_TOKENS."""
+    if num_splits is None:
+        num_splits = min(-(-max_tokens // SPLIT_MIN_TOKENS), -(-TARGET_PROGRAMS // max(batch * kv_heads, 1)))
+    split_tokens = -(-max(-(-max_tokens // max(num_splits, 1)), 1) // BLOCK_N) * BLOCK_N
+    return -(-max_tokens // split_tokens), split_tokens
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
+                           backend: str | None = None) -> torch.Tensor:
+    """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer):
+    row b attends to its first ``seq_lens[b]`` tokens through ``page_table [B, max_pages]``.
+    Returns ``[B, heads, D]`` in q's dtype. CUDA tensors run the kernel, others the eager twin
+    (``backend`` forces one, see ``moe_offload.kernels._triton``)."""
+    _check(q, k_cache, v_cache, page_table, seq_lens)
+    if not use_triton(q, backend):
+        return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale)
+    B, heads, D = q.shape
+    num_pages, page, kv_heads, _ = k_cache.shape
+    max_tokens = page_table.shape[1] * page
+    splits, split_tokens = split_plan(B, kv_heads, max_tokens, num_splits)
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    group = heads // kv_heads
+    block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
+    m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(m)
+    acc = torch.empty(B, heads, splits, block_d, dtype=torch.float32, device=q.device)
+    partial, reduce = _kernels()
+    partial[(B, kv_heads, splits)](
+        q, k_cache, v_cache, page_table, seq_lens, m, lse, acc,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        num_pages, max_tokens, split_tokens, scale * _LOG2E,
+        HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=splits, BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+    reduce[(B, heads)](
+        m, lse, acc, seq_lens, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
+        HEADS=heads, HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+        CHUNK=REDUCE_CHUNK, num_warps=4)
+    return out
+
+
+def paged_decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The twin: gather every row's pages, mask past ``seq_len``, softmax in float32 with the
+    kernel's clamps (``seq_len`` 0 gives zeros)."""
+    B, heads, D = q.shape
+    num_pages, page, kv_heads, _ = k_cache.shape
+    max_tokens = page_table.shape[1] * page
+    pages = page_table.long().clamp(0, num_pages - 1)
+    keys = k_cache[pages].reshape(B, max_tokens, kv_heads, D).float()
+    values = v_cache[pages].reshape(B, max_tokens, kv_heads, D).float()
+    qf = q.float().view(B, kv_heads, heads // kv_heads, D)
+    scores = torch.einsum("bkgd,bskd->bkgs", qf, keys) * scale
+    live = torch.arange(max_tokens, device=q.device)[None, :] < seq_lens.long().clamp(0, max_tokens)[:, None]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True).clamp_min(-1e30))
+    # a row with tokens has a probability of exactly 1 at its maximum, so the clamp only zeroes empty rows
+    out = torch.einsum("bkgs,bskd->bkgd", probs, values) / probs.sum(-1, keepdim=True).clamp_min(1.0)
+    return out.reshape(B, heads, D).to(q.dtype)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+           seq_lens: torch.Tensor) -> None:
+    """Shapes, dtypes, strides and devices, from metadata only: the kernel does raw pointer arithmetic."""
+    if q.dim() != 3 or k_cache.dim() != 4 or page_table.dim() != 2 or seq_lens.dim() != 1:
+        raise ValueError("expected q [B, heads, D], k/v cache [pages, page, kv_heads, D], page_table [B, max_pages], "
+                         "seq_lens [B]")
+    B, heads, D = q.shape
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.shape[3] != D:
+        raise ValueError(f"k {tuple(k_cache.shape)} / v {tuple(v_cache.shape)} caches do not match q {tuple(q.shape)}")
+    kv_heads = k_cache.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if page_table.shape[0] != B or seq_lens.shape[0] != B or page_table.shape[1] < 1 or k_cache.shape[0] < 1:
+        raise ValueError(f"page_table {tuple(page_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
+                         f"{B} rows, with at least one page in the table and in the pool")
+    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share one of {_FLOATS}; got {q.dtype}, {k_cache.dtype}")
+    if page_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_table and seq_lens must be int32/int64; got {page_table.dtype}, {seq_lens.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or page_table.stride(1) != 1 or seq_lens.stride(0) != 1:
+        raise ValueError("q, the caches, page_table rows and seq_lens must be contiguous in their last dimension")
+    if page_table.shape[1] * k_cache.shape[1] >= 2**31:
+        raise ValueError("a page table longer than 2^31 tokens overflows the kernel's token index")
+    if len({t.device for t in (q, k_cache, v_cache, page_table, seq_lens)}) != 1:
+        raise ValueError("q, the caches, page_table and seq_lens must be on one device")
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
+                              q_stride_b, q_stride_h, stride_page, stride_tok, stride_head, table_stride_b,
+                              num_pages, max_tokens, split_tokens, qk_scale,
+                              HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                              NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        head = kv_head * GROUP + g
+        g_live = g < GROUP
+        d_live = d < HEAD_DIM
+        q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
+                    mask=g_live[:, None] & d_live[None, :], other=0.0)
+        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), max_tokens)
+        start = split * split_tokens
+        end = tl.minimum(start + split_tokens, seq_len)
+        # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
+        m = tl.full([BLOCK_G], -1e30, tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_live = t < end
+            page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            row = page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
+            kv_mask = t_live[:, None] & d_live[None, :]
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_live[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        part = (b * HEADS + head) * NUM_SPLITS + split
+        keep = g_live & (start + 0 * g < end)  # a vector compare: the interpreter rejects a broadcast scalar mask
+        tl.store(m_ptr + part, m, mask=keep)
+        tl.store(l_ptr + part, l, mask=keep)
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
+
+    @triton.jit
+    def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, out_stride_b, out_stride_h,
+                             max_tokens, split_tokens, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                             CHUNK: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), max_tokens)
+        active = (seq_len + split_tokens - 1) // split_tokens  # the splits that stored a partial
+        base = (b * HEADS + h) * NUM_SPLITS
+        s = tl.arange(0, BLOCK_S)
+        top = tl.max(tl.load(m_ptr + base + s, mask=s < active, other=-1e30), 0)
+        d = tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        total = tl.zeros((), tl.float32)
+        for s0 in range(0, active, CHUNK):
+            sc = s0 + tl.arange(0, CHUNK)
+            live = sc < active
+            w = tl.where(live, tl.exp2(tl.load(m_ptr + base + sc, mask=live, other=-1e30) - top), 0.0)
+            total += tl.sum(w * tl.load(l_ptr + base + sc, mask=live, other=0.0), 0)
+            part = tl.load(acc_ptr + (base + sc)[:, None] * BLOCK_D + d[None, :],
+                           mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+            acc += tl.sum(w[:, None] * part, 0)
+        # total >= 1 when the row has a token (its maximum contributes exp2(0)); 0 leaves zeros
+        out = acc / tl.maximum(total, 1.0)
+        tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+    return decode_partial_kernel, decode_reduce_kernel
+
