@@ -38,6 +38,9 @@ from moe_offload.kernels.stage_experts import STAGE_FIELDS, stage_experts
 # twin (``slot_for_id[held[held >= 0]] = -1``), a hidden device->host sync on the copy stream that
 # blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
 INVALIDATE_MODES = ("fixed", "eager")
+# "kernel": hits device-to-device, misses zero-copy over PCIe (kernels.stage_experts). "memcpy": the
+# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used).
+STAGE_MODES = ("kernel", "memcpy")
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
 
 
@@ -122,13 +125,16 @@ class PrefillPipeline:
     """
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
-                 invalidate: str = "fixed", streams: PipelineStreams | None = None):
+                 invalidate: str = "fixed", streams: PipelineStreams | None = None, stage: str = "kernel"):
         num_experts = cache.num_experts
         if cache.num_slots < 3 * num_experts:
             raise ValueError(f"the prefill pipeline lends 2x{num_experts} slots and leaves {num_experts} to decode: "
                              f"it needs a cache of {3 * num_experts} slots, this one has {cache.num_slots}")
         if invalidate not in INVALIDATE_MODES:
             raise ValueError(f"invalidate mode {invalidate!r} is not one of {INVALIDATE_MODES}")
+        if stage not in STAGE_MODES:
+            raise ValueError(f"stage mode {stage!r} is not one of {STAGE_MODES}")
+        self.stage = stage
         self.cache = cache
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.invalidate = invalidate
@@ -181,9 +187,15 @@ class PrefillPipeline:
                 invalidate_slots(buf * num_experts, num_experts, self.cache.tables, self.cache.backend)
             else:
                 invalidate_slots_eager(buf * num_experts, num_experts, self.cache.tables)
-            stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13, self.cache.w2,
-                          self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf], self.staged,
-                          self.cache.backend)
+            if self.stage == "memcpy":
+                experts = slice(layer * num_experts, (layer + 1) * num_experts)
+                self.buf_w13[buf].copy_(self.host_w13[experts], non_blocking=True)
+                self.buf_w2[buf].copy_(self.host_w2[experts], non_blocking=True)
+                self.staged[layer, 1] += num_experts
+            else:
+                stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13,
+                              self.cache.w2, self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf],
+                              self.staged, self.cache.backend)
         self.streams.record(f"ready{buf}", "copy")
 
     def stats(self) -> dict:

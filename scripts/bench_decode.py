@@ -61,12 +61,14 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--policy", default="lfru")
+    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
     p.add_argument("--json")
     args = p.parse_args()
     dummy = args.model in GEOMETRIES
     rows = []
     for fraction in args.fractions:
         runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+                                          cuda_graph=not args.no_cuda_graph,
                                           experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
                                                                 dummy_weights=dummy)))
         cfg = runner.model_config
@@ -75,6 +77,8 @@ def main() -> None:
         dense += w.lm_head.numel() * w.lm_head.element_size()
         expert_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
         decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
+        if runner.graphs is not None:
+            runner.graphs.capture_all()  # capture outside the timed loop
         for batch in args.batch:
             r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
             tok_s = r["tokens"] / r["seconds"]
@@ -92,7 +96,7 @@ def main() -> None:
         del runner
         torch.cuda.empty_cache()
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
-          f"{args.decode_tokens} tokens, policy {args.policy}")
+          f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}")
     print(f"{'cache':>6} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} {'bound':>5} {'ratio':>6}")
     for r in rows:
         print(f"{r['fraction']:>6.0%} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "

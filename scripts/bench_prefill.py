@@ -145,6 +145,8 @@ def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[d
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
     pipelines = {mode: experts.pipeline if mode == experts.pipeline.invalidate else
                  PrefillPipeline(experts.cache, experts.host_w13, experts.host_w2, mode) for mode in args.invalidate}
+    if args.memcpy:  # the whole layer by the copy engine, hits included
+        pipelines["memcpy"] = PrefillPipeline(experts.cache, experts.host_w13, experts.host_w2, stage="memcpy")
     warm_cache(experts, seed=1)
     if not stage_rows and args.stage_programs:
         stage_rows += stage_bandwidth(experts, args.stage_programs)
@@ -173,6 +175,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--prefix", type=int, default=65536, help="cached prefix tokens (0: none)")
     p.add_argument("--invalidate", nargs="+", default=["fixed", "eager"], choices=["fixed", "eager"])
+    p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
     p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")

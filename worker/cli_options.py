@@ -36,6 +36,10 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-invalidate", default=ExpertOptions.prefill_invalidate, choices=["fixed", "eager"],
                    help="how the pipeline empties its lent cache slots: fixed (one fixed-shape launch) or eager "
                         "(boolean-mask indexing, a hidden device->host sync per layer; for A/B measurements only)")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=RunnerConfig.cuda_graph_max_batch,
+                   help="largest decode batch replayed from a CUDA graph; larger ones run eagerly")
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
@@ -47,7 +51,8 @@ def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
                             prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate)
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
-                        max_prefill_tokens=args.max_prefill_tokens)
+                        max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch)
 
 
 def resolve_model(model: str | None) -> str:

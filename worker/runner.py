@@ -11,6 +11,7 @@ import torch
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
+from worker.cuda_graph import DecodeGraphs
 from worker.expert_placement import ExpertOptions, place_experts
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
@@ -34,6 +35,8 @@ class RunnerConfig:
     attention: str = "torch"
     experts: ExpertOptions = ExpertOptions()
     max_prefill_tokens: int = 0  # 0 = auto, see ModelRunner.max_prefill_tokens
+    cuda_graph: bool = True  # decode steps of CUDA runners replay captured graphs (worker.cuda_graph)
+    cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
 
     @property
     def torch_device(self) -> torch.device:
@@ -72,6 +75,7 @@ class ModelRunner:
         attention = create_backend(config.attention, self.kv_pool, cfg.head_dim ** -0.5)
         self.experts = experts
         self.model = MoETransformer(cfg, self.weights, attention, experts)
+        self.graphs = self._decode_graphs()
 
     @property
     def page_size(self) -> int:
@@ -81,11 +85,21 @@ class ModelRunner:
     def forward(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
                 token_buffer: torch.Tensor | None = None) -> ForwardOutput:
         """Run one step. ``steps[b]`` is the index of the token sequence b draws next (seeded
-        sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``."""
+        sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``. Decode
+        batches replayed from a CUDA graph return views that the next step overwrites."""
+        if self.graphs is not None and self.graphs.supports(chunks):
+            return ForwardOutput(*self.graphs.run(chunks, sampling, steps, token_buffer))
         batch = build_batch(chunks, self.page_size, self.device, token_buffer)
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not (self.config.cuda_graph and self.device.type == "cuda"):
+            return None
+        cfg = self.model_config
+        attention = create_backend("triton", self.kv_pool, cfg.head_dim ** -0.5)
+        return DecodeGraphs(self.model, attention, self.kv_pool, cfg.max_context, self.config.cuda_graph_max_batch)
 
     def _resolve_prefill_tokens(self) -> int:
         """Prompt tokens per prefill chunk. ``max_prefill_tokens`` 0 (auto) picks, on a GPU, the largest

@@ -1,9 +1,15 @@
-"""Reference attention in plain torch: gather each sequence's pages into a padded batch and run
-one masked scaled-dot-product attention. Works on CPU and GPU with shapes fixed by the batch."""
+"""Reference attention in plain torch, on CPU and GPU.
+
+Decode (one new token per sequence) gathers each sequence's pages into a padded batch and runs one
+masked scaled-dot-product attention. Prefill runs each sequence on its own with a bottom-right
+aligned causal mask over its real keys only (no padded pages), which lets SDPA use its fused
+kernels and skip the masked half; the loop is over host-known lengths, so nothing is read back.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from worker.attention import register
 from worker.batch import ForwardBatch
@@ -19,22 +25,30 @@ class TorchAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         self.pool.store(layer, batch.out_loc, k, v)
-        B, max_q = batch.q_index.shape
-        heads, kv_heads, D = q.shape[1], k.shape[1], q.shape[2]
-        # [B, max_pages, P, kvh, D] -> [B, kvh, S, D], S = max_pages * P
-        keys = self._gather(self.pool.k[layer], batch, kv_heads, heads)
-        values = self._gather(self.pool.v[layer], batch, kv_heads, heads)
-        q_pad = torch.cat((q, q.new_zeros(1, heads, D)))[batch.q_index]  # [B, max_q, h, D]
-        positions = torch.cat((batch.positions, batch.positions.new_zeros(1)))[batch.q_index]
+        heads = q.shape[1]
+        keys = self._gather(self.pool.k[layer], batch, heads)  # [B, heads, S, D]
+        values = self._gather(self.pool.v[layer], batch, heads)
+        if batch.is_decode:
+            return self._decode(q, keys, values, batch)
+        out = torch.empty_like(q)
+        start = 0
+        for b, (n, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens_host)):
+            q_b = q[start:start + n].transpose(0, 1)[None]  # [1, heads, n, D]
+            o = F.scaled_dot_product_attention(q_b, keys[b:b + 1, :, :seq_len], values[b:b + 1, :, :seq_len],
+                                               attn_mask=causal_lower_right(n, seq_len), scale=self.scale)
+            out[start:start + n] = o[0].transpose(0, 1)
+            start += n
+        return out
+
+    def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         key_pos = torch.arange(keys.shape[2], device=q.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < batch.seq_lens[:, None, None])
-        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys, values, attn_mask=mask[:, None],
-                                             scale=self.scale)
-        return out.transpose(1, 2).reshape(B * max_q, heads, D)[batch.q_flat]
+        mask = key_pos[None, None, None, :] < batch.seq_lens[:, None, None, None]  # [B, 1, 1, S]
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, scale=self.scale)
+        return out[:, :, 0]
 
     @staticmethod
-    def _gather(cache: torch.Tensor, batch: ForwardBatch, kv_heads: int, heads: int) -> torch.Tensor:
-        B = batch.page_table.shape[0]
+    def _gather(cache: torch.Tensor, batch: ForwardBatch, heads: int) -> torch.Tensor:
+        B, kv_heads = batch.page_table.shape[0], cache.shape[-2]
         pages = cache[batch.page_table]  # [B, max_pages, P, kvh, D]
         seq = pages.reshape(B, -1, kv_heads, pages.shape[-1]).transpose(1, 2)  # [B, kvh, S, D]
         group = heads // kv_heads

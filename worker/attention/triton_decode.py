@@ -59,7 +59,8 @@ def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | Non
     TARGET_PROGRAMS programs, never into splits shorter than SPLIT_MIN_TOKENS."""
     if num_splits is None:
         num_splits = min(-(-max_tokens // SPLIT_MIN_TOKENS), -(-TARGET_PROGRAMS // max(batch * kv_heads, 1)))
-    split_tokens = -(-max(-(-max_tokens // max(num_splits, 1)), 1) // BLOCK_N) * BLOCK_N
+    per_split = -(-max_tokens // max(num_splits, 1))
+    split_tokens = -(-per_split // BLOCK_N) * BLOCK_N
     return -(-max_tokens // split_tokens), split_tokens
 
 
@@ -83,18 +84,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
     m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
-    lse = torch.empty_like(m)
+    denom = torch.empty_like(m)
     acc = torch.empty(B, heads, splits, block_d, dtype=torch.float32, device=q.device)
     partial, reduce = _kernels()
     partial[(B, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, m, lse, acc,
+        q, k_cache, v_cache, page_table, seq_lens, m, denom, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         num_pages, max_tokens, split_tokens, scale * _LOG2E,
         HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=splits, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
     reduce[(B, heads)](
-        m, lse, acc, seq_lens, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
-        HEADS=heads, HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+        m, denom, acc, seq_lens, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
+        HEADS=heads, HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=max(16, next_pow2(splits)), BLOCK_D=block_d,
         CHUNK=REDUCE_CHUNK, num_warps=4)
     return out
 

@@ -1,0 +1,205 @@
+"""CUDA graphs of the whole decode step: embedding -> layers -> final norm -> lm_head -> sampling.
+
+A decode step launches hundreds of small kernels; replaying them as one graph takes the host out
+of the loop. One graph per batch-size bucket, captured lazily on first use (or all at once with
+``capture_all``), into one shared memory pool. The graphs read static input buffers, which each
+step fills from one pinned host tensor (one non-blocking copy, then device slicing copies):
+
+```
+ inputs[bucket] int64 | ids | buffer_slot | positions | out_loc | seq_lens | top_k | seed | step | temp,top_p (f32 pairs) |
+ page_table [max_batch, max_pages] int64 (shared; a step writes [:bucket, :its widest row])
+ tokens [capacity] int64: a device copy of the scheduler's token buffer; rows with a buffer_slot read it
+```
+
+Rows past the batch duplicate row 0 (token, position, pages, sampling) except that their KV goes to
+slot 0 of the scratch page 0, which no sequence owns and every reader masks: they route to row 0's
+experts, so padding never pulls extra experts into the cache, and their outputs are dropped.
+Attention runs through the paged Triton decode kernel (``worker.attention.triton_decode``), whose
+grid depends only on the page table's fixed width. Sampling always takes the general path (no
+``all_greedy`` host flag), so greedy and sampled requests share a graph.
+"""
+from __future__ import annotations
+
+import copy
+import struct
+from typing import NamedTuple
+
+import torch
+
+from worker.attention import AttentionBackend
+from worker.batch import ForwardBatch, SequenceChunk
+from worker.kv_pool import KVPool
+from worker.models.moe_transformer import MoETransformer
+from worker.sampling import SamplingParams, SamplingTensors, sample
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+INT_FIELDS = 8  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step; then one row of f32 pairs
+_MASK32 = 0xFFFFFFFF  # seeds and steps as SamplingTensors.build keeps them
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph | None  # None: the step runs eagerly on the static buffers
+    inputs: torch.Tensor  # [(INT_FIELDS + 1) * bucket] int64
+    logits: torch.Tensor  # [bucket, V] float32
+    next_tokens: torch.Tensor  # [bucket] int64
+
+
+def decode_buckets(max_batch: int, experts: object, top_k: int) -> tuple[int, ...]:
+    """Batch sizes that get a graph. Offloaded experts send batches of ``T * k >= 4E`` routed pairs
+    through the prefill pipeline (streams and events, not capturable, and not a decode path), so
+    the largest bucket stops just below that size and bigger batches run eagerly, as they would
+    anyway."""
+    pipelined = getattr(experts, "pipelined", None)
+    limit = max_batch
+    while limit > 0 and pipelined is not None and pipelined(torch.empty(limit, top_k, device="meta")):
+        limit -= 1
+    return tuple(sorted({b for b in BUCKETS if b < limit} | {limit})) if limit > 0 else ()
+
+
+class DecodeGraphs:
+    """Runs pure decode batches of up to ``max_batch`` sequences through captured graphs.
+
+    ``attention`` must take decode batches with any page-table contents (the "triton" backend).
+    ``use_graphs=False`` runs the same static-buffer step eagerly (CPU tests of the packing)."""
+
+    def __init__(self, model: MoETransformer, attention: AttentionBackend, kv_pool: KVPool, max_context: int,
+                 max_batch: int, use_graphs: bool = True):
+        self.model = copy.copy(model)  # shares weights, rotary tables and experts; only attention differs
+        self.model.attention = attention
+        self.device = model.weights.embed.device
+        self.vocab = model.cfg.vocab_size
+        self.page_size = kv_pool.page_size
+        self.max_context = max_context
+        self.max_pages = min(-(-max_context // self.page_size), kv_pool.num_pages)
+        self.buckets = decode_buckets(max_batch, model.moe[0].experts, model.cfg.top_k)
+        self.use_graphs = use_graphs
+        self.page_table = torch.zeros(max(self.buckets, default=0), self.max_pages, dtype=torch.int64,
+                                      device=self.device)
+        self.tokens = torch.zeros(64, dtype=torch.int64, device=self.device)
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.captured: dict[int, _Captured] = {}
+
+    def supports(self, chunks: list[SequenceChunk]) -> bool:
+        """Pure decode (one new token per sequence), few enough sequences, within the page table."""
+        return (0 < len(chunks) <= max(self.buckets, default=0) and all(len(c.token_ids) == 1 for c in chunks)
+                and max(c.prefix_len for c in chunks) < min(self.max_context, self.max_pages * self.page_size))
+
+    @torch.inference_mode()
+    def run(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+            token_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [B, V], next_tokens [B])``: views of the graph's outputs, valid until the next
+        ``run`` (use them, or copy them, before the next step is launched)."""
+        B = len(chunks)
+        bucket = next(b for b in self.buckets if b >= B)
+        host, width, reads = self._pack(chunks, sampling, steps, bucket, token_buffer is not None)
+        if reads:
+            self._mirror(token_buffer, reads)
+        step = self.captured.get(bucket) or self.capture(bucket)
+        dev = host.to(self.device, non_blocking=True)
+        n = step.inputs.numel()
+        step.inputs.copy_(dev[:n])
+        self.page_table[:bucket, :width].copy_(dev[n:].view(bucket, width))
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            self._eager(step)
+        return step.logits[:B], step.next_tokens[:B]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket not in self.captured:
+                self.capture(bucket)
+
+    @torch.inference_mode()
+    def capture(self, bucket: int) -> _Captured:
+        """Warm up once on a side stream (Triton compiles, cuBLAS initialises), then capture. The
+        warm-up runs an idle batch (every row on the scratch page), so capturing never touches a
+        sequence's KV."""
+        inputs = torch.zeros((INT_FIELDS + 1) * bucket, dtype=torch.int64, device=self.device)
+        fields, floats = self._fields(inputs, bucket)
+        fields[1].fill_(-1)  # no buffer slot
+        fields[4].fill_(1)  # seq_len 1: the row's own token on the scratch page
+        fields[5].fill_(self.vocab)
+        floats[1].fill_(1.0)  # top_p
+        self.page_table[:bucket].zero_()
+        if not self.use_graphs:
+            step = _Captured(None, inputs, *self._step(inputs, bucket))
+        else:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._step(inputs, bucket)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits, next_tokens = self._step(inputs, bucket)
+            step = _Captured(graph, inputs, logits, next_tokens)
+        self.captured[bucket] = step
+        return step
+
+    # ==== inside the graph ====
+
+    def _step(self, inputs: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        f, floats = self._fields(inputs, bucket)
+        ids = torch.where(f[1] >= 0, self.tokens[f[1].clamp(min=0)], f[0])
+        rows = torch.arange(bucket, device=self.device)
+        batch = ForwardBatch(ids, f[2], f[3], rows, self.page_table[:bucket], f[4], rows[:, None], rows,
+                             max_q=1, num_tokens=bucket, is_decode=True)
+        logits = self.model.forward(batch)
+        tensors = SamplingTensors(floats[0], f[5], floats[1], f[6], f[7], all_greedy=False)
+        return logits, sample(logits, tensors)
+
+    def _eager(self, step: _Captured) -> None:
+        logits, next_tokens = self._step(step.inputs, step.logits.shape[0])
+        step.logits.copy_(logits)
+        step.next_tokens.copy_(next_tokens)
+
+    @staticmethod
+    def _fields(inputs: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[INT_FIELDS, bucket]`` int64 and ``[2, bucket]`` float32 views of one input block."""
+        n = INT_FIELDS * bucket
+        return inputs[:n].view(INT_FIELDS, bucket), inputs[n:].view(torch.float32).view(2, bucket)
+
+    # ==== on the host ====
+
+    def _pack(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int], bucket: int,
+              has_buffer: bool) -> tuple[torch.Tensor, int, int]:
+        """One host tensor: the input block, then the page table ``[bucket, width]``. Returns it, the
+        width, and how many token-buffer rows the batch reads (0: none)."""
+        P = self.page_size
+        ids, slots, pos, loc, lens, table = [], [], [], [], [], []
+        for b, c in enumerate(chunks):
+            n = c.prefix_len // P + 1  # pages holding the prefix and the new token
+            if len(c.pages) < n or c.prefix_len < 0:
+                raise ValueError(f"sequence {b}: {c.prefix_len + 1} tokens in all, {len(c.pages)} pages")
+            ids.append(c.token_ids[0])
+            slots.append(c.buffer_slot if has_buffer else -1)
+            pos.append(c.prefix_len)
+            loc.append(c.pages[n - 1] * P + c.prefix_len % P)
+            lens.append(c.prefix_len + 1)
+            table.append(c.pages[:n])
+        pad = bucket - len(chunks)
+        width = max(len(t) for t in table)
+        rows = [t + [0] * (width - len(t)) for t in table]
+        ints = [ids, slots, pos, loc, lens, [p.top_k or self.vocab for p in sampling],
+                [p.seed & _MASK32 for p in sampling], [s & _MASK32 for s in steps]]
+        flat = [v for field in ints for v in field + field[:1] * pad]
+        flat[3 * bucket + len(chunks):4 * bucket] = [0] * pad  # padded rows write the scratch slot
+        floats = [p.temperature for p in sampling] + [sampling[0].temperature] * pad
+        floats += [p.top_p for p in sampling] + [sampling[0].top_p] * pad
+        flat += struct.unpack(f"<{bucket}q", struct.pack(f"<{2 * bucket}f", *floats))
+        for row in rows + rows[:1] * pad:
+            flat += row
+        host = torch.tensor(flat, dtype=torch.int64)
+        return (host.pin_memory() if self.device.type == "cuda" else host), width, max(slots) + 1
+
+    def _mirror(self, token_buffer: torch.Tensor, reads: int) -> None:
+        """Copy the rows of the token buffer the batch reads into the graphs' own ``tokens``; a
+        larger buffer than seen so far reallocates it, which drops the graphs that read the old one."""
+        if reads > token_buffer.numel():
+            raise ValueError(f"a chunk reads token buffer row {reads - 1}; the buffer has {token_buffer.numel()}")
+        if reads > self.tokens.numel():
+            self.tokens = torch.zeros(1 << (reads - 1).bit_length(), dtype=torch.int64, device=self.device)
+            self.captured.clear()
+        self.tokens[:reads].copy_(token_buffer[:reads])
