@@ -3,8 +3,9 @@ float32 (< 1e-4) against the float32 reference.
 
 Routing is a discrete choice: in bf16 a token whose k-th and (k+1)-th router scores nearly tie can
 pick another expert than the fp32 reference, which moves its logits far more than rounding does.
-The bf16 models therefore get a sharper router (std 1.0 instead of 0.3); fp32 keeps the CPU
-tests' router and must match it tightly."""
+The bf16 models therefore get a sharper router (std 1.0 instead of 0.3) and bf16-representable
+weights (the same function in both precisions); fp32 keeps the CPU tests' models and must match
+them tightly."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,8 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
                 ids=lambda p: p[1] + "-" + "-".join(f"{v}" for v in p[0].values()))
 def tiny_gpu(request, tmp_path):
     shape, dtype = request.param
-    hf = write_tiny(tmp_path, **shape, router_std=1.0 if dtype == "bfloat16" else 0.3)
+    bf16 = dtype == "bfloat16"
+    hf = write_tiny(tmp_path, **shape, router_std=1.0 if bf16 else 0.3, bf16_weights=bf16)
     runner = ModelRunner(RunnerConfig(str(tmp_path), device="cuda", dtype=dtype, page_size=16, kv_tokens=1024))
     return hf, runner, TOLERANCE[dtype]
 
