@@ -3,9 +3,10 @@ float32 (< 1e-4) against the float32 reference.
 
 Routing is a discrete choice: in bf16 a token whose k-th and (k+1)-th router scores nearly tie can
 pick another expert than the fp32 reference, which moves its logits far more than rounding does.
-The bf16 models therefore get a sharper router (std 1.0 instead of 0.3) and bf16-representable
-weights (the same function in both precisions); fp32 keeps the CPU tests' models and must match
-them tightly."""
+The bf16 models therefore get a sharper router (std 1.0 instead of 0.3), bf16-representable
+weights (the same function in both precisions) and smaller weights (std 0.04 instead of 0.08: the
+0.08 models amplify activation rounding to 2-8% in HF's own math, measured on an H200); fp32 keeps
+the CPU tests' models and must match them to 1e-4, which is what checks the GPU kernels."""
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,8 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 def tiny_gpu(request, tmp_path):
     shape, dtype = request.param
     bf16 = dtype == "bfloat16"
-    hf = write_tiny(tmp_path, **shape, router_std=1.0 if bf16 else 0.3, bf16_weights=bf16)
+    hf = write_tiny(tmp_path, **shape, router_std=1.0 if bf16 else 0.3, weight_std=0.04 if bf16 else 0.08,
+                    bf16_weights=bf16)
     runner = ModelRunner(RunnerConfig(str(tmp_path), device="cuda", dtype=dtype, page_size=16, kv_tokens=1024))
     return hf, runner, TOLERANCE[dtype]
 

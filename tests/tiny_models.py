@@ -9,7 +9,7 @@ import torch
 def write_tiny(path: Path, family: str, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
                kv_heads: int = 2, head_dim: int = 16, experts: int = 8, top_k: int = 2, inter: int = 32,
                vocab: int = 128, norm_topk_prob: bool = True, router_std: float = 0.3,
-               bf16_weights: bool = False):
+               weight_std: float = 0.08, bf16_weights: bool = False):
     """Write a checkpoint directory and return the HF model (float32, eval mode). With
     ``bf16_weights`` every weight is representable in bfloat16, so a bf16 run and the fp32
     reference compute the same function and differ only by the rounding of activations."""
@@ -33,7 +33,7 @@ def write_tiny(path: Path, family: str, seed: int = 0, layers: int = 2, hidden: 
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
-                p.normal_(0.0, router_std if "gate.weight" in name else 0.08)
+                p.normal_(0.0, router_std if "gate.weight" in name else weight_std)
             if bf16_weights:
                 p.copy_(p.bfloat16().float())
     model.eval()
