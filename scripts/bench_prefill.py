@@ -154,8 +154,9 @@ def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[d
     pages = pool.allocate(pool.pages_for(len(prompt)))
     run_chunk(runner, prompt[:1024], 0, pages)  # compile the kernels
     if not stage_rows and args.stage_programs:
-        # after a chunk has touched every layer: the first zero-copy read of registered host memory
-        # is far slower (measured 7-9 GB/s cold on an H200, against >= 50 GB/s inside the pipeline)
+        # after a chunk has touched every layer: run before any chunk on an H200 it gave 7-9 GB/s,
+        # while the pipeline's chunks imply >= 50 GB/s; a slow first touch of the registered
+        # segment is the suspected cause (not yet confirmed)
         stage_rows += stage_bandwidth(experts, args.stage_programs)
     rows = []
     for chunk in args.chunks:
