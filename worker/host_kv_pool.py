@@ -18,12 +18,12 @@ import weakref
 import torch
 
 from moe_offload.host_register import host_register, host_unregister, mapped_device_bytes
-from worker.kv_pool import KVPool
+from worker.kv_pool import KVPool, PagedPool
 
 DEFAULT_FRACTION = 0.25  # of the host RAM available at start-up, for --kv-host-size's default
 
 
-class HostKVPool:
+class HostKVPool(PagedPool):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         if num_pages < 1:
@@ -42,7 +42,8 @@ class HostKVPool:
             self._map(device)
         self.page_size = page_size
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._free = list(range(num_pages - 1, -1, -1))  # allocate() hands out low pages first
+        self._label = "host KV pool"
 
     @classmethod
     def like(cls, pool: KVPool, nbytes: int) -> HostKVPool | None:
@@ -54,29 +55,12 @@ class HostKVPool:
         return cls(L, num_pages, P, kvh, D, pool.k.dtype, pool.k.device)
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def capacity(self) -> int:
         return self.num_pages
 
     @property
     def page_bytes(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"host KV pool: {n} pages asked, {len(self._free)} free")
-        pages = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-
-    def free_pages(self) -> set[int]:
-        return set(self._free)
 
     def _map(self, device: torch.device) -> None:
         ptr, span = self._region.data_ptr(), self._region.numel()

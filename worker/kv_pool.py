@@ -11,7 +11,31 @@ from __future__ import annotations
 import torch
 
 
-class KVPool:
+class PagedPool:
+    """Pages handed out from a free list, lowest first. Subclasses set ``_free`` and ``_label``."""
+
+    _free: list[int]
+    _label: str
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"{self._label}: {n} pages asked, {len(self._free)} free")
+        pages = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def free_pages(self) -> set[int]:
+        return set(self._free)
+
+
+class KVPool(PagedPool):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         if num_pages < 2:
@@ -21,11 +45,8 @@ class KVPool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+        self._free = list(range(num_pages - 1, 0, -1))  # allocate() hands out low pages first
+        self._label = "KV pool"
 
     @property
     def capacity(self) -> int:
@@ -38,19 +59,6 @@ class KVPool:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"KV pool: {n} pages asked, {len(self._free)} free")
-        pages = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
-
-    def free_pages(self) -> set[int]:
-        return set(self._free)
 
     def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ``[T, kv_heads, D]`` to their slots (device index, no host read)."""
