@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create (once) the virtual environment Sluice runs in and install Sluice into it.
-#   source scripts/setup_env.sh [dev]     -> sets $SLUICE_PY to the environment's python
+#   [SLUICE_EXTRA=dev] source scripts/setup_env.sh   -> sets $SLUICE_PY to the environment's python
 # Torch: $SLUICE_TORCH if set; otherwise the CUDA build where an NVIDIA GPU answers, else the
 # CPU build (torch==2.13.0, falling back to any torch if that version is not available).
 set -euo pipefail
 SLUICE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${SLUICE_VENV:-$SLUICE_ROOT/.venv}
-extra=${1:-}
+extra=${SLUICE_EXTRA:-}
 stamp="$venv/.sluice-installed${extra:+-$extra}"
 if [ ! -f "$stamp" ] || [ "$SLUICE_ROOT/pyproject.toml" -nt "$stamp" ]; then
     echo "setting up $venv ..." >&2

@@ -32,12 +32,13 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                    help="KV tokens --moe-cache-auto leaves room for")
     p.add_argument("--no-prefill-pipeline", dest="prefill_pipeline", action="store_false",
                    help="run prefill chunks through the expert cache instead of streaming each layer's experts "
-                        "into a double buffer overlapped with compute")
+                        "into a double buffer overlapped with compute (the pipeline is on: %(default)s)")
     p.add_argument("--prefill-invalidate", default=ExpertOptions.prefill_invalidate, choices=["fixed", "eager"],
                    help="how the pipeline empties its lent cache slots: fixed (one fixed-shape launch) or eager "
                         "(boolean-mask indexing, a hidden device->host sync per layer; for A/B measurements only)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
-                   help="run decode steps eagerly instead of replaying captured CUDA graphs")
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs "
+                        "(graphs are on: %(default)s)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=RunnerConfig.cuda_graph_max_batch,
                    help="largest decode batch replayed from a CUDA graph; larger ones run eagerly")
     p.add_argument("--dummy-weights", action="store_true",
