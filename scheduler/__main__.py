@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-pages", action="store_true", help="run the KV page self-check after every step")
     p.add_argument("--kv-host-size", type=float, default=None, metavar="GiB",
                    help=f"host-RAM KV tier in GiB; 0 disables it; None: {DEFAULT_FRACTION * 100:.0f}%% of the "
-                        "host RAM available once the model is loaded")
+                        "host RAM available once the model is loaded (on GPU; 0 on CPU)")
     p.add_argument("--kv-tier-mode", default=EngineConfig.kv_tier_mode, choices=list(MODES),
                    help="writeback: copy a prefix to the host when the GPU evicts it; writethrough: "
                         "mirror it when it enters the cache")
@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     cfg = runner.model_config
-    host_gib = default_host_bytes() / 2**30 if args.kv_host_size is None else args.kv_host_size
+    host_gib = args.kv_host_size
+    if host_gib is None:  # on CPU the KV pool already lives in host RAM: a second copy buys nothing
+        host_gib = default_host_bytes() / 2**30 if runner.device.type == "cuda" else 0.0
     engine = Engine(runner, EngineConfig(runner.max_prefill_tokens, args.max_running, args.prefix_cache, args.overlap,
                                          kv_host_gib=host_gib, kv_tier_mode=args.kv_tier_mode))
     info = ModelInfo(name=model_dir, tokenizer_path=model_dir, max_context_tokens=cfg.max_context,
