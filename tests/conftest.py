@@ -9,6 +9,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def remove_expert_stores_made_by_tests():
+    """Expert stores outlive their process on purpose (a restart maps them again); the ones the
+    tests create would pile up in /dev/shm, so the session removes those it added."""
+    from moe_offload.expert_store import SHM_DIR, remove_segment
+
+    before = set(SHM_DIR.glob("sluice-experts-*"))
+    yield
+    for path in set(SHM_DIR.glob("sluice-experts-*")) - before:
+        try:
+            remove_segment(path.name)
+        except FileNotFoundError:  # a test removed it itself meanwhile
+            pass
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
