@@ -88,9 +88,6 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.in_flight)
 
-    def live_requests(self) -> list[Request]:
-        return list(self.running)
-
     def check_pages(self) -> None:
         self.pages.check(self.running)
 

@@ -28,26 +28,18 @@ class ForwardBatch:
     last_index: torch.Tensor  # [B] index in T of each sequence's last new token
     page_table: torch.Tensor  # [B, max_pages] int64, padded with page 0
     seq_lens: torch.Tensor  # [B] tokens in KV after this step
-    q_index: torch.Tensor  # [B, max_q] index in T of each query row, T for padding
-    q_flat: torch.Tensor  # [T] index of each token in the flattened [B * max_q] query grid
-    max_q: int
     num_tokens: int
     is_decode: bool
     # host copies of the lengths for per-sequence prefill loops (no device reads); decode needs none
     q_lens: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
 
-    @property
-    def batch_size(self) -> int:
-        return self.last_index.shape[0]
-
 
 def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
                 token_buffer: torch.Tensor | None = None) -> ForwardBatch:
     """Chunks with a ``buffer_slot`` take their token from ``token_buffer`` on the device: the
     token sampled by the previous step, which the host has not read yet (overlap scheduling)."""
-    max_q = max(len(c.token_ids) for c in chunks)
-    ids, pos, loc, last, table, lens, q_index, q_flat, src = [], [], [], [], [], [], [], [], []
+    ids, pos, loc, last, table, lens, src = [], [], [], [], [], [], []
     for b, c in enumerate(chunks):
         n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
         if n == 0 or len(c.pages) * page_size < seq_len:
@@ -60,19 +52,15 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
         last.append(start + n - 1)
         table.append(c.pages[:-(-seq_len // page_size)])
         lens.append(seq_len)
-        q_index.append(list(range(start, start + n)) + [-1] * (max_q - n))
-        q_flat += range(b * max_q, b * max_q + n)
     T = len(ids)
     max_pages = max(len(row) for row in table)  # only the pages that hold this step's tokens
     table = [row + [0] * (max_pages - len(row)) for row in table]
-    q_index = [[T if i < 0 else i for i in row] for row in q_index]
-    packed = to_device([ids, pos, loc, last, sum(table, []), lens, sum(q_index, []), q_flat, src], device)
-    ids_t, pos_t, loc_t, last_t, table_t, lens_t, qi_t, qf_t, src_t = packed
+    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src], device)
+    ids_t, pos_t, loc_t, last_t, table_t, lens_t, src_t = packed
     if token_buffer is not None:
         ids_t = torch.where(src_t >= 0, token_buffer[src_t.clamp(min=0)], ids_t)
     return ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
-                        qi_t.view(len(chunks), max_q), qf_t, max_q, T, is_decode=max_q == 1,
-                        q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens)
+                        T, is_decode=T == len(chunks), q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens)
 
 
 def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

@@ -5,14 +5,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from worker.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,7 +27,6 @@ class ModelConfig:
     rms_norm_eps: float
     max_context: int
     tie_word_embeddings: bool
-    checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
 
     @property
@@ -83,7 +77,6 @@ class ModelConfig:
             rms_norm_eps=float(raw["rms_norm_eps"]),
             max_context=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            checkpoint_dtype=_DTYPES.get(raw.get("torch_dtype") or raw.get("dtype") or "float32", torch.float32),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
         )
 

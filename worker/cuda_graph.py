@@ -144,8 +144,8 @@ class DecodeGraphs:
         f, floats = self._fields(inputs, bucket)
         ids = torch.where(f[1] >= 0, self.tokens[f[1].clamp(min=0)], f[0])
         rows = torch.arange(bucket, device=self.device)
-        batch = ForwardBatch(ids, f[2], f[3], rows, self.page_table[:bucket], f[4], rows[:, None], rows,
-                             max_q=1, num_tokens=bucket, is_decode=True)
+        batch = ForwardBatch(ids, f[2], f[3], rows, self.page_table[:bucket], f[4], num_tokens=bucket,
+                             is_decode=True)
         logits = self.model.forward(batch)
         tensors = SamplingTensors(floats[0], f[5], floats[1], f[6], f[7], all_greedy=False)
         return logits, sample(logits, tensors)

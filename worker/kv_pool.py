@@ -64,9 +64,3 @@ class KVPool(PagedPool):
         """Write new tokens' K/V ``[T, kv_heads, D]`` to their slots (device index, no host read)."""
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, out_loc, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, out_loc, v)
-
-    @classmethod
-    def pages_that_fit(cls, budget_bytes: int, num_layers: int, page_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype) -> int:
-        per_page = 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        return budget_bytes // per_page
