@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from worker.attention import BACKENDS
 from worker.expert_placement import ExpertOptions
 from worker.runner import RunnerConfig
 
@@ -16,7 +17,8 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=RunnerConfig.page_size, help="tokens per KV page")
     p.add_argument("--kv-tokens", type=int, default=RunnerConfig.kv_tokens,
                    help="KV pool size in tokens (0: from free memory on GPU, 16384 on CPU)")
-    p.add_argument("--attention", default=RunnerConfig.attention, help="attention backend")
+    p.add_argument("--attention", default=RunnerConfig.attention, choices=["auto", *sorted(BACKENDS)],
+                   help="attention backend: auto (default) = triton on cuda (paged kernels), torch on cpu")
     p.add_argument("--max-prefill-tokens", type=int, default=RunnerConfig.max_prefill_tokens,
                    help="prompt tokens per prefill chunk; 0 (default): auto, the largest multiple of 1024 up to "
                         "32768 whose activations fit in the GPU memory left after weights, expert cache and KV pool "

@@ -32,11 +32,17 @@ class RunnerConfig:
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     page_size: int = 16
     kv_tokens: int = 0  # 0 = choose from free memory (GPU) or 16384 (CPU)
-    attention: str = "torch"
+    attention: str = "auto"  # "auto" = the Triton kernels on cuda, the torch reference on cpu
     experts: ExpertOptions = ExpertOptions()
     max_prefill_tokens: int = 0  # 0 = auto, see ModelRunner.max_prefill_tokens
     cuda_graph: bool = True  # decode steps of CUDA runners replay captured graphs (worker.cuda_graph)
     cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
+
+    @property
+    def attention_backend(self) -> str:
+        if self.attention == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention
 
     @property
     def torch_device(self) -> torch.device:
@@ -72,7 +78,7 @@ class ModelRunner:
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.max_prefill_tokens = self._resolve_prefill_tokens()
-        attention = create_backend(config.attention, self.kv_pool, cfg.head_dim ** -0.5)
+        attention = create_backend(config.attention_backend, self.kv_pool, cfg.head_dim ** -0.5)
         self.experts = experts
         self.model = MoETransformer(cfg, self.weights, attention, experts)
         self.graphs = self._decode_graphs()
@@ -119,14 +125,16 @@ class ModelRunner:
 
     def _activation_bytes(self, tokens: int | None = None, context: int | None = None) -> int:
         """A generous estimate of a prefill chunk's transient memory: per-token activations, the
-        logits, and the reference attention's [q, k] boolean mask plus the bf16 bias SDPA makes of
-        it, for ``tokens`` attending over up to ``context`` keys."""
+        logits, and with the torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA
+        makes of it, for ``tokens`` attending over up to ``context`` keys (the Triton kernel reads the
+        pages in place and needs none)."""
         cfg = self.model_config
         tokens = tokens or self.config.max_prefill_tokens or AUTO_PREFILL_RESERVE
         context = context or cfg.max_context
         per_token = cfg.top_k * (3 * cfg.expert_intermediate_size + 2 * cfg.hidden_size) + 8 * cfg.hidden_size
         logits = tokens * cfg.vocab_size
-        return 4 * (tokens * per_token + logits) + 3 * tokens * context + (1 << 30)
+        mask = 3 * tokens * context if self.config.attention_backend == "torch" else 0
+        return 4 * (tokens * per_token + logits) + mask + (1 << 30)
 
     def _num_pages(self) -> int:
         cfg, c = self.model_config, self.config

@@ -1,5 +1,6 @@
 """Paged decode attention in Triton (one new token per sequence), flash-decoding style, and the
-"triton" attention backend that runs decode batches through it and prefill through the torch one.
+"triton" attention backend that runs decode batches through it and prefill through the paged
+prefill kernel.
 
 Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (GQA) and walks its
 split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads)``
@@ -23,7 +24,8 @@ import torch
 
 from moe_offload.kernels._triton import next_pow2, use_triton
 from worker.attention import register
-from worker.attention.torch_backend import TorchAttention
+from worker.attention.paged_checks import check_paged_inputs
+from worker.attention.triton_prefill import paged_prefill_attention, prefill_block_table
 from worker.batch import ForwardBatch
 from worker.kv_pool import KVPool
 
@@ -32,26 +34,29 @@ SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it 
 TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
 REDUCE_CHUNK = 16  # splits merged per step of the reduce loop
 _LOG2E = 1.4426950408889634
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @register("triton")
-class TritonDecodeAttention:
-    """Decode batches (``max_q == 1``) through ``paged_decode_attention``; prefill chunks through
-    the torch backend."""
+class TritonAttention:
+    """Decode batches through ``paged_decode_attention``, prefill and mixed batches through
+    ``paged_prefill_attention`` (``worker.attention.triton_prefill``); both read the pages in place."""
 
     def __init__(self, pool: KVPool, scale: float):
         self.pool = pool
         self.scale = scale
-        self.prefill = TorchAttention(pool, scale)
+        self._blocks: tuple[ForwardBatch, torch.Tensor] | None = None  # the block list, built once per batch
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        if not batch.is_decode:
-            return self.prefill.forward(layer, q, k, v, batch)
         self.pool.store(layer, batch.out_loc, k, v)
-        return paged_decode_attention(q, self.pool.k[layer], self.pool.v[layer], batch.page_table,
-                                      batch.seq_lens, self.scale)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if batch.is_decode:
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+        if self._blocks is None or self._blocks[0] is not batch:
+            group = q.shape[1] // k_cache.shape[2]
+            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device)
+        return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
+                                       self.scale, blocks=self._blocks[1])
 
 
 def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | None = None) -> tuple[int, int]:
@@ -122,29 +127,11 @@ def paged_decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor) -> None:
-    """Shapes, dtypes, strides and devices, from metadata only: the kernel does raw pointer arithmetic."""
-    if q.dim() != 3 or k_cache.dim() != 4 or page_table.dim() != 2 or seq_lens.dim() != 1:
-        raise ValueError("expected q [B, heads, D], k/v cache [pages, page, kv_heads, D], page_table [B, max_pages], "
-                         "seq_lens [B]")
-    B, heads, D = q.shape
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.shape[3] != D:
-        raise ValueError(f"k {tuple(k_cache.shape)} / v {tuple(v_cache.shape)} caches do not match q {tuple(q.shape)}")
-    kv_heads = k_cache.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if page_table.shape[0] != B or seq_lens.shape[0] != B or page_table.shape[1] < 1 or k_cache.shape[0] < 1:
+    check_paged_inputs(q, k_cache, v_cache, page_table, seq_lens)
+    B = q.shape[0]
+    if page_table.shape[0] != B or seq_lens.shape[0] != B:
         raise ValueError(f"page_table {tuple(page_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
-                         f"{B} rows, with at least one page in the table and in the pool")
-    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the caches must share one of {_FLOATS}; got {q.dtype}, {k_cache.dtype}")
-    if page_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"page_table and seq_lens must be int32/int64; got {page_table.dtype}, {seq_lens.dtype}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or page_table.stride(1) != 1 or seq_lens.stride(0) != 1:
-        raise ValueError("q, the caches, page_table rows and seq_lens must be contiguous in their last dimension")
-    if page_table.shape[1] * k_cache.shape[1] >= 2**31:
-        raise ValueError("a page table longer than 2^31 tokens overflows the kernel's token index")
-    if len({t.device for t in (q, k_cache, v_cache, page_table, seq_lens)}) != 1:
-        raise ValueError("q, the caches, page_table and seq_lens must be on one device")
+                         f"{B} rows")
 
 
 @functools.cache

@@ -1,0 +1,143 @@
+"""Paged prefill attention in Triton: flash attention over the KV pool's pages, GQA-packed, causal
+aligned bottom-right, so a chunk attends over its cached prefix without any gather or mask tensor.
+
+The chunks of a step are packed in ``q [T, heads, D]``; row b's ``q_lens[b]`` queries are the last
+tokens of its ``seq_lens[b]`` (its new K/V are already in the pool). A program takes BLOCK_M query
+tokens of one row and every query head of one KV head, so each K/V tile loaded from the pages
+serves GROUP heads:
+
+```
+ keys of row b | 0 ............................ prefix+m0 | prefix+m0 .. prefix+m0+BLOCK_M |
+               | visible to every query of the block: no  | the diagonal: causal mask      |
+               | mask (whole BLOCK_N tiles)               | per query                      |
+```
+
+The grid is ``(blocks, kv_heads)`` with the block list ``(row, first token, q_len, m0)`` built on
+the host from ``q_lens`` (longest-running blocks first); loop bounds come from ``seq_lens`` on the
+device, clamped to ``[q_len, max_pages * page]``, and page ids are clamped to the pool, so no value
+read on the device can address outside a buffer. Nothing is read back on the host.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from moe_offload.kernels._triton import next_pow2, use_triton
+from worker.attention.paged_checks import check_paged_inputs
+
+_LOG2E = 1.4426950408889634
+
+
+class PrefillTile(NamedTuple):
+    rows: int = 128  # query rows (tokens x heads of one KV head) per program
+    block_n: int = 64  # keys per inner step
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+TILE = PrefillTile()
+
+
+def block_tokens(group: int, tile: PrefillTile = TILE) -> int:
+    """Query tokens per program: ``tile.rows`` rows hold this many tokens of all ``group`` heads."""
+    return max(tile.rows // next_pow2(group), 1)
+
+
+def prefill_blocks(q_lens: list[int], block_m: int) -> list[list[int]]:
+    """``[row, first token in q, q_len, m0]`` per program, the blocks with most keys first."""
+    blocks, start = [], 0
+    for b, n in enumerate(q_lens):
+        blocks += [[b, start, n, m0] for m0 in range(0, n, block_m)]
+        start += n
+    return blocks[::-1] if len(q_lens) == 1 else sorted(blocks, key=lambda x: -x[3])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                            seq_lens: torch.Tensor, q_lens: list[int], scale: float, *,
+                            blocks: torch.Tensor | None = None, tile: PrefillTile = TILE,
+                            backend: str | None = None) -> torch.Tensor:
+    """``q [T, heads, D]`` (rows packed in order, ``q_lens`` from the host) over ``k_cache, v_cache
+    [num_pages, page, kv_heads, D]`` (one layer) through ``page_table [B, max_pages]``; query i of
+    row b sits at position ``seq_lens[b] - q_lens[b] + i`` and sees keys up to it. Returns
+    ``[T, heads, D]`` in q's dtype. ``blocks`` (from ``prefill_block_table``) saves rebuilding the
+    block list per layer; ``tile`` is for tuning. CUDA tensors run the kernel, others the eager twin."""
+    _check(q, k_cache, v_cache, page_table, seq_lens, q_lens)
+    if not use_triton(q, backend):
+        return paged_prefill_attention_eager(q, k_cache, v_cache, page_table, seq_lens, q_lens, scale)
+    T, heads, D = q.shape
+    num_pages, page, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    block_m = block_tokens(group, tile)
+    if blocks is None:
+        blocks = prefill_block_table(q_lens, group, q.device, tile)
+    if blocks.shape != (sum(-(-n // block_m) for n in q_lens), 4) or blocks.device != q.device:
+        raise ValueError(f"block table {tuple(blocks.shape)} does not match q_lens for {block_m}-token blocks")
+    out = torch.empty_like(q)
+    block_d = max(16, next_pow2(D))
+    _kernel()[(blocks.shape[0], kv_heads)](
+        q, k_cache, v_cache, out, page_table, seq_lens, blocks,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        num_pages, page_table.shape[1] * page, scale * _LOG2E,
+        GROUP=group, BLOCK_G=next_pow2(group), HEAD_DIM=D, BLOCK_D=block_d, PAGE=page, BLOCK_M=block_m,
+        BLOCK_N=tile.block_n, IEEE=q.dtype == torch.float32, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out
+
+
+def prefill_block_table(q_lens: list[int], group: int, device: torch.device,
+                        tile: PrefillTile = TILE) -> torch.Tensor:
+    """The kernel's block list on ``device`` (one pinned, non-blocking copy)."""
+    rows = prefill_blocks(q_lens, block_tokens(group, tile))
+    host = torch.tensor(rows, dtype=torch.int32).view(-1, 4)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def paged_prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  page_table: torch.Tensor, seq_lens: torch.Tensor, q_lens: list[int],
+                                  scale: float) -> torch.Tensor:
+    """The twin: per row, gather its pages, mask keys past each query's position, softmax in float32,
+    with the kernel's clamp of ``seq_lens`` (device arithmetic only, so it never syncs either)."""
+    T, heads, D = q.shape
+    num_pages, page, kv_heads, _ = k_cache.shape
+    max_tokens = page_table.shape[1] * page
+    group = heads // kv_heads
+    key_pos = torch.arange(max_tokens, device=q.device)
+    out, start = torch.empty_like(q), 0
+    for b, n in enumerate(q_lens):
+        pages = page_table[b].long().clamp(0, num_pages - 1)
+        keys = k_cache[pages].reshape(max_tokens, kv_heads, D).float()
+        values = v_cache[pages].reshape(max_tokens, kv_heads, D).float()
+        seq_len = seq_lens[b].long().clamp(n, max_tokens)
+        pos = seq_len - n + torch.arange(n, device=q.device)  # [n] absolute positions of the queries
+        visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < seq_len)  # [n, S]
+        qf = q[start:start + n].float().view(n, kv_heads, group, D)
+        scores = torch.einsum("nkgd,skd->kgns", qf, keys) * scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        o = torch.einsum("kgns,skd->nkgd", probs, values)
+        out[start:start + n] = o.reshape(n, heads, D).to(q.dtype)
+        start += n
+    return out
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+           seq_lens: torch.Tensor, q_lens: list[int]) -> None:
+    """Shapes and host lengths: the kernel does raw pointer arithmetic from them."""
+    check_paged_inputs(q, k_cache, v_cache, page_table, seq_lens)
+    B, max_tokens = page_table.shape[0], page_table.shape[1] * k_cache.shape[1]
+    if len(q_lens) != B or seq_lens.shape[0] != B:
+        raise ValueError(f"{len(q_lens)} q_lens and {seq_lens.shape[0]} seq_lens for a page table of {B} rows")
+    if sum(q_lens) != q.shape[0]:
+        raise ValueError(f"q_lens add up to {sum(q_lens)} tokens, q has {q.shape[0]}")
+    if any(n < 1 or n > max_tokens for n in q_lens):
+        raise ValueError(f"every q_len must be in [1, {max_tokens}] (the page table's tokens); got {q_lens}")
+
+
+@functools.cache
+def _kernel():
+    from worker.attention import prefill_kernel  # imports triton: only when a kernel launches
+
+    return prefill_kernel.prefill_kernel
