@@ -4,7 +4,8 @@ loop, without any sockets (the server drives it; tests drive it directly).
 One call of ``step``:
   1. admit waiting requests while KV pages and token-buffer rows allow;
   2. launch the next batch: decode tokens of running requests plus prefill chunks within the
-     prefill token budget; decode inputs come from the device token buffer, never the host;
+     prefill token budget; decode inputs come from the device token buffer, never the host; a
+     request whose prefix the KV tier is still copying in waits (polled), the others go on;
   3. read back the previous step's sampled tokens (pinned copy + event, one step late);
   4. turn them into updates, finish requests, and release their pages.
 """
@@ -118,7 +119,7 @@ class Engine:
             if req.wants_decode:
                 pos = len(req.prompt) + req.launched_outputs - 1
                 chunks.append(SequenceChunk([0], pos, req.pages, buffer_slot=req.slot))
-            elif not req.prefill_done and budget > 0:
+            elif not req.prefill_done and budget > 0 and self._kv_ready(req):
                 n = min(budget, len(req.prompt) - req.prefilled)
                 chunks.append(SequenceChunk(req.prompt[req.prefilled:req.prefilled + n], req.prefilled, req.pages))
                 budget -= n
@@ -131,8 +132,9 @@ class Engine:
             samples.append(req.prefill_done)
             req.launched_outputs += req.prefill_done
         if not chunks:
-            return None
+            return self._wait_for_kv()
         out = self.runner.forward(chunks, params, steps, self.token_buffer)
+        self.pages.launched()
         (rows,) = to_device([[r.slot for r in reqs]], self.device)
         self.token_buffer.index_copy_(0, rows, out.next_tokens)
         self.counters["steps"] += 1
@@ -143,6 +145,23 @@ class Engine:
         event = torch.cuda.Event()
         event.record()
         return _Launched(reqs, samples, host, event)
+
+    @staticmethod
+    def _kv_ready(req: Request) -> bool:
+        """Whether the page copies ``req`` waits for (a restored prefix) are done; never waits."""
+        if req.kv_ready is not None and not req.kv_ready.query():
+            return False
+        req.kv_ready = None
+        return True
+
+    def _wait_for_kv(self) -> _Launched | None:
+        """Nothing could launch: if a request only waits for its page copies and no step is in
+        flight, wait for them on the host (there is nothing to overlap) and launch it."""
+        copies = next((r.kv_ready for r in self.running if r.kv_ready is not None), None)
+        if copies is None or self.in_flight is not None:
+            return None
+        copies.synchronize()
+        return self._launch()
 
     def _process(self, launched: _Launched) -> list[TokenUpdate]:
         if launched.event is not None:

@@ -3,10 +3,16 @@
     write-back   a GPU node evicted without a host copy is written to the host then (once)
     write-through  a node is mirrored to the host when it enters the cache; eviction writes nothing
 
-On CUDA every move runs on one copy stream. The copy stream first waits for the compute stream
-(the step in flight may still write pages just freed, or read pages just unlocked), and the compute
-stream waits for the copies (``fence``) before its next forward reads restored pages or overwrites
-evicted ones. The host never waits. On the CPU the copies are plain and immediate.
+On CUDA every move runs on one copy stream, overlapped with the steps on the compute stream:
+
+- a copy waits for the compute stream only when it touches a GPU page released since the last
+  launch (``in_flight``: the step still running may read or write it); other pages are idle;
+- the compute stream never waits for copies. ``pending`` gives the event of the copies still
+  running; the page manager hands it to every request admitted meanwhile (its pages may be restored
+  ones, or ones a write-back still reads), and the engine launches such a request only once
+  ``query`` says the event completed, so other requests keep decoding while a long prefix comes in.
+
+The host never waits. On the CPU the copies are plain and immediate.
 """
 from __future__ import annotations
 
@@ -30,14 +36,15 @@ PLAN_CAPACITY = 512  # pairs per launch; longer moves take several launches of t
 
 class KVTier:
     def __init__(self, pool: KVPool, host: HostKVPool, radix: RadixCache, mode: str = "writeback",
-                 method: str = "kernel"):
+                 method: str = "kernel", in_flight: set[int] | None = None):
         if mode not in MODES or method not in COPY_METHODS:
             raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {MODES} / {COPY_METHODS}")
         self.pool, self.host, self.radix, self.mode, self.method = pool, host, radix, mode, method
         self.device = pool.k.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.in_flight = in_flight if in_flight is not None else set()  # GPU pages the running step may touch
         self._writes: tuple[list[int], list[int]] = ([], [])  # (GPU, host) pages queued for the host
-        self._reused = False  # GPU pages evicted or restored since the compute stream last waited
+        self._last: torch.cuda.Event | None = None  # recorded on the copy stream after the latest copy
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event, int]] = []
         self.counters = dict(kv_host_pages_written=0, kv_host_pages_restored=0)
         self._seconds = dict(written=0.0, restored=0.0)
@@ -48,7 +55,6 @@ class KVTier:
     def save(self, node: _Node) -> list[int] | None:
         """Radix eviction callback: host pages holding ``node``'s KV, queued for writing unless a
         copy is there already; None when the host pool cannot hold it."""
-        self._reused = True  # its GPU pages go to another use: a copy still reading them must finish
         if node.host_pages is not None:
             return node.host_pages
         host = self._allocate(len(node.pages))
@@ -71,17 +77,15 @@ class KVTier:
         """Copy ``host_pages`` into GPU ``pages`` (queued writes go first: they may read those pages)."""
         self._flush()
         self._copy("restored", host_pages, pages)
-        self._reused = True
         self.counters["kv_host_pages_restored"] += len(pages)
 
-    def fence(self) -> None:
-        """Issue queued writes; if GPU pages were evicted or restored since the last fence, the
-        compute stream waits for every copy issued so far (write-through copies of pages that stay
-        cached need no wait)."""
+    def pending(self) -> torch.cuda.Event | None:
+        """Issue queued writes; the event of the copies not yet finished, None when all are done
+        (``query`` never waits)."""
         self._flush()
-        if self.stream is not None and self._reused:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self._reused = False
+        if self._last is not None and self._last.query():
+            self._last = None
+        return self._last
 
     def stats(self) -> dict[str, int | float]:
         self._collect_timings()
@@ -122,13 +126,15 @@ class KVTier:
             self._seconds[kind] += time.perf_counter() - start
             self._timed_bytes[kind] += len(src) * self.pool.page_bytes
             return
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
+        gpu_pages = src if kind == "written" else dst
+        if not self.in_flight.isdisjoint(gpu_pages):
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self._launch(kind, src, dst)
             end.record()
+        self._last = end
         self._timings.append((kind, start, end, len(src) * self.pool.page_bytes))
         if len(self._timings) > 64:  # bounded even when nobody asks for stats
             self._collect_timings()

@@ -22,7 +22,8 @@ class PageManager:
         self.page_size = pool.page_size
         self.radix = RadixCache(pool.page_size) if prefix_cache else None
         host = HostKVPool.like(pool, host_bytes) if prefix_cache and host_bytes > 0 else None
-        self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method) if host else None
+        self.in_flight: set[int] = set()  # GPU pages released since the last launch: the running step may use them
+        self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method, self.in_flight) if host else None
         self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0)
 
     @property
@@ -56,13 +57,20 @@ class PageManager:
         req.prefix = prefix
         req.pages = prefix.pages + pages[prefix.num_pages - match.num_pages:]
         req.cached_tokens = req.prefilled = prefix.num_pages * self.page_size
+        req.kv_ready = self.tier.pending() if self.tier else None
         self.counters["kv_prefix_tokens_gpu"] += match.num_pages * self.page_size
         self.counters["kv_prefix_tokens_host"] += (prefix.num_pages - match.num_pages) * self.page_size
         return True
 
+    def launched(self) -> None:
+        """A step was launched. Pages released before it are not in it, and the steps before it have
+        finished by the next admission (the host reads their tokens first)."""
+        self.in_flight.clear()
+
     def release(self, req: Request, kv_tokens: list[int]) -> None:
         """Give back ``req``'s pages; the full pages of ``kv_tokens`` (tokens whose KV is written)
         go to the prefix cache, the rest to the free list."""
+        self.in_flight.update(req.pages)
         if self.radix is None:
             self.pool.free(req.own_pages)
             req.pages = []
@@ -103,7 +111,6 @@ class PageManager:
             self.radix.attach(match.host_nodes, pages[:num])
             self.tier.restore([p for n in match.host_nodes for p in n.host_pages], pages[:num])
             match = PrefixMatch(match.pages + pages[:num], match.host_nodes[-1])
-        self.tier.fence()  # the next forward reads restored pages and overwrites evicted ones
         return match
 
     def _make_room(self, n: int) -> bool:

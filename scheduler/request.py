@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler.radix_cache import PrefixMatch
 from worker.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -21,6 +25,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prefilled: int = 0  # prompt tokens whose KV is written (or launched)
     launched_outputs: int = 0  # output tokens whose sampling has been launched
+    kv_ready: torch.cuda.Event | None = None  # page copies its first chunk must wait for (KV tier)
     slot: int = -1  # row of the device token buffer
     sent_first: bool = False
     finished: bool = False

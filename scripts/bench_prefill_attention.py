@@ -1,6 +1,8 @@
-"""Prefill attention of one layer over the paged KV pool: the Triton kernel (a few tiles) against
-the torch reference backend (gather the pages, expand GQA heads, SDPA with a bottom-right causal
-mask), as TFLOP/s and the ratio to the bound FLOPs / 7.9e14 (the measured bf16 matmul ceiling).
+"""Prefill attention of one layer over the paged KV pool: the Triton kernel (a few tiles), and
+without a cached prefix SDPA's causal kernel over the new K/V (what the "triton" backend runs
+then), against the torch reference backend (gather the pages, expand GQA heads, SDPA with a
+bottom-right causal mask), as TFLOP/s and the ratio to the bound FLOPs / 7.9e14 (the measured bf16
+matmul ceiling).
 
     python scripts/bench_prefill_attention.py [--chunks 8192 32768] [--prefixes 0 65536] [--sweep] [--json F]
 
@@ -15,14 +17,16 @@ import json
 import torch
 
 from worker.attention.torch_backend import TorchAttention
+from worker.attention.triton_backend import causal_self_attention
 from worker.attention.triton_prefill import TILE, PrefillTile, paged_prefill_attention, prefill_block_table
 from worker.batch import SequenceChunk, build_batch
 from worker.kv_pool import KVPool
 
 FLOPS_PER_S = 7.9e14
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
-SWEEP = [PrefillTile(128, 64, 8, 3), PrefillTile(128, 64, 4, 3), PrefillTile(128, 128, 8, 3),
-         PrefillTile(128, 32, 4, 4), PrefillTile(64, 64, 4, 3), PrefillTile(256, 64, 8, 3)]
+SWEEP = [PrefillTile(128, 64, 8, 3), PrefillTile(128, 128, 8, 2), PrefillTile(256, 64, 8, 3),
+         PrefillTile(256, 64, 8, 2), PrefillTile(256, 32, 8, 3), PrefillTile(256, 128, 8, 2),
+         PrefillTile(256, 64, 16, 2)]
 
 
 def attention_flops(tokens: int, prefix: int) -> float:
@@ -69,9 +73,13 @@ def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], reference: bool
             print(f"  tile {tuple(tile)}: {type(e).__name__}: {str(e)[:80]}")
             continue
         rows.append(row(f"triton {tuple(tile)}", seconds))
+    k_new = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    if prefix == 0:
+        for expand in (False, True):
+            seconds = timed(lambda: causal_self_attention(q, k_new, k_new, batch.q_lens, HEAD_DIM ** -0.5, expand))
+            rows.append(row(f"sdpa causal, {'expanded heads' if expand else 'enable_gqa'}", seconds))
     if reference:
         torch_attn = TorchAttention(pool, HEAD_DIM ** -0.5)
-        k_new = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         try:
             seconds = timed(lambda: torch_attn.forward(0, q, k_new, k_new, batch))
             rows.append(row("torch reference", seconds))

@@ -77,6 +77,8 @@ def turn(pm: PageManager, r: Request, live: list[Request], abort_at: int | None 
         admitted = pm.admit(r)
     if not admitted:
         return False
+    if r.kv_ready is not None:  # what the engine does before launching r: its pages are being copied
+        r.kv_ready.synchronize()
     live.append(r)
     pm.check(live)
     assert_prefix_kv(pm.pool, r)
@@ -363,3 +365,68 @@ def test_engine_aborts_with_host_tier_leak_nothing(tiny_runner):
     drain(engine)
     assert stats["kv_host_pages_written"] > 0
     assert engine.pages.radix.num_locked_pages == 0
+
+
+class SlowCopies:
+    """Stands in for the copy event of a restore: unfinished for the first ``polls`` queries."""
+
+    def __init__(self, polls: int):
+        self.polls, self.waited = polls, False
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.waited or self.polls < 0
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def admitted_with(engine: Engine, copies: SlowCopies, monkeypatch) -> None:
+    """The next admission gets ``copies`` as its pending page copies."""
+    real = engine.pages.tier.pending
+    monkeypatch.setattr(engine.pages.tier, "pending", lambda: copies if not copies.waited and copies.polls > 0 else real())
+
+
+def test_request_waits_for_its_page_copies_while_others_decode(tiny_runner, monkeypatch):
+    vocab = tiny_runner.model_config.vocab_size
+    first, second = sessions(vocab, [21, 26], seed=4)
+    want = alone(tiny_runner, req("b", second, max_tokens=4))
+    engine = Engine(tiny_runner, EngineConfig(kv_host_gib=1 / 1024))
+    a = req("a", first, max_tokens=12)
+    engine.submit(a)
+    while not a.output:
+        engine.step()
+    copies = SlowCopies(polls=3)
+    admitted_with(engine, copies, monkeypatch)
+    b = req("b", second, max_tokens=4)
+    engine.submit(b)
+    for _ in range(3):
+        outputs = len(a.output)
+        engine.step()
+        assert b.kv_ready is copies and b.prefilled == b.cached_tokens, "b launched before its copies finished"
+        assert len(a.output) == outputs + 1, "a stopped decoding while b waited"
+    tokens = []
+    while engine.has_work:
+        tokens += [t for u in engine.step() if u.rid == "b" for t in u.token_ids]
+    assert tokens == want and not copies.waited  # polled to completion, never waited for
+    engine.check_pages()
+    drain(engine)
+
+
+def test_lone_request_waits_on_the_host_for_its_page_copies(tiny_runner, monkeypatch):
+    (prompt,) = sessions(tiny_runner.model_config.vocab_size, [23], seed=6)
+    want = alone(tiny_runner, req("x", prompt, max_tokens=3))
+    engine = Engine(tiny_runner, EngineConfig(kv_host_gib=1 / 1024))
+    copies = SlowCopies(polls=10**9)
+    admitted_with(engine, copies, monkeypatch)
+    assert run_one(engine, req("x", prompt, max_tokens=3))[0] == want
+    drain(engine)
+    assert copies.waited  # nothing else to run: the engine waited instead of spinning
+
+
+def alone(runner: ModelRunner, r: Request) -> list[int]:
+    """``r``'s tokens from a fresh engine that leaves the runner's pool empty again."""
+    engine = Engine(runner)
+    tokens = run_one(engine, r)[0]
+    drain(engine)
+    return tokens

@@ -34,4 +34,4 @@ def create_backend(name: str, pool: KVPool, scale: float) -> AttentionBackend:
 
 
 from worker.attention import torch_backend  # noqa: E402,F401  (registers "torch")
-from worker.attention import triton_decode  # noqa: E402,F401  (registers "triton": decode kernel, torch prefill)
+from worker.attention import triton_backend  # noqa: E402,F401  (registers "triton": the paged kernels)

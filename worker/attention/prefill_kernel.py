@@ -7,30 +7,38 @@ import triton.language as tl
 @triton.jit
 def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, d, d_live,
            pos, seq_len, lo, hi, qk_scale,
-           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+           IEEE: tl.constexpr):
+    """Online softmax over keys [lo, hi) in BLOCK_N tiles; ``m`` is kept in the log2 domain, scaled."""
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         page = tl.load(table_row + t // PAGE, mask=t < hi, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         row = page * stride_page + (t % PAGE) * stride_tok + kv_off
-        k = tl.load(k_ptr + row[None, :] + d[:, None], mask=d_live[:, None], other=0.0)  # [D, N]
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)  # [N, D]
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee") * qk_scale
+        if EVEN_D:
+            k = tl.load(k_ptr + row[:, None] + d[None, :])  # [N, D]
+            v = tl.load(v_ptr + row[:, None] + d[None, :])
         else:
-            s = tl.dot(q, k) * qk_scale
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
         if MASKED:
             s = tl.where((t[None, :] <= pos[:, None]) & (t < seq_len)[None, :], s, -1e30)
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = tl.dot(p, v, acc, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m = m_new
     return acc, l, m
+
 
 @triton.jit
 def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr, blocks_ptr,
@@ -65,9 +73,9 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr, blocks_ptr,
     full = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # keys every query of the block sees
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                       d, d_live, pos, seq_len, 0, full, qk_scale, PAGE, BLOCK_N, False, IEEE)
+                       d, d_live, pos, seq_len, 0, full, qk_scale, PAGE, BLOCK_N, False, BLOCK_D == HEAD_DIM, IEEE)
     acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                       d, d_live, pos, seq_len, full, hi, qk_scale, PAGE, BLOCK_N, True, IEEE)
+                       d, d_live, pos, seq_len, full, hi, qk_scale, PAGE, BLOCK_N, True, BLOCK_D == HEAD_DIM, IEEE)
     out = acc / l[:, None]
     tl.store(o_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_live[:, None] & d_live[None, :])

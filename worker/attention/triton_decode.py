@@ -1,6 +1,4 @@
-"""Paged decode attention in Triton (one new token per sequence), flash-decoding style, and the
-"triton" attention backend that runs decode batches through it and prefill through the paged
-prefill kernel.
+"""Paged decode attention in Triton (one new token per sequence), flash-decoding style.
 
 Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (GQA) and walks its
 split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads)``
@@ -23,40 +21,13 @@ import functools
 import torch
 
 from moe_offload.kernels._triton import next_pow2, use_triton
-from worker.attention import register
 from worker.attention.paged_checks import check_paged_inputs
-from worker.attention.triton_prefill import paged_prefill_attention, prefill_block_table
-from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
 TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
 REDUCE_CHUNK = 16  # splits merged per step of the reduce loop
 _LOG2E = 1.4426950408889634
-
-
-@register("triton")
-class TritonAttention:
-    """Decode batches through ``paged_decode_attention``, prefill and mixed batches through
-    ``paged_prefill_attention`` (``worker.attention.triton_prefill``); both read the pages in place."""
-
-    def __init__(self, pool: KVPool, scale: float):
-        self.pool = pool
-        self.scale = scale
-        self._blocks: tuple[ForwardBatch, torch.Tensor] | None = None  # the block list, built once per batch
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, batch.out_loc, k, v)
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        if batch.is_decode:
-            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
-        if self._blocks is None or self._blocks[0] is not batch:
-            group = q.shape[1] // k_cache.shape[2]
-            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device)
-        return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
-                                       self.scale, blocks=self._blocks[1])
 
 
 def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | None = None) -> tuple[int, int]:

@@ -1,0 +1,59 @@
+"""The "triton" attention backend: every batch reads the KV pages in place.
+
+    decode batch (one new token per row)   paged_decode_attention   (worker.attention.triton_decode)
+    rows with a cached prefix               paged_prefill_attention  (worker.attention.triton_prefill)
+    rows without one                        SDPA's fused causal kernel over the new K/V, which are
+                                            contiguous already (flash attention on a GPU)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention import register
+from worker.attention.triton_decode import paged_decode_attention
+from worker.attention.triton_prefill import paged_prefill_attention, prefill_block_table
+from worker.batch import ForwardBatch
+from worker.kv_pool import KVPool
+
+
+@register("triton")
+class TritonAttention:
+    """The paths of the table above, chosen from host-known lengths only."""
+
+    def __init__(self, pool: KVPool, scale: float):
+        self.pool = pool
+        self.scale = scale
+        self._blocks: tuple[ForwardBatch, torch.Tensor] | None = None  # the block list, built once per batch
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        self.pool.store(layer, batch.out_loc, k, v)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if batch.is_decode:
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+        if batch.seq_lens_host == batch.q_lens:  # no cached prefix: the new keys are all there is
+            return causal_self_attention(q, k, v, batch.q_lens, self.scale)
+        if self._blocks is None or self._blocks[0] is not batch:
+            group = q.shape[1] // k_cache.shape[2]
+            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device)
+        return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
+                                       self.scale, blocks=self._blocks[1])
+
+
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int], scale: float,
+                          expand: bool = False) -> torch.Tensor:
+    """Rows without a cached prefix attend over their own new ``k, v [T, kv_heads, D]``, contiguous
+    already, through SDPA's fused causal kernel (flash attention on a GPU); ``expand`` repeats the
+    KV heads instead of passing ``enable_gqa``."""
+    out, start = torch.empty_like(q), 0
+    group = q.shape[1] // k.shape[1]
+    for n in q_lens:
+        q_b, k_b, v_b = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))
+        if expand and group > 1:
+            k_b, v_b = (x.repeat_interleave(group, dim=1) for x in (k_b, v_b))
+        o = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale,
+                                           enable_gqa=not expand and group > 1)
+        out[start:start + n] = o[0].transpose(0, 1)
+        start += n
+    return out
