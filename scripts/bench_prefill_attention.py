@@ -64,7 +64,7 @@ def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], reference: bool
                     bound_ms=bound * 1e3, ratio=bound / seconds)
 
     for tile in tiles:
-        blocks = prefill_block_table(batch.q_lens, HEADS // KV_HEADS, q.device, tile)
+        blocks = prefill_block_table(batch.q_lens, HEADS // KV_HEADS, q.device, tile, [prefix])
         try:
             seconds = timed(lambda: paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
                                                             batch.q_lens, HEAD_DIM ** -0.5, blocks=blocks,

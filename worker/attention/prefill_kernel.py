@@ -52,7 +52,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr, blocks_ptr,
     q_start = tl.load(blocks_ptr + blk * 4 + 1)
     q_len = tl.load(blocks_ptr + blk * 4 + 2)
     m0 = tl.load(blocks_ptr + blk * 4 + 3)
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), q_len), max_tokens)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), q_len), max_tokens).to(tl.int32)  # clamp, then narrow
     prefix = seq_len - q_len
     r = tl.arange(0, BLOCK_M * BLOCK_G)
     tok = m0 + r // BLOCK_G

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from worker.attention import register
 from worker.attention.triton_decode import paged_decode_attention
-from worker.attention.triton_prefill import paged_prefill_attention, prefill_block_table
+from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table
 from worker.batch import ForwardBatch
 from worker.kv_pool import KVPool
 
@@ -24,7 +24,7 @@ class TritonAttention:
     def __init__(self, pool: KVPool, scale: float):
         self.pool = pool
         self.scale = scale
-        self._blocks: tuple[ForwardBatch, torch.Tensor] | None = None  # the block list, built once per batch
+        self._blocks: tuple[ForwardBatch, PrefillBlocks] | None = None  # the block list, built once per batch
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -36,7 +36,8 @@ class TritonAttention:
             return causal_self_attention(q, k, v, batch.q_lens, self.scale)
         if self._blocks is None or self._blocks[0] is not batch:
             group = q.shape[1] // k_cache.shape[2]
-            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device)
+            prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
+            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, prefixes=prefixes)
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=self._blocks[1])
 

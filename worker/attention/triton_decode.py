@@ -127,7 +127,7 @@ def _kernels():
         d_live = d < HEAD_DIM
         q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                     mask=g_live[:, None] & d_live[None, :], other=0.0)
-        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), max_tokens)
+        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
         start = split * split_tokens
         end = tl.minimum(start + split_tokens, seq_len)
         # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
@@ -171,7 +171,7 @@ def _kernels():
                              CHUNK: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), max_tokens)
+        seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
         active = (seq_len + split_tokens - 1) // split_tokens  # the splits that stored a partial
         base = (b * HEADS + h) * NUM_SPLITS
         s = tl.arange(0, BLOCK_S)

@@ -45,18 +45,38 @@ def block_tokens(group: int, tile: PrefillTile = TILE) -> int:
     return max(tile.rows // next_pow2(group), 1)
 
 
-def prefill_blocks(q_lens: list[int], block_m: int) -> list[list[int]]:
-    """``[row, first token in q, q_len, m0]`` per program, the blocks with most keys first."""
+class PrefillBlocks(NamedTuple):
+    """The kernel's programs for one batch, on the device, with the host values they came from."""
+
+    q_lens: tuple[int, ...]
+    block_m: int
+    table: torch.Tensor  # int32 [programs, 4]: row, its first token in q, its q_len, m0
+
+
+def prefill_blocks(q_lens: list[int], block_m: int, prefixes: list[int] | None = None) -> list[list[int]]:
+    """``[row, first token in q, q_len, m0]`` per program, those with the most keys first (the
+    longest programs start first, so the last wave is short)."""
     blocks, start = [], 0
     for b, n in enumerate(q_lens):
         blocks += [[b, start, n, m0] for m0 in range(0, n, block_m)]
         start += n
-    return blocks[::-1] if len(q_lens) == 1 else sorted(blocks, key=lambda x: -x[3])
+    prefixes = prefixes or [0] * len(q_lens)
+    return sorted(blocks, key=lambda x: -(prefixes[x[0]] + x[3]))
+
+
+def prefill_block_table(q_lens: list[int], group: int, device: torch.device, tile: PrefillTile = TILE,
+                        prefixes: list[int] | None = None) -> PrefillBlocks:
+    """The block list of ``q_lens`` on ``device`` (one pinned, non-blocking copy); ``prefixes``
+    (cached tokens per row, from the host) only order it."""
+    block_m = block_tokens(group, tile)
+    host = torch.tensor(prefill_blocks(q_lens, block_m, prefixes), dtype=torch.int32).view(-1, 4)
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return PrefillBlocks(tuple(q_lens), block_m, table)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                             seq_lens: torch.Tensor, q_lens: list[int], scale: float, *,
-                            blocks: torch.Tensor | None = None, tile: PrefillTile = TILE,
+                            blocks: PrefillBlocks | None = None, tile: PrefillTile = TILE,
                             backend: str | None = None) -> torch.Tensor:
     """``q [T, heads, D]`` (rows packed in order, ``q_lens`` from the host) over ``k_cache, v_cache
     [num_pages, page, kv_heads, D]`` (one layer) through ``page_table [B, max_pages]``; query i of
@@ -72,28 +92,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = block_tokens(group, tile)
     if blocks is None:
         blocks = prefill_block_table(q_lens, group, q.device, tile)
-    if blocks.shape != (sum(-(-n // block_m) for n in q_lens), 4) or blocks.device != q.device:
-        raise ValueError(f"block table {tuple(blocks.shape)} does not match q_lens for {block_m}-token blocks")
+    if blocks.q_lens != tuple(q_lens) or blocks.block_m != block_m or blocks.table.device != q.device:
+        raise ValueError(f"blocks built for q_lens {blocks.q_lens[:8]} in {blocks.block_m}-token blocks on "
+                         f"{blocks.table.device}; this call has {tuple(q_lens[:8])} in {block_m}-token blocks on {q.device}")
     out = torch.empty_like(q)
     block_d = max(16, next_pow2(D))
-    _kernel()[(blocks.shape[0], kv_heads)](
-        q, k_cache, v_cache, out, page_table, seq_lens, blocks,
+    _kernel()[(blocks.table.shape[0], kv_heads)](
+        q, k_cache, v_cache, out, page_table, seq_lens, blocks.table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         num_pages, page_table.shape[1] * page, scale * _LOG2E,
         GROUP=group, BLOCK_G=next_pow2(group), HEAD_DIM=D, BLOCK_D=block_d, PAGE=page, BLOCK_M=block_m,
         BLOCK_N=tile.block_n, IEEE=q.dtype == torch.float32, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
-
-
-def prefill_block_table(q_lens: list[int], group: int, device: torch.device,
-                        tile: PrefillTile = TILE) -> torch.Tensor:
-    """The kernel's block list on ``device`` (one pinned, non-blocking copy)."""
-    rows = prefill_blocks(q_lens, block_tokens(group, tile))
-    host = torch.tensor(rows, dtype=torch.int32).view(-1, 4)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def paged_prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
