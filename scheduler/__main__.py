@@ -30,8 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"host-RAM KV tier in GiB; 0 disables it; None: {DEFAULT_FRACTION * 100:.0f}%% of the "
                         "host RAM available once the model is loaded (on GPU; 0 on CPU)")
     p.add_argument("--kv-tier-mode", default=EngineConfig.kv_tier_mode, choices=list(MODES),
-                   help="writeback: copy a prefix to the host when the GPU evicts it; writethrough: "
-                        "mirror it when it enters the cache")
+                   help="writethrough (default): mirror a prefix to the host when it enters the cache, so "
+                        "eviction copies nothing; writeback: copy it when the GPU evicts it (on the critical path "
+                        "of the admission that needs the room)")
     return p.parse_args(argv)
 
 

@@ -26,7 +26,7 @@ FLOPS_PER_S = 7.9e14
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
 SWEEP = [PrefillTile(128, 64, 8, 3), PrefillTile(128, 128, 8, 2), PrefillTile(256, 64, 8, 3),
          PrefillTile(256, 64, 8, 2), PrefillTile(256, 32, 8, 3), PrefillTile(256, 128, 8, 2),
-         PrefillTile(256, 64, 16, 2)]
+         PrefillTile(256, 64, 16, 2), PrefillTile(256, 64, 16, 3), PrefillTile(512, 64, 16, 2)]
 
 
 def attention_flops(tokens: int, prefix: int) -> float:

@@ -345,8 +345,10 @@ def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
     assert outputs[True] == outputs[False]
 
 
-def test_engine_aborts_with_host_tier_leak_nothing(tiny_runner):
-    engine = Engine(tiny_runner, EngineConfig(max_prefill_tokens=8, kv_host_gib=16 * 2048 / 2**30))  # 16 pages
+@pytest.mark.parametrize("mode", ["writeback", "writethrough"])
+def test_engine_aborts_with_host_tier_leak_nothing(tiny_runner, mode):
+    engine = Engine(tiny_runner, EngineConfig(max_prefill_tokens=8, kv_host_gib=16 * 2048 / 2**30,  # 16 pages
+                                              kv_tier_mode=mode))
     rng = random.Random(5)
     prompts = sessions(tiny_runner.model_config.vocab_size, [rng.randrange(20, 40) for _ in range(8)], seed=11)
     prompts += [p + [9, 9] for p in prompts[:4]]  # later turns of earlier sessions

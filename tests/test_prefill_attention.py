@@ -20,7 +20,7 @@ from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import triton_prefill  # noqa: E402
 from worker.attention.triton_prefill import (TILE, PrefillBlocks, PrefillTile, block_tokens,  # noqa: E402
                                              paged_prefill_attention, paged_prefill_attention_eager,
-                                             prefill_block_table, prefill_blocks)
+                                             prefill_block_table, prefill_blocks, tile_for)
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
@@ -79,7 +79,7 @@ def sdpa_reference(q, k_cache, v_cache, table, seq_lens: list[int], q_lens: list
 # ==== the kernel against its twin (CPU, interpreted) ====
 
 KERNEL_CONFIGS = [  # heads, kv_heads, D, page
-    (2, 2, 16, 4),  # no GQA: 128-token blocks
+    (2, 2, 16, 4),  # no GQA
     (4, 2, 32, 8),  # GQA 2
     (8, 1, 64, 16),  # GQA 8 (qwen3's ratio), page 16
     (7, 1, 24, 4),  # odd group (padded to 8), head dim not a power of two
@@ -210,8 +210,13 @@ def test_blocks_with_most_keys_come_first():
     assert [(b, m0) for b, _, _, m0 in blocks] == [(1, 0), (2, 16), (2, 0), (0, 32), (0, 16), (0, 0)]
 
 
+def test_float32_takes_the_tile_that_fits_in_shared_memory():
+    """256 rows of float32 at head dim 128 asked 263 KB of shared memory on an H200 (227 KB there)."""
+    assert tile_for(torch.float32).rows == 128 and tile_for(torch.bfloat16) == TILE
+
+
 def test_block_table_matches_block_list():
-    for group, tokens in ((1, 128), (2, 64), (3, 32), (7, 16), (8, 16), (128, 1), (256, 1)):
+    for group, tokens in ((1, 256), (2, 128), (3, 64), (7, 32), (8, 32), (128, 2), (256, 1), (512, 1)):
         assert block_tokens(group) == tokens
         blocks = prefill_block_table([5, 200, 1], group, torch.device("cpu"))
         assert blocks.table.dtype == torch.int32 and (blocks.q_lens, blocks.block_m) == ((5, 200, 1), tokens)
@@ -228,7 +233,7 @@ def test_given_blocks_give_the_same_output():
     rows = [(0, 40), (100, 1), (30, 75), (250, 17)]
     q, k, v, table, lens, q_lens = prefill_case(gen, 8, 4, 16, 8, rows)  # group 2: 64-token blocks
     built = paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, backend="triton")
-    blocks = prefill_block_table(q_lens, 2, q.device)
+    blocks = prefill_block_table(q_lens, 2, q.device, tile_for(q.dtype))
     shuffled = blocks.table[torch.randperm(blocks.table.shape[0], generator=gen)]
     for order in (blocks, PrefillBlocks(blocks.q_lens, blocks.block_m, shuffled)):
         given = paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, blocks=order, backend="triton")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from worker.attention import register
 from worker.attention.triton_decode import paged_decode_attention
-from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table
+from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
 from worker.kv_pool import KVPool
 
@@ -37,7 +37,7 @@ class TritonAttention:
         if self._blocks is None or self._blocks[0] is not batch:
             group = q.shape[1] // k_cache.shape[2]
             prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, prefixes=prefixes)
+            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile_for(q.dtype), prefixes)
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=self._blocks[1])
 
