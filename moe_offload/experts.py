@@ -30,8 +30,9 @@ class ExpertBanks(NamedTuple):
 
 
 class Experts(Protocol):
-    def begin(self, num_tokens: int, top_k: int) -> None:
-        """A batch starts (before layer 0's attention): a chance to start moving experts early."""
+    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
+        """A batch starts (before layer 0's attention): a chance to start moving experts early;
+        ``flops`` is its estimated matmul work (``ModelConfig.forward_flops``)."""
         ...
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class ResidentExperts:
     def __init__(self, banks: ExpertBanks):
         self.banks = banks
 
-    def begin(self, num_tokens: int, top_k: int) -> None:
+    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
         pass
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,12 @@ class OffloadedExperts:
 
     With a CUDA cache the banks must be addressable by kernels: pinned or registered host memory
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
-    pipeline on (the cache then needs ``3E`` slots); ``invalidate`` is its mode (``"fixed"`` or
-    ``"eager"``, see ``prefill_pipeline.INVALIDATE_MODES``).
+    pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
+    ``prefill_pipeline.INVALIDATE_MODES`` and ``STAGE_MODES``).
     """
 
-    def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed"):
+    def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
+                 stage: str = "auto"):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -43,21 +44,24 @@ class OffloadedExperts:
         self.cache = cache
         self.host_w13 = banks.w13.view(num_layers * num_experts, *banks.w13.shape[2:])
         self.host_w2 = banks.w2.view(num_layers * num_experts, *banks.w2.shape[2:])
-        self.pipeline = PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate) if pipeline else None
+        self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage)
+                         if pipeline else None)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
-               backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed") -> OffloadedExperts:
-        return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate)
+               backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
+               stage: str = "auto") -> OffloadedExperts:
+        return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage)
 
     def pipelined(self, ids: torch.Tensor) -> bool:
         """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
         return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
 
-    def begin(self, num_tokens: int, top_k: int) -> None:
-        """A batch of ``num_tokens`` starts: a pipelined one begins staging layer 0 now."""
+    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
+        """A batch of ``num_tokens`` (``flops`` of matmul work) starts: a pipelined one begins
+        staging layer 0 now."""
         if self.pipeline is not None and num_tokens * top_k >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts:
-            self.pipeline.begin()
+            self.pipeline.begin(flops)
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.pipelined(ids):

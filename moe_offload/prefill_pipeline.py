@@ -39,8 +39,15 @@ from moe_offload.kernels.stage_experts import STAGE_FIELDS, stage_experts
 # blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
 INVALIDATE_MODES = ("fixed", "eager")
 # "kernel": hits device-to-device, misses zero-copy over PCIe (kernels.stage_experts). "memcpy": the
-# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used).
-STAGE_MODES = ("kernel", "memcpy")
+# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used). "auto":
+# per chunk, "memcpy" once the chunk computes enough that the SMs the stage kernel holds cost more
+# than the PCIe bytes it saves. On an H200 at 25% cache (qwen3-30b-geometry, bench_prefill.py) the
+# kernel won for 8k and 16k-token chunks without a prefix (0.913 vs 1.094 s, 0.998 vs 1.102 s: about
+# 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
+# (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
+STAGE_MODES = ("kernel", "memcpy", "auto")
+# half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
+AUTO_MEMCPY_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
 
 
@@ -135,6 +142,8 @@ class PrefillPipeline:
         if stage not in STAGE_MODES:
             raise ValueError(f"stage mode {stage!r} is not one of {STAGE_MODES}")
         self.stage = stage
+        self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
+        self.chunks = dict.fromkeys(STAGE_MODES[:2], 0)  # chunks staged each way
         self.cache = cache
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.invalidate = invalidate
@@ -148,9 +157,13 @@ class PrefillPipeline:
         self._next_layer = 0
         self._begun = False
 
-    def begin(self) -> None:
+    def begin(self, flops: float = 0.0) -> None:
         """Start a chunk early: called before layer 0's attention, so staging layer 0 overlaps it
-        instead of waiting for the first MoE layer."""
+        instead of waiting for the first MoE layer. ``flops``, the chunk's estimated matmul work,
+        picks the stage mode under "auto"."""
+        if self.stage == "auto":
+            expert_bytes = self.cache.num_layers * self.cache.num_experts * self.cache.slot_bytes
+            self.chunk_stage = "memcpy" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
         self._begin()
         self._begun = True
 
@@ -176,6 +189,7 @@ class PrefillPipeline:
         # and the cache slots that staging reads
         self.streams.record("begin", "compute")
         self.streams.wait("copy", "begin")
+        self.chunks[self.chunk_stage] += 1
         self._stage(0)
         self._next_layer = 0
 
@@ -187,7 +201,7 @@ class PrefillPipeline:
                 invalidate_slots(buf * num_experts, num_experts, self.cache.tables, self.cache.backend)
             else:
                 invalidate_slots_eager(buf * num_experts, num_experts, self.cache.tables)
-            if self.stage == "memcpy":
+            if self.chunk_stage == "memcpy":
                 experts = slice(layer * num_experts, (layer + 1) * num_experts)
                 self.buf_w13[buf].copy_(self.host_w13[experts], non_blocking=True)
                 self.buf_w2[buf].copy_(self.host_w2[experts], non_blocking=True)
@@ -203,4 +217,5 @@ class PrefillPipeline:
         so call it off the hot path."""
         from_cache, from_host = (int(v) for v in self.staged.sum(0).tolist())
         return {"from_cache": from_cache, "from_host": from_host, "bytes_h2d": from_host * self.cache.slot_bytes,
-                "bytes_d2d": from_cache * self.cache.slot_bytes}
+                "bytes_d2d": from_cache * self.cache.slot_bytes, "chunks_kernel": self.chunks["kernel"],
+                "chunks_memcpy": self.chunks["memcpy"]}

@@ -3,14 +3,17 @@ bytes over PCIe and HBM, and the ratio to the bound max(PCIe bytes / 55 GB/s, FL
 for each chunk size, cache fraction, invalidation mode, with and without a cached prefix.
 
     python scripts/bench_prefill.py [--model qwen3-30b-geometry] [--fractions 0.25 0.5]
-        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--json FILE]
+        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--auto]
+        [--json FILE]
 
 Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
 part of the cache (slots [2E, S)) is filled evenly across layers, as a decode phase would leave it;
 its experts reach the buffer device-to-device, the rest cross PCIe. With --prefix, a prefix of that
 many tokens is prefilled once (untimed), then each timed chunk attends over it; a combination that
 does not fit in memory is reported as "oom". ``--attention torch`` times the reference attention
-backend instead of the paged Triton kernel. First a short table compares the
+backend instead of the paged Triton kernel. Rows "fixed"/"eager" stage through the kernel (hits on
+the GPU, misses over PCIe); "memcpy" moves whole layers by the copy engine; "auto" is what serving
+does (the choice per chunk, shown as auto-k / auto-m). First a short table compares the
 stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
 """
 from __future__ import annotations
@@ -82,15 +85,6 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
     return rows
 
 
-def chunk_flops(runner: ModelRunner, tokens: int, prefix: int) -> float:
-    cfg = runner.model_config
-    H, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    dense = 2 * tokens * (H * (q + 2 * kv) + q * H + H * cfg.num_experts)
-    moe = 2 * tokens * cfg.top_k * 3 * H * cfg.expert_intermediate_size
-    attention = 4 * cfg.num_heads * cfg.head_dim * (tokens * prefix + tokens * (tokens + 1) / 2)  # causal
-    return cfg.num_layers * (dense + moe + attention) + 2 * H * cfg.vocab_size
-
-
 def hbm_bytes(runner: ModelRunner, staged: dict, tokens: int, prefix: int) -> float:
     """Expert traffic (buffer writes, cache reads of hits, one GEMM read of each buffer) and one
     read of the KV the chunk attends over; activations are not counted."""
@@ -121,8 +115,10 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
             seconds = run_chunk(runner, prompt[prefix:prefix + chunk], prefix, pages)
             staged = {k: v - before[k] for k, v in pipeline.stats().items()}
             pcie_s = staged["bytes_h2d"] / PCIE_BYTES_PER_S
-            flops_s = chunk_flops(runner, chunk, prefix) / FLOPS_PER_S
+            flops_s = runner.model_config.forward_flops([chunk], [prefix]) / FLOPS_PER_S
             total = staged["from_cache"] + staged["from_host"]
+            if mode == "auto":  # which way it went
+                mode = "auto-m" if staged["chunks_memcpy"] else "auto-k"
             rows.append(dict(fraction=fraction, invalidate=mode, chunk=chunk, prefix=prefix, seconds=seconds,
                              tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
                              pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
@@ -144,10 +140,12 @@ def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[d
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
-    pipelines = {mode: experts.pipeline if mode == experts.pipeline.invalidate else
-                 PrefillPipeline(experts.cache, experts.host_w13, experts.host_w2, mode) for mode in args.invalidate}
+    banks = experts.cache, experts.host_w13, experts.host_w2
+    pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel") for mode in args.invalidate}
     if args.memcpy:  # the whole layer by the copy engine, hits included
-        pipelines["memcpy"] = PrefillPipeline(experts.cache, experts.host_w13, experts.host_w2, stage="memcpy")
+        pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy")
+    if args.auto:  # the serving default: kernel or copy engine per chunk
+        pipelines["auto"] = PrefillPipeline(*banks, stage="auto")
     warm_cache(experts, seed=1)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (args.prefix + longest,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -181,6 +179,7 @@ def main() -> None:
     p.add_argument("--invalidate", nargs="+", default=["fixed", "eager"], choices=["fixed", "eager"])
     p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
+    p.add_argument("--auto", action="store_true", help="also the per-chunk choice serving uses (row 'auto')")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
     p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")

@@ -18,7 +18,7 @@ from moe_offload.expert_cache import ExpertCache  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
-from moe_offload.prefill_pipeline import HostStreams  # noqa: E402
+from moe_offload.prefill_pipeline import AUTO_MEMCPY_FLOPS_PER_BYTE, HostStreams  # noqa: E402
 from tests.test_expert_cache import assert_consistent, make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
@@ -84,6 +84,39 @@ def test_pipeline_equals_cache_path(invalidate):
         for layer, args in enumerate(step):
             torch.testing.assert_close(piped.forward(layer, *args), plain.forward(layer, *args), rtol=1e-5, atol=1e-5)
     assert piped.cache.stats()["total"]["lookups"] < plain.cache.stats()["total"]["lookups"]
+
+
+@pytest.mark.parametrize("stage,flops_per_byte", [("kernel", 0.0), ("kernel", 0.99 * AUTO_MEMCPY_FLOPS_PER_BYTE),
+                                                   ("memcpy", AUTO_MEMCPY_FLOPS_PER_BYTE)])
+def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
+    """Chunks that compute little stage through the kernel (hits on the GPU), heavy ones through the
+    copy engine (whole layers from the host); the results are the resident ones either way."""
+    banks, offloaded = setup()
+    resident = ResidentExperts(banks)
+    cache = offloaded.cache
+    flops = flops_per_byte * cache.num_layers * cache.num_experts * cache.slot_bytes
+    for step in batches(3, rounds=3):
+        offloaded.begin(len(step[0][0]), TOP_K, flops)
+        for layer, args in enumerate(step):
+            torch.testing.assert_close(offloaded.forward(layer, *args), resident.forward(layer, *args),
+                                       rtol=1e-5, atol=1e-5)
+    stats = offloaded.pipeline.stats()
+    other = "kernel" if stage == "memcpy" else "memcpy"
+    assert stats[f"chunks_{stage}"] == 3 and stats[f"chunks_{other}"] == 0
+    assert (stats["from_cache"] == 0) == (stage == "memcpy")  # the copy engine moves hits too
+
+
+def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
+    from worker.config import ModelConfig
+
+    cfg = ModelConfig.from_dir("qwen3-30b-geometry")
+    one = cfg.forward_flops([8192], [0])
+    assert cfg.forward_flops([8192, 100], [0, 5000]) == pytest.approx(one + cfg.forward_flops([100], [5000]))
+    assert cfg.forward_flops([8192], [1000]) - one == pytest.approx(cfg.num_layers * 4 * cfg.q_size * 8192 * 1000)
+    expert_bytes = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
+    # where the H200 measurements behind "auto" fall (prefill_pipeline.STAGE_MODES)
+    assert cfg.forward_flops([16384], [0]) < AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes
+    assert cfg.forward_flops([8192], [65536]) > AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes
 
 
 def test_cache_below_three_layers_of_experts_is_refused():
@@ -269,10 +302,13 @@ def test_cli_options_reach_the_pipeline():
     add_runner_args(p)
     default = runner_config(p.parse_args([]), "m")
     assert default.experts.prefill_pipeline and default.experts.prefill_invalidate == "fixed"
+    assert default.experts.prefill_stage == "auto"
     assert default.max_prefill_tokens == 0  # auto
-    args = p.parse_args(["--no-prefill-pipeline", "--prefill-invalidate", "eager", "--max-prefill-tokens", "4096"])
+    args = p.parse_args(["--no-prefill-pipeline", "--prefill-invalidate", "eager", "--max-prefill-tokens", "4096",
+                         "--prefill-stage", "memcpy"])
     config = runner_config(args, "m")
     assert not config.experts.prefill_pipeline and config.experts.prefill_invalidate == "eager"
+    assert config.experts.prefill_stage == "memcpy"
     assert config.max_prefill_tokens == 4096
 
 

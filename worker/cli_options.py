@@ -38,6 +38,11 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-invalidate", default=ExpertOptions.prefill_invalidate, choices=["fixed", "eager"],
                    help="how the pipeline empties its lent cache slots: fixed (one fixed-shape launch) or eager "
                         "(boolean-mask indexing, a hidden device->host sync per layer; for A/B measurements only)")
+    p.add_argument("--prefill-stage", default=ExpertOptions.prefill_stage, choices=["auto", "kernel", "memcpy"],
+                   help="how the pipeline fills its buffer: kernel (experts cached elsewhere copied on the GPU, "
+                        "the rest read over PCIe by a kernel that holds some SMs), memcpy (whole layers by the copy "
+                        "engine, no SMs), auto (default: per chunk, memcpy when the chunk's compute is long enough "
+                        "that the SMs matter more than the PCIe bytes saved)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(graphs are on: %(default)s)")
@@ -51,7 +56,8 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
 def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     experts = ExpertOptions(args.moe_cache_size, args.moe_cache_fraction, args.moe_cache_auto, args.moe_policy,
                             args.kv_reserve_tokens, args.dummy_weights, args.seed_weights,
-                            prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate)
+                            prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate,
+                            prefill_stage=args.prefill_stage)
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,

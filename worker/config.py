@@ -37,6 +37,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def forward_flops(self, q_lens: list[int], prefixes: list[int]) -> float:
+        """Matmul FLOPs of one forward over rows of ``q_lens`` new tokens after ``prefixes`` cached
+        ones: projections, router, the routed experts, causal attention, each row's LM head."""
+        H, tokens = self.hidden_size, sum(q_lens)
+        dense = 2 * tokens * (H * (self.q_size + 2 * self.kv_size) + self.q_size * H + H * self.num_experts)
+        moe = 2 * tokens * self.top_k * 3 * H * self.expert_intermediate_size
+        attention = 4 * self.q_size * sum(n * p + n * (n + 1) / 2 for n, p in zip(q_lens, prefixes))
+        return self.num_layers * (dense + moe + attention) + 2 * H * self.vocab_size * len(q_lens)
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """A checkpoint directory, or the name of a geometry of ``worker.geometry``."""

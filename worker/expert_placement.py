@@ -28,6 +28,7 @@ class ExpertOptions:
     seed: int = 0
     prefill_pipeline: bool = True  # stream prefill chunks' experts through a double buffer (needs 3E slots)
     prefill_invalidate: str = "fixed"  # "eager": the boolean-mask invalidation, a hidden sync (A/B only)
+    prefill_stage: str = "auto"  # "kernel" | "memcpy" | "auto" (per chunk), see prefill_pipeline.STAGE_MODES
 
     @property
     def uses_store(self) -> bool:
@@ -69,7 +70,7 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
                     "prefill runs through the cache", slots, 3 * cfg.num_experts, cfg.num_experts, cfg.num_experts)
     banks = store.device_banks() if device.type == "cuda" else host
     experts = OffloadedExperts.create(banks, slots, device, options.policy, pipeline=pipeline,
-                                      invalidate=options.prefill_invalidate)
+                                      invalidate=options.prefill_invalidate, stage=options.prefill_stage)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts
 

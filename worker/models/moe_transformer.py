@@ -25,7 +25,8 @@ class MoETransformer:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
-        self.experts.begin(batch.num_tokens, self.cfg.top_k)
+        prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
+        self.experts.begin(batch.num_tokens, self.cfg.top_k, self.cfg.forward_flops(batch.q_lens, prefixes))
         x = w.embed[batch.input_ids]
         for i, lw in enumerate(w.layers):
             x = x + self._attention(i, lw, rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps), batch)
