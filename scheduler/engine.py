@@ -5,7 +5,8 @@ One call of ``step``:
   1. admit waiting requests while KV pages and token-buffer rows allow;
   2. launch the next batch: decode tokens of running requests plus prefill chunks within the
      prefill token budget; decode inputs come from the device token buffer, never the host; a
-     request whose prefix the KV tier is still copying in waits (polled), the others go on;
+     request whose prefix the KV tier is still copying in waits (polled) while others run, and
+     when nothing else runs it goes behind a wait for the copies on the compute stream;
   3. read back the previous step's sampled tokens (pinned copy + event, one step late);
   4. turn them into updates, finish requests, and release their pages.
 """
@@ -135,7 +136,7 @@ class Engine:
             samples.append(req.prefill_done)
             req.launched_outputs += req.prefill_done
         if not chunks:
-            return self._wait_for_kv()
+            return self._launch_after_copies()
         out = self.runner.forward(chunks, params, steps, self.token_buffer)
         self.pages.launched()
         (rows,) = to_device([[r.slot for r in reqs]], self.device)
@@ -157,13 +158,16 @@ class Engine:
         req.kv_ready = None
         return True
 
-    def _wait_for_kv(self) -> _Launched | None:
-        """Nothing could launch: if a request only waits for its page copies and no step is in
-        flight, wait for them on the host (there is nothing to overlap) and launch it."""
-        copies = next((r.kv_ready for r in self.running if r.kv_ready is not None), None)
-        if copies is None or self.in_flight is not None:
+    def _launch_after_copies(self) -> _Launched | None:
+        """Nothing could launch and no step is in flight: the requests waiting for page copies go
+        now, behind a wait for the copies on the compute stream (the GPU waits, not the host, which
+        goes on enqueueing the chunk). The newest event covers every copy: they share one stream."""
+        waiting = [r for r in self.running if r.kv_ready is not None]
+        if not waiting or self.in_flight is not None:
             return None
-        copies.synchronize()
+        waiting[-1].kv_ready.wait()
+        for req in waiting:
+            req.kv_ready = None
         return self._launch()
 
     def _process(self, launched: _Launched) -> list[TokenUpdate]:

@@ -9,8 +9,9 @@ On CUDA every move runs on one copy stream, overlapped with the steps on the com
   launch (``in_flight``: the step still running may read or write it); other pages are idle;
 - the compute stream never waits for copies. ``pending`` gives the event of the copies still
   running; the page manager hands it to every request admitted meanwhile (its pages may be restored
-  ones, or ones a write-back still reads), and the engine launches such a request only once
-  ``query`` says the event completed, so other requests keep decoding while a long prefix comes in.
+  ones, or ones a write-back still reads). While other requests run, the engine launches such a
+  request only once ``query`` says the event completed, so they keep decoding while a long prefix
+  comes in; when nothing else runs, its chunk goes behind ``event.wait()`` on the compute stream.
 
 The host never waits. On the CPU the copies are plain and immediate.
 """

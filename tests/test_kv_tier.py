@@ -379,7 +379,7 @@ class SlowCopies:
         self.polls -= 1
         return self.waited or self.polls < 0
 
-    def synchronize(self) -> None:
+    def wait(self) -> None:  # the compute stream waits for it
         self.waited = True
 
 
@@ -415,7 +415,7 @@ def test_request_waits_for_its_page_copies_while_others_decode(tiny_runner, monk
     drain(engine)
 
 
-def test_lone_request_waits_on_the_host_for_its_page_copies(tiny_runner, monkeypatch):
+def test_lone_request_goes_behind_a_wait_for_its_page_copies(tiny_runner, monkeypatch):
     (prompt,) = sessions(tiny_runner.model_config.vocab_size, [23], seed=6)
     want = alone(tiny_runner, req("x", prompt, max_tokens=3))
     engine = Engine(tiny_runner, EngineConfig(kv_host_gib=1 / 1024))
@@ -423,7 +423,7 @@ def test_lone_request_waits_on_the_host_for_its_page_copies(tiny_runner, monkeyp
     admitted_with(engine, copies, monkeypatch)
     assert run_one(engine, req("x", prompt, max_tokens=3))[0] == want
     drain(engine)
-    assert copies.waited  # nothing else to run: the engine waited instead of spinning
+    assert copies.waited  # nothing else to run: launched behind a stream wait instead of spinning
 
 
 def alone(runner: ModelRunner, r: Request) -> list[int]:
