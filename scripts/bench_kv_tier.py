@@ -24,7 +24,8 @@ from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.cli_options import add_runner_args, resolve_model, runner_config
 from worker.host_kv_pool import HostKVPool
-from worker.page_copy import build_plan, copy_page_runs, load_pages
+from worker.kv_pool import KVPool
+from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 
@@ -69,10 +70,7 @@ def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
             random.Random(1).shuffle(dst)
 
         def kernel():
-            for i in range(0, num_pages, kv_tier.PLAN_CAPACITY):
-                s, d = src[i:i + kv_tier.PLAN_CAPACITY], dst[i:i + kv_tier.PLAN_CAPACITY]
-                plan = build_plan(s, d, kv_tier.PLAN_CAPACITY, host.num_pages, pool.num_pages, runner.device)
-                load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+            kernel_move(pool, host, "load", src, dst)
 
         def memcpy():
             copy_page_runs(src, dst, host.k, host.v, pool.k, pool.v)
@@ -82,6 +80,42 @@ def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
             gbps = num_pages * pool.page_bytes / seconds / 1e9
             rows.append(dict(layout=layout, method=method, pages=num_pages, ms=seconds * 1e3, gb_per_s=gbps,
                              bound_gb_per_s=PCIE_BYTES_PER_S / 1e9, ratio=gbps * 1e9 / PCIE_BYTES_PER_S))
+    return rows
+
+
+def kernel_move(pool: KVPool, host: HostKVPool, direction: str, src: list[int], dst: list[int]) -> None:
+    """Pages by the zero-copy kernels, as the tier moves them: ``write`` GPU -> host, ``load`` back."""
+    cap = kv_tier.PLAN_CAPACITY
+    for i in range(0, len(src), cap):
+        if direction == "write":
+            plan = build_plan(src[i:i + cap], dst[i:i + cap], cap, pool.num_pages, host.num_pages, pool.k.device)
+            write_pages(plan, pool.k, pool.v, host.kernel_k, host.kernel_v)
+        else:
+            plan = build_plan(src[i:i + cap], dst[i:i + cap], cap, host.num_pages, pool.num_pages, pool.k.device)
+            load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+
+
+def first_touch_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
+    """Each kernel once on host pages no kernel has touched yet, then again on the same pages: a gap
+    is a cost that the first eviction or restore through fresh host pages pays."""
+    pool = runner.kv_pool
+    num_pages = min(num_pages, pool.capacity)
+    compile_pool = HostKVPool.like(pool, 2 * pool.page_bytes)
+    kernel_move(pool, compile_pool, "write", [1, 2], [0, 1])
+    kernel_move(pool, compile_pool, "load", [0, 1], [1, 2])
+    host = HostKVPool.like(pool, num_pages * pool.page_bytes)
+    gpu_pages, host_pages = list(range(1, num_pages + 1)), list(range(num_pages))
+    rows = []
+    for direction in ("write", "load"):
+        src, dst = (gpu_pages, host_pages) if direction == "write" else (host_pages, gpu_pages)
+        for touch in ("first", "again"):
+            sync(runner.device)
+            start = time.perf_counter()
+            kernel_move(pool, host, direction, src, dst)
+            sync(runner.device)
+            gbps = num_pages * pool.page_bytes / (time.perf_counter() - start) / 1e9
+            rows.append(dict(direction=direction, touch=touch, pages=num_pages, gb_per_s=gbps,
+                             ratio=gbps * 1e9 / PCIE_BYTES_PER_S))
     return rows
 
 
@@ -176,6 +210,7 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     runner = ModelRunner(runner_config(args, model_dir))
     copies = copy_rows(runner, args.copy_pages)
+    touches = first_touch_rows(runner, args.copy_pages) if args.copy_pages else []
     turns = session_rows(runner, args)
     device = torch.cuda.get_device_name() if runner.device.type == "cuda" else "cpu"
     pool = runner.kv_pool
@@ -185,6 +220,10 @@ def main() -> None:
     for r in copies:
         print(f"{r['layout']:>10} {r['method']:>7} {r['pages']:>6} {r['ms']:>8.2f} {r['gb_per_s']:>7.1f} "
               f"{r['bound_gb_per_s']:>6.1f} {r['ratio']:>6.3f}")
+    if touches:
+        print(f"\n{'kernel':>10} {'host pages':>10} {'pages':>6} {'GB/s':>7} {'ratio':>6}")
+        for r in touches:
+            print(f"{r['direction']:>10} {r['touch']:>10} {r['pages']:>6} {r['gb_per_s']:>7.1f} {r['ratio']:>6.3f}")
     print(f"\n{'mode':>16} {'TTFT ms':>9} {'speedup':>8} {'cached':>7} {'restored':>9} {'written':>8} "
           f"{'write GB/s':>10} {'restore GB/s':>12} {'bound':>6} {'ratio':>6}")
     for r in turns:
@@ -195,7 +234,7 @@ def main() -> None:
         print(f"{r['mode']:>16} TTFT per timed turn (ms): {r['turn_ms']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(copy=copies, sessions=turns), f, indent=1)
+            json.dump(dict(copy=copies, first_touch=touches, sessions=turns), f, indent=1)
 
 
 if __name__ == "__main__":
