@@ -2,9 +2,12 @@
 loop, without any sockets (the server drives it; tests drive it directly).
 
 One call of ``step``:
-  1. admit waiting requests while KV pages and token-buffer rows allow;
+  1. admit waiting requests while KV pages (for what they prefill, plus a page of growth per
+     running request) and token-buffer rows allow;
   2. launch the next batch: decode tokens of running requests plus prefill chunks within the
      prefill token budget; decode inputs come from the device token buffer, never the host; a
+     decode takes a KV page when its sequence crosses into one, and when none is left the newest
+     requests are preempted (pages to the prefix cache, queued again to prefill what they had); a
      request whose prefix the KV tier is still copying in waits (polled) while others run, and
      when nothing else runs it goes behind a wait for the copies on the compute stream;
   3. read back the previous step's sampled tokens (pinned copy + event, one step late);
@@ -59,8 +62,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.in_flight: _Launched | None = None
-        self.counters = dict(requests_finished=0, requests_aborted=0, prompt_tokens=0, generated_tokens=0,
-                             cached_prompt_tokens=0, steps=0)
+        self.preempted: list[Request] = []  # gave their pages back this step; queued again after it
+        self.counters = dict(requests_finished=0, requests_aborted=0, requests_preempted=0, prompt_tokens=0,
+                             generated_tokens=0, cached_prompt_tokens=0, steps=0)
         self.started = time.monotonic()
 
     # ==== requests ====
@@ -70,7 +74,7 @@ class Engine:
         ctx = self.runner.model_config.max_context
         if len(req.prompt) + req.max_tokens > ctx:
             return f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {ctx}"
-        if self.pages.pages_needed(req) > self.pages.pool.capacity:
+        if self.pages.pages_needed(req) > self.pages.pool.capacity:  # alone it could never finish
             return (f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) needs more KV pages "
                     f"than the pool holds ({self.pages.pool.capacity} pages of {self.pages.page_size})")
         self.waiting.append(req)
@@ -84,7 +88,7 @@ class Engine:
                 return True
         for req in self.running:
             if req.rid == rid:
-                self._finish(req, kv_tokens=req.prompt[:req.prefilled])
+                self._finish(req)
                 self.counters["requests_aborted"] += 1
                 return True
         return False
@@ -104,28 +108,37 @@ class Engine:
         if not self.config.overlap and launched is not None:
             launched, self.in_flight = None, launched
         previous, self.in_flight = self.in_flight, launched
-        return self._process(previous) if previous else []
+        updates = self._process(previous) if previous else []
+        self._requeue_preempted()
+        return updates
 
     def _admit(self) -> None:
         while self.waiting and self.free_rows and len(self.running) < self.config.max_running:
             req = self.waiting[0]
-            if not self.pages.admit(req):
+            # keep a page per running request for its next decode, so admitting rarely forces a preemption
+            if not self.pages.admit(req, reserve=len(self.running)):
                 break
             self.waiting.popleft()
             req.slot = self.free_rows.pop()
             self.running.append(req)
-            self.counters["cached_prompt_tokens"] += req.cached_tokens
+            if not req.preemptions:
+                self.counters["cached_prompt_tokens"] += req.cached_tokens
 
     def _launch(self) -> _Launched | None:
         chunks, params, steps, reqs, samples = [], [], [], [], []
         budget = self.config.max_prefill_tokens
-        for req in self.running:
+        for req in list(self.running):  # a preemption takes requests out
+            if req.preempted:
+                continue
             if req.wants_decode:
                 pos = len(req.prompt) + req.launched_outputs - 1
+                if not self._page_for(req, pos):
+                    continue
                 chunks.append(SequenceChunk([0], pos, req.pages, buffer_slot=req.slot))
             elif not req.prefill_done and budget > 0 and self._kv_ready(req):
-                n = min(budget, len(req.prompt) - req.prefilled)
-                chunks.append(SequenceChunk(req.prompt[req.prefilled:req.prefilled + n], req.prefilled, req.pages))
+                n = min(budget, req.prefill_len - req.prefilled)
+                tokens = req.prefill_tokens[req.prefilled:req.prefilled + n]
+                chunks.append(SequenceChunk(tokens, req.prefilled, req.pages))
                 budget -= n
                 req.prefilled += n
             else:
@@ -149,6 +162,34 @@ class Engine:
         event = torch.cuda.Event()
         event.record()
         return _Launched(reqs, samples, host, event)
+
+    def _page_for(self, req: Request, position: int) -> bool:
+        """A KV page for ``req``'s next decode; when none is left, the newest requests give theirs
+        back (to the prefix cache) until one is, ``req`` itself last (False: it waits)."""
+        while not self.pages.grow(req, position):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req``'s pages and row; its token still in flight (if any) arrives this step,
+        then it queues again at the front, to prefill its tokens anew (mostly prefix-cache hits)."""
+        self.pages.release(req, req.kv_tokens)
+        self.running.remove(req)
+        self.free_rows.append(req.slot)
+        req.preempted = True
+        req.preemptions += 1
+        self.preempted.append(req)
+        self.counters["requests_preempted"] += 1
+
+    def _requeue_preempted(self) -> None:
+        for req in reversed(self.preempted):
+            if not req.finished:
+                req.requeue()
+                self.waiting.appendleft(req)
+        self.preempted.clear()
 
     @staticmethod
     def _kv_ready(req: Request) -> bool:
@@ -188,14 +229,19 @@ class Engine:
             if first:
                 self.counters["prompt_tokens"] += len(req.prompt)
             if reason:
-                self._finish(req, kv_tokens=req.prompt + req.output[:-1])
+                self._finish(req)
                 self.counters["requests_finished"] += 1
         return updates
 
-    def _finish(self, req: Request, kv_tokens: list[int]) -> None:
+    def _finish(self, req: Request) -> None:
+        """Done or aborted: the pages of its written KV go to the prefix cache (a preempted one's
+        already went, with its row)."""
         req.finished = True
+        if req.preempted:
+            self.preempted.remove(req)
+            return
         self.running.remove(req)
-        self.pages.release(req, kv_tokens)
+        self.pages.release(req, req.kv_tokens)
         self.free_rows.append(req.slot)
 
     # ==== stats ====

@@ -80,6 +80,13 @@ class KVTier:
         self._copy("restored", host_pages, pages)
         self.counters["kv_host_pages_restored"] += len(pages)
 
+    def flush(self) -> torch.cuda.Event | None:
+        """Issue queued write-backs; the event of their copy (None: none queued, or on the CPU)."""
+        if not self._writes[0]:
+            return None
+        self._flush()
+        return self._last
+
     def pending(self) -> torch.cuda.Event | None:
         """Issue queued writes; the event of the copies not yet finished, None when all are done
         (``query`` never waits)."""

@@ -31,23 +31,26 @@ class PageManager:
         return self.pool.num_free + (self.radix.num_evictable_pages if self.radix else 0)
 
     def pages_needed(self, req: Request) -> int:
-        # the last sampled token is never fed back, so its KV is never written
+        """Pages ``req`` holds at its longest (the last sampled token is never fed back, so its KV
+        is never written)."""
         return self.pool.pages_for(len(req.prompt) + req.max_tokens - 1)
 
-    def admit(self, req: Request) -> bool:
-        """Give ``req`` its page table: the cached prefix (locked; restored to the GPU from the host
-        where only the host holds it) plus fresh pages for the rest. False, with nothing held, when
-        the GPU pool cannot fit it now."""
+    def admit(self, req: Request, reserve: int = 0) -> bool:
+        """Give ``req`` its page table for the tokens it prefills: the cached prefix (locked;
+        restored to the GPU from the host where only the host holds it) plus fresh pages for the
+        rest; decoding takes more with ``grow``. False, with nothing held, unless ``reserve`` pages
+        (the running requests' next growth) stay available beside it."""
+        prefill_pages = self.pool.pages_for(req.prefill_len)
         if self.radix is None:
-            if not self._make_room(self.pages_needed(req)):
+            if not self._make_room(prefill_pages, reserve):
                 return False
-            req.pages = self.pool.allocate(self.pages_needed(req))
+            req.pages = self.pool.allocate(prefill_pages)
             return True
-        tokens = req.prompt[:-1]  # at least one prompt token must be computed to get logits
+        tokens = req.prefill_tokens[:-1]  # at least one token must be computed to get logits
         match = self.radix.match(tokens)
         self.radix.lock(match.node)
-        fresh = self.pages_needed(req) - match.num_pages
-        if not self._make_room(fresh):
+        fresh = prefill_pages - match.num_pages
+        if not self._make_room(fresh, reserve):
             self.radix.unlock(match.node)
             return False
         pages = self.pool.allocate(fresh)
@@ -56,10 +59,25 @@ class PageManager:
         self.radix.unlock(match.node)
         req.prefix = prefix
         req.pages = prefix.pages + pages[prefix.num_pages - match.num_pages:]
-        req.cached_tokens = req.prefilled = prefix.num_pages * self.page_size
+        req.prefilled = prefix.num_pages * self.page_size
+        if not req.preemptions:  # what a client is told: prompt tokens it did not pay for
+            req.cached_tokens = req.prefilled
         req.kv_ready = self.tier.pending() if self.tier else None
         self.counters["kv_prefix_tokens_gpu"] += match.num_pages * self.page_size
         self.counters["kv_prefix_tokens_host"] += (prefix.num_pages - match.num_pages) * self.page_size
+        return True
+
+    def grow(self, req: Request, position: int) -> bool:
+        """Make sure ``req``'s pages reach ``position`` (the KV slot its next decode writes),
+        taking a free or evicted page; False when none can be had."""
+        if position < len(req.pages) * self.page_size:
+            return True
+        if not self._make_room(1):
+            return False
+        req.pages.append(self.pool.allocate(1)[0])
+        written = self.tier.flush() if self.tier else None
+        if written is not None:  # the page may be one a write-back still reads: the decode writes it after
+            written.wait()
         return True
 
     def launched(self) -> None:
@@ -113,8 +131,8 @@ class PageManager:
             match = PrefixMatch(match.pages + pages[:num], match.host_nodes[-1])
         return match
 
-    def _make_room(self, n: int) -> bool:
-        if n > self.available_pages:
+    def _make_room(self, n: int, reserve: int = 0) -> bool:
+        if n + reserve > self.available_pages:
             return False
         if n > self.pool.num_free:
             save = self.tier.save if self.tier else _drop

@@ -1,4 +1,9 @@
-"""A request's life in the scheduler, as the host sees it."""
+"""A request's life in the scheduler, as the host sees it.
+
+A request prefills its first ``prefill_len`` tokens of ``prompt + output`` (the prompt; after a
+preemption also the outputs so far, whose KV went back to the prefix cache), then decodes, taking
+KV pages as its sequence grows.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,12 +28,19 @@ class Request:
     pages: list[int] = field(default_factory=list)  # page table: prefix pages, then own pages
     prefix: PrefixMatch | None = None  # the locked radix match the first pages came from
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    prefilled: int = 0  # prompt tokens whose KV is written (or launched)
+    prefill_len: int = -1  # tokens of prompt + output to prefill before decoding; -1: the prompt
+    prefilled: int = 0  # of those, tokens whose KV is written (or launched)
     launched_outputs: int = 0  # output tokens whose sampling has been launched
     kv_ready: torch.cuda.Event | None = None  # page copies its first chunk must wait for (KV tier)
     slot: int = -1  # row of the device token buffer
     sent_first: bool = False
     finished: bool = False
+    preempted: bool = False  # gave its pages back to make room; waits to be admitted again
+    preemptions: int = 0
+
+    def __post_init__(self):
+        if self.prefill_len < 0:
+            self.prefill_len = len(self.prompt)
 
     @property
     def own_pages(self) -> list[int]:
@@ -37,7 +49,26 @@ class Request:
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled == len(self.prompt)
+        return self.prefilled == self.prefill_len
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        return (self.prompt + self.output)[:self.prefill_len]
+
+    @property
+    def kv_written(self) -> int:
+        """Tokens whose KV is written or launched: decoding output j writes token j - 1's."""
+        return len(self.prompt) + self.launched_outputs - 1 if self.prefill_done else self.prefilled
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens of ``kv_written`` (known on the host: only the last launched one may not be)."""
+        return (self.prompt + self.output)[:self.kv_written]
+
+    def requeue(self) -> None:
+        """After a preemption: prefill everything known again (mostly from the prefix cache)."""
+        self.prefill_len = len(self.prompt) + len(self.output)
+        self.prefilled, self.preempted = 0, False
 
     @property
     def wants_decode(self) -> bool:

@@ -132,6 +132,56 @@ def test_pool_pressure_evicts_and_queues(model_dir):
     assert {k: v[0] for k, v in tight.items()} == {k: v[0] for k, v in roomy.items()}
 
 
+def test_decode_takes_pages_as_the_sequence_grows(model_dir):
+    engine = make_engine(model_dir)
+    r = req("a", prompts(1, seed=9, lo=21, hi=22)[0], max_tokens=30, ignore_eos=True)
+    engine.submit(r)
+    engine.step()
+    pool = engine.pages.pool
+    assert len(r.pages) == pool.pages_for(21) < engine.pages.pages_needed(r)  # the prompt's pages, no more
+    while len(r.output) < 12:
+        engine.step()
+    assert len(r.pages) == pool.pages_for(len(r.prompt) + r.launched_outputs - 1 + 1)  # up to the next decode
+    while engine.has_work:
+        engine.step()
+    engine.check_pages()
+
+
+def test_tight_pool_preempts_and_gives_the_same_tokens(model_dir):
+    """Four requests whose prompts fit the pool together but whose full lengths do not: all run at
+    once, the newest give their pages back when the pool runs dry and prefill again later (from the
+    prefix cache), and every token equals a roomy pool's."""
+    ps = prompts(4, seed=8, lo=18, hi=24)
+
+    def reqs():
+        return [req(str(i), p, max_tokens=30, ignore_eos=True) for i, p in enumerate(ps)]
+
+    engine = make_engine(model_dir, kv_tokens=160)  # 40 pages of 4; the four need up to 4 x 13
+    tight = run(engine, reqs())
+    stats = engine.stats()
+    roomy = run(make_engine(model_dir), reqs())
+    assert stats["requests_preempted"] > 0
+    assert {k: v[0] for k, v in tight.items()} == {k: v[0] for k, v in roomy.items()}
+    assert all(v[1] == "length" and len(v[0]) == 30 for v in tight.values())
+    assert [u.cached_prompt_tokens for v in tight.values() for u in v[2]] == \
+        [u.cached_prompt_tokens for v in roomy.values() for u in v[2]]  # usage counts the first admission
+
+
+def test_abort_after_preemption_frees_every_page(model_dir):
+    engine = make_engine(model_dir, kv_tokens=160)
+    for i, p in enumerate(prompts(4, seed=8, lo=18, hi=24)):
+        engine.submit(req(str(i), p, max_tokens=30, ignore_eos=True))
+    while not engine.counters["requests_preempted"]:
+        engine.step()
+    for rid in ("3", "2"):
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+        if not engine.in_flight:
+            engine.check_pages()
+    assert engine.pages.pool.num_free + engine.pages.radix.num_pages == engine.pages.pool.capacity
+
+
 def test_impossible_request_is_refused(model_dir):
     engine = make_engine(model_dir, kv_tokens=64)
     assert "KV pages" in engine.submit(req("big", list(range(60)), max_tokens=30))
