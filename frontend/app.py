@@ -30,6 +30,7 @@ class FrontendConfig:
     scheduler_cmd: str | None = None  # default: $SLUICE_SCHEDULER_CMD, else python -m scheduler
     ready_timeout_s: float = 900.0
     heartbeat_timeout_s: float = 30.0
+    client_keepalive_s: float = 2.0  # a Pending reply per live request this often (finds vanished clients)
     shutdown_grace_s: float = 10.0
     engine_args: tuple[str, ...] = ()
 
@@ -49,6 +50,14 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     )
     p.add_argument(
         "--shutdown-grace", dest="shutdown_grace_s", type=float, default=d.shutdown_grace_s
+    )
+    p.add_argument(
+        "--client-keepalive",
+        dest="client_keepalive_s",
+        type=float,
+        default=d.client_keepalive_s,
+        help="seconds between Pending replies to each live request; a client that went away is "
+        "noticed when one cannot be delivered, and its requests are aborted",
     )
     known, engine_args = p.parse_known_args(argv)
     values = {
@@ -99,7 +108,15 @@ async def run(config: FrontendConfig) -> int:
             with open(config.pid_file, "w") as f:
                 f.write(f"{scheduler.pid}\n")
         print(f"frontend endpoint {endpoint}\nscheduler pid {scheduler.pid}", flush=True)
-        frontend = Frontend(router, scheduler, tokenizer, model, config.heartbeat_timeout_s, stop)
+        frontend = Frontend(
+            router,
+            scheduler,
+            tokenizer,
+            model,
+            config.heartbeat_timeout_s,
+            stop,
+            config.client_keepalive_s,
+        )
         code = await frontend.serve()
         return code
     except (SchedulerStartError, OSError) as exc:

@@ -148,7 +148,7 @@ class Client:
                 continue
             if isinstance(reply, replies.Error) and reply.rid in (rid, None):
                 raise ServerError(reply)
-            if not isinstance(reply, replies.Error) and reply.rid == rid:
+            if isinstance(reply, (Chunk, replies.Stats)) and reply.rid == rid:
                 return reply
 
 
@@ -260,6 +260,8 @@ class AsyncClient:
             try:
                 reply = replies.decode(await self._sock.recv())
             except ProtocolError:
+                continue
+            if isinstance(reply, replies.Pending):
                 continue
             queue = self._queues.get(reply.rid) if reply.rid is not None else None
             if queue is not None:

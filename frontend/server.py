@@ -38,12 +38,14 @@ class Frontend:
         model: ModelInfo,
         heartbeat_timeout_s: float,
         stop: asyncio.Event,
+        client_keepalive_s: float = 2.0,
     ) -> None:
         self._router = router
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._model = model
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._client_keepalive_s = client_keepalive_s
         self._stop = stop
         self._requests: dict[str, RequestState] = {}
         self._by_client: dict[tuple[bytes, str], str] = {}
@@ -59,6 +61,7 @@ class Frontend:
             asyncio.create_task(self._client_loop()),
             asyncio.create_task(self._scheduler_loop()),
             asyncio.create_task(self._watchdog()),
+            asyncio.create_task(self._keepalive()),
         ]
         for task in tasks:
             task.add_done_callback(self._on_task_done)
@@ -167,6 +170,15 @@ class Frontend:
                 raise
             log.info("client %s is gone; aborting its requests", envelope[0].hex())
             self._drop_client(envelope[0])
+
+    async def _keepalive(self) -> None:
+        """A Pending reply to every live request: the send to a client that left fails, which
+        aborts its requests (ROUTER sockets tell nothing of a peer that disconnects)."""
+        while True:
+            await asyncio.sleep(self._client_keepalive_s)
+            for rid, state in list(self._requests.items()):
+                if rid in self._requests:  # not dropped with its client a moment ago
+                    await self._send(state.envelope, replies.Pending(rid=state.client_rid))
 
     async def _error(self, envelope: list[bytes], rid: str | None, code: str, message: str) -> None:
         self._counts["errors_total"] += 1

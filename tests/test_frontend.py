@@ -185,9 +185,13 @@ def test_scheduler_request_error_reaches_the_client(client):
 
 
 def _ask(sock: zmq.Socket, frame: bytes) -> replies.ServerReply:
+    """The reply to ``frame``, skipping keep-alives (Pending) as every client does."""
     sock.send(frame)
-    assert sock.poll(int(WAIT_S * 1000)), "no reply"
-    return replies.decode(sock.recv())
+    while True:
+        assert sock.poll(int(WAIT_S * 1000)), "no reply"
+        reply = replies.decode(sock.recv())
+        if not isinstance(reply, replies.Pending):
+            return reply
 
 
 def _gen(**fields) -> bytes:
@@ -256,6 +260,27 @@ def test_vanished_client_gets_its_requests_aborted(server, client):
         stats["aborts_total"] == before["aborts_total"] + 1
         and stats["frontend_active_requests"] == 0
     )
+
+
+def test_vanished_client_of_a_non_streaming_request_is_noticed(tmp_path, tok_dir):
+    """No chunk is due to a client waiting for a whole completion: the keep-alive finds it gone."""
+    server = start_server(tmp_path, tok_dir, "--hang-id", str(HANG), "--client-keepalive", "0.2")
+    try:
+        with Client(server.endpoint, timeout=WAIT_S) as watcher:
+            with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+                sock.connect(server.endpoint)
+                sock.send(requests.encode(requests.Generate(rid="gone", prompt="\x01", max_tokens=10)))
+                assert sock.poll(2000)  # the keep-alive of the live request
+                assert isinstance(replies.decode(sock.recv()), replies.Pending)
+                sock.close(linger=0)  # gone without an Abort
+            deadline = time.monotonic() + WAIT_S
+            while (stats := watcher.stats())["aborts_total"] == 0:
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.05)
+            assert stats["frontend_client_disconnects_total"] == 1 and stats["frontend_active_requests"] == 0
+            assert watcher.generate(prompt="still here", max_tokens=20).text == "still here"
+    finally:
+        assert stop_server(server) == 0
 
 
 def test_async_client_runs_requests_concurrently(server):

@@ -58,7 +58,15 @@ class Stats(_Message, tag="stats", kw_only=True):
     stats: dict[str, Union[bool, int, float, str, None]]
 
 
-ServerReply = Union[Chunk, Error, Stats]
+class Pending(_Message, tag="pending", kw_only=True):
+    """``rid`` is still running. Sent every few seconds for each live request: a client that went
+    away is noticed (the send fails) and its request aborted even while no chunk is due. Clients
+    skip it."""
+
+    rid: str
+
+
+ServerReply = Union[Chunk, Error, Stats, Pending]
 
 codec: Codec[ServerReply] = Codec(ServerReply, API_VERSION, "frontend->client")
 encode = codec.encode
