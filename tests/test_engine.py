@@ -167,6 +167,25 @@ def test_tight_pool_preempts_and_gives_the_same_tokens(model_dir):
         [u.cached_prompt_tokens for v in roomy.values() for u in v[2]]  # usage counts the first admission
 
 
+@pytest.mark.parametrize("mode", ["writeback", "writethrough"])
+def test_preemption_with_a_host_tier_gives_the_same_tokens(model_dir, mode):
+    """Two rounds of four sessions at once on a tight pool with a host KV tier: preempted pages go
+    to the prefix cache and on to the host, second turns restore them; tokens equal a roomy pool's."""
+    first = prompts(4, seed=8, lo=18, hi=24)
+    tight = make_engine(model_dir, kv_tokens=160, kv_host_gib=64 * 2048 / 2**30, kv_tier_mode=mode)
+    roomy = make_engine(model_dir)
+    outputs = {}
+    for engine in (tight, roomy):
+        history = [list(p) for p in first]
+        for rnd in range(2):
+            got = run(engine, [req(f"{i}.{rnd}", h, max_tokens=24, ignore_eos=True) for i, h in enumerate(history)])
+            history = [h + got[f"{i}.{rnd}"][0] + [rnd + 1] for i, h in enumerate(history)]
+        outputs[engine is tight] = history
+    stats = tight.stats()
+    assert stats["requests_preempted"] > 0 and stats["kv_host_pages_restored"] > 0
+    assert outputs[True] == outputs[False]
+
+
 def test_abort_after_preemption_frees_every_page(model_dir):
     engine = make_engine(model_dir, kv_tokens=160)
     for i, p in enumerate(prompts(4, seed=8, lo=18, hi=24)):
