@@ -194,3 +194,26 @@ def test_killed_scheduler_fails_waiting_clients_and_frontend_exits_nonzero(model
             for _ in stream:
                 pass
     assert s.proc.wait(timeout=WAIT_S) != 0
+
+
+def test_agent_sessions_serve_each_turns_history_from_the_cache(server, monkeypatch, capsys, tmp_path):
+    """scripts/agent_sessions.py, small: concurrent multi-turn sessions; every later turn finds all
+    earlier turns' tokens cached but for the page-rounded tail."""
+    import argparse
+    import asyncio
+
+    from scripts.agent_sessions import main, run, summarise
+
+    args = argparse.Namespace(endpoint=server.endpoint, sessions=3, turns=3, context=41, tool_tokens=9,
+                              max_tokens=6, id_range=200, timeout=WAIT_S)
+    rows = asyncio.run(run(args))
+    assert len(rows) == 9 and all(r["new_tokens"] == 6 for r in rows)
+    for r in rows:
+        if r["turn"]:
+            assert r["ideal_cached"] - 2 * PAGE < r["cached_tokens"] <= r["ideal_cached"], r
+    assert summarise(rows)["cached_ratio"] > 0.8
+    monkeypatch.setattr("sys.argv", ["agent_sessions.py", "--endpoint", server.endpoint, "--sessions", "2", "--turns",
+                                     "2", "--context", "20", "--tool-tokens", "4", "--max-tokens", "3", "--id-range",
+                                     "200", "--json", str(tmp_path / "agents.json")])
+    main()
+    assert "cached / ideal" in capsys.readouterr().out and (tmp_path / "agents.json").exists()
