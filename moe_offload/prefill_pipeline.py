@@ -143,7 +143,7 @@ class PrefillPipeline:
             raise ValueError(f"stage mode {stage!r} is not one of {STAGE_MODES}")
         self.stage = stage
         self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
-        self.chunks = dict.fromkeys(STAGE_MODES[:2], 0)  # chunks staged each way
+        self.chunks = {"kernel": 0, "memcpy": 0}  # chunks staged each way
         self.cache = cache
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.invalidate = invalidate

@@ -36,14 +36,14 @@ PLAN_CAPACITY = 512  # pairs per launch; longer moves take several launches of t
 
 
 class KVTier:
-    def __init__(self, pool: KVPool, host: HostKVPool, radix: RadixCache, mode: str = "writeback",
-                 method: str = "kernel", in_flight: set[int] | None = None):
+    def __init__(self, pool: KVPool, host: HostKVPool, radix: RadixCache, mode: str, method: str,
+                 in_flight: set[int]):
         if mode not in MODES or method not in COPY_METHODS:
             raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {MODES} / {COPY_METHODS}")
         self.pool, self.host, self.radix, self.mode, self.method = pool, host, radix, mode, method
         self.device = pool.k.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.in_flight = in_flight if in_flight is not None else set()  # GPU pages the running step may touch
+        self.in_flight = in_flight  # GPU pages the running step may touch (the page manager's set)
         self._writes: tuple[list[int], list[int]] = ([], [])  # (GPU, host) pages queued for the host
         self._last: torch.cuda.Event | None = None  # recorded on the copy stream after the latest copy
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event, int]] = []

@@ -17,7 +17,7 @@ from scheduler.request import Request
 
 class PageManager:
     def __init__(self, pool: KVPool, prefix_cache: bool = True, host_bytes: int = 0,
-                 tier_mode: str = "writeback", copy_method: str = "kernel"):
+                 tier_mode: str = "writethrough", copy_method: str = "kernel"):
         self.pool = pool
         self.page_size = pool.page_size
         self.radix = RadixCache(pool.page_size) if prefix_cache else None

@@ -25,8 +25,7 @@ class MoETransformer:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
-        prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-        self.experts.begin(batch.num_tokens, self.cfg.top_k, self.cfg.forward_flops(batch.q_lens, prefixes))
+        self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
         x = w.embed[batch.input_ids]
         for i, lw in enumerate(w.layers):
             x = x + self._attention(i, lw, rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps), batch)
@@ -34,6 +33,14 @@ class MoETransformer:
             x = x + self.moe[i](h, F.linear(h, lw.router))
         last = rms_norm(x[batch.last_index], w.final_norm, self.cfg.rms_norm_eps)
         return F.linear(last, w.lm_head).float()
+
+    def _flops(self, batch: ForwardBatch) -> float:
+        """The batch's matmul work, which picks how a pipelined chunk stages experts; a decode
+        step's is too small to matter, so it is not counted on that path."""
+        if batch.is_decode:
+            return 0.0
+        prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
+        return self.cfg.forward_flops(batch.q_lens, prefixes)
 
     def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
