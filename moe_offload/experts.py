@@ -10,15 +10,28 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from moe_offload.fp8 import ScaleBlock
 from moe_offload.grouped import grouped_swiglu
 from moe_offload.routing import route
 
 
 class ExpertBanks(NamedTuple):
-    """All expert weights of the model, stacked: ``w13 [L, E, 2I, H]`` (gate; up), ``w2 [L, E, H, I]``."""
+    """All expert weights of the model, stacked: ``w13 [L, E, 2I, H]`` (gate; up), ``w2 [L, E, H, I]``.
+
+    FP8 experts (``w13.dtype == torch.float8_e4m3fn``) carry float32 scales, one per
+    ``scale_block`` of each weight (``moe_offload.fp8``): ``w13_scale [L, E, R13, C13]``,
+    ``w2_scale [L, E, R2, C2]``. Bf16/fp16/fp32 banks have no scales.
+    """
 
     w13: torch.Tensor
     w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    scale_block: ScaleBlock | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.w13_scale is not None
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,81 @@
+"""FP8 (e4m3) expert weights with float32 scales: the format, quantization and its inverse.
+
+A quantized weight ``[N, K]`` (output rows, input columns) is stored as ``q`` in
+``torch.float8_e4m3fn`` and ``scale`` in float32, one scale per block of ``ScaleBlock`` rows and
+columns; dequantized, ``w[n, k] = q[n, k] * scale[n // rows, k // cols]``. Both checkpoint layouts
+Sluice reads fit this one form:
+
+```
+ Hugging Face fine-grained fp8 (weight_scale_inv)   ScaleBlock(128, 128)   scale [ceil(N/128), ceil(K/128)]
+ compressed-tensors, one scale per output channel   ScaleBlock(1, 0)       scale [N, 1]   (cols 0 = whole row)
+```
+
+The scale multiplies (Hugging Face calls it ``weight_scale_inv`` because it is the inverse of the
+quantization's scale; compressed-tensors calls the same factor ``weight_scale``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+EXPERT_DTYPES = ("auto", "bf16", "fp8")
+
+
+class ScaleBlock(NamedTuple):
+    """Rows and columns covered by one scale; ``cols == 0`` means the whole row (per channel)."""
+
+    rows: int
+    cols: int
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """The scale grid of a ``[rows, cols]`` weight."""
+        return -(-rows // self.rows), (1 if self.cols == 0 else -(-cols // self.cols))
+
+    def col_block(self, cols: int) -> int:
+        """Columns per scale for a weight of ``cols`` input columns."""
+        return cols if self.cols == 0 else self.cols
+
+
+BLOCK_128 = ScaleBlock(128, 128)
+PER_CHANNEL = ScaleBlock(1, 0)
+
+
+def expand_scale(scale: torch.Tensor, block: ScaleBlock, rows: int, cols: int) -> torch.Tensor:
+    """``scale [..., R, C]`` -> one factor per element ``[..., rows, cols]`` (float32)."""
+    col_block = block.col_block(cols)
+    full = scale.float().repeat_interleave(block.rows, dim=-2).repeat_interleave(col_block, dim=-1)
+    return full[..., :rows, :cols]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: ScaleBlock, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q [..., N, K]`` fp8 and its ``scale [..., R, C]`` -> ``[..., N, K]`` in ``dtype``."""
+    rows, cols = q.shape[-2:]
+    _check_scale(q.shape, scale.shape, block)
+    return (q.float() * expand_scale(scale, block, rows, cols)).to(dtype)
+
+
+def quantize(w: torch.Tensor, block: ScaleBlock = BLOCK_128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` -> ``(q fp8 [..., N, K], scale float32 [..., R, C])`` by amax per block.
+
+    An all-zero block gets scale 1 (its ``q`` is zero either way), so no scale is ever 0 or inf.
+    """
+    rows, cols = w.shape[-2:]
+    grid_r, grid_c = block.scale_shape(rows, cols)
+    col_block = block.col_block(cols)
+    pad_r, pad_c = grid_r * block.rows - rows, grid_c * col_block - cols
+    padded = torch.nn.functional.pad(w.float(), (0, pad_c, 0, pad_r))
+    tiles = padded.reshape(*w.shape[:-2], grid_r, block.rows, grid_c, col_block)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w.float() / expand_scale(scale, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def _check_scale(weight_shape: torch.Size, scale_shape: torch.Size, block: ScaleBlock) -> None:
+    want = block.scale_shape(*weight_shape[-2:])
+    if tuple(scale_shape[-2:]) != want or tuple(scale_shape[:-2]) != tuple(weight_shape[:-2]):
+        raise ValueError(f"scale {tuple(scale_shape)} does not fit weight {tuple(weight_shape)} "
+                         f"with {block.rows}x{block.cols or 'row'} blocks (want [..., {want[0]}, {want[1]}])")
