@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from moe_offload.fp8 import ScaleBlock
-from moe_offload.grouped import grouped_swiglu
+from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.routing import route
 
 
@@ -32,6 +32,12 @@ class ExpertBanks(NamedTuple):
     @property
     def quantized(self) -> bool:
         return self.w13_scale is not None
+
+    def scales(self, layer: int) -> ExpertScales | None:
+        """One layer's scales for ``grouped_swiglu`` (None for unquantized banks)."""
+        if self.w13_scale is None:
+            return None
+        return ExpertScales(self.w13_scale[layer], self.w2_scale[layer], self.scale_block)
 
     @property
     def num_layers(self) -> int:
@@ -63,7 +69,8 @@ class ResidentExperts:
         pass
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer])
+        return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
+                              scales=self.banks.scales(layer))
 
 
 class MoEBlock:

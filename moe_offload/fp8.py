@@ -10,6 +10,11 @@ Sluice reads fit this one form:
  compressed-tensors, one scale per output channel   ScaleBlock(1, 0)       scale [N, 1]   (cols 0 = whole row)
 ```
 
+``w13 [2I, H]`` stacks the gate's rows on the up's, and each half keeps its own scale grid (as
+the checkpoint's ``gate_proj`` and ``up_proj`` do), so ``w13``'s scale is the gate's grid stacked on
+the up's: ``[2 * ceil(I / rows), C]``. When ``I`` is not a multiple of ``rows`` this differs from
+the grid of one ``[2I, H]`` matrix; ``quantize_w13`` / ``dequantize_w13`` handle the halves.
+
 The scale multiplies (Hugging Face calls it ``weight_scale_inv`` because it is the inverse of the
 quantization's scale; compressed-tensors calls the same factor ``weight_scale``).
 """
@@ -72,6 +77,28 @@ def quantize(w: torch.Tensor, block: ScaleBlock = BLOCK_128) -> tuple[torch.Tens
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (w.float() / expand_scale(scale, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def w13_scale_shape(block: ScaleBlock, inter: int, hidden: int) -> tuple[int, int]:
+    rows, cols = block.scale_shape(inter, hidden)
+    return 2 * rows, cols
+
+
+def quantize_w13(w13: torch.Tensor, block: ScaleBlock = BLOCK_128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w13 [..., 2I, H]`` -> fp8 and the gate's scale grid stacked on the up's."""
+    inter = w13.shape[-2] // 2
+    gate_q, gate_s = quantize(w13[..., :inter, :], block)
+    up_q, up_s = quantize(w13[..., inter:, :], block)
+    return torch.cat([gate_q, up_q], dim=-2), torch.cat([gate_s, up_s], dim=-2)
+
+
+def dequantize_w13(q: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize_w13``."""
+    inter, rows = q.shape[-2] // 2, scale.shape[-2] // 2
+    gate = dequantize(q[..., :inter, :], scale[..., :rows, :], block, dtype)
+    up = dequantize(q[..., inter:, :], scale[..., rows:, :], block, dtype)
+    return torch.cat([gate, up], dim=-2)
 
 
 def _check_scale(weight_shape: torch.Size, scale_shape: torch.Size, block: ScaleBlock) -> None:

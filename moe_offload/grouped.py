@@ -7,9 +7,12 @@ is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, w13_scale_shape
 from moe_offload.kernels._triton import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -22,9 +25,13 @@ def grouped_swiglu(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
+    scales: ExpertScales | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
+
+    FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
+    (``w13``'s is the gate's grid stacked on the up's); the activations stay in hidden's dtype.
 
     CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
@@ -32,16 +39,26 @@ def grouped_swiglu(
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
     requires them in range.
     """
-    _check_args(hidden, weights, slots, w13, w2)
+    _check_args(hidden, weights, slots, w13, w2, scales)
     if not use_triton(hidden, backend):
-        return grouped_swiglu_eager(hidden, weights, slots, w13, w2)
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)
+    if scales is not None:
+        raise NotImplementedError("the Triton fp8 grouped GEMM is not written yet")  # TODO(fp8-kernel)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
 
 
+class ExpertScales(NamedTuple):
+    """Scales of fp8 banks: ``w13 [N, R13, C13]``, ``w2 [N, R2, C2]``, float32, per ``block``."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: ScaleBlock
+
+
 def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor) -> None:
+                w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> None:
     """Shapes, dtypes and devices, from metadata only: the kernels do raw pointer arithmetic."""
     if hidden.dim() != 2 or weights.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("expected hidden [T, H], weights and slots [T, k], w13 [N, 2I, H], w2 [N, H, I]")
@@ -51,12 +68,26 @@ def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
         raise ValueError(f"slots {tuple(slots.shape)} and weights {tuple(weights.shape)} must both be [{num_tokens}, k>=1]")
     if w13.shape != (num_slots, 2 * inter, dim) or w2.shape != (num_slots, dim, inter) or num_slots < 1:
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden size {dim}")
-    if hidden.dtype not in _FLOAT_DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(f"hidden, w13, w2 must share one of {_FLOAT_DTYPES}; got {hidden.dtype}, {w13.dtype}, {w2.dtype}")
+    weight_dtype = FP8_DTYPE if scales is not None else hidden.dtype
+    if hidden.dtype not in _FLOAT_DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"w13 and w2 must be {weight_dtype} for hidden {hidden.dtype} "
+                         f"({'with' if scales is not None else 'without'} scales); got {w13.dtype}, {w2.dtype}")
+    if scales is not None:
+        _check_scales(scales, num_slots, inter, dim)
     if not weights.dtype.is_floating_point or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"weights must be floating point and slots int32/int64; got {weights.dtype}, {slots.dtype}")
     if len({t.device for t in (hidden, weights, slots, w13, w2)}) != 1:
         raise ValueError("hidden, weights, slots, w13 and w2 must be on one device")
+
+
+def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) -> None:
+    want13 = (num_slots, *w13_scale_shape(scales.block, inter, dim))
+    want2 = (num_slots, *scales.block.scale_shape(dim, inter))
+    if tuple(scales.w13.shape) != want13 or tuple(scales.w2.shape) != want2:
+        raise ValueError(f"scales w13 {tuple(scales.w13.shape)} / w2 {tuple(scales.w2.shape)} do not fit "
+                         f"{scales.block}: want {want13} / {want2}")
+    if scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32:
+        raise ValueError(f"scales must be float32; got {scales.w13.dtype}, {scales.w2.dtype}")
 
 
 def grouped_swiglu_eager(
@@ -65,8 +96,10 @@ def grouped_swiglu_eager(
     slots: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """Reference: one dense GEMM pair per expert used in the batch.
+    """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
+    hidden's dtype first).
 
     Reads the routing on the host (which experts occur), so it is the CPU path and the parity
     oracle, never the GPU hot path.
@@ -78,8 +111,17 @@ def grouped_swiglu_eager(
     for slot in torch.unique(flat_slots).tolist():
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
-        gate_up = F.linear(hidden[tokens], w13[slot])
+        up_w, down_w = _expert_weights(w13, w2, scales, slot, hidden.dtype)
+        gate_up = F.linear(hidden[tokens], up_w)
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        expert_out = F.linear(act, w2[slot])
+        expert_out = F.linear(act, down_w)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
     return out.to(hidden.dtype)
+
+
+def _expert_weights(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None, slot: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if scales is None:
+        return w13[slot], w2[slot]
+    return (dequantize_w13(w13[slot], scales.w13[slot], scales.block, dtype),
+            dequantize(w2[slot], scales.w2[slot], scales.block, dtype))

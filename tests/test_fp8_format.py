@@ -36,3 +36,35 @@ def test_mismatched_scale_is_refused():
     q, scale = quantize(torch.randn(256, 256), BLOCK_128)
     with pytest.raises(ValueError, match="does not fit"):
         dequantize(q, scale[:1], BLOCK_128)
+
+
+def test_w13_halves_keep_their_own_grids_when_inter_is_not_a_block_multiple():
+    from moe_offload.fp8 import dequantize_w13, quantize_w13, w13_scale_shape
+
+    w13 = torch.randn(2, 2 * 96, 200, generator=torch.Generator().manual_seed(1))
+    w13[:, 96:] *= 50.0  # the up half alone sets its blocks' amax
+    q, scale = quantize_w13(w13, BLOCK_128)
+    assert scale.shape == (2, *w13_scale_shape(BLOCK_128, 96, 200)) == (2, 2, 2)
+    gate_q, gate_s = quantize(w13[:, :96], BLOCK_128)
+    assert torch.equal(scale[:, :1], gate_s) and torch.equal(q[:, :96].float(), gate_q.float())
+    back = dequantize_w13(q, scale, BLOCK_128)
+    assert ((back - w13).abs() <= w13.abs() / 16 + 50 * 2 ** -9 * 4).all()
+
+
+def test_eager_grouped_swiglu_on_fp8_experts_equals_dequantized_bf16_run():
+    from moe_offload.fp8 import dequantize_w13, quantize_w13
+    from moe_offload.grouped import ExpertScales, grouped_swiglu
+
+    gen = torch.Generator().manual_seed(2)
+    n, inter, dim, tokens = 4, 96, 160, 7
+    w13, w2 = torch.randn(n, 2 * inter, dim, generator=gen), torch.randn(n, dim, inter, generator=gen)
+    q13, s13 = quantize_w13(w13, BLOCK_128)
+    q2, s2 = quantize(w2, BLOCK_128)
+    hidden = torch.randn(tokens, dim, generator=gen)
+    weights = torch.rand(tokens, 2, generator=gen)
+    slots = torch.randint(0, n, (tokens, 2), generator=gen)
+    got = grouped_swiglu(hidden, weights, slots, q13, q2, scales=ExpertScales(s13, s2, BLOCK_128))
+    ref = grouped_swiglu(hidden, weights, slots, dequantize_w13(q13, s13, BLOCK_128), dequantize(q2, s2, BLOCK_128))
+    torch.testing.assert_close(got, ref)
+    with pytest.raises(ValueError, match="float8"):
+        grouped_swiglu(hidden, weights, slots, q13, q2)
