@@ -68,3 +68,17 @@ def test_eager_grouped_swiglu_on_fp8_experts_equals_dequantized_bf16_run():
     torch.testing.assert_close(got, ref)
     with pytest.raises(ValueError, match="float8"):
         grouped_swiglu(hidden, weights, slots, q13, q2)
+
+
+def test_expert_dtype_resolution():
+    from moe_offload.fp8 import ExpertFormat, resolve_expert_format
+
+    bf16, fp8_ch = ExpertFormat(torch.bfloat16), ExpertFormat(FP8_DTYPE, PER_CHANNEL)
+    assert resolve_expert_format("auto", bf16, torch.float32) == ExpertFormat(torch.float32)
+    assert resolve_expert_format("auto", fp8_ch, torch.bfloat16) == fp8_ch
+    assert resolve_expert_format("fp8", bf16, torch.bfloat16) == ExpertFormat(FP8_DTYPE, BLOCK_128)
+    assert resolve_expert_format("fp8", fp8_ch, torch.bfloat16) == fp8_ch
+    assert resolve_expert_format("bf16", fp8_ch, torch.bfloat16) == ExpertFormat(torch.bfloat16)
+    assert [f.name for f in (bf16, fp8_ch, ExpertFormat(FP8_DTYPE, BLOCK_128))] == ["bf16", "fp8-ch", "fp8-b128x128"]
+    with pytest.raises(ValueError, match="expert-dtype"):
+        resolve_expert_format("int4", bf16, torch.bfloat16)
