@@ -15,9 +15,11 @@ from dataclasses import dataclass, fields
 import zmq
 import zmq.asyncio
 
-from frontend.launch import SchedulerStartError, scheduler_command, spawn_scheduler, wait_ready
+from frontend.generation_defaults import SamplingDefaults
+from frontend.launch import SCHEDULER_CMD_ENV, SchedulerStartError, scheduler_command, spawn_scheduler, wait_ready
 from frontend.server import Frontend
 from frontend.tokenizer import ChatTokenizer
+from frontend.validate import MAX_PROMPT_CHARS
 
 log = logging.getLogger("sluice.frontend")
 
@@ -32,28 +34,71 @@ class FrontendConfig:
     heartbeat_timeout_s: float = 30.0
     client_keepalive_s: float = 2.0  # a Pending reply per live request this often (finds vanished clients)
     shutdown_grace_s: float = 10.0
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    max_message_mb: float = 64.0  # a 50 MB prompt still arrives, and is refused with a reason
     engine_args: tuple[str, ...] = ()
 
 
 def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     d = FrontendConfig
-    p = argparse.ArgumentParser(prog="python -m frontend", description=__doc__, allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="python -m frontend",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--endpoint", default=d.endpoint, help="client ZMQ endpoint (tcp:// or ipc://)")
     p.add_argument("--pid-file", default=d.pid_file, help="write the scheduler's pid here")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="directory with tokenizer.json")
     p.add_argument(
-        "--scheduler-cmd", default=d.scheduler_cmd, help="command that starts the scheduler"
-    )
-    p.add_argument("--ready-timeout", dest="ready_timeout_s", type=float, default=d.ready_timeout_s)
-    p.add_argument(
-        "--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=d.heartbeat_timeout_s
+        "--tokenizer", default=d.tokenizer, help="directory with tokenizer.json, if not the model's"
     )
     p.add_argument(
-        "--shutdown-grace", dest="shutdown_grace_s", type=float, default=d.shutdown_grace_s
+        "--scheduler-cmd",
+        default=d.scheduler_cmd,
+        help=f"command that starts the scheduler, if not ${SCHEDULER_CMD_ENV} or python -m scheduler",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        dest="ready_timeout_s",
+        metavar="S",
+        type=float,
+        default=d.ready_timeout_s,
+        help="seconds the scheduler may take to load the model",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        dest="heartbeat_timeout_s",
+        metavar="S",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help="seconds of silence after which the scheduler is killed; it sends heartbeats from a "
+        "thread of its own, so a long step never counts, only a frozen process",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        dest="shutdown_grace_s",
+        metavar="S",
+        type=float,
+        default=d.shutdown_grace_s,
+        help="seconds the scheduler gets to exit after a shutdown request, then after SIGTERM",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=d.max_prompt_chars,
+        help="longest prompt (characters, all chat messages together) before tokenizing; the "
+        "tokens must also fit the model's context",
+    )
+    p.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=d.max_message_mb,
+        help="largest client frame (MB); ZMQ drops the connection of a client that sends more",
     )
     p.add_argument(
         "--client-keepalive",
         dest="client_keepalive_s",
+        metavar="S",
         type=float,
         default=d.client_keepalive_s,
         help="seconds between Pending replies to each live request; a client that went away is "
@@ -66,11 +111,19 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     return FrontendConfig(**values, engine_args=tuple(engine_args))
 
 
-def _bind_clients(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+def _bind_clients(ctx: zmq.asyncio.Context, config: FrontendConfig) -> zmq.asyncio.Socket:
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises EHOSTUNREACH
     router.setsockopt(zmq.SNDHWM, 0)  # never EAGAIN: one slow client must not stall the others
-    router.bind(endpoint)
+    router.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mb * 1e6))
+    try:
+        router.bind(config.endpoint)
+    except zmq.ZMQError as exc:
+        router.close(linger=0)
+        hint = " (another server is running there? pick another --endpoint)"
+        raise OSError(
+            f"cannot listen on {config.endpoint}: {exc}{hint if exc.errno == zmq.EADDRINUSE else ''}"
+        ) from None
     return router
 
 
@@ -83,7 +136,12 @@ def _load_tokenizer(path: str) -> ChatTokenizer:
 
 async def run(config: FrontendConfig) -> int:
     ctx = zmq.asyncio.Context()
-    router = _bind_clients(ctx, config.endpoint)
+    try:
+        router = _bind_clients(ctx, config)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        ctx.term()
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,6 +161,8 @@ async def run(config: FrontendConfig) -> int:
         stopped.cancel()
         model = ready.result().model
         tokenizer = _load_tokenizer(config.tokenizer or model.tokenizer_path)
+        defaults = SamplingDefaults.from_model_dir(model.tokenizer_path)
+        log.info("sampling defaults of the model: %s", defaults.describe())
         endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         if config.pid_file:  # before the announcement, so a reader of stdout finds it
             with open(config.pid_file, "w") as f:
@@ -116,6 +176,8 @@ async def run(config: FrontendConfig) -> int:
             config.heartbeat_timeout_s,
             stop,
             config.client_keepalive_s,
+            config.max_prompt_chars,
+            defaults,
         )
         code = await frontend.serve()
         return code

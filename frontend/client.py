@@ -20,6 +20,19 @@ from frontend.api.replies import Chunk, Usage
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 DEFAULT_TIMEOUT_S = 120.0
+# The first request of a client waits at most this long for the server to answer at all (an Info
+# reply comes from the frontend at once, however busy the scheduler is) before its own timeout.
+FIRST_CONTACT_S = 5.0
+
+
+class NoServer(TimeoutError):
+    """Nothing answered at the endpoint."""
+
+    def __init__(self, endpoint: str, waited_s: float) -> None:
+        super().__init__(
+            f"no Sluice server answers at {endpoint} (waited {waited_s:g} s); is it running "
+            "(scripts/serve.sh), and is the endpoint right?"
+        )
 
 
 class ServerError(RuntimeError):
@@ -55,9 +68,9 @@ def build_generate(
     messages: Sequence[Mapping[str, str]] | None = None,
     input_ids: Sequence[int] | None = None,
     max_tokens: int = 256,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    temperature: float | None = None,  # None: the model's default (see replies.Info)
+    top_p: float | None = None,
+    top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
@@ -96,11 +109,26 @@ class Client:
         self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
     ) -> None:
         self.timeout = timeout
+        self.endpoint = endpoint
         self._ctx = zmq.Context()
         self._sock = _dealer(self._ctx, endpoint)
+        self._info: replies.Info | None = None
+
+    def info(self) -> replies.Info:
+        """The served model (asked once); raises NoServer when nothing answers soon."""
+        if self._info is None:
+            rid = uuid.uuid4().hex
+            self._send(requests.GetInfo(rid=rid))
+            wait = min(self.timeout, FIRST_CONTACT_S)
+            try:
+                self._info = self._next(rid, wait)
+            except TimeoutError:
+                raise NoServer(self.endpoint, wait) from None
+        return self._info
 
     def generate(self, *, timeout: float | None = None, **params) -> Completion:
         """Keyword arguments as ``build_generate``; raises ServerError or TimeoutError."""
+        self.info()
         request = build_generate(**params, stream=False)
         self._send(request)
         try:
@@ -110,11 +138,13 @@ class Client:
             raise
 
     def stream(self, *, timeout: float | None = None, **params) -> Stream:
+        self.info()
         request = build_generate(**params, stream=True)
         self._send(request)
         return Stream(self, request.rid, timeout)
 
     def stats(self, timeout: float | None = None) -> dict:
+        self.info()
         rid = uuid.uuid4().hex
         self._send(requests.GetStats(rid=rid))
         return dict(self._next(rid, timeout).stats)
@@ -135,7 +165,7 @@ class Client:
     def _send(self, message: requests.ClientRequest) -> None:
         self._sock.send(requests.encode(message))
 
-    def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats:
+    def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats | replies.Info:
         """The next reply for ``rid``; replies to earlier, abandoned requests are skipped."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
@@ -148,7 +178,7 @@ class Client:
                 continue
             if isinstance(reply, replies.Error) and reply.rid in (rid, None):
                 raise ServerError(reply)
-            if isinstance(reply, (Chunk, replies.Stats)) and reply.rid == rid:
+            if isinstance(reply, (Chunk, replies.Stats, replies.Info)) and reply.rid == rid:
                 return reply
 
 
@@ -198,10 +228,27 @@ class AsyncClient:
         self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
     ) -> None:
         self.timeout = timeout
+        self.endpoint = endpoint
         self._ctx = zmq.asyncio.Context()
         self._sock = _dealer(self._ctx, endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._info: asyncio.Task | None = None
+
+    async def info(self) -> replies.Info:
+        """The served model (asked once); raises NoServer when nothing answers soon."""
+        if self._info is None:
+            self._info = asyncio.create_task(self._ask_info())
+        return await asyncio.shield(self._info)
+
+    async def _ask_info(self) -> replies.Info:
+        request = requests.GetInfo(rid=uuid.uuid4().hex)
+        wait = min(self.timeout, FIRST_CONTACT_S)
+        async with _Pending(self, request):
+            try:
+                return await self._next(request.rid, wait)
+            except TimeoutError:
+                raise NoServer(self.endpoint, wait) from None
 
     async def generate(self, *, timeout: float | None = None, **params) -> Completion:
         request = build_generate(**params, stream=False)
@@ -240,11 +287,9 @@ class AsyncClient:
         await self.close()
 
     def _request(self, request: requests.ClientRequest) -> _Pending:
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read_loop())
         return _Pending(self, request)
 
-    async def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats:
+    async def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats | replies.Info:
         try:
             reply = await asyncio.wait_for(
                 self._queues[rid].get(), self.timeout if timeout is None else timeout
@@ -277,6 +322,11 @@ class _Pending:
         self._request = request
 
     async def __aenter__(self) -> _Pending:
+        client = self._client
+        if client._reader is None:
+            client._reader = asyncio.create_task(client._read_loop())
+        if not isinstance(self._request, requests.GetInfo):
+            await client.info()
         self._client._queues[self._request.rid] = asyncio.Queue()
         await self._client._sock.send(requests.encode(self._request))
         return self

@@ -1,12 +1,15 @@
 """The frontend's serving loop: client ROUTER <-> validation/tokenization <-> scheduler ipc.
 
-Three tasks on one asyncio loop: client frames in, scheduler frames in, and a watchdog that
-notices a dead or silent scheduler. Requests are keyed twice: by the frontend's own ``rid`` (what
-the scheduler sees) and by (client identity, client rid) (what a client may abort)."""
+Tasks on one asyncio loop: client frames in, scheduler frames in, a watchdog that notices a dead
+or frozen scheduler, keep-alives to clients. Prompts are tokenized on worker threads, so a long one
+never holds the loop. Requests are keyed twice: by the frontend's own ``rid`` (what the scheduler
+sees) and by (client identity, client rid) (what a client may abort); a request being tokenized
+holds its key already (an Abort or a duplicate sees it) but has no ``RequestState`` yet."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -16,7 +19,8 @@ import zmq.asyncio
 
 from frontend import validate
 from frontend.api import replies, requests
-from frontend.api.replies import Chunk, Error
+from frontend.api.replies import Chunk, Error, Usage
+from frontend.generation_defaults import SamplingDefaults
 from frontend.launch import SchedulerProcess
 from frontend.request_state import RequestState
 from frontend.tokenizer import ChatTokenizer
@@ -27,6 +31,7 @@ from scheduler.messages.to_scheduler import AbortRequest, StatsRequest
 log = logging.getLogger("sluice.frontend")
 
 WATCHDOG_INTERVAL_S = 0.1
+TOKENIZER_THREADS = 2
 
 
 class Frontend:
@@ -39,6 +44,8 @@ class Frontend:
         heartbeat_timeout_s: float,
         stop: asyncio.Event,
         client_keepalive_s: float = 2.0,
+        max_prompt_chars: int = validate.MAX_PROMPT_CHARS,
+        sampling_defaults: SamplingDefaults = SamplingDefaults(),
     ) -> None:
         self._router = router
         self._scheduler = scheduler
@@ -47,6 +54,12 @@ class Frontend:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._client_keepalive_s = client_keepalive_s
         self._stop = stop
+        self._max_prompt_chars = max_prompt_chars
+        self._defaults = sampling_defaults
+        self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "tokenize")
+        self._admissions: set[asyncio.Task] = set()
+        self._tokenizing: dict[str, tuple[list[bytes], str]] = {}  # rid -> (envelope, client rid)
+        self._scheduler_step_s = 0.0  # of the step in progress, from the last heartbeat
         self._requests: dict[str, RequestState] = {}
         self._by_client: dict[tuple[bytes, str], str] = {}
         self._stats_waiting: dict[int, tuple[list[bytes], str]] = {}
@@ -66,9 +79,10 @@ class Frontend:
         for task in tasks:
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
-        for task in tasks:
+        for task in [*tasks, *self._admissions]:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *self._admissions, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         # No-op after the watchdog's own errors: it has answered everyone already.
         await self._fail_all(replies.SHUTTING_DOWN, "the server is shutting down")
         return self.exit_code
@@ -86,9 +100,13 @@ class Frontend:
         while True:
             frames = await self._router.recv_multipart()
             # [identity, payload] from a DEALER; a REQ client adds an empty delimiter frame.
-            envelope, payload = frames[:-1], frames[-1]
+            envelope = frames[:2] if len(frames) > 2 and frames[1] == b"" else frames[:1]
+            if len(frames) != len(envelope) + 1:
+                await self._error(envelope, None, replies.BAD_REQUEST,
+                                  f"a message is one frame; got {len(frames) - len(envelope)}")
+                continue
             try:
-                await self._on_client(envelope, payload)
+                await self._on_client(envelope, frames[-1])
             except Exception:
                 log.exception("failed to handle a client message")
                 await self._send(
@@ -105,6 +123,8 @@ class Frontend:
             await self._on_generate(envelope, request)
         elif isinstance(request, requests.Abort):
             await self._on_abort(envelope[0], request.rid)
+        elif isinstance(request, requests.GetInfo):
+            await self._send(envelope, self._info(request.rid))
         else:
             nonce = next(self._ids)
             self._stats_waiting[nonce] = (envelope, request.rid)
@@ -121,13 +141,38 @@ class Frontend:
                 f"request {request.rid!r} is still running",
             )
             return
-        rid = str(next(self._ids))
         try:
-            ids = validate.prompt_ids(request, self._tokenizer, self._model.vocab_size)
-            message = validate.to_scheduler(request, rid, ids, self._model)
+            validate.check_request(request, self._model.vocab_size, self._max_prompt_chars)
         except validate.Rejected as exc:
             await self._error(envelope, request.rid, exc.code, str(exc))
             return
+        rid = str(next(self._ids))
+        self._by_client[key] = rid
+        self._tokenizing[rid] = (envelope, request.rid)
+        task = asyncio.create_task(self._admit(envelope, request, rid))
+        self._admissions.add(task)
+        task.add_done_callback(self._admissions.discard)
+
+    async def _admit(self, envelope: list[bytes], request: requests.Generate, rid: str) -> None:
+        """Tokenize on a worker thread, then hand the request to the scheduler unless it was
+        aborted (or its client left) meanwhile."""
+        loop = asyncio.get_running_loop()
+        try:
+            ids = await loop.run_in_executor(self._pool, validate.prompt_ids, request, self._tokenizer)
+            message = validate.to_scheduler(request, rid, ids, self._model, self._defaults)
+        except validate.Rejected as exc:
+            if self._tokenizing.pop(rid, None) is not None:
+                del self._by_client[(envelope[0], request.rid)]
+                await self._error(envelope, request.rid, exc.code, str(exc))
+            return
+        except Exception:
+            log.exception("failed to tokenize request %s", request.rid)
+            if self._tokenizing.pop(rid, None) is not None:
+                del self._by_client[(envelope[0], request.rid)]
+                await self._error(envelope, request.rid, replies.INTERNAL, "internal error while tokenizing")
+            return
+        if self._tokenizing.pop(rid, None) is None:
+            return  # aborted while it was tokenized
         self._requests[rid] = RequestState(
             envelope=envelope,
             client_rid=request.rid,
@@ -137,13 +182,18 @@ class Frontend:
             stop=request.stop,
             eos_token_ids=[] if request.ignore_eos else self._model.eos_token_ids,
         )
-        self._by_client[key] = rid
         self._scheduler.send(message)
 
     async def _on_abort(self, identity: bytes, client_rid: str) -> None:
         rid = self._by_client.get((identity, client_rid))
         if rid is None:
             return  # finished already: aborting is idempotent
+        tokenizing = self._tokenizing.pop(rid, None)
+        if tokenizing is not None:  # it never reached the scheduler
+            del self._by_client[(identity, client_rid)]
+            usage = Usage(prompt_tokens=0, completion_tokens=0, cached_prompt_tokens=0)
+            await self._send(tokenizing[0], Chunk(rid=client_rid, finish_reason="abort", usage=usage))
+            return
         state = self._forget(rid)
         self._scheduler.send(AbortRequest(rid=rid))
         await self._send(state.envelope, state.finish("abort"))
@@ -159,6 +209,9 @@ class Frontend:
         for rid in [r for r, s in self._requests.items() if s.envelope[0] == identity]:
             self._forget(rid)
             self._scheduler.send(AbortRequest(rid=rid))
+        for rid in [r for r, (env, _) in self._tokenizing.items() if env[0] == identity]:
+            _, client_rid = self._tokenizing.pop(rid)
+            del self._by_client[(identity, client_rid)]
         for nonce in [n for n, (env, _) in self._stats_waiting.items() if env[0] == identity]:
             del self._stats_waiting[nonce]
 
@@ -190,6 +243,7 @@ class Frontend:
         while True:
             frame = await self._scheduler.from_scheduler.recv()
             self._last_heard = time.monotonic()
+            self._scheduler_step_s = 0.0
             try:
                 message = from_scheduler.decode(frame)
             except ProtocolError as exc:
@@ -203,13 +257,33 @@ class Frontend:
                         log.exception("failed to handle an update of request %s", update.rid)
                         await self._fail_request(update.rid, "internal error while detokenizing")
             elif isinstance(message, from_scheduler.RequestError):
-                if message.rid in self._requests:
-                    state = self._forget(message.rid)
-                    await self._error(
-                        state.envelope, state.client_rid, replies.SCHEDULER_ERROR, message.message
-                    )
+                await self._on_request_error(message)
+            elif isinstance(message, from_scheduler.Heartbeat):
+                self._scheduler_step_s = message.step_s
             elif isinstance(message, from_scheduler.StatsReply):
                 await self._on_stats(message)
+
+    async def _on_request_error(self, message: from_scheduler.RequestError) -> None:
+        if message.rid not in self._requests:
+            return
+        state = self._forget(message.rid)
+        if message.internal:  # the scheduler failed while running it, and serves on
+            code, text = replies.INTERNAL, f"request {state.client_rid!r} failed: {message.message}"
+        else:
+            code, text = replies.SCHEDULER_ERROR, message.message
+        await self._error(state.envelope, state.client_rid, code, text)
+
+    def _info(self, rid: str) -> replies.Info:
+        d = self._defaults
+        return replies.Info(
+            rid=rid,
+            model=self._model.name,
+            max_context_tokens=self._model.max_context_tokens,
+            chat_template=self._tokenizer.has_chat_template,
+            default_temperature=d.temperature,
+            default_top_p=d.top_p,
+            default_top_k=d.top_k,
+        )
 
     async def _on_update(self, update: TokenUpdate) -> None:
         state = self._requests.get(update.rid)
@@ -239,6 +313,7 @@ class Frontend:
         stats["frontend_active_requests"] = len(self._requests)
         stats["frontend_clients"] = len({s.envelope[0] for s in self._requests.values()})
         stats["scheduler_pid"] = self._scheduler.pid
+        stats["frontend_tokenizing"] = len(self._tokenizing)
         await self._send(waiting[0], replies.Stats(rid=waiting[1], stats=stats))
 
     async def _watchdog(self) -> None:
@@ -249,11 +324,15 @@ class Frontend:
             if code is not None:
                 reason = f"the scheduler (pid {self._scheduler.pid}) exited with code {code}"
             elif silent_s > self._heartbeat_timeout_s:
+                # Heartbeats come from a thread of their own, whatever a step does: silence means
+                # a frozen process (stopped, or a native call holding the GIL), never a long step.
                 self._scheduler.process.kill()
                 reason = (
-                    f"the scheduler (pid {self._scheduler.pid}) sent nothing for {silent_s:.1f} s; "
-                    "killed it"
+                    f"the scheduler (pid {self._scheduler.pid}) sent nothing, not even a "
+                    f"heartbeat, for {silent_s:.1f} s (--heartbeat-timeout); killed it"
                 )
+                if self._scheduler_step_s:
+                    reason += f" (a step had run for {self._scheduler_step_s:.1f} s)"
             else:
                 continue
             log.error("%s", reason)
@@ -264,6 +343,10 @@ class Frontend:
 
     async def _fail_all(self, code: str, message: str) -> None:
         """Answer every waiting request and stats request with an Error."""
+        tokenizing, self._tokenizing = self._tokenizing, {}
+        for envelope, client_rid in tokenizing.values():
+            self._by_client.pop((envelope[0], client_rid), None)
+            await self._error(envelope, client_rid, code, message)
         for rid in list(self._requests):
             if rid not in self._requests:
                 continue  # dropped with its client while we were answering another request

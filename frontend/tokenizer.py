@@ -79,7 +79,11 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """A raw prompt, plus the special tokens (BOS) that tokenizer.json's post-processor adds."""
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self._encode(text, add_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         if self._template is None:
@@ -98,7 +102,12 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         # The template writes BOS itself when the model wants one, as transformers assumes.
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._encode(self.render_chat(messages), add_special_tokens=False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized on a worker
+        # thread then leaves the frontend's event loop running
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -12,9 +12,13 @@ One call of ``step``:
      when nothing else runs it goes behind a wait for the copies on the compute stream;
   3. read back the previous step's sampled tokens (pinned copy + event, one step late);
   4. turn them into updates, finish requests, and release their pages.
+
+A step that raises fails the requests in it (``failures`` lists them; their pages go back, none to
+the prefix cache) and the engine goes on; an error that poisons the device is raised.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,11 +26,14 @@ from typing import NamedTuple
 
 import torch
 
+from scheduler.faults import FaultHooks, poisons_device
 from scheduler.messages.from_scheduler import TokenUpdate
 from scheduler.page_manager import PageManager
 from scheduler.request import Request
 from worker.batch import SequenceChunk, to_device
 from worker.runner import ModelRunner
+
+log = logging.getLogger("sluice.scheduler")
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,19 @@ class _Launched(NamedTuple):
     event: torch.cuda.Event | None
 
 
+class Failure(NamedTuple):
+    rid: str
+    message: str
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig()):
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(),
+                 faults: FaultHooks = FaultHooks([])):
         self.runner = runner
         self.config = config
+        self.faults = faults
+        self.failures: list[Failure] = []  # requests a step failed since the caller last took them
+        self._launching: list[Request] = []  # the batch being prepared or launched
         self.pages = PageManager(runner.kv_pool, config.prefix_cache, int(config.kv_host_gib * 2**30),
                                  config.kv_tier_mode, config.kv_tier_copy)
         self.device = runner.device
@@ -64,7 +80,7 @@ class Engine:
         self.in_flight: _Launched | None = None
         self.preempted: list[Request] = []  # gave their pages back this step; queued again after it
         self.counters = dict(requests_finished=0, requests_aborted=0, requests_preempted=0, prompt_tokens=0,
-                             generated_tokens=0, cached_prompt_tokens=0, steps=0)
+                             generated_tokens=0, cached_prompt_tokens=0, steps=0, requests_failed=0)
         self.started = time.monotonic()
 
     # ==== requests ====
@@ -103,6 +119,46 @@ class Engine:
     # ==== the loop ====
 
     def step(self) -> list[TokenUpdate]:
+        previous = self.in_flight.reqs if self.in_flight else []
+        self._launching = []
+        try:
+            return self._step()
+        except Exception as exc:
+            if poisons_device(exc):
+                raise
+            in_step = previous + self._launching + (self.in_flight.reqs if self.in_flight else [])
+            self.in_flight, self._launching = None, []
+            self._contain(exc, in_step)
+            self._requeue_preempted()
+            return []
+
+    def take_failures(self) -> list[Failure]:
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _contain(self, exc: Exception, reqs: list[Request]) -> None:
+        """Fail ``reqs`` (a step raised ``exc`` while they were in it) and free what they hold."""
+        reqs = list(dict.fromkeys(r for r in reqs if not r.finished))
+        names = ", ".join(r.rid for r in reqs)
+        log.error("a step failed (requests %s); failing them and serving on", names, exc_info=exc)
+        for req in reqs:
+            self._drop_failed(req)
+            self.failures.append(Failure(req.rid, f"internal error in the scheduler: {type(exc).__name__}: {exc}"))
+            self.counters["requests_failed"] += 1
+
+    def _drop_failed(self, req: Request) -> None:
+        # Its KV may be half written: nothing of it goes to the prefix cache.
+        req.finished = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req.preempted:
+            self.preempted.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+            self.pages.release(req, [])
+            self.free_rows.append(req.slot)
+
+    def _step(self) -> list[TokenUpdate]:
         self._admit()
         launched = self._launch()
         if not self.config.overlap and launched is not None:
@@ -125,24 +181,25 @@ class Engine:
                 self.counters["cached_prompt_tokens"] += req.cached_tokens
 
     def _launch(self) -> _Launched | None:
-        chunks, params, steps, reqs, samples = [], [], [], [], []
+        chunks, params, steps, samples = [], [], [], []
+        reqs = self._launching = []
         budget = self.config.max_prefill_tokens
         for req in list(self.running):  # a preemption takes requests out
             if req.preempted:
                 continue
-            if req.wants_decode:
-                pos = len(req.prompt) + req.launched_outputs - 1
-                if not self._page_for(req, pos):
-                    continue
-                chunks.append(SequenceChunk([0], pos, req.pages, buffer_slot=req.slot))
-            elif not req.prefill_done and budget > 0 and self._kv_ready(req):
-                n = min(budget, req.prefill_len - req.prefilled)
-                tokens = req.prefill_tokens[req.prefilled:req.prefilled + n]
-                chunks.append(SequenceChunk(tokens, req.prefilled, req.pages))
-                budget -= n
-                req.prefilled += n
-            else:
+            try:  # a failure here is this request's alone
+                self.faults.on_prepare(req.prompt)
+                chunk = self._chunk_for(req, budget)
+            except Exception as exc:
+                if poisons_device(exc):
+                    raise
+                self._contain(exc, [req])
                 continue
+            if chunk is None:
+                continue
+            chunks.append(chunk)
+            if chunk.buffer_slot < 0:
+                budget -= len(chunk.token_ids)
             reqs.append(req)
             params.append(req.sampling)
             steps.append(req.launched_outputs)
@@ -162,6 +219,21 @@ class Engine:
         event = torch.cuda.Event()
         event.record()
         return _Launched(reqs, samples, host, event)
+
+    def _chunk_for(self, req: Request, budget: int) -> SequenceChunk | None:
+        """``req``'s share of the step being launched: a decode token, a prefill chunk within
+        ``budget`` tokens, or None (it waits)."""
+        if req.wants_decode:
+            pos = len(req.prompt) + req.launched_outputs - 1
+            if not self._page_for(req, pos):
+                return None
+            return SequenceChunk([0], pos, req.pages, buffer_slot=req.slot)
+        if req.prefill_done or budget <= 0 or not self._kv_ready(req):
+            return None
+        n = min(budget, req.prefill_len - req.prefilled)
+        chunk = SequenceChunk(req.prefill_tokens[req.prefilled:req.prefilled + n], req.prefilled, req.pages)
+        req.prefilled += n
+        return chunk
 
     def _page_for(self, req: Request, position: int) -> bool:
         """A KV page for ``req``'s next decode; when none is left, the newest requests give theirs

@@ -1,22 +1,28 @@
-"""The scheduler process's loop: ZMQ in, engine steps, ZMQ out, heartbeats.
+"""The scheduler process's loop: ZMQ in, engine steps, ZMQ out; heartbeats from a thread.
 
 It receives without blocking while there is work and blocks (up to a heartbeat interval) only
-when idle, so a busy GPU is never left waiting on the socket.
+when idle, so a busy GPU is never left waiting on the socket. A request that fails inside a step
+gets an internal RequestError and the loop goes on; an error that poisons the device ends the
+process (exit code 3) with one line that says so.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import zmq
 
 from scheduler.engine import Engine
+from scheduler.heartbeat import HeartbeatThread
 from scheduler.messages import ProtocolError, from_scheduler, to_scheduler
 from scheduler.request import Request
 from worker.sampling import SamplingParams
 
 log = logging.getLogger("sluice.scheduler")
+
+DEVICE_POISONED_EXIT = 3
 
 
 class SchedulerServer:
@@ -31,23 +37,24 @@ class SchedulerServer:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.connect(push_endpoint)
-        self.last_sent = 0.0
+        self.heartbeat = HeartbeatThread(self.ctx, push_endpoint)
         self.running = True
 
     def send(self, message) -> None:
         self.push.send(from_scheduler.encode(message))
-        self.last_sent = time.monotonic()
 
     def serve_forever(self) -> None:
         self.send(from_scheduler.Ready(pid=os.getpid(), model=self.model_info))
+        self.heartbeat.start()
         log.info("scheduler ready, pid %d", os.getpid())
-        while self.running:
-            self.receive(block=not self.engine.has_work)
-            if self.engine.has_work:
-                self.run_step()
-            if time.monotonic() - self.last_sent >= from_scheduler.HEARTBEAT_INTERVAL_S / 2:
-                self.send(from_scheduler.Heartbeat(pid=os.getpid(), time=time.time()))
-        self.ctx.destroy(linger=1000)
+        try:
+            while self.running:
+                self.receive(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self.run_step()
+        finally:
+            self.heartbeat.stop()
+            self.ctx.destroy(linger=1000)
 
     def receive(self, block: bool) -> None:
         timeout_ms = int(from_scheduler.HEARTBEAT_INTERVAL_S * 500) if block else 0
@@ -62,7 +69,18 @@ class SchedulerServer:
                     self.send(from_scheduler.RequestError(rid=err.rid, message=str(err)))
 
     def run_step(self) -> None:
-        updates = self.engine.step()
+        self.heartbeat.step_started = time.monotonic()
+        try:
+            updates = self.engine.step()
+        except Exception as exc:  # the engine contains all but errors that poison the device
+            log.critical("the device is unusable after this error; exiting (code %d) so that the frontend "
+                         "fails every request at once: %s", DEVICE_POISONED_EXIT, exc, exc_info=exc)
+            sys.stderr.flush()
+            os._exit(DEVICE_POISONED_EXIT)  # no clean-up that would touch the poisoned context
+        finally:
+            self.heartbeat.step_started = 0.0
+        for failure in self.engine.take_failures():
+            self.send(from_scheduler.RequestError(rid=failure.rid, message=failure.message, internal=True))
         if updates:
             self.send(from_scheduler.TokenBatch(updates=updates))
         if self.check_pages and not self.engine.in_flight:
@@ -82,18 +100,27 @@ class SchedulerServer:
         s = msg.sampling
         seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(4), "little")
         params = SamplingParams(s.temperature, s.top_k, s.top_p, seed)
-        vocab = self.model_info.vocab_size
-        error = None
-        if not msg.input_ids:
-            error = "empty prompt"
-        elif max(msg.input_ids) >= vocab:
-            error = f"token id {max(msg.input_ids)} is out of the vocabulary ({vocab})"
-        else:
+        error = self.refusal(msg, params)
+        if error is None:
             req = Request(msg.rid, list(msg.input_ids), params, msg.max_tokens, frozenset(msg.eos_token_ids),
                           msg.ignore_eos)
             error = self.engine.submit(req)
         if error:
             self.send(from_scheduler.RequestError(rid=msg.rid, message=error))
+
+    def refusal(self, msg: to_scheduler.TokenizedRequest, params: SamplingParams) -> str | None:
+        """Why the engine cannot take ``msg`` (the frontend checked it already; this side must not
+        crash on a frame that a client of its own makes)."""
+        vocab = self.model_info.vocab_size
+        try:
+            params.validate()
+        except ValueError as exc:
+            return str(exc)
+        if not msg.input_ids:
+            return "empty prompt"
+        if max(msg.input_ids) >= vocab:
+            return f"token id {max(msg.input_ids)} is out of the vocabulary ({vocab})"
+        return None
 
     def stats(self) -> dict:
         stats = dict(self.engine.stats())

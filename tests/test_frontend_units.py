@@ -19,7 +19,8 @@ from frontend.detokenize import IncrementalDetokenizer  # noqa: E402
 from frontend.request_state import RequestState  # noqa: E402
 from frontend.stops import StopMatcher  # noqa: E402
 from frontend.tokenizer import ChatTemplateError, ChatTokenizer  # noqa: E402
-from frontend.validate import Rejected, prompt_ids, to_scheduler  # noqa: E402
+from frontend.generation_defaults import SamplingDefaults  # noqa: E402
+from frontend.validate import Rejected, check_request, prompt_ids, to_scheduler  # noqa: E402
 from scheduler.messages.from_scheduler import ModelInfo, TokenUpdate  # noqa: E402
 
 CONTEXT = 256
@@ -111,7 +112,7 @@ def test_validation_clamps_max_tokens_and_rejects_long_prompts(tok):
         name="m", tokenizer_path="", max_context_tokens=10, vocab_size=259, eos_token_ids=[EOS_ID]
     )
     request = requests.Generate(rid="a", prompt="abcd", max_tokens=100, temperature=0.5, seed=3)
-    message = to_scheduler(request, "7", prompt_ids(request, tok, 259), model)
+    message = to_scheduler(request, "7", prompt_ids(request, tok), model)
     assert (message.rid, message.input_ids, message.max_tokens) == ("7", [97, 98, 99, 100], 6)
     assert (message.sampling.temperature, message.sampling.seed, message.eos_token_ids) == (
         0.5,
@@ -122,7 +123,53 @@ def test_validation_clamps_max_tokens_and_rejects_long_prompts(tok):
         to_scheduler(request, "8", list(range(10)), model)
     assert info.value.code == replies.CONTEXT_LENGTH
     with pytest.raises(Rejected, match="outside the vocabulary"):
-        prompt_ids(requests.Generate(rid="a", input_ids=[1, 300]), tok, 259)
+        check_request(requests.Generate(rid="a", input_ids=[1, 300]), 259)
+
+
+BIG = 2**63
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", BIG), ("top_k", -1), ("top_k", 1.5), ("max_tokens", BIG), ("max_tokens", 0),
+    ("seed", BIG), ("seed", -BIG - 1), ("temperature", float("inf")), ("temperature", float("nan")),
+    ("temperature", -0.5), ("temperature", 1e300), ("top_p", 0.0), ("top_p", float("nan")),
+    ("top_p", 1.5), ("input_ids", [1, BIG]), ("input_ids", [-1]),
+])
+def test_check_request_refuses_numbers_the_engine_cannot_hold(field, value):
+    fields = {"prompt": "x"} if field != "input_ids" else {}
+    request = requests.Generate(rid="a", **fields, **{field: value})  # built in Python: not validated
+    with pytest.raises(Rejected, match=field if field != "input_ids" else "vocabulary") as info:
+        check_request(request, 259)
+    assert info.value.code == replies.BAD_REQUEST
+
+
+def test_check_request_takes_the_edges_and_caps_prompt_and_stop_sizes():
+    edge = requests.Generate(rid="a", prompt="x", top_k=BIG - 1, seed=-BIG, max_tokens=BIG - 1, temperature=0.0,
+                             top_p=1.0, input_ids=None)
+    check_request(edge, 259)
+    with pytest.raises(Rejected, match="10 characters; this server takes at most 9"):
+        check_request(requests.Generate(rid="a", prompt="x" * 10), 259, max_prompt_chars=9)
+    chat = [requests.ChatMessage(role="user", content="y" * 6)]
+    with pytest.raises(Rejected, match="characters"):
+        check_request(requests.Generate(rid="a", messages=chat), 259, max_prompt_chars=9)
+    with pytest.raises(Rejected, match="stop strings"):
+        check_request(requests.Generate(rid="a", prompt="x", stop=["s"] * 17), 259)
+
+
+def test_top_k_past_the_vocabulary_is_no_cut_and_unset_fields_take_the_defaults(tok):
+    model = ModelInfo(name="m", tokenizer_path="", max_context_tokens=10, vocab_size=259, eos_token_ids=[])
+    request = requests.Generate(rid="a", prompt="ab", top_k=BIG - 1)
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    sampling = to_scheduler(request, "1", [97, 98], model, defaults).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.6, 0.95, 259)
+
+
+def test_sampling_defaults_read_generation_config_as_transformers_does(tmp_path):
+    assert SamplingDefaults.from_model_dir(tmp_path).temperature == 0.0  # no file: greedy
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": 0.3}')
+    assert SamplingDefaults.from_model_dir(tmp_path).temperature == 0.0  # do_sample unset: greedy
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.95}')
+    assert SamplingDefaults.from_model_dir(tmp_path) == SamplingDefaults(0.6, 0.95, 50)
 
 
 def test_request_state_strips_eos_and_reports_usage(tok):

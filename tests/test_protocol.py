@@ -209,9 +209,9 @@ def test_defaults_are_documented_values():
         g.stream,
         g.ignore_eos,
     ) == (
-        1.0,
-        0,
-        1.0,
+        None,  # temperature, top_k, top_p: the model's defaults, resolved by the frontend
+        None,
+        None,
         None,
         256,
         [],
@@ -224,3 +224,15 @@ def test_defaults_are_documented_values():
     assert (
         t.sampling == to_scheduler.SamplingParams() and t.eos_token_ids == [] and not t.ignore_eos
     )
+
+
+@pytest.mark.parametrize("codec", [requests.codec, to_scheduler.codec])
+def test_deeply_nested_frames_and_non_integer_versions_are_protocol_errors(codec):
+    with pytest.raises(ProtocolError):  # not a RecursionError
+        codec.decode(b"\x91" * 200_000 + b"\x00")
+    with pytest.raises(ProtocolError):  # not a RecursionError
+        codec.decode(b"\x81\xa1k" * 100_000 + b"\x00")
+    for v in ("1", 1.0, None, [1]):
+        with pytest.raises(ProtocolError, match="must be an integer") as info:
+            codec.decode(_raw(type=codec.tags[0], v=v, rid="r7"))
+        assert info.value.rid == "r7"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,11 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        """What ``SamplingTensors.build`` can hold: finite floats, ints that fit int64."""
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 <= self.top_k <= _INT64_MAX:
+            raise ValueError(f"top_k must be in [0, 2**63 - 1], got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -41,7 +43,7 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int], vocab: int, device: torch.device) -> SamplingTensors:
         floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor([[p.top_k or vocab, p.seed & _MASK32, s & _MASK32] for p, s in zip(params, steps)],
+        ints = torch.tensor([[min(p.top_k or vocab, vocab), p.seed & _MASK32, s & _MASK32] for p, s in zip(params, steps)],
                             dtype=torch.int64)
         if device.type == "cuda":
             floats = floats.pin_memory().to(device, non_blocking=True)

@@ -58,6 +58,19 @@ class Stats(_Message, tag="stats", kw_only=True):
     stats: dict[str, Union[bool, int, float, str, None]]
 
 
+class Info(_Message, tag="info", kw_only=True):
+    """The served model: its name, context, whether it has a chat template, and the sampling that
+    a request leaving temperature, top_p and top_k unset gets (its generation_config.json)."""
+
+    rid: str
+    model: str
+    max_context_tokens: int
+    chat_template: bool
+    default_temperature: float
+    default_top_p: float
+    default_top_k: int
+
+
 class Pending(_Message, tag="pending", kw_only=True):
     """``rid`` is still running. Sent every few seconds for each live request: a client that went
     away is noticed (the send fails) and its request aborted even while no chunk is due. Clients
@@ -66,7 +79,7 @@ class Pending(_Message, tag="pending", kw_only=True):
     rid: str
 
 
-ServerReply = Union[Chunk, Error, Stats, Pending]
+ServerReply = Union[Chunk, Error, Stats, Info, Pending]
 
 codec: Codec[ServerReply] = Codec(ServerReply, API_VERSION, "frontend->client")
 encode = codec.encode

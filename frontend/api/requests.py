@@ -35,9 +35,11 @@ class Generate(_Message, tag="generate", kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     input_ids: list[NonNegInt] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0 means greedy
-    top_k: NonNegInt = 0  # 0 means off
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    # None: the model's default (frontend.generation_defaults); every number is checked again by
+    # frontend.validate.check_request, against what the engine can hold
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] | None = None  # 0 means greedy
+    top_k: NonNegInt | None = None  # 0 means off
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
     seed: int | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
     stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
@@ -65,7 +67,14 @@ class GetStats(_Message, tag="get_stats", kw_only=True):
     rid: RequestId  # echoed in the Stats reply
 
 
-ClientRequest = Union[Generate, Abort, GetStats]
+class GetInfo(_Message, tag="get_info", kw_only=True):
+    """Answered by the frontend at once, never after a scheduler step: a client's first contact
+    (is a server there?) and what it should know of the model (``Info``)."""
+
+    rid: RequestId  # echoed in the Info reply
+
+
+ClientRequest = Union[Generate, Abort, GetStats, GetInfo]
 
 codec: Codec[ClientRequest] = Codec(ClientRequest, API_VERSION, "client->frontend")
 encode = codec.encode

@@ -53,10 +53,18 @@ class Codec(Generic[M]):
             raise ProtocolError(f"invalid {self.direction} message: {exc}", _rid(raw)) from None
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"malformed {self.direction} frame (not msgpack): {exc}") from None
+        except RecursionError:  # msgspec's own depth limit: a frame of nested arrays or maps
+            raise ProtocolError(f"{self.direction} frame is nested too deeply") from None
         self._check_version(message.v, {"rid": getattr(message, "rid", None)})
         return message
 
     def _check_version(self, version: Any, raw: dict) -> None:
+        if type(version) is not int:  # "1" or 1.0 would read as a version mismatch otherwise
+            raise ProtocolError(
+                f"{self.direction} field `v` (the protocol version) must be an integer, "
+                f"got {type(version).__name__}",
+                _rid(raw),
+            )
         if version != self.version:
             raise ProtocolError(
                 f"{self.direction} protocol version {version!r} is not supported "
@@ -69,7 +77,7 @@ def _loose(frame: bytes) -> dict:
     # Only on the error path: the untyped view lets the error name the version and request id.
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return {}
     return raw if isinstance(raw, dict) else {}
 

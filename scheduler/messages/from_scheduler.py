@@ -63,6 +63,7 @@ class RequestError(_Message, tag="request_error", kw_only=True):
 
     rid: str
     message: str
+    internal: bool = False  # the request failed inside a step (a bug); the scheduler serves on
 
 
 class StatsReply(_Message, tag="stats_reply", kw_only=True):
@@ -71,8 +72,11 @@ class StatsReply(_Message, tag="stats_reply", kw_only=True):
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):
+    """Sent by a thread of its own, so it keeps coming during a long step."""
+
     pid: int
     time: float  # time.time() when sent
+    step_s: float = 0.0  # how long the step in progress has run; 0 between steps
 
 
 FromScheduler = Union[Ready, TokenBatch, RequestError, StatsReply, Heartbeat]
