@@ -147,8 +147,9 @@ async def run(config: FrontendConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     scheduler = spawn_scheduler(
-        ctx, scheduler_command(config.scheduler_cmd), list(config.engine_args)
+        ctx, scheduler_command(config.scheduler_cmd), list(config.engine_args), config.pid_file
     )
+    log.info("started the scheduler (pid %d); it loads the model now", scheduler.pid)
     code = 1
     try:
         ready = asyncio.create_task(wait_ready(scheduler, config.ready_timeout_s))

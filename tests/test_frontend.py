@@ -322,8 +322,10 @@ def test_cli_prompt_and_chat_keep_history(server):
         timeout=WAIT_S * 2,
         **kw,
     )
-    out = run("--prompt", "hi there", "--max-tokens", "20")
+    out = run("--prompt", "hi there", "--max-tokens", "20", "--raw")
     assert (out.returncode, out.stdout) == (0, "hi there\n")
+    out = run("--prompt", "hi there", "--max-tokens", "60")  # the model has a chat template
+    assert (out.returncode, out.stdout) == (0, "user\nhi there\nassistant\n\n")
     out = run("--chat", input="yo\nhey\n")
     assert out.returncode == 0, out.stderr
     # The fake echoes the rendered conversation, so the second reply contains the first turn.

@@ -10,17 +10,17 @@ from worker.runner import RunnerConfig
 
 def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint directory or a geometry name such as qwen3-30b-geometry "
-                        "(default: the embedded default model)")
+                   help="checkpoint directory or a geometry name such as qwen3-30b-geometry; "
+                        "None: the embedded default model")
     p.add_argument("--device", default=RunnerConfig.device, help="cuda, cpu or auto")
     p.add_argument("--dtype", default=RunnerConfig.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--page-size", type=int, default=RunnerConfig.page_size, help="tokens per KV page")
     p.add_argument("--kv-tokens", type=int, default=RunnerConfig.kv_tokens,
                    help="KV pool size in tokens (0: from free memory on GPU, 16384 on CPU)")
     p.add_argument("--attention", default=RunnerConfig.attention, choices=["auto", *sorted(BACKENDS)],
-                   help="attention backend: auto (default) = triton on cuda (paged kernels), torch on cpu")
+                   help="attention backend; auto: triton on cuda (paged kernels), torch on cpu")
     p.add_argument("--max-prefill-tokens", type=int, default=RunnerConfig.max_prefill_tokens,
-                   help="prompt tokens per prefill chunk; 0 (default): auto, the largest multiple of 1024 up to "
+                   help="prompt tokens per prefill chunk; 0: auto, the largest multiple of 1024 up to "
                         "32768 whose activations fit in the GPU memory left after weights, expert cache and KV pool "
                         "(2048 on CPU). Under expert offload a chunk takes about as long at any size (it streams "
                         "every expert once), so bigger chunks prefill more tokens/s")
@@ -41,7 +41,7 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-stage", default=ExpertOptions.prefill_stage, choices=["auto", "kernel", "memcpy"],
                    help="how the pipeline fills its buffer: kernel (experts cached elsewhere copied on the GPU, "
                         "the rest read over PCIe by a kernel that holds some SMs), memcpy (whole layers by the copy "
-                        "engine, no SMs), auto (default: per chunk, memcpy when the chunk's compute is long enough "
+                        "engine, no SMs), auto (per chunk, memcpy when the chunk's compute is long enough "
                         "that the SMs matter more than the PCIe bytes saved)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs "
