@@ -106,10 +106,14 @@ class Client:
     """Blocking client. ``timeout`` bounds each wait for a reply (each chunk, when streaming)."""
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        first_contact: float = FIRST_CONTACT_S,
     ) -> None:
         self.timeout = timeout
         self.endpoint = endpoint
+        self.first_contact = first_contact
         self._ctx = zmq.Context()
         self._sock = _dealer(self._ctx, endpoint)
         self._info: replies.Info | None = None
@@ -119,7 +123,7 @@ class Client:
         if self._info is None:
             rid = uuid.uuid4().hex
             self._send(requests.GetInfo(rid=rid))
-            wait = min(self.timeout, FIRST_CONTACT_S)
+            wait = min(self.timeout, self.first_contact)
             try:
                 self._info = self._next(rid, wait)
             except TimeoutError:
@@ -225,10 +229,14 @@ class AsyncClient:
     """asyncio client; concurrent requests share one socket, a reader task routes replies."""
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        first_contact: float = FIRST_CONTACT_S,
     ) -> None:
         self.timeout = timeout
         self.endpoint = endpoint
+        self.first_contact = first_contact
         self._ctx = zmq.asyncio.Context()
         self._sock = _dealer(self._ctx, endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -243,7 +251,7 @@ class AsyncClient:
 
     async def _ask_info(self) -> replies.Info:
         request = requests.GetInfo(rid=uuid.uuid4().hex)
-        wait = min(self.timeout, FIRST_CONTACT_S)
+        wait = min(self.timeout, self.first_contact)
         async with _Pending(self, request):
             try:
                 return await self._next(request.rid, wait)

@@ -31,8 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler-to-frontend", required=True, help="ZMQ endpoint to PUSH outputs to")
     add_runner_args(p)
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running, help="requests batched at once")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable the radix prefix cache")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="disable overlap scheduling")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable the radix prefix cache (it is on: %(default)s)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="disable overlap scheduling (it is on: %(default)s)")
     p.add_argument("--check-pages", action="store_true", help="run the KV page self-check after every step")
     p.add_argument("--kv-host-size", type=float, default=None, metavar="GiB",
                    help=f"host-RAM KV tier in GiB; 0 disables it; None: {DEFAULT_FRACTION * 100:.0f}%% of the "

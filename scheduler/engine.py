@@ -138,7 +138,7 @@ class Engine:
 
     def _contain(self, exc: Exception, reqs: list[Request]) -> None:
         """Fail ``reqs`` (a step raised ``exc`` while they were in it) and free what they hold."""
-        reqs = list(dict.fromkeys(r for r in reqs if not r.finished))
+        reqs = list({id(r): r for r in reqs if not r.finished}.values())  # a request may be in two batches
         names = ", ".join(r.rid for r in reqs)
         log.error("a step failed (requests %s); failing them and serving on", names, exc_info=exc)
         for req in reqs:
@@ -188,7 +188,8 @@ class Engine:
             if req.preempted:
                 continue
             try:  # a failure here is this request's alone
-                self.faults.on_prepare(req.prompt)
+                if not req.prefill_done:
+                    self.faults.on_prepare(req.prompt)
                 chunk = self._chunk_for(req, budget)
             except Exception as exc:
                 if poisons_device(exc):

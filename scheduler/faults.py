@@ -5,7 +5,8 @@ the CUDA context (an illegal address, a device-side assert) leaves every later l
 so the process must end: ``poisons_device`` tells the two apart.
 
 Hooks, for tests only: ``$SLUICE_FAULTS`` is a comma-separated list of ``kind:token[:seconds]``;
-a request whose prompt starts with ``token`` triggers the hook each time a step prepares it:
+a request whose prompt starts with ``token`` triggers the hook each time a step prepares one of
+its prefill chunks:
 ``raise`` (a ValueError), ``cuda`` (a RuntimeError worded as a sticky CUDA error) or ``sleep``
 (the step takes ``seconds`` longer)."""
 from __future__ import annotations

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_scheduler import EOS_ID, write_byte_tokenizer  # noqa: E402
 
 from frontend.api import replies, requests  # noqa: E402
-from frontend.client import AsyncClient, Client, ServerError  # noqa: E402
+from frontend.client import AsyncClient, Client, NoServer, ServerError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_scheduler.py'}"
@@ -218,6 +218,13 @@ def _gen(**fields) -> bytes:
         (_gen(prompt="x", top_k=-3), "bad_request", "top_k"),
         (_gen(input_ids=[999]), "bad_request", "vocabulary"),
         (_gen(prompt="x", v=9), "bad_request", "version 9"),
+        (b"\x91" * 200_000 + b"\x00", "bad_request", "client->frontend"),  # nested 200,000 deep
+        (_gen(prompt="x", v="1"), "bad_request", "must be an integer"),
+        (_gen(prompt="x", top_k=2**63), "bad_request", "top_k"),
+        (_gen(prompt="x", max_tokens=2**64 - 1), "bad_request", "max_tokens"),
+        (_gen(prompt="x", seed=2**63), "bad_request", "seed"),
+        (_gen(prompt="x", temperature=float("inf")), "bad_request", "temperature"),
+        (_gen(prompt="x", stop=["s"] * 100), "bad_request", "stop strings"),
     ],
 )
 def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, frame, code, match):
@@ -228,6 +235,46 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, frame, cod
         ok = _ask(sock, requests.encode(requests.Generate(rid="ok", prompt="fine", max_tokens=10)))
         assert isinstance(ok, replies.Chunk) and (ok.text, ok.finish_reason) == ("fine", "stop")
         sock.close(linger=0)
+
+
+def test_multi_frame_messages_are_refused_and_run_nothing(server, client):
+    before = client.stats()["requests_total"]
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.connect(server.endpoint)
+        generate = requests.encode(requests.Generate(rid="two", prompt="x", max_tokens=5))
+        for frames in ([b"lead", generate], [generate, generate]):
+            sock.send_multipart(frames)
+            assert sock.poll(int(WAIT_S * 1000)), "no reply"
+            reply = sock.recv_multipart()
+            assert len(reply) == 1  # nothing of the sender's frames echoed back
+            error = replies.decode(reply[0])
+            assert isinstance(error, replies.Error) and error.code == replies.BAD_REQUEST
+            assert "one frame; got 2" in error.message
+        sock.close(linger=0)
+    assert client.stats()["requests_total"] == before
+
+
+def test_a_second_server_on_a_busy_endpoint_says_so_in_one_line(server):
+    proc = subprocess.run(
+        [sys.executable, "-m", "frontend", "--endpoint", server.endpoint, "--scheduler-cmd", FAKE],
+        cwd=REPO, capture_output=True, text=True, timeout=WAIT_S,
+    )
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: cannot listen on {server.endpoint}: Address already in use")
+
+
+def test_client_says_at_once_that_no_server_answers():
+    started = time.monotonic()
+    with Client("tcp://127.0.0.1:9", timeout=WAIT_S, first_contact=0.3) as c:
+        with pytest.raises(NoServer, match="no Sluice server answers at tcp://127.0.0.1:9"):
+            c.generate(prompt="x")
+    assert time.monotonic() - started < WAIT_S / 2
+
+
+def test_info_answers_with_the_model_and_its_defaults(client):
+    info = client.info()
+    assert (info.model, info.max_context_tokens, info.chat_template) == ("fake", CONTEXT, True)
+    assert info.default_temperature == 0.0  # no generation_config.json: greedy, as transformers
 
 
 def test_duplicate_request_id(server):
