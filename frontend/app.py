@@ -187,7 +187,9 @@ async def run(config: FrontendConfig) -> int:
         return 1
     finally:
         if code == 0:
-            await scheduler.shutdown(config.shutdown_grace_s)
+            scheduler_code = await scheduler.shutdown(config.shutdown_grace_s)
+            if scheduler_code != 0:
+                log.warning("the scheduler exited with code %d at shutdown", scheduler_code)
         else:
             scheduler.kill()
         if config.pid_file and os.path.exists(config.pid_file):

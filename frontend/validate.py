@@ -68,6 +68,9 @@ def check_request(request: Generate, vocab_size: int, max_prompt_chars: int = MA
     if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
         raise _refuse(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     if request.input_ids is not None:
+        if len(request.input_ids) > max_prompt_chars:  # before looking at each id
+            raise _refuse(f"input_ids has {len(request.input_ids)} ids; this server takes at most "
+                          f"{max_prompt_chars} (--max-prompt-chars)")
         bad = [i for i in request.input_ids if not (type(i) is int and 0 <= i < vocab_size)]
         if bad:
             raise _refuse(f"input_ids {bad[:8]} are outside the vocabulary (size {vocab_size})")

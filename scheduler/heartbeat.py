@@ -18,14 +18,14 @@ class HeartbeatThread(threading.Thread):
         self.ctx = ctx
         self.endpoint = endpoint
         self.step_started = 0.0  # monotonic start of the step in progress; 0 between steps
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         push = self.ctx.socket(zmq.PUSH)  # its own socket: a ZMQ socket belongs to one thread
         push.setsockopt(zmq.LINGER, 0)
         push.connect(self.endpoint)
         try:
-            while not self._stop.wait(from_scheduler.HEARTBEAT_INTERVAL_S / 2):
+            while not self._stopping.wait(from_scheduler.HEARTBEAT_INTERVAL_S / 2):
                 started = self.step_started
                 step_s = time.monotonic() - started if started else 0.0
                 push.send(from_scheduler.encode(from_scheduler.Heartbeat(pid=os.getpid(), time=time.time(),
@@ -34,5 +34,5 @@ class HeartbeatThread(threading.Thread):
             push.close()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.join()

@@ -57,3 +57,18 @@ def test_device_poisoning_errors_are_raised_not_contained(model_dir):
         engine.step()
     assert poisons_device(RuntimeError("CUDA error: device-side assert triggered"))
     assert not poisons_device(ValueError("Overflow when unpacking long long"))
+
+
+def test_shutdown_says_the_expert_store_stays_in_shared_memory(caplog):
+    from types import SimpleNamespace
+
+    from scheduler.__main__ import _note_expert_store
+
+    store = SimpleNamespace(path="/dev/shm/sluice-experts-0123", nbytes=3_500_000_000, name="sluice-experts-0123")
+    with caplog.at_level("INFO", logger="sluice.scheduler"):
+        _note_expert_store(SimpleNamespace(experts=SimpleNamespace(store=store)))
+        _note_expert_store(SimpleNamespace(experts=SimpleNamespace()))  # resident experts: nothing to say
+    assert len(caplog.records) == 1
+    line = caplog.records[0].getMessage()
+    assert "/dev/shm/sluice-experts-0123 (3.50 GB of RAM)" in line
+    assert "python scripts/expert_store.py remove sluice-experts-0123" in line

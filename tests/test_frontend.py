@@ -254,6 +254,35 @@ def test_multi_frame_messages_are_refused_and_run_nothing(server, client):
     assert client.stats()["requests_total"] == before
 
 
+def test_an_abort_while_the_prompt_is_tokenized_ends_the_request_there(server, client):
+    requests_before = client.stats()["requests_total"]
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.connect(server.endpoint)
+        sock.send(requests.encode(requests.Generate(rid="long", prompt="y" * 990_000)))  # ~0.3 s to tokenize
+        reply = _ask(sock, requests.encode(requests.Abort(rid="long")))
+        assert isinstance(reply, replies.Chunk) and reply.finish_reason == "abort", reply
+        assert reply.usage.prompt_tokens == 0  # it never reached the scheduler
+        assert not sock.poll(500)  # and nothing follows: no context_length error once tokenized
+        sock.close(linger=0)
+    stats = client.stats()
+    assert stats["requests_total"] == requests_before and stats["frontend_tokenizing"] == 0
+
+
+def test_a_frame_over_the_size_limit_drops_its_sender_only(tmp_path, tok_dir):
+    server = start_server(tmp_path, tok_dir, "--max-message-mb", "1")
+    try:
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+            sock.connect(server.endpoint)
+            sock.send(requests.encode(requests.Generate(rid="big", prompt="z" * 2_000_000)))
+            assert not sock.poll(1000)  # ZMQ drops the connection; nothing is read or answered
+            sock.close(linger=0)
+        with Client(server.endpoint, timeout=WAIT_S) as c:
+            assert c.generate(prompt="fine", max_tokens=10).text == "fine"
+            assert c.stats()["frontend_requests_total"] == 1
+    finally:
+        assert stop_server(server) == 0
+
+
 def test_a_second_server_on_a_busy_endpoint_says_so_in_one_line(server):
     proc = subprocess.run(
         [sys.executable, "-m", "frontend", "--endpoint", server.endpoint, "--scheduler-cmd", FAKE],

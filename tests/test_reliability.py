@@ -31,6 +31,8 @@ def server(tmp_path_factory, model_dir):  # noqa: F811
         del os.environ[FAULTS_ENV]
     yield s
     assert stop(s) == 0, s.log.read_text()[-3000:]
+    log = s.log.read_text()
+    assert log.count("Traceback") == 1 and "exited with code" not in log, log[-3000:]  # the injected one only
 
 
 class Background:
