@@ -16,18 +16,22 @@ print_help() {
         | grep -v -e 'ZMQ endpoint to P' -e '^ *(default: None)$'
 }
 
+# The scheduler's options need torch imported (seconds): the help text is kept until the code
+# changes, and written in the background at each start, so that --help answers at once.
+help_cache="$(dirname "$SLUICE_PY")/../.sluice-help"
+help_stale() {
+    [ ! -s "$help_cache" ] || [ -n "$(find frontend scheduler worker scripts/serve.sh -newer "$help_cache" \
+        \( -name '*.py' -o -name serve.sh \) -print -quit)" ]
+}
+write_help() { print_help > "$help_cache.$$" && mv "$help_cache.$$" "$help_cache"; }
 for arg in "$@"; do
     if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
-        # The scheduler's options need torch imported (seconds): the text is kept until the code changes.
-        cache="$(dirname "$SLUICE_PY")/../.sluice-help"
-        if [ ! -s "$cache" ] || [ -n "$(find frontend scheduler worker scripts/serve.sh -newer "$cache" \
-                \( -name '*.py' -o -name serve.sh \) -print -quit)" ]; then
-            print_help > "$cache.tmp" && mv "$cache.tmp" "$cache"
-        fi
-        cat "$cache"
+        if help_stale; then write_help; fi
+        cat "$help_cache"
         exit 0
     fi
 done
+if help_stale; then (write_help >/dev/null 2>&1 &); fi
 model_given=0
 for arg in "$@"; do
     case "$arg" in --model|--model=*) model_given=1 ;; esac

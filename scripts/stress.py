@@ -214,9 +214,12 @@ def leaked_pages(health: Health) -> int | None:
 
 
 def kill(target: str, health: Health, frontend_pid: int | None) -> Row:
-    """kill -9 of a process while a request runs: its client must get an error soon."""
+    """kill -9 of a process while a request runs: its client must get an error soon (when the
+    scheduler died) and, when the frontend died, the scheduler must exit and remove its socket dir.
+    A scheduler left running or a socket dir left behind counts as a crash."""
     row = Row(f"kill -9 {target}")
     pid = health.scheduler_pid if target == "scheduler" else frontend_pid
+    ipc_dir = _socket_dir(health.scheduler_pid)
     with Client(health.endpoint, timeout=REPLY_S) as c:
         stream = c.stream(prompt="a long story " * 4, max_tokens=200, ignore_eos=True, temperature=0)
         next(iter(stream))
@@ -230,7 +233,33 @@ def kill(target: str, health: Health, frontend_pid: int | None) -> Row:
             row.errors += 1
         except TimeoutError:
             row.unanswered += 1  # the frontend died: nobody can answer; the client's timeout ends it
+    if target == "frontend" and not _exits(health.scheduler_pid, REPLY_S):
+        print(f"CRASH: the scheduler (pid {health.scheduler_pid}) outlived its frontend", file=sys.stderr)
+        row.crashes += 1
+    elif target == "frontend" and ipc_dir is not None and ipc_dir.exists():
+        print(f"CRASH: the socket dir {ipc_dir} outlived both processes", file=sys.stderr)
+        row.crashes += 1
     return row
+
+
+def _socket_dir(scheduler_pid: int) -> Path | None:
+    try:
+        argv = Path(f"/proc/{scheduler_pid}/cmdline").read_bytes().split(b"\0")
+        endpoint = argv[argv.index(b"--frontend-to-scheduler") + 1].decode()
+    except (OSError, ValueError, IndexError):  # not Linux, or another host's server
+        return None
+    return Path(endpoint.removeprefix("ipc://")).parent if endpoint.startswith("ipc://") else None
+
+
+def _exits(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def print_table(rows: list[Row], leak: int | None) -> None:
