@@ -33,7 +33,8 @@ def grouped_swiglu(
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
     (``w13``'s is the gate's grid stacked on the up's); the activations stay in hidden's dtype.
 
-    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``), anything
+    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``, or
+    ``grouped_gemm_fp8`` for fp8 banks, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
     ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
@@ -43,7 +44,9 @@ def grouped_swiglu(
     if not use_triton(hidden, backend):
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)
     if scales is not None:
-        raise NotImplementedError("the Triton fp8 grouped GEMM is not written yet")  # TODO(fp8-kernel)
+        from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
+
+        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
@@ -76,8 +79,9 @@ def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
         _check_scales(scales, num_slots, inter, dim)
     if not weights.dtype.is_floating_point or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"weights must be floating point and slots int32/int64; got {weights.dtype}, {slots.dtype}")
-    if len({t.device for t in (hidden, weights, slots, w13, w2)}) != 1:
-        raise ValueError("hidden, weights, slots, w13 and w2 must be on one device")
+    devices = {t.device for t in (hidden, weights, slots, w13, w2)}
+    if len(devices | ({scales.w13.device} if scales is not None else set())) != 1:
+        raise ValueError("hidden, weights, slots, w13, w2 (and scales) must be on one device")
 
 
 def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) -> None:
@@ -88,6 +92,8 @@ def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) ->
                          f"{scales.block}: want {want13} / {want2}")
     if scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32:
         raise ValueError(f"scales must be float32; got {scales.w13.dtype}, {scales.w2.dtype}")
+    if scales.w13.device != scales.w2.device:
+        raise ValueError("scales w13 and w2 must be on one device")
 
 
 def grouped_swiglu_eager(
