@@ -22,7 +22,7 @@ if not torch.cuda.is_available():  # the interpreter is chosen when the kernel m
 
 pytest.importorskip("triton")
 
-from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, ScaleBlock, quantize, quantize_w13  # noqa: E402
+from moe_offload.fp8 import ACTIVATION_BLOCK, BLOCK_128, PER_CHANNEL, ScaleBlock, quantize, quantize_w13  # noqa: E402
 from moe_offload.grouped import ExpertScales, grouped_swiglu, grouped_swiglu_eager  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -67,12 +67,16 @@ def rel_err(out, ref):
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# fp8 activations: kernel and twin round slightly different intermediate activations to fp8, and
+# now and then one lands on the other side of a rounding boundary (an e4m3 step is 6-12 %).
+FP8_ACTS_TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
-def check_trials(banks, dtype, trials, token_counts, config=None, seed=0, sync_free=False):
-    """``trials`` random routings over ``banks = (q13, q2, scales)``, Triton vs twin, top-k 2..8
+def check_trials(banks, dtype, trials, token_counts, config=None, seed=0, sync_free=False, fp8_acts=False):
+    """``trials`` random routings over ``banks = (q13, q2, scales)``, Triton vs twin, top-k 1..8
     as the bank allows; with ``sync_free`` the op runs under sync-debug "error"."""
     q13, q2, scales = banks
+    tolerance = (FP8_ACTS_TOLERANCE if fp8_acts else TOLERANCE)[dtype]
     num_slots, dim = q2.shape[:2]
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
@@ -80,26 +84,27 @@ def check_trials(banks, dtype, trials, token_counts, config=None, seed=0, sync_f
         top_k = int(torch.randint(1, min(8, num_slots) + 1, (1,), generator=gen))
         weights, slots = make_routing(gen, num_tokens, top_k, num_slots, q2.device)
         hidden = torch.randn(num_tokens, dim, generator=gen).to(q2.device, dtype)
-        out = run_kernel(hidden, weights, slots, banks, config, sync_free)
-        ref = grouped_swiglu_eager(hidden, weights, slots, q13, q2, scales)
-        assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype], (trial, num_tokens, top_k)
+        out = run_kernel(hidden, weights, slots, banks, config, sync_free, fp8_acts)
+        ref = grouped_swiglu_eager(hidden, weights, slots, q13, q2, scales, fp8_acts)
+        assert out.dtype == dtype and rel_err(out, ref) < tolerance, (trial, num_tokens, top_k)
 
 
-def run_kernel(hidden, weights, slots, banks, config, sync_free):
+def run_kernel(hidden, weights, slots, banks, config, sync_free, fp8_acts):
     if not sync_free:
-        return call_kernel(hidden, weights, slots, banks, config)
+        return call_kernel(hidden, weights, slots, banks, config, fp8_acts)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        return call_kernel(hidden, weights, slots, banks, config)
+        return call_kernel(hidden, weights, slots, banks, config, fp8_acts)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def call_kernel(hidden, weights, slots, banks, config):
+def call_kernel(hidden, weights, slots, banks, config, fp8_acts):
     q13, q2, scales = banks
     if config is None:
-        return grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales, backend="triton")
-    return kernels().fused_grouped_swiglu_fp8(hidden, weights, slots, q13, q2, scales, config)
+        return grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales, fp8_activations=fp8_acts,
+                              backend="triton")
+    return kernels().fused_grouped_swiglu_fp8(hidden, weights, slots, q13, q2, scales, config, fp8_acts)
 
 
 # ==== parity, interpreted ====
@@ -125,6 +130,32 @@ def test_public_op_takes_the_fp8_kernel_with_default_tiles():
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,block,tiles", CPU_CASES, ids=["b16", "b128", "channel"])
+def test_fp8_activations_parity_interpreted(shape, block, tiles, dtype, monkeypatch):
+    """The fp8 x fp8 GEMMs; activations quantized by the twin, as the interpreter's fp32 -> fp8
+    cast is wrong (see quant_fp8). BLOCK_K is at least 32 here: fp8 dots need it on a GPU."""
+    config = kernels().BlockConfig(tiles[0], tiles[1], 32, 2, 4, 2)
+    block = ScaleBlock(16, 32) if block == BLOCK_16 else block
+    monkeypatch.setattr(kernels(), "quantize_activations", lambda x, total=None: quantize(x, ACTIVATION_BLOCK))
+    check_trials(make_fp8_banks(*shape, block), dtype, trials=3, token_counts=[1, 5, 24], config=config,
+                 fp8_acts=True)
+
+
+@interpreted
+def test_activation_scales_interpreted():
+    """Scales only: the interpreter's fp32 -> fp8 cast is wrong, the GPU test checks ``q`` too."""
+    from moe_offload.kernels.quant_fp8 import quantize_activations
+
+    x = torch.randn(37, 333, generator=torch.Generator().manual_seed(4)) * torch.linspace(0, 100, 37)[:, None]
+    _, ref_scale = quantize(x, ACTIVATION_BLOCK)
+    _, scale = quantize_activations(x, backend="triton")
+    assert torch.equal(scale, ref_scale) and torch.all(scale[0] == 1)
+    _, scale = quantize_activations(x, total=torch.tensor([20], dtype=torch.int32), backend="triton")
+    assert torch.equal(scale[:20], ref_scale[:20])
+
+
+@interpreted
 @pytest.mark.parametrize("block", [BLOCK_16, PER_CHANNEL], ids=["b16", "channel"])
 def test_out_of_range_slots_contribute_zero(block):
     num_slots = 4
@@ -141,6 +172,18 @@ def test_out_of_range_slots_contribute_zero(block):
 
 
 # ==== host checks ====
+
+def test_activation_quantization_refuses_odd_groups():
+    from moe_offload.kernels.quant_fp8 import quantize_activations
+
+    with pytest.raises(ValueError, match="power-of-two group"):
+        quantize_activations(torch.randn(4, 64), group=48)
+    with pytest.raises(ValueError, match="unit column stride"):
+        quantize_activations(torch.randn(64, 4).t())
+    with pytest.raises(ValueError, match="needs fp8 experts"):
+        grouped_swiglu(torch.randn(2, 8), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.long),
+                       torch.randn(1, 8, 8), torch.randn(1, 8, 4), fp8_activations=True)
+
 
 def test_block_k_must_divide_the_scale_columns():
     grouped_gemm_fp8 = kernels()
@@ -200,13 +243,41 @@ def test_cuda_parity_sync_free(shape, block, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=["b128", "channel"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "N{}H{}I{}".format(*s))
+def test_cuda_fp8_activations_parity_sync_free(shape, block):
+    """The fp8 x fp8 variant: 3 shapes x 20 trials, bf16 activations quantized per token-group."""
+    banks = make_fp8_banks(*shape, block, "cuda")
+    check_trials(banks, torch.bfloat16, len(DECODE_AND_PREFILL), DECODE_AND_PREFILL, seed=99, fp8_acts=True)
+    check_trials(banks, torch.bfloat16, 20, DECODE_AND_PREFILL, sync_free=True, fp8_acts=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows,cols", [(1, 2048), (37, 333), (700, 768)])
+def test_cuda_quantize_activations_matches_its_twin(rows, cols, dtype):
+    from moe_offload.kernels.quant_fp8 import quantize_activations
+
+    x = (torch.randn(rows, cols, device="cuda") * torch.rand(rows, 1, device="cuda") * 100).to(dtype)
+    x[rows // 2] = 0  # an all-zero token gets scale 1
+    q, scale = quantize_activations(x)
+    ref_q, ref_scale = quantize(x, ACTIVATION_BLOCK)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    total = torch.tensor([rows // 2 + 1], dtype=torch.int32, device="cuda")
+    q, scale = quantize_activations(x, total=total)
+    assert torch.equal(q[: rows // 2 + 1].view(torch.uint8), ref_q[: rows // 2 + 1].view(torch.uint8))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("tiles", [(16, 64, 64, 1, 4, 3), (32, 128, 128, 8, 4, 4), (64, 256, 64, 8, 8, 3),
                                    (128, 128, 128, 8, 8, 3), (16, 256, 128, 1, 8, 4)], ids=str)
 def test_cuda_explicit_tiles(tiles):
     """The tiles the benchmark sweeps compute the same thing."""
     config = kernels().BlockConfig(*tiles)
     for block in (BLOCK_128, PER_CHANNEL):
-        check_trials(make_fp8_banks(64, 1000, 333, block, "cuda"), torch.bfloat16, 4, [1, 8, 300, 1024], config)
+        banks = make_fp8_banks(64, 1000, 333, block, "cuda")
+        check_trials(banks, torch.bfloat16, 4, [1, 8, 300, 1024], config)
+        check_trials(banks, torch.bfloat16, 4, [1, 8, 300, 1024], config, fp8_acts=True)
 
 
 @pytest.mark.cuda
