@@ -1,15 +1,19 @@
 """Time the Triton grouped SwiGLU GEMM against the bounds it chases, on the qwen3-30b geometry.
 
     python scripts/bench_grouped_gemm.py [--tokens 1,8,64,2048] [--expert-dtype bf16|fp8|both]
-                                         [--scale-block b128|channel] [--sweep] [--json out.json]
+                                         [--scale-block b128|channel] [--fp8-activations] [--sweep]
+                                         [--json out.json]
 
 Each size is captured in a CUDA graph and the replay timed with ``triton.testing.do_bench`` (which
 flushes L2 between runs), so tiny decode launches are not measured as Python launch overhead; the
 "launched" column is the same op called eagerly. HBM bound = bytes the kernel must read for the
 experts the routing touches (weights in their dtype, plus fp8 scales) / 4.3e12 B/s; compute bound
-= 6*T*k*H*I FLOPs / 7.86e14 FLOP/s (bf16 matmul, measured); ratio = bound / time. With ``both``,
-"fp8/bf16" is the bf16 time over the fp8 time at the same routing (above 1: fp8 is faster).
-``--sweep`` times fp8 tile configs (block_m, block_n, block_k, group_m, warps, stages) per size.
+= 6*T*k*H*I FLOPs / 7.86e14 FLOP/s (bf16 matmul, measured; fp8a8 rows assume twice that, the
+fp8 tensor-core peak, unmeasured); ratio = bound / time. Rows "fp8" dequantize the weights in the
+GEMM (weight-only); "fp8a8" rows (``--fp8-activations``) quantize activations per token-group
+and multiply fp8 x fp8. With ``both``, "vs bf16" is the bf16 time over the row's time at the same
+routing (above 1: faster than bf16). ``--sweep`` times fp8 tile configs (block_m, block_n,
+block_k, group_m, warps, stages) per size, for each fp8 variant asked for.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ SWEEP = [(16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 128, 128, 16, 4, 
 
 
 def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
-    """``{dtype: (w13, w2, scales)}``: bf16 banks and, when asked, their fp8 quantization."""
+    """``{variant: (w13, w2, scales)}``: bf16 banks and, when asked, their fp8 quantization (the
+    fp8a8 variant runs on the same fp8 banks)."""
     torch.manual_seed(0)
     w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda") * args.hidden**-0.5).bfloat16()
     w2 = (torch.randn(args.experts, args.hidden, args.inter, device="cuda") * args.inter**-0.5).bfloat16()
@@ -45,6 +50,8 @@ def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
         q13, s13 = quantize_w13(w13, block)
         q2, s2 = quantize(w2, block)
         banks["fp8"] = (q13, q2, ExpertScales(s13, s2, block))
+        if args.fp8_activations:
+            banks["fp8a8"] = banks["fp8"]
     if args.expert_dtype == "fp8":
         del banks["bf16"]
     return banks
@@ -82,16 +89,19 @@ def time_us(fn) -> tuple[float, float]:
 def bench_one(num_tokens: int, args: argparse.Namespace, dtype: str, banks: tuple) -> dict:
     w13, w2, scales = banks
     hidden, weights, slots = routing(num_tokens, args)
-    graph_us, launched_us = time_us(lambda: grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales))
+    fp8_acts = dtype == "fp8a8"
+    graph_us, launched_us = time_us(lambda: grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales,
+                                                           fp8_activations=fp8_acts))
     touched = len(torch.unique(slots))
     hbm_us = touched * expert_bytes(w13, w2, scales) / HBM_BYTES_PER_S * 1e6
-    compute_us = 6 * num_tokens * args.top_k * args.hidden * args.inter / BF16_FLOPS_PER_S * 1e6
+    peak = BF16_FLOPS_PER_S * (2 if fp8_acts else 1)
+    compute_us = 6 * num_tokens * args.top_k * args.hidden * args.inter / peak * 1e6
     return {"dtype": dtype, "tokens": num_tokens, "experts_touched": touched, "time_us": graph_us,
             "launched_us": launched_us, "hbm_bound_us": hbm_us, "compute_bound_us": compute_us,
             "ratio": max(hbm_us, compute_us) / graph_us}
 
 
-def sweep(num_tokens: int, args: argparse.Namespace, banks: tuple) -> list[dict]:
+def sweep(num_tokens: int, args: argparse.Namespace, banks: tuple, fp8_acts: bool) -> list[dict]:
     from moe_offload.kernels.grouped_gemm import BlockConfig
     from moe_offload.kernels.grouped_gemm_fp8 import default_config, fit_block_k, fused_grouped_swiglu_fp8
 
@@ -101,29 +111,31 @@ def sweep(num_tokens: int, args: argparse.Namespace, banks: tuple) -> list[dict]
     rows = []
     for tiles in SWEEP:
         config = BlockConfig(*tiles)
-        graph_us, _ = time_us(lambda: fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
-        rows.append({"tokens": num_tokens, "config": list(tiles), "default": config == default, "time_us": graph_us})
+        graph_us, _ = time_us(lambda: fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config,
+                                                               fp8_acts))
+        rows.append({"variant": "fp8a8" if fp8_acts else "fp8", "tokens": num_tokens, "config": list(tiles),
+                     "default": config == default, "time_us": graph_us})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
     bf16 = {r["tokens"]: r["time_us"] for r in rows if r["dtype"] == "bf16"}
     print(f"{'dtype':>5} {'tokens':>7} {'experts':>7} {'graph us':>9} {'launched us':>11} {'HBM us':>8} "
-          f"{'compute us':>10} {'bound/time':>10} {'fp8/bf16':>8}")
+          f"{'compute us':>10} {'bound/time':>10} {'vs bf16':>8}")
     for r in sorted(rows, key=lambda r: (r["tokens"], r["dtype"])):
-        speedup = f"{bf16[r['tokens']] / r['time_us']:8.2f}" if r["dtype"] == "fp8" and r["tokens"] in bf16 else ""
+        speedup = f"{bf16[r['tokens']] / r['time_us']:8.2f}" if r["dtype"] != "bf16" and r["tokens"] in bf16 else ""
         print(f"{r['dtype']:>5} {r['tokens']:7d} {r['experts_touched']:7d} {r['time_us']:9.1f} {r['launched_us']:11.1f} "
               f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f} {speedup:>8}")
 
 
 def print_sweep(rows: list[dict]) -> None:
     print("\nfp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages); * = default, < = best")
-    for num_tokens in sorted({r["tokens"] for r in rows}):
-        mine = [r for r in rows if r["tokens"] == num_tokens]
+    for key in sorted({(r["variant"], r["tokens"]) for r in rows}):
+        mine = [r for r in rows if (r["variant"], r["tokens"]) == key]
         best = min(r["time_us"] for r in mine)
         for r in mine:
             mark = ("*" if r["default"] else " ") + ("<" if r["time_us"] == best else " ")
-            print(f"{num_tokens:7d} {str(tuple(r['config'])):>28} {r['time_us']:9.1f} us {mark}")
+            print(f"{key[0]:>5} {key[1]:7d} {str(tuple(r['config'])):>28} {r['time_us']:9.1f} us {mark}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -135,6 +147,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--expert-dtype", choices=("bf16", "fp8", "both"), default="bf16")
     parser.add_argument("--scale-block", choices=tuple(SCALE_BLOCKS), default="b128", help="fp8 scales")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="also time the fp8 x fp8 variant (activations quantized per token-group)")
     parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
@@ -152,7 +166,8 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = [bench_one(t, args, dtype, bank) for dtype, bank in banks.items() for t in tokens]
     print_rows(rows)
-    sweep_rows = [r for t in tokens for r in sweep(t, args, banks["fp8"])] if args.sweep else []
+    variants = [False, True] if args.fp8_activations else [False]
+    sweep_rows = [r for a8 in variants for t in tokens for r in sweep(t, args, banks["fp8"], a8)] if args.sweep else []
     if sweep_rows:
         print_sweep(sweep_rows)
     if args.json:
