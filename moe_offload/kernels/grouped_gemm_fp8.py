@@ -92,24 +92,31 @@ def _scaled_dot(a, a_scale, q_ptrs, w_mask, s_ptrs, s_mask, k0, scale_cols, stri
     multiplies the product (else the caller applies the per-channel scale after the loop); with
     A_FP8 ``a`` is fp8 too, the dot runs on fp8 tensor cores, and the rows' scales multiply."""
     w = tl.load(q_ptrs, mask=w_mask, other=0.0)
-    if not A_FP8:
-        w = w.to(a.dtype)
-    if not (K_BLOCKED or A_FP8):
-        return tl.dot(a, w, acc, input_precision=PRECISION)
-    part = tl.dot(a, w, input_precision=PRECISION)
-    if K_BLOCKED:
-        part = part * tl.load(s_ptrs + (k0 // scale_cols) * stride_sc, mask=s_mask, other=0.0)[None, :]
     if A_FP8:
-        part = part * a_scale[:, None]
-    return acc + part
+        part = tl.dot(a, w, input_precision=PRECISION) * a_scale[:, None]
+        if K_BLOCKED:
+            part = part * _weight_scale(s_ptrs, s_mask, k0, scale_cols, stride_sc)[None, :]
+        acc = acc + part
+    elif K_BLOCKED:
+        part = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+        acc = acc + part * _weight_scale(s_ptrs, s_mask, k0, scale_cols, stride_sc)[None, :]
+    else:
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _weight_scale(s_ptrs, s_mask, k0, scale_cols, stride_sc):
+    return tl.load(s_ptrs + (k0 // scale_cols) * stride_sc, mask=s_mask, other=0.0)
 
 
 @triton.jit
 def _act_scale(as_ptrs, k0, act_group, mask, A_FP8: tl.constexpr):
-    """Rows' activation scales for the K tile at k0 (unused without A_FP8)."""
+    """Rows' activation scales for the K tile at k0 (a placeholder without A_FP8)."""
+    scale = 0.0
     if A_FP8:
-        return tl.load(as_ptrs + k0 // act_group, mask=mask, other=0.0)
-    return 0.0
+        scale = tl.load(as_ptrs + k0 // act_group, mask=mask, other=0.0)
+    return scale
 
 
 @triton.jit
