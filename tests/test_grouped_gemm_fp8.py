@@ -1,10 +1,13 @@
-"""Parity of the fp8 grouped SwiGLU GEMM (weights dequantized inside the kernel) with its eager
-twin (which dequantizes per expert), and its host-side checks.
+"""Parity of the fp8 grouped SwiGLU GEMM (weights dequantized inside the kernel, or fp8 x fp8
+with activations quantized per token-group) with its eager twin, and its host-side checks.
 
 On the CPU the kernels run interpreted (TRITON_INTERPRET=1), tiny shapes, fp32 and fp16
-activations: the interpreter loads fp8 and converts it exactly, but its ``tl.dot`` multiplies
-bf16 operands as the raw uint16 it stores them in (triton 3.9 ``interpreter.create_dot``), so bf16
-runs on the GPU only, where the parity is compiled, sync-free and CUDA-graph captured.
+activations. The interpreter of triton 3.9 loads fp8 and widens it exactly, but (1) its ``tl.dot``
+multiplies bf16 operands as the raw uint16 it stores them in (``interpreter.create_dot``), so bf16
+runs on the GPU only, and (2) its fp32 -> fp8 cast drops the carry into the exponent
+(``_convert_float``: 125.4 -> 64), so the activation quantization kernel is checked on the GPU
+(the interpreted fp8 x fp8 parity quantizes activations with the twin). On a GPU the parity is
+compiled, sync-free and CUDA-graph captured.
 
 Weights get magnitudes that vary by 2^±3 across rows and 2^±2 across columns, so the scale grids
 vary a lot and a wrong scale row or column (the up half's offset above all) shows.
@@ -50,9 +53,10 @@ def make_fp8_banks(num_slots, dim, inter, block, device="cpu", seed=0):
 
 
 def make_routing(gen, num_tokens, top_k, num_slots, device="cpu"):
-    """Ragged routing: a random subset of slots (the rest get no tokens) with skewed popularity;
-    every other trial repeats a slot inside a token."""
-    used = torch.randperm(num_slots, generator=gen)[: int(torch.randint(1, num_slots + 1, (1,), generator=gen))]
+    """Ragged routing: a random subset of slots (the rest get no tokens; sometimes one slot takes
+    every pair) with skewed popularity; about half the time a token repeats a slot."""
+    num_used = 1 if torch.rand(1, generator=gen) < 0.15 else int(torch.randint(1, num_slots + 1, (1,), generator=gen))
+    used = torch.randperm(num_slots, generator=gen)[:num_used]
     probs = torch.softmax(torch.randn(len(used), generator=gen) * 2, 0)
     slots = used[torch.multinomial(probs, num_tokens * top_k, replacement=True, generator=gen)]
     slots = slots.view(num_tokens, top_k)

@@ -213,7 +213,7 @@ def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots:
         return out
     slots = slots.reshape(-1).contiguous()
     align = align_by_slot(slots, num_slots, cfg.block_m)
-    x = quantize_activations(hidden) if fp8_activations else (hidden, hidden)
+    x = quantize_activations(hidden.contiguous()) if fp8_activations else (hidden, hidden)
     act = _gate_up(x, hidden.dtype, w13, scales.w13, block, slots, align, top_k, cfg, fp8_activations)
     a = quantize_activations(act, total=align.total) if fp8_activations else (act, act)
     pair_out = torch.empty(slots.numel(), dim, dtype=hidden.dtype, device=hidden.device)
