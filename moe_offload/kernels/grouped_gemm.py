@@ -13,7 +13,8 @@ one row short of a full block); the padded total stays on the device and surplus
 at once. Launches: align (which sorts in registers up to IN_KERNEL_SORT_MAX pairs; larger inputs
 are sorted by torch.sort first), gate_up+SiLU, down (times the combine weight), sum over k.
 
-Callers go through ``moe_offload.grouped.grouped_swiglu``, which checks the arguments.
+Callers go through ``moe_offload.grouped.grouped_swiglu``, which checks the arguments. Fp8 banks
+take ``grouped_gemm_fp8``, which shares this file's alignment and sum over k.
 """
 from __future__ import annotations
 
