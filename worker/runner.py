@@ -144,9 +144,12 @@ class ModelRunner:
         if c.kv_tokens:
             tokens = c.kv_tokens
         elif self.device.type == "cuda":
+            # 80% of what is free, and never the activations' share: --moe-cache-auto left that for the
+            # prefill chunk, and a pool that took it would shrink the chunk to the minimum
             free = self.memory.free()
+            usable = min(int(free * 0.8), free - self._activation_bytes())
             per_token = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=self.dtype).element_size()
-            tokens = min(int(free * 0.8) // per_token, 1 << 20)
+            tokens = min(max(usable, 0) // per_token, 1 << 20)
         else:
             tokens = 16384
         return 1 + -(-tokens // c.page_size)
