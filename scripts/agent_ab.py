@@ -1,15 +1,17 @@
 """A/B of two server builds on the growing agent session, through the real server and client.
 
     python scripts/agent_ab.py [--serve "OPTIONS FOR BOTH"] [--a "OPTIONS"] [--b "OPTIONS"]
-        [--a-root DIR] [--b-root DIR] [--rounds 1] [--sessions 1] [--turns 120] [--context 4000]
-        [--tool-tokens 300] [--max-tokens 64] [--content fresh|shared] [--seed 0]
+        [--a-root DIR] [--b-root DIR] [--rounds 1] [--builds AB|A|B] [--sessions 1] [--turns 120]
+        [--context 4000] [--tool-tokens 1000] [--max-tokens 64] [--content fresh|shared] [--seed 0]
         [--json agent_ab.json] [--png agent_ab.png | --no-plot]
+    python scripts/agent_ab.py --merge a.json b.json [--json ab.json] [--png ab.png]
 
 For each build (A: the defaults, B: ``--prefill-invalidate eager`` unless told otherwise; each may
 be another checkout) it starts that checkout's ``scripts/serve.sh``, waits for it, warms it up with
 a short session of its own, runs the workload of ``scripts/agent_sessions.py``, reads the server's
 stats, and stops it; then the other build. ``--rounds 2`` runs A, B, A, B, which spreads machine
-noise over both. Out: a JSON file with every turn of every run, a PNG of turn time and TTFT against
+noise over both; ``--builds A`` and ``--builds B`` in two commands, then ``--merge a.json b.json``,
+give the same report. Out: a JSON file with every turn of every run, a PNG of turn time and TTFT against
 the context, and a side-by-side table (turns over ``--slow-turn`` seconds, worst turn, p50 / p99,
 cached / ideal tokens, expert-cache hit rate, host KV pages restored).
 """
@@ -142,7 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--a-root", type=Path, default=ROOT, help="checkout that serves build A (default: this one)")
     p.add_argument("--b-root", type=Path, default=ROOT, help="checkout that serves build B (default: this one)")
     p.add_argument("--rounds", type=int, default=1, help="runs per build, interleaved: A, B, A, B, ...")
-    add_workload_args(p, turns=120)
+    p.add_argument("--builds", default="AB", choices=["AB", "A", "B"],
+                   help="which builds to run (one per command, then --merge, where a command's time is limited)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: report on these earlier outputs together")
+    # one session growing past 130k tokens in 120 turns: 4000 + 119 x (1000 + 64)
+    add_workload_args(p, sessions=1, turns=120, context=4000, tool_tokens=1000, max_tokens=64)
     p.add_argument("--warmup-turns", type=int, default=2, help="turns of the unmeasured warm-up session (0: none)")
     p.add_argument("--slow-turn", dest="slow_turn_s", type=float, default=10.0, help="seconds that make a turn slow")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to start")
@@ -162,27 +168,47 @@ def _check_matplotlib() -> None:
                  "(or the project's 'bench' extra: pip install -e '.[bench]'), or pass --no-plot")
 
 
+def measure(args: argparse.Namespace) -> dict:
+    """Run the builds of ``--builds``, ``--rounds`` times each, interleaved."""
+    workload = workload_from_args(args)
+    builds = [b for b in (Build("A", args.a_root.resolve(), tuple(shlex.split(args.a))),
+                          Build("B", args.b_root.resolve(), tuple(shlex.split(args.b)))) if b.label in args.builds]
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="agent-ab-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    runs = [run_build(b, rnd, args, workload, log_dir) for rnd in range(args.rounds) for b in builds]
+    return dict(serve=shlex.split(args.serve), workload=dataclasses.asdict(workload),
+                builds=[dict(label=b.label, root=str(b.root), options=list(b.options)) for b in builds], runs=runs)
+
+
+def merge(paths: list[str]) -> dict:
+    """Earlier outputs as one result (e.g. A and B measured by separate commands)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    builds = {b["label"]: b for part in parts for b in part["builds"]}
+    return dict(serve=parts[0]["serve"], workload=parts[0]["workload"], builds=[builds[k] for k in sorted(builds)],
+                runs=[r for part in parts for r in part["runs"]])
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    builds, runs = result["builds"], result["runs"]
+    result["slow_turn_s"] = args.slow_turn_s
+    result["summary"] = {b["label"]: ab_report.summarise_build([r for r in runs if r["build"] == b["label"]],
+                                                               args.slow_turn_s) for b in builds}
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    if not args.no_plot:
+        w = result["workload"]
+        title = (f"{' '.join(result['serve']) or 'serve.sh defaults'}; {w['sessions']} session(s) x {w['turns']} "
+                 f"turns, +{w['tool_tokens']} tool / {w['max_tokens']} answer tokens a turn")
+        ab_report.plot(args.png, builds, runs, args.slow_turn_s, title)
+    print(ab_report.table(builds, result["summary"], args.slow_turn_s))
+    print(f"every turn: {args.json}" + ("" if args.no_plot else f"; plot: {args.png}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.no_plot:
         _check_matplotlib()
-    workload = workload_from_args(args)
-    builds = [Build("A", args.a_root.resolve(), tuple(shlex.split(args.a))),
-              Build("B", args.b_root.resolve(), tuple(shlex.split(args.b)))]
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="agent-ab-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    runs = [run_build(b, rnd, args, workload, log_dir) for rnd in range(args.rounds) for b in builds]
-    summaries = {b.label: ab_report.summarise_build([r for r in runs if r["build"] == b.label], args.slow_turn_s)
-                 for b in builds}
-    build_info = [dict(label=b.label, root=str(b.root), options=list(b.options)) for b in builds]
-    result = dict(serve=shlex.split(args.serve), workload=dataclasses.asdict(workload), slow_turn_s=args.slow_turn_s,
-                  builds=build_info, summary=summaries, runs=runs)
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    if not args.no_plot:
-        title = f"{args.serve or 'serve.sh defaults'}; {workload.sessions} session(s) x {workload.turns} turns"
-        ab_report.plot(args.png, build_info, runs, args.slow_turn_s, title)
-    print(ab_report.table(build_info, summaries, args.slow_turn_s))
-    print(f"every turn: {args.json}" + ("" if args.no_plot else f"; plot: {args.png}") + f"; server logs: {log_dir}")
+    report(merge(args.merge) if args.merge else measure(args), args)
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -53,10 +54,11 @@ class Workload:
         return [gen.randrange(10, self.id_range) for _ in range(n)]
 
 
-def add_workload_args(p: argparse.ArgumentParser, turns: int = Workload.turns) -> None:
-    d = Workload
+def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """The workload's flags; ``defaults`` override Workload's (e.g. ``turns=120``)."""
+    d = dataclasses.replace(Workload(), **defaults)
     p.add_argument("--sessions", type=int, default=d.sessions, help="sessions run at once")
-    p.add_argument("--turns", type=int, default=turns, help="turns per session")
+    p.add_argument("--turns", type=int, default=d.turns, help="turns per session")
     p.add_argument("--context", type=int, default=d.context, help="tokens of the first prompt of a session")
     p.add_argument("--tool-tokens", type=int, default=d.tool_tokens, help="new tokens a later turn adds (a tool result)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens the model answers per turn")

@@ -64,6 +64,17 @@ def test_agent_ab_end_to_end_on_cpu(tmp_path):
     assert row["worst turn, s"] == [f"{summary[x]['worst_turn_s']:.3f}" for x in "AB"]
     assert row["expert-cache hit rate"] == ["-", "-"]  # the default model runs fully resident here
 
+    # the same report from one build per file (as two commands would write them)
+    for label in "AB":
+        part = {**result, "builds": [b for b in result["builds"] if b["label"] == label],
+                "runs": [r for r in result["runs"] if r["build"] == label]}
+        (tmp_path / f"{label}.json").write_text(json.dumps(part))
+    merged = tmp_path / "merged.json"
+    from scripts import agent_ab
+
+    agent_ab.main(["--merge", str(tmp_path / "B.json"), str(tmp_path / "A.json"), "--json", str(merged), "--no-plot"])
+    assert json.loads(merged.read_text())["summary"] == summary
+
 
 def _run(build: str, seconds: list[float], stats_before: dict, stats_after: dict) -> dict:
     turns = [dict(session=0, turn=i, seconds=s, ttft_s=s / 2, prompt_tokens=100 + 10 * i, cached_tokens=90 * (i > 0),
