@@ -176,9 +176,13 @@ def measure(args: argparse.Namespace) -> dict:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="agent-ab-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server logs: {log_dir}", file=sys.stderr)
-    runs = [run_build(b, rnd, args, workload, log_dir) for rnd in range(args.rounds) for b in builds]
-    return dict(serve=shlex.split(args.serve), workload=dataclasses.asdict(workload),
-                builds=[dict(label=b.label, root=str(b.root), options=list(b.options)) for b in builds], runs=runs)
+    result = dict(serve=shlex.split(args.serve), workload=dataclasses.asdict(workload),
+                  builds=[dict(label=b.label, root=str(b.root), options=list(b.options)) for b in builds], runs=[])
+    for rnd in range(args.rounds):
+        for build in builds:
+            result["runs"].append(run_build(build, rnd, args, workload, log_dir))
+            Path(args.json).write_text(json.dumps(result, indent=1))  # the runs so far survive a later failure
+    return result
 
 
 def merge(paths: list[str]) -> dict:
