@@ -138,6 +138,7 @@ async def _warmup(endpoint: str, warmup: Workload, timeout: float) -> list[dict]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    # a value that is one bare flag needs the = form (--a=--no-cuda-graph): argparse takes it for an option
     p.add_argument("--serve", default="", help="serve.sh options of both builds (model, cache, memory limit)")
     p.add_argument("--a", default="", help="serve.sh options of build A (default: none, the defaults)")
     p.add_argument("--b", default=DEFAULT_B, help=f"serve.sh options of build B (default: {DEFAULT_B})")
