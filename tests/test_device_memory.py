@@ -122,7 +122,7 @@ def test_the_allocator_stays_under_a_small_limit():
         generate(runner, list(range(10, 5000)), SamplingParams(), 16)
         torch.cuda.synchronize()
         assert 0 < torch.cuda.max_memory_reserved() <= limit * GIB
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(torch.cuda.OutOfMemoryError):
             torch.empty(limit * GIB, dtype=torch.uint8, device="cuda")
         del runner
     finally:
