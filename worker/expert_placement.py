@@ -49,7 +49,7 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
     if options.dummy_weights:
         store = open_dummy_experts(geometry, options.seed, dtype)
     else:
-        store = open_checkpoint_experts(model_dir, geometry, dtype)
+        store = open_checkpoint_experts(model_dir, geometry, dtype, scheme=cfg.quantization)
     if device.type == "cuda":
         store.register_cuda(device)
     host = store.host_banks()
