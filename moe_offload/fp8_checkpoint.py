@@ -1,4 +1,5 @@
-"""Reading fp8 matrices from a checkpoint, and turning expert weights into the format they run in.
+"""Reading fp8 matrices from a checkpoint, and turning expert weights into the format they run in
+(``w13``'s halves are converted one at a time: each keeps its own scale grid, ``moe_offload.fp8``).
 
 A quantized Linear stores ``NAME.weight`` in e4m3 beside a float scale tensor: Hugging Face
 fine-grained fp8 names it ``NAME.weight_scale_inv``, compressed-tensors ``NAME.weight_scale``; in
@@ -20,7 +21,7 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 
 from moe_offload.fp8 import (
-    FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, dequantize, dequantize_w13, quantize, quantize_w13,
+    FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, dequantize, quantize,
 )
 from moe_offload.safetensors_file import SafetensorsFile
 
@@ -99,27 +100,15 @@ def dequantized(matrix: StoredMatrix, scheme: FP8Scheme | None, dtype: torch.dty
     return dequantize(matrix.weight, matrix.scale, scheme.runtime_block, dtype)
 
 
-def to_expert_format(matrix: StoredMatrix, scheme: FP8Scheme | None, target: ExpertFormat,
-                     w13: bool) -> StoredMatrix:
-    """One expert matrix (``w13`` halves stacked, each with its own grid) in ``target``'s format:
-    fp8 kept when the blocks agree, dequantized for a float target, a float one quantized (amax)
-    for an fp8 target. Re-blocking fp8 would round twice, so it is refused."""
+def to_expert_format(matrix: StoredMatrix, scheme: FP8Scheme | None, target: ExpertFormat) -> StoredMatrix:
+    """One expert matrix (``w13``'s gate or up half, or ``w2``) in ``target``'s format: fp8 kept when
+    the blocks agree, dequantized for a float target, a float one quantized (amax) for an fp8 one.
+    Re-blocking fp8 would round twice, so it is refused."""
     if not target.quantized:
-        if matrix.scale is None:
-            return StoredMatrix(matrix.weight.to(target.dtype))
-        undo = dequantize_w13 if w13 else dequantize
-        return StoredMatrix(undo(matrix.weight, matrix.scale, scheme.runtime_block, target.dtype))
+        return StoredMatrix(dequantized(matrix, scheme, target.dtype))
     if matrix.scale is None:
-        return StoredMatrix(*(quantize_w13 if w13 else quantize)(matrix.weight, target.scale_block))
+        return StoredMatrix(*quantize(matrix.weight, target.scale_block))
     if scheme.runtime_block != target.scale_block:
         raise ValueError(f"fp8 experts with {ExpertFormat(FP8_DTYPE, scheme.runtime_block).name} scales cannot "
                          f"run as {target.name} without rounding twice; use the checkpoint's format or bf16")
     return matrix
-
-
-def stack_w13(gate: StoredMatrix, up: StoredMatrix) -> StoredMatrix:
-    """``w13`` = gate rows on up rows; an fp8 pair stacks its scale grids the same way."""
-    if (gate.scale is None) != (up.scale is None):
-        raise ValueError("an expert's gate and up projections must both be fp8 or both be float")
-    scale = None if gate.scale is None else torch.cat([gate.scale, up.scale], dim=-2)
-    return StoredMatrix(torch.cat([gate.weight, up.weight], dim=-2), scale)

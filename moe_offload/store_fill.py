@@ -13,7 +13,7 @@ import torch
 from moe_offload.expert_store import SHM_DIR, ExpertStore
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import ExpertFormat, w13_scale_shape
-from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, stack_w13, to_expert_format
+from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, index_files
 from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, checkpoint_files
@@ -69,12 +69,15 @@ def load_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, lay
     """Write checkpoint layer ``layer`` into ``dst`` (any device) in ``target``'s format: fp8 experts
     kept (their scales beside them), dequantized for a float target; float experts cast, or
     quantized for an fp8 target. ``scheme`` says how the checkpoint stores fp8 (None: no fp8)."""
+    inter, hidden = dst.w2.shape[-1], dst.w2.shape[-2]
     if names.gate_up is not None:
         _load_fused(index, names, layer, dst, target, scheme)
         return
     for e in range(dst.w13.shape[0]):
-        w13, w2 = _read_expert(index, names, layer, e, dst.w2.shape[1:], scheme)
-        _put(dst, e, to_expert_format(w13, scheme, target, w13=True), to_expert_format(w2, scheme, target, w13=False))
+        for half, template, shape in ((0, names.gate, (inter, hidden)), (1, names.up, (inter, hidden)),
+                                      (None, names.down, (hidden, inter))):
+            matrix = read_matrix(index, template.format(layer=layer, expert=e), shape, scheme)
+            _put(dst, e, half, to_expert_format(matrix, scheme, target))
 
 
 def read_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, geometry: ExpertGeometry,
@@ -99,34 +102,36 @@ def empty_expert_layer(geometry: ExpertGeometry, target: ExpertFormat, device: t
                        torch.empty(*lead, *block.scale_shape(hidden, inter), device=device))
 
 
-def _read_expert(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, expert: int,
-                 down_shape: tuple[int, int], scheme: FP8Scheme | None) -> tuple[StoredMatrix, StoredMatrix]:
-    """One expert as stored: ``w13`` (gate on up) and ``w2``."""
-    hidden, inter = down_shape
-    gate, up, down = (read_matrix(index, template.format(layer=layer, expert=expert), shape, scheme)
-                      for template, shape in ((names.gate, (inter, hidden)), (names.up, (inter, hidden)),
-                                              (names.down, (hidden, inter))))
-    return stack_w13(gate, up), down
+def _put(dst: ExpertLayer, e: int | slice, half: int | None, matrix: StoredMatrix) -> None:
+    """``matrix`` into expert ``e``'s ``w2`` (``half`` None) or its gate (0) or up (1) rows of ``w13``;
+    each half of ``w13``'s scale grid is that half's own grid."""
+    if half is None:
+        weight, scale = dst.w2[e], None if dst.w2_scale is None else dst.w2_scale[e]
+    else:
+        weight = _half_rows(dst.w13[e], half)
+        scale = None if dst.w13_scale is None else _half_rows(dst.w13_scale[e], half)
+    weight.copy_(matrix.weight)
+    if scale is not None:
+        scale.copy_(matrix.scale)
 
 
-def _put(dst: ExpertLayer, e: int | slice, w13: StoredMatrix, w2: StoredMatrix) -> None:
-    dst.w13[e].copy_(w13.weight)
-    dst.w2[e].copy_(w2.weight)
-    if dst.w13_scale is not None:
-        dst.w13_scale[e].copy_(w13.scale)
-        dst.w2_scale[e].copy_(w2.scale)
+def _half_rows(t: torch.Tensor, half: int) -> torch.Tensor:
+    rows = t.shape[-2] // 2
+    return t[..., half * rows:(half + 1) * rows, :]
 
 
 def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
                 target: ExpertFormat, scheme: FP8Scheme | None) -> None:
     """The transformers-5 layout, float only: a fused fp8 ``gate_up`` carries one scale grid over
-    ``[2I, H]``, not the stacked halves' grids that Sluice's fp8 experts use."""
+    ``[2I, H]``, not the two halves' grids that Sluice's fp8 experts use."""
     w13 = read_matrix(index, names.gate_up.format(layer=layer), dst.w13.shape, scheme)
     w2 = read_matrix(index, names.down.format(layer=layer), dst.w2.shape, scheme)
     if w13.scale is not None or w2.scale is not None:
         raise ValueError(f"fused fp8 experts ({names.gate_up.format(layer=layer)}) are not supported; "
                          "Sluice reads fp8 experts stored one expert per tensor")
-    _put(dst, slice(None), to_expert_format(w13, None, target, w13=True), to_expert_format(w2, None, target, w13=False))
+    for half in (0, 1):
+        _put(dst, slice(None), half, to_expert_format(StoredMatrix(_half_rows(w13.weight, half)), None, target))
+    _put(dst, slice(None), None, to_expert_format(w2, None, target))
 
 
 def fill_from_safetensors(

@@ -265,3 +265,37 @@ def test_fp8_tensors_without_quantization_config_are_refused(hf_block):
     (hf_block.fp8_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="float8_e4m3fn but config.json has no quantization_config"):
         cpu_runner(hf_block.fp8_dir)
+
+
+# ==== on a GPU ====
+
+
+@pytest.mark.cuda
+def test_fp8_weights_load_onto_the_gpu_as_onto_the_host(tiny):
+    """Dense fp8 weights are dequantized on the device they land on: bit for bit the host's result."""
+    from worker.models.weights import ModelWeights
+
+    _, model = tiny
+    cfg = cpu_runner(model.fp8_dir).model_config
+    host = ModelWeights.load(model.fp8_dir, cfg, torch.float32, torch.device("cpu"))
+    device = ModelWeights.load(model.fp8_dir, cfg, torch.float32, torch.device("cuda"))
+    on_device = device.targets(cfg)
+    for name, tensor in host.targets(cfg).items():
+        assert torch.equal(on_device[name].cpu(), tensor), name
+    for mine, theirs in zip(host.experts[:4], device.experts[:4]):
+        assert torch.equal(theirs.cpu().view(torch.uint8), mine.view(torch.uint8))
+
+
+@pytest.mark.cuda
+def test_offloaded_fp8_generation_equals_resident_on_the_gpu(tiny):
+    _, model = tiny
+
+    def gpu_runner(**experts):
+        return ModelRunner(RunnerConfig(str(model.fp8_dir), device="cuda", dtype="float32", page_size=16,
+                                        kv_tokens=1024, experts=ExpertOptions(**experts)))
+
+    resident, offloaded = gpu_runner(), gpu_runner(cache_fraction=0.5)
+    assert resident.weights.experts.quantized
+    for prompt in ([5, 9, 11, 3], list(range(1, 30))):
+        want = generate(resident, prompt, GREEDY, 12).token_ids
+        assert generate(offloaded, prompt, GREEDY, 12).token_ids == want
