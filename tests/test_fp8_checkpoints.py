@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, dequantize_w13, quantize, quantize_w13
 from moe_offload.fp8_checkpoint import FP8Scheme
+from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
 from moe_offload.store_fill import QWEN3_MOE_NAMES, read_expert_layer
 from moe_offload.store_layout import ExpertGeometry
@@ -81,9 +82,10 @@ def test_offloaded_fp8_generation_equals_resident(tiny):
     _, model = tiny
     resident = cpu_runner(model.fp8_dir)
     offloaded = cpu_runner(model.fp8_dir, cache_fraction=0.5)
-    for prompt in ([5, 9, 11, 3], list(range(1, 30))):
-        want = generate(resident, prompt, GREEDY, 12).token_ids
-        assert generate(offloaded, prompt, GREEDY, 12).token_ids == want
+    assert isinstance(offloaded.experts, OffloadedExperts)
+    for prompt in ([5, 9, 11, 3], list(range(1, 20))):
+        want = generate(resident, prompt, GREEDY, 8).token_ids
+        assert generate(offloaded, prompt, GREEDY, 8).token_ids == want
 
 
 def test_bf16_expert_dtype_dequantizes_fp8_experts(tiny):
