@@ -20,11 +20,8 @@ from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from moe_offload.fp8 import (
-    FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, dequantize, quantize,
-)
+from moe_offload.fp8 import FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, dequantize, quantize
 from moe_offload.safetensors_file import SafetensorsFile
-
 
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,13 +80,13 @@ def _read_scale(index: Mapping[str, SafetensorsFile], name: str, shape: tuple[in
     if scheme.per_tensor:
         want, fits = "[] or [1]", scale.numel() == 1 and scale.dim() <= 2
     else:
-        grid = scheme.block.scale_shape(*shape)
+        grid = (*shape[:-2], *scheme.block.scale_shape(*shape[-2:]))
         want, fits = str(list(grid)), tuple(scale.shape) == grid
     if not fits or scale.dtype not in _SCALE_DTYPES:
         raise ValueError(f"scale {scale_name} ({str(scale.dtype).removeprefix('torch.')} {list(scale.shape)}) does "
                          f"not fit fp8 weight {name} {list(shape)}: want a float scale of shape {want}")
     if scheme.per_tensor:
-        return scale.float().reshape(1, 1).expand(shape[0], 1).contiguous()
+        return scale.float().reshape(1, 1).expand(shape[-2], 1).contiguous()
     return scale.float()
 
 

@@ -15,7 +15,7 @@ from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, deq
 from moe_offload.fp8_checkpoint import FP8Scheme
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
-from moe_offload.store_fill import QWEN3_MOE_NAMES, read_expert_layer
+from moe_offload.store_fill import FUSED_NAMES, QWEN3_MOE_NAMES, read_expert_layer
 from moe_offload.store_layout import ExpertGeometry
 from tests.tiny_fp8 import LAYOUTS, write_tiny_fp8
 from worker.batch import SequenceChunk
@@ -149,6 +149,19 @@ def test_reblocking_fp8_experts_is_refused(tmp_path):
     with pytest.raises(ValueError, match="fp8-ch scales cannot run as fp8-b128x128"):
         read_expert_layer(index, QWEN3_MOE_NAMES, 0, ExpertGeometry(1, 2, 160, 80), ExpertFormat(FP8_DTYPE, BLOCK_128),
                           FP8Scheme("_scale_inv", PER_CHANNEL))
+
+
+def test_fused_fp8_experts_are_refused(tmp_path):
+    """A fused ``gate_up_proj`` has one scale grid over ``[2I, H]``, not one per half."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for name, shape in (("gate_up_proj", (2, 160, 96)), ("down_proj", (2, 96, 80))):
+        q, scale = quantize(torch.randn(shape, generator=gen), BLOCK_128)
+        tensors[f"model.layers.0.mlp.experts.{name}"], tensors[f"model.layers.0.mlp.experts.{name}_scale_inv"] = q, scale
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"fused fp8 experts \(model\.layers\.0\.mlp\.experts\.gate_up_proj\)"):
+        read_expert_layer(index_files([tmp_path / "model.safetensors"]), FUSED_NAMES, 0, ExpertGeometry(1, 2, 96, 80),
+                          ExpertFormat(FP8_DTYPE, BLOCK_128), FP8Scheme("_scale_inv", BLOCK_128))
 
 
 def test_float_experts_beside_fp8_attention_stay_float(tmp_path):

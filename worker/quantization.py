@@ -10,12 +10,12 @@ everything else.
                        dynamic or absent; no output or KV-cache quantization
 ```
 
-Activations are never quantized here (dynamic schemes quantize them per token at run time, which
-a weight-only run may skip: the weights it multiplies are the checkpoint's, exactly).
+Sluice runs what the checkpoint's weights mean (dense ones dequantized at load, fp8 experts scaled
+in the expert GEMM); a dynamic activation scheme is something a runtime may add per token, not
+part of the weights, so it needs nothing from the checkpoint. Static activation scales would.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
