@@ -14,6 +14,7 @@ from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
 from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
 from worker.device_memory import DeviceMemory
+from worker.loader import checkpoint_errors
 
 log = logging.getLogger("sluice.worker")
 
@@ -50,7 +51,8 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
     if options.dummy_weights:
         store = open_dummy_experts(geometry, options.seed, dtype)
     else:
-        store = open_checkpoint_experts(model_dir, geometry, dtype)
+        with checkpoint_errors():
+            store = open_checkpoint_experts(model_dir, geometry, dtype, scheme=cfg.quantization)
     if device.type == "cuda":
         store.register_cuda(device)
     host = store.host_banks()
