@@ -51,6 +51,7 @@ class ToolCallStream:
     def __init__(self) -> None:
         self._held = ""
         self._in_call = False
+        self._space = ""  # whitespace after a call, held
         self.calls = 0
 
     def feed(self, text: str) -> list[Event]:
@@ -72,7 +73,7 @@ class ToolCallStream:
         if call is not None:
             self.calls += 1
             return [call]
-        return [OPEN + held]
+        return [self._content(OPEN + held)]
 
     def _next_content(self) -> Event | None:
         start = self._held.find(OPEN)
@@ -93,13 +94,20 @@ class ToolCallStream:
         self._in_call = False
         call = parse_call(body)
         if call is None:
-            return OPEN + body + CLOSE
+            return self._content(OPEN + body + CLOSE)
         self.calls += 1
         return call
 
     def _content(self, text: str) -> str:
-        # The whitespace a model writes between and after calls is markup, not a message.
-        return "" if self.calls and not text.strip() else text
+        """The whitespace a model writes between and after calls is markup, not a message: after
+        a call it is held, and emitted only if more content follows."""
+        if not self.calls:
+            return text
+        text, self._space = self._space + text, ""
+        if text.strip():
+            return text
+        self._space = text
+        return ""
 
 
 def _partial_suffix(text: str, marker: str) -> int:
