@@ -10,6 +10,7 @@ from scheduler.engine import Engine, EngineConfig
 from scheduler.kv_tier import MODES
 from scheduler.messages.from_scheduler import ModelInfo
 from scheduler.server import SchedulerServer
+from scheduler.warmup import warm_up
 from worker.errors import CheckpointError
 from worker.host_kv_pool import DEFAULT_FRACTION, default_host_bytes
 from worker.cli_options import add_runner_args, resolve_model, runner_config
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         host_gib = default_host_bytes() / 2**30 if runner.device.type == "cuda" else 0.0
     engine = Engine(runner, EngineConfig(runner.max_prefill_tokens, args.max_running, args.prefix_cache, args.overlap,
                                          kv_host_gib=host_gib, kv_tier_mode=args.kv_tier_mode))
+    warm_up(engine)
     info = ModelInfo(name=model_dir, tokenizer_path=model_dir, max_context_tokens=cfg.max_context,
                      vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids))
     SchedulerServer(engine, info, args.frontend_to_scheduler, args.scheduler_to_frontend,
