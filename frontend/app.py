@@ -195,6 +195,8 @@ async def _run_zmq(config: FrontendConfig, http: HttpServer | None) -> int:
             http.ctx.frontend = frontend
             print(f"http endpoint {http.url}", flush=True)
         code = await frontend.serve()
+        if http is not None:  # its loops have stopped: new HTTP requests get 503 from here on
+            http.ctx.frontend, http.ctx.stopping = None, True
         return code
     except (SchedulerStartError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

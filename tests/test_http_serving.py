@@ -165,3 +165,13 @@ def test_metrics_parse_and_move_with_the_zmq_stats(server, oai, zmq_client):
     assert after[("sluice_requests_running", ())] == 0
     assert after[("sluice_kv_usage_ratio", (("tier", "gpu"),))] == stats["kv_usage"]
     assert ("sluice_cached_prompt_tokens_total", ()) in after
+
+
+def test_disconnect_before_a_whole_reply_aborts_and_frees_every_page(server, zmq_client):
+    aborted = zmq_client.stats()["requests_aborted"]
+    body = {"model": "tiny", "prompt": "a long wait " * 5, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server[1] + "/v1/completions", json=body, timeout=httpx.Timeout(WAIT_S, read=0.5))
+    assert_pages_settled(zmq_client)
+    assert zmq_client.stats()["requests_aborted"] == aborted + 1

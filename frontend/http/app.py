@@ -8,7 +8,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -50,6 +50,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
 
 
+async def _gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
 async def _bug(request: Request, exc: Exception) -> Response:
     log.error("failed to handle %s %s", request.method, request.url.path, exc_info=exc)
     return ApiError(500, "internal error").response()
@@ -64,7 +68,8 @@ def build_app(ctx: HttpContext) -> ASGIApp:
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _bug},
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                            ClientDisconnect: _gone, Exception: _bug},
     )
     app.state.ctx = ctx
     return BearerKey(app, ctx.api_key) if ctx.api_key else app

@@ -16,9 +16,12 @@ class HttpContext:
     max_body_bytes: int
     served_model_name: str | None  # None: the name the scheduler announces
     metrics: Metrics = field(default_factory=Metrics)
-    frontend: Frontend | None = None  # set once the scheduler is ready
+    frontend: Frontend | None = None  # set once the scheduler is ready, cleared when stopping
+    stopping: bool = False
 
     def ready(self) -> Frontend:
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down")
         if self.frontend is None:
             raise ApiError(503, "the model is still loading; retry when /health answers 200")
         return self.frontend

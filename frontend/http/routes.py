@@ -4,10 +4,10 @@ answer whole or as a stream."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, TypeVar
+from typing import Awaitable, AsyncIterator, TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from frontend.api import requests
@@ -20,6 +20,7 @@ from frontend.http.session import Session
 
 STATS_TIMEOUT_S = 10.0
 B = TypeVar("B")
+T = TypeVar("T")
 
 
 def _ctx(request: Request) -> HttpContext:
@@ -63,7 +64,7 @@ async def chat_completions(request: Request) -> Response:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_closing(session, chat.stream(session, response_ids, bool(tools), usage)))
     async with session:
-        return json_response(await chat.whole(session, response_ids, bool(tools)))
+        return json_response(await _unless_gone(request, chat.whole(session, response_ids, bool(tools))))
 
 
 async def text_completions(request: Request) -> Response:
@@ -81,13 +82,32 @@ async def text_completions(request: Request) -> Response:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(_closing(session, completions.stream(session, response_ids, usage)))
     async with session:
-        return json_response(await completions.whole(session, response_ids))
+        return json_response(await _unless_gone(request, completions.whole(session, response_ids)))
 
 
 async def _start(ctx: HttpContext, generate: requests.Generate) -> Session:
     session = Session(ctx.ready())
     await session.start(generate)
     return session
+
+
+async def _unless_gone(request: Request, reply: Awaitable[T]) -> T:
+    """``reply``, unless the client disconnects first: then the request is given up (the session's
+    close aborts it) and nobody is answered."""
+    answer = asyncio.ensure_future(reply)
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not answer.done():
+        answer.cancel()
+        raise ClientDisconnect()
+    return answer.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read: the server's next message is http.disconnect, whenever the client leaves.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _closing(session: Session, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
