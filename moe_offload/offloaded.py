@@ -39,7 +39,7 @@ class OffloadedExperts:
                              f"{cache.num_layers}x{cache.num_experts}")
         if not (banks.w13.is_contiguous() and banks.w2.is_contiguous()):
             raise ValueError("host banks must be contiguous: the gather addresses experts by id * size")
-        if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in banks):
+        if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in (banks.w13, banks.w2)):
             raise ValueError("a CUDA cache gathers from pinned (mapped) host banks; these are pageable")
         self.cache = cache
         self.host_w13 = banks.w13.view(num_layers * num_experts, *banks.w13.shape[2:])

@@ -30,7 +30,22 @@ def cache_totals(runner: ModelRunner) -> dict:
     return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes_h2d": 0}
 
 
-def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int) -> dict:
+def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
+    """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (torch.profiler sees
+    the kernels inside replayed graphs too); the busy time sums kernel durations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels)
+    return len(kernels) / steps, busy_us / 1e3 / steps
+
+
+def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
+               profile_steps: int = 0) -> dict:
     engine = Engine(runner, EngineConfig(max_prefill_tokens=prompt_tokens * batch, max_running=batch,
                                          prefix_cache=False))
     gen = torch.Generator().manual_seed(seed)
@@ -42,6 +57,12 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     while not all(r.output for r in reqs):  # prefill (and the first token)
         engine.step()
     torch.cuda.synchronize()
+    if profile_steps:
+        profiled = dict(zip(("kernels", "busy_ms"), kernel_profile(engine, profile_steps)))
+        while engine.has_work:  # finish, so the next run finds every page free
+            engine.step()
+        engine.check_pages()
+        return profiled
     before, start = cache_totals(runner), time.perf_counter()
     while engine.has_work:
         engine.step()
@@ -81,6 +102,7 @@ def main() -> None:
             runner.graphs.capture_all()  # capture outside the timed loop
         for batch in args.batch:
             r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
+            profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
             tok_s = r["tokens"] / r["seconds"]
             distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
             if fraction >= 1.0:
@@ -92,15 +114,17 @@ def main() -> None:
                              hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
                              bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
                              bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
-                             ratio=tok_s / (batch / bound)))
+                             ratio=tok_s / (batch / bound), **profiled))
         del runner
         torch.cuda.empty_cache()
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}")
-    print(f"{'cache':>6} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} {'bound':>5} {'ratio':>6}")
+    print(f"{'cache':>6} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} "
+          f"{'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
         print(f"{r['fraction']:>6.0%} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
-              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f}")
+              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
+              f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
