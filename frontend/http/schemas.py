@@ -14,7 +14,7 @@ class _Body(msgspec.Struct, kw_only=True):
     pass
 
 
-class FunctionDef(_Body, kw_only=True):
+class FunctionDef(_Body, kw_only=True, omit_defaults=True):  # the template sees only what was sent
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
