@@ -112,3 +112,27 @@ def test_metrics_expose_the_scheduler_stats_and_latencies():
     assert ("sluice_expert_cache_hit_rate", ()) in got
     assert not any(name.startswith("sluice_pcie") for name, _ in got)  # not reported: left out
     assert json.dumps(stats)  # the snapshot stays plain data
+
+
+@pytest.mark.parametrize("endpoint, http_host, api_key, warnings", [
+    ("tcp://127.0.0.1:5557", "127.0.0.1", None, 0),
+    ("ipc:///tmp/sluice.sock", "localhost", None, 0),
+    ("tcp://*:5557", "127.0.0.1", None, 1),
+    ("tcp://127.0.0.1:5557", "0.0.0.0", None, 1),
+    ("tcp://[::]:5557", "::", None, 2),
+    ("tcp://0.0.0.0:5557", "0.0.0.0", "key", 0),
+])
+def test_open_sockets_without_a_key_are_warned_about(caplog, endpoint, http_host, api_key, warnings):
+    from frontend.app import FrontendConfig, _warn_open_sockets
+
+    _warn_open_sockets(FrontendConfig(endpoint=endpoint, http_host=http_host, api_key=api_key))
+    assert len([r for r in caplog.records if "no --api-key" in r.message]) == warnings
+
+
+def test_the_key_comes_from_the_environment_and_http_can_be_off(monkeypatch):
+    from frontend.app import parse_args
+
+    monkeypatch.setenv("SLUICE_API_KEY", "k")
+    config = parse_args(["--no-http", "--model", "m"])
+    assert (config.api_key, config.http_port, config.engine_args) == ("k", None, ("--model", "m"))
+    assert parse_args(["--api-key", "x"]).api_key == "x"
