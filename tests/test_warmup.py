@@ -20,15 +20,17 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_engine(model_dir) -> Engine:
+def make_engine(model_dir, device: str) -> Engine:
     # 75% of the experts cached: room for the prefill pipeline's 3E slots; a host KV tier too
-    runner = ModelRunner(RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=512,
-                                      experts=ExpertOptions(cache_fraction=0.75)))
+    page_size = 16 if device == "cuda" else 4  # as the other CUDA runner tests
+    runner = ModelRunner(RunnerConfig(model_dir, device=device, dtype="float32", page_size=page_size, kv_tokens=1024,
+                                      max_prefill_tokens=64, experts=ExpertOptions(cache_fraction=0.75)))
     return Engine(runner, EngineConfig(kv_host_gib=0.001))
 
 
-def test_warm_up_takes_no_page_resets_the_counters_and_changes_no_output(model_dir):
-    cold, warm = make_engine(model_dir), make_engine(model_dir)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_warm_up_takes_no_page_resets_the_counters_and_changes_no_output(model_dir, device):
+    cold, warm = make_engine(model_dir, device), make_engine(model_dir, device)
     experts = warm.runner.experts
     assert isinstance(experts, OffloadedExperts) and experts.pipeline is not None
     assert warm.pages.tier is not None
@@ -38,6 +40,8 @@ def test_warm_up_takes_no_page_resets_the_counters_and_changes_no_output(model_d
     assert experts.cache.stats()["total"]["lookups"] == 0
     assert experts.pipeline.stats()["chunks_kernel"] + experts.pipeline.stats()["chunks_memcpy"] == 0
     assert warm.stats()["steps"] == 0
+    graphs = warm.runner.graphs
+    assert graphs is None or set(graphs.captured) == set(graphs.buckets)  # every bucket captured
     batch = prompts(4, seed=1)
     got = run(warm, [req(f"r{i}", p) for i, p in enumerate(batch)])
     want = run(cold, [req(f"r{i}", p) for i, p in enumerate(batch)])
