@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 FAKE = f"{sys.executable} {REPO / 'tests' / 'fake_scheduler.py'}"
 WAIT_S = 30.0  # an upper bound on waits, never a measured duration
 KEY = "sesame"
-# Tool names first, then every message as "role:content|", tool calls as <call NAME ARGS>: the
+# Tool names first, then every message as "role(name):content|", tool calls as <call NAME ARGS>: the
 # fake echoes this text, so a reply shows exactly what the template was given.
 TEMPLATE = (
     "{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}"
-    "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+    "{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}:{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<call {{ c.function.name }} {{ c.function.arguments | tojson }}>"
     "{% endfor %}|{% endfor %}"
 )
@@ -112,7 +112,7 @@ def test_tool_results_render_through_the_template(oai):
     ]
     reply = oai.chat.completions.create(model="fake", messages=messages, max_tokens=200)
     assert reply.choices[0].message.content == (
-        'user:weather?|assistant:<call get_weather {"city": "Paris"}>|tool:sunny|')
+        'user:weather?|assistant:<call get_weather {"city": "Paris"}>|tool(get_weather):sunny|')
 
 
 def test_forcing_a_tool_call_is_refused(oai):

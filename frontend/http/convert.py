@@ -48,13 +48,16 @@ def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
 def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: ChatTokenizer) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages is empty", param="messages")
+    # A tool result names its function in many templates (Hermes); OpenAI sends only the call id.
+    names = {c.id: c.function.name for m in body.messages for c in m.tool_calls or []}
+    messages = [_template_message(m, names) for m in body.messages]
     try:
-        return tokenizer.encode_chat([_template_message(m) for m in body.messages], tools)
+        return tokenizer.encode_chat(messages, tools)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
 
 
-def _template_message(m: Message) -> dict[str, Any]:
+def _template_message(m: Message, call_names: dict[str, str]) -> dict[str, Any]:
     """A message as transformers' chat templates expect it: text content, tool-call arguments as
     a mapping, "developer" spoken as "system"."""
     content = m.content
@@ -62,8 +65,9 @@ def _template_message(m: Message) -> dict[str, Any]:
         content = "".join(part.text for part in content)
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                            "content": content or ""}
-    if m.name is not None:
-        out["name"] = m.name
+    name = m.name if m.name is not None else call_names.get(m.tool_call_id or "")
+    if name is not None:
+        out["name"] = name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
