@@ -165,6 +165,7 @@ def test_metrics_parse_and_move_with_the_zmq_stats(server, oai, zmq_client):
     assert after[("sluice_requests_running", ())] == 0
     assert after[("sluice_kv_usage_ratio", (("tier", "gpu"),))] == stats["kv_usage"]
     assert ("sluice_cached_prompt_tokens_total", ()) in after
+    assert after[("sluice_frontend_requests_total", ())] == stats["frontend_requests_total"]
 
 
 def test_disconnect_before_a_whole_reply_aborts_and_frees_every_page(server, zmq_client):
