@@ -8,6 +8,8 @@ ones do (ratio <= 1.5).
 
     python scripts/bench_http_ttft.py [--prompt-tokens 16384] [--warm 3] [--json FILE] [-- extra server args]
     python scripts/bench_http_ttft.py -- --no-warm-up      # the same without the warm-up, to compare
+
+Extra server arguments follow the defaults, so a later ``--model`` or ``--moe-cache-fraction`` wins.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def start(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str, f
     log = tmp / "server.log"
     cmd = [sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*", "--http-port", "0",
            "--served-model-name", "bench", "--tokenizer", str(write_byte_tokenizer(tmp / "tok")),
-           *(args.server or DEFAULT_SERVER)]
+           *DEFAULT_SERVER, *args.server]
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     lines = [proc.stdout.readline() for _ in range(3)]
@@ -72,7 +74,7 @@ def main() -> None:
     result = {"prompt_tokens": args.prompt_tokens, "ready_s": ready_s,
               "warm_up_s": float(found[-1]) if found else None, "cold_ttft_s": cold,
               "warm_ttft_s": warm_s, "cold_over_warm": cold / warm_s,
-              "cached_tokens": [cold_cached] + [c for _, c in warm], "server": args.server or DEFAULT_SERVER}
+              "cached_tokens": [cold_cached] + [c for _, c in warm], "server": DEFAULT_SERVER + args.server}
     print(f"{'start-up to ready':<22}{ready_s:8.1f} s   (of which warm-up {result['warm_up_s']} s)")
     print(f"{'cold TTFT':<22}{cold:8.2f} s")
     print(f"{'warm TTFT (median)':<22}{warm_s:8.2f} s")
