@@ -14,6 +14,7 @@ from scheduler.warmup import warm_up
 from worker.errors import CheckpointError
 from worker.host_kv_pool import DEFAULT_FRACTION, default_host_bytes
 from worker.cli_options import add_runner_args, resolve_model, runner_config
+from worker.geometry_tokenizer import tokenizer_dir
 from worker.runner import ModelRunner
 
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend stops us with Shutdown or SIGTERM
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     model_dir = resolve_model(args.model)
+    tokenizer_path = str(tokenizer_dir(model_dir))  # a geometry's is written once, before the long model load
     try:
         runner = ModelRunner(runner_config(args, model_dir))
     except (CheckpointError, ValueError) as err:
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                                          kv_host_gib=host_gib, kv_tier_mode=args.kv_tier_mode))
     if args.warm_up:
         warm_up(engine)
-    info = ModelInfo(name=model_dir, tokenizer_path=model_dir, max_context_tokens=cfg.max_context,
+    info = ModelInfo(name=model_dir, tokenizer_path=tokenizer_path, max_context_tokens=cfg.max_context,
                      vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids))
     SchedulerServer(engine, info, args.frontend_to_scheduler, args.scheduler_to_frontend,
                     args.check_pages).serve_forever()

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import httpx
 
-from tests.fake_scheduler import write_byte_tokenizer
-
 DEFAULT_SERVER = ["--model", "qwen3-30b-geometry", "--dummy-weights", "--moe-cache-fraction", "0.25"]
 WARM_UP_LINE = re.compile(r"warm-up: .* in ([0-9.]+) s")
 
@@ -35,7 +33,7 @@ WARM_UP_LINE = re.compile(r"warm-up: .* in ([0-9.]+) s")
 def start(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, str, float, Path]:
     log = tmp / "server.log"
     cmd = [sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*", "--http-port", "0",
-           "--served-model-name", "bench", "--tokenizer", str(write_byte_tokenizer(tmp / "tok")),
+           "--served-model-name", "bench",
            *DEFAULT_SERVER, *args.server]
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
