@@ -49,7 +49,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def start(tmp: Path, model_dir: Path, *extra: str) -> Server:
     log = tmp / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*",
+    proc = subprocess.Popen([sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*", "--http-port", "0",
                              "--pid-file", str(tmp / "pid"), "--ready-timeout", str(WAIT_S),
                              "--model", str(model_dir), "--device", "cpu", "--page-size", str(PAGE),
                              "--kv-tokens", "4096", "--check-pages", *extra],
