@@ -7,11 +7,13 @@ many concurrent requests on one socket). Both use a DEALER socket and time out e
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -23,6 +25,7 @@ DEFAULT_TIMEOUT_S = 120.0
 # The first request of a client waits at most this long for the server to answer at all (an Info
 # reply comes from the frontend at once, however busy the scheduler is) before its own timeout.
 FIRST_CONTACT_S = 5.0
+API_KEY_ENV = "SLUICE_API_KEY"
 
 
 class NoServer(TimeoutError):
@@ -33,6 +36,13 @@ class NoServer(TimeoutError):
             f"no Sluice server answers at {endpoint} (waited {waited_s:g} s); is it running "
             "(scripts/serve.sh), and is the endpoint right?"
         )
+
+
+def _keyed(message: requests.ClientRequest, api_key: str | None) -> bytes:
+    """The frame for ``message``, carrying the api key when there is one."""
+    if api_key is not None:
+        message = msgspec.structs.replace(message, api_key=api_key)
+    return requests.encode(message)
 
 
 class ServerError(RuntimeError):
@@ -109,11 +119,13 @@ class Client:
         self,
         endpoint: str = DEFAULT_ENDPOINT,
         timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,  # default: $SLUICE_API_KEY
         first_contact: float = FIRST_CONTACT_S,
     ) -> None:
         self.timeout = timeout
         self.endpoint = endpoint
         self.first_contact = first_contact
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._ctx = zmq.Context()
         self._sock = _dealer(self._ctx, endpoint)
         self._info: replies.Info | None = None
@@ -167,7 +179,7 @@ class Client:
         self.close()
 
     def _send(self, message: requests.ClientRequest) -> None:
-        self._sock.send(requests.encode(message))
+        self._sock.send(_keyed(message, self.api_key))
 
     def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats | replies.Info:
         """The next reply for ``rid``; replies to earlier, abandoned requests are skipped."""
@@ -232,11 +244,13 @@ class AsyncClient:
         self,
         endpoint: str = DEFAULT_ENDPOINT,
         timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,  # default: $SLUICE_API_KEY
         first_contact: float = FIRST_CONTACT_S,
     ) -> None:
         self.timeout = timeout
         self.endpoint = endpoint
         self.first_contact = first_contact
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._ctx = zmq.asyncio.Context()
         self._sock = _dealer(self._ctx, endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -279,7 +293,7 @@ class AsyncClient:
             return dict((await self._next(request.rid, timeout)).stats)
 
     async def abort(self, rid: str) -> None:
-        await self._sock.send(requests.encode(requests.Abort(rid=rid)))
+        await self._sock.send(_keyed(requests.Abort(rid=rid), self.api_key))
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -336,7 +350,7 @@ class _Pending:
         if not isinstance(self._request, requests.GetInfo):
             await client.info()
         self._client._queues[self._request.rid] = asyncio.Queue()
-        await self._client._sock.send(requests.encode(self._request))
+        await self._client._sock.send(_keyed(self._request, self._client.api_key))
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:

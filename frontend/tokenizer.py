@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.sandbox
@@ -85,12 +85,16 @@ class ChatTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+    ) -> str:
+        """``tools`` (OpenAI tool definitions) reach the template as transformers passes them."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template; send a prompt instead")
         try:
             return self._template.render(
                 messages=list(messages),
+                tools=list(tools) if tools else None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -100,9 +104,11 @@ class ChatTokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+    ) -> list[int]:
         # The template writes BOS itself when the model wants one, as transformers assumes.
-        return self._encode(self.render_chat(messages), add_special_tokens=False)
+        return self._encode(self.render_chat(messages, tools), add_special_tokens=False)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch releases the GIL (encode does not): a long prompt tokenized on a worker

@@ -14,8 +14,10 @@ from scheduler.faults import FaultHooks
 from scheduler.kv_tier import MODES
 from scheduler.messages.from_scheduler import ModelInfo
 from scheduler.server import SchedulerServer
+from scheduler.warmup import warm_up
 from worker.cli_options import add_runner_args, resolve_model, runner_config
 from worker.errors import CheckpointError
+from worker.geometry_tokenizer import tokenizer_dir
 from worker.host_kv_pool import DEFAULT_FRACTION, default_host_bytes
 from worker.runner import ModelRunner
 
@@ -33,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running, help="requests batched at once")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="disable the radix prefix cache (it is on: %(default)s)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="disable overlap scheduling (it is on: %(default)s)")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="report ready without compiling kernels and capturing decode graphs first (the first "
+                        "requests then pay for it)")
     p.add_argument("--check-pages", action="store_true", help="run the KV page self-check after every step")
     p.add_argument("--kv-host-size", type=float, default=None, metavar="GiB",
                    help=f"host-RAM KV tier in GiB; 0 disables it; None: {DEFAULT_FRACTION * 100:.0f}%% of the "
@@ -67,6 +72,7 @@ def _remove_frontend_files() -> None:
 
 def serve(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
+    tokenizer_path = str(tokenizer_dir(model_dir))  # a geometry's is written once, before the long model load
     log.info("loading the model %s (device %s) ...", model_dir, args.device)
     started = time.monotonic()
     try:
@@ -82,7 +88,9 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(runner, EngineConfig(runner.max_prefill_tokens, args.max_running, args.prefix_cache, args.overlap,
                                          kv_host_gib=host_gib, kv_tier_mode=args.kv_tier_mode),
                     FaultHooks.from_env())
-    info = ModelInfo(name=model_dir, tokenizer_path=model_dir, max_context_tokens=cfg.max_context,
+    if args.warm_up:
+        warm_up(engine)
+    info = ModelInfo(name=model_dir, tokenizer_path=tokenizer_path, max_context_tokens=cfg.max_context,
                      vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids))
     try:
         SchedulerServer(engine, info, args.frontend_to_scheduler, args.scheduler_to_frontend,

@@ -83,13 +83,14 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--policy", default="lfru")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
+    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
     p.add_argument("--json")
     args = p.parse_args()
     dummy = args.model in GEOMETRIES
     rows = []
     for fraction in args.fractions:
         runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                          cuda_graph=not args.no_cuda_graph,
+                                          cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
                                           experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
                                                                 dummy_weights=dummy)))
         cfg = runner.model_config
