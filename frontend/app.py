@@ -179,7 +179,8 @@ def _bind_clients(ctx: zmq.asyncio.Context, config: FrontendConfig) -> zmq.async
         router.close(linger=0)
         hint = " (another server is running there? pick another --endpoint)"
         raise OSError(
-            f"cannot listen on {config.endpoint}: {exc}{hint if exc.errno == zmq.EADDRINUSE else ''}"
+            f"cannot listen on {config.endpoint}: {zmq.strerror(exc.errno)}"
+            f"{hint if exc.errno == zmq.EADDRINUSE else ''}"
         ) from None
     return router
 
