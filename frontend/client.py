@@ -296,6 +296,8 @@ class AsyncClient:
         await self._sock.send(_keyed(requests.Abort(rid=rid), self.api_key))
 
     async def close(self) -> None:
+        if self._info is not None and not self._info.done():
+            self._info.cancel()
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)

@@ -28,8 +28,11 @@ class HeartbeatThread(threading.Thread):
             while not self._stopping.wait(from_scheduler.HEARTBEAT_INTERVAL_S / 2):
                 started = self.step_started
                 step_s = time.monotonic() - started if started else 0.0
-                push.send(from_scheduler.encode(from_scheduler.Heartbeat(pid=os.getpid(), time=time.time(),
-                                                                         step_s=step_s)))
+                beat = from_scheduler.Heartbeat(pid=os.getpid(), time=time.time(), step_s=step_s)
+                try:  # never block: a frontend that reads nothing (or is gone) must not hang stop()
+                    push.send(from_scheduler.encode(beat), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
         finally:
             push.close()
 
