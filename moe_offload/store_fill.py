@@ -13,7 +13,8 @@ import torch
 from moe_offload.expert_store import SHM_DIR, ExpertStore
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, index_files
-from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, checkpoint_files
+from moe_offload.fp8 import ExpertFormat
+from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format, checkpoint_files
 
 
 class ExpertNames(NamedTuple):
@@ -114,8 +115,9 @@ def fill_dummy(store: ExpertStore, seed: int, threads: int | None = None) -> Non
     own generator, so the values depend on ``seed`` only, not on the thread count or order."""
     chunks = []
     for spec in store.layout.banks:
-        if not spec.dtype.is_floating_point:
-            raise ValueError(f"bank {spec.name} is {spec.dtype}; dummy weights need a floating dtype")
+        if not spec.dtype.is_floating_point or spec.dtype.itemsize < 2:
+            raise ValueError(f"bank {spec.name} is {spec.dtype}; dummy weights need a float dtype "
+                             f"(fp8 stores are filled by store_quantize.fill_dummy_fp8)")
         bank = store.bank(spec.name)
         chunks.extend(bank.reshape(-1, *bank.shape[-2:]).unbind(0) if bank.dim() > 2 else [bank])
     seeds = [(seed * len(chunks) + i) % (1 << 63) for i in range(len(chunks))]
@@ -134,22 +136,35 @@ def fill_dummy(store: ExpertStore, seed: int, threads: int | None = None) -> Non
 def open_checkpoint_experts(
     path: str | Path,
     geometry: ExpertGeometry,
-    dtype: torch.dtype,
+    fmt: ExpertFormat | torch.dtype,
     styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
     layers: Sequence[int] | None = None,
     shm_dir: str | Path = SHM_DIR,
+    checkpoint_format: ExpertFormat | None = None,
 ) -> ExpertStore:
-    """The store of a checkpoint directory (or file): reused if it exists, else read once."""
-    files = checkpoint_files(path)
+    """The store of a checkpoint directory (or file) in expert format ``fmt``: reused if it exists,
+    else read once. Float experts (``checkpoint_format`` None or a float format) stored as fp8 are
+    quantized while the store is filled (``store_quantize``)."""
+    from moe_offload.store_quantize import fill_quantized_from_safetensors  # it builds on this module
+
+    files, fmt = checkpoint_files(path), as_format(fmt)
+    quantize = fmt.quantized and not (checkpoint_format is not None and checkpoint_format.quantized)
+    fill = fill_quantized_from_safetensors if quantize else fill_from_safetensors
     return ExpertStore.open_or_create(
-        StoreIdentity.checkpoint(path, dtype),
-        BankLayout.experts(geometry, dtype),
-        lambda store: fill_from_safetensors(store, files, styles, layers),
+        StoreIdentity.checkpoint(path, fmt),
+        BankLayout.experts(geometry, fmt),
+        lambda store: fill(store, files, styles, layers),
         shm_dir,
     )
 
 
-def open_dummy_experts(geometry: ExpertGeometry, seed: int, dtype: torch.dtype, shm_dir: str | Path = SHM_DIR) -> ExpertStore:
+def open_dummy_experts(geometry: ExpertGeometry, seed: int, fmt: ExpertFormat | torch.dtype,
+                       shm_dir: str | Path = SHM_DIR) -> ExpertStore:
+    """Seeded random experts in format ``fmt`` (fp8: drawn in float32 and quantized)."""
+    from moe_offload.store_quantize import fill_dummy_fp8  # it builds on this module
+
+    fmt = as_format(fmt)
+    fill = fill_dummy_fp8 if fmt.quantized else fill_dummy
     return ExpertStore.open_or_create(
-        StoreIdentity.dummy(geometry, seed, dtype), BankLayout.experts(geometry, dtype), lambda s: fill_dummy(s, seed), shm_dir
+        StoreIdentity.dummy(geometry, seed, fmt), BankLayout.experts(geometry, fmt), lambda s: fill(s, seed), shm_dir
     )
