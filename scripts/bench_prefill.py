@@ -56,7 +56,7 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
     = S), and the copy engine moving the layer's contiguous banks."""
     cache, num_experts = experts.cache, experts.cache.num_experts
     host = experts.store.host_banks()  # pinned (registered) CPU views: what cudaMemcpyAsync reads
-    host_w13, host_w2 = (b.view(-1, *b.shape[2:]) for b in host)
+    host_w13, host_w2 = (b.view(-1, *b.shape[2:]) for b in host[:2])
     scratch = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device="cuda")
     layer_bytes = num_experts * cache.slot_bytes
 
