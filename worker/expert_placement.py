@@ -1,5 +1,6 @@
 """Where the experts run from: all resident on the device, or in the shared-memory expert store
-behind a GPU expert cache of ``--moe-cache-size`` / ``--moe-cache-fraction`` / ``--moe-cache-auto``."""
+behind a GPU expert cache of ``--moe-cache-size`` / ``--moe-cache-fraction`` / ``--moe-cache-auto``;
+and in which format (``--expert-dtype``: bf16, or fp8 with block scales, see ``moe_offload.fp8``)."""
 from __future__ import annotations
 
 import logging
@@ -7,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.expert_cache import resolve_cache_slots
+from moe_offload.expert_cache import resolve_cache_slots, slot_bytes
 from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
+from moe_offload.fp8 import ExpertFormat, dequantize, dequantize_w13, quantize, quantize_w13
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
 from moe_offload.store_layout import ExpertGeometry
@@ -29,6 +31,7 @@ class ExpertOptions:
     prefill_pipeline: bool = True  # stream prefill chunks' experts through a double buffer (needs 3E slots)
     prefill_invalidate: str = "fixed"  # "eager": the boolean-mask invalidation, a hidden sync (A/B only)
     prefill_stage: str = "auto"  # "kernel" | "memcpy" | "auto" (per chunk), see prefill_pipeline.STAGE_MODES
+    expert_dtype: str = "auto"  # "auto" | "bf16" | "fp8", see fp8.resolve_expert_format
 
     @property
     def uses_store(self) -> bool:
@@ -39,31 +42,44 @@ class ExpertOptions:
         return bool(given) or self.dummy_weights
 
 
+def checkpoint_expert_format(model_dir: str, dtype: torch.dtype) -> ExpertFormat:
+    """The format of the checkpoint's experts, as ``--expert-dtype auto`` keeps it.
+
+    For now every checkpoint (and every dummy geometry) counts as float experts in the compute
+    dtype; reading FP8 checkpoints' ``quantization_config`` is the loader's part (fp8-ckpt) and
+    will answer here."""
+    return ExpertFormat(dtype)
+
+
 def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resident: ExpertBanks,
-                  dtype: torch.dtype, device: torch.device, activation_bytes: int) -> Experts:
-    """The ``Experts`` backend. ``resident`` holds the banks when the checkpoint loader filled them
-    (no store); otherwise the experts come from the store."""
+                  dtype: torch.dtype, device: torch.device, activation_bytes: int,
+                  fmt: ExpertFormat | None = None) -> Experts:
+    """The ``Experts`` backend, its experts in ``fmt`` (default: float in ``dtype``). ``resident``
+    holds the banks when the checkpoint loader filled them (no store); otherwise the experts come
+    from the store, filled in ``fmt`` (a float checkpoint run in fp8 is quantized once, at fill)."""
+    fmt = fmt or ExpertFormat(dtype)
     if not options.uses_store:
-        return ResidentExperts(resident)
+        return ResidentExperts(convert_banks(resident, fmt, dtype))
     geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
     if options.dummy_weights:
-        store = open_dummy_experts(geometry, options.seed, dtype)
+        store = open_dummy_experts(geometry, options.seed, fmt)
     else:
-        store = open_checkpoint_experts(model_dir, geometry, dtype)
+        store = open_checkpoint_experts(model_dir, geometry, fmt,
+                                        checkpoint_format=checkpoint_expert_format(model_dir, dtype))
     if device.type == "cuda":
         store.register_cuda(device)
     host = store.host_banks()
     total = cfg.num_layers * cfg.num_experts
-    slot_bytes = (host.w13[0, 0].numel() + host.w2[0, 0].numel()) * host.w13.element_size()
-    slots = resolve_cache_slots(total, slot_bytes, **_sizing(options, cfg, dtype, device, activation_bytes))
+    one_slot = slot_bytes(tuple(host.w13.shape[2:]), tuple(host.w2.shape[2:]), host.w13.dtype, host.scale_block)
+    slots = resolve_cache_slots(total, one_slot, **_sizing(options, cfg, dtype, device, activation_bytes))
     if slots < cfg.num_experts:
         raise ValueError(f"the expert cache would hold {slots} experts; it needs at least one layer's "
                          f"{cfg.num_experts} (a prefill chunk can route to all of them)")
     if slots >= total:
         log.info("expert cache holds all %d experts: running fully resident", total)
-        return ResidentExperts(ExpertBanks(host.w13.to(device), host.w2.to(device)))
-    log.info("expert cache: %d of %d experts (%.1f%%, %.2f GB), policy %s", slots, total, 100 * slots / total,
-             slots * slot_bytes / 1e9, options.policy)
+        return ResidentExperts(host.to(device))
+    log.info("expert cache: %d of %d %s experts (%.1f%%, %.2f GB), policy %s", slots, total, fmt.name,
+             100 * slots / total, slots * one_slot / 1e9, options.policy)
     pipeline = options.prefill_pipeline and slots >= 3 * cfg.num_experts
     if options.prefill_pipeline and not pipeline:
         log.warning("expert cache of %d slots is below the %d the prefill pipeline needs (2x%d lent, %d for decode): "
@@ -73,6 +89,18 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
                                       invalidate=options.prefill_invalidate, stage=options.prefill_stage)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts
+
+
+def convert_banks(banks: ExpertBanks, fmt: ExpertFormat, dtype: torch.dtype) -> ExpertBanks:
+    """Resident banks in ``fmt``: float banks run in fp8 are quantized per ``fmt.scale_block``
+    (``w13``'s halves on their own grids), fp8 banks run in a float format are dequantized."""
+    if fmt.quantized == banks.quantized:
+        return banks
+    if fmt.quantized:
+        (q13, s13), (q2, s2) = quantize_w13(banks.w13, fmt.scale_block), quantize(banks.w2, fmt.scale_block)
+        return ExpertBanks(q13, q2, s13, s2, fmt.scale_block)
+    return ExpertBanks(dequantize_w13(banks.w13, banks.w13_scale, banks.scale_block, dtype),
+                       dequantize(banks.w2, banks.w2_scale, banks.scale_block, dtype))
 
 
 def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

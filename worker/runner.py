@@ -12,7 +12,8 @@ from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
 from worker.cuda_graph import DecodeGraphs
-from worker.expert_placement import ExpertOptions, place_experts
+from moe_offload.fp8 import resolve_expert_format
+from worker.expert_placement import ExpertOptions, checkpoint_expert_format, place_experts
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
@@ -73,8 +74,10 @@ class ModelRunner:
             self.weights = ModelWeights.random(cfg, self.dtype, self.device, config.experts.seed, not in_store)
         else:
             self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store)
+        self.expert_format = resolve_expert_format(
+            config.experts.expert_dtype, checkpoint_expert_format(config.model_dir, self.dtype), self.dtype)
         experts = place_experts(cfg, config.model_dir, config.experts, self.weights.experts, self.dtype,
-                                self.device, self._activation_bytes())
+                                self.device, self._activation_bytes(), self.expert_format)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.max_prefill_tokens = self._resolve_prefill_tokens()
