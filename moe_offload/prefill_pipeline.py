@@ -235,6 +235,10 @@ class PrefillPipeline:
         return [(pool, host, pool[buf * num_experts:(buf + 1) * num_experts])
                 for pool, host in zip(pools, (host_scales.w13, host_scales.w2))]
 
+    def reset_stats(self) -> None:
+        self.staged.zero_()
+        self.chunks = dict.fromkeys(self.chunks, 0)
+
     def stats(self) -> dict:
         """Experts staged from the cache and from the host, and the PCIe bytes; reads the device,
         so call it off the hot path."""

@@ -1,9 +1,10 @@
-"""Filling an fp8 expert store from float weights: seeded dummy experts (``--dummy-weights``) and
-float checkpoints run with ``--expert-dtype fp8``, quantized block-wise once, while the store is
-filled (``moe_offload.fp8``: e4m3, amax per block; ``w13``'s halves keep their own grids).
+"""Seeded dummy experts in fp8 (``--dummy-weights --expert-dtype fp8``): drawn in float32 as the
+bf16 ones are and quantized block-wise while the store is filled (``moe_offload.fp8``: e4m3, amax
+per block; ``w13``'s halves keep their own grids).
 
-Both run one expert at a time on a thread pool, so a 58 GB geometry store quantizes in about the
-time its bf16 twin takes to fill, and each expert's result depends on nothing but its inputs.
+One matrix at a time on a thread pool, quantized in place in its float32 scratch, so the 58 GB
+geometry store fills in fp8 about as fast as in bf16; each matrix depends on its seed only.
+(A float checkpoint run in fp8 is quantized by ``store_fill.fill_from_safetensors``.)
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -20,8 +20,6 @@ from moe_offload.expert_store import ExpertStore
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import FP8_MAX, ScaleBlock, quantize
 from moe_offload.progress import ProgressBar
-from moe_offload.safetensors_file import index_files
-from moe_offload.store_fill import CHECKPOINT_STYLES, ExpertNames, detect_names, load_expert_layer
 
 DUMMY_STD = 0.02  # as fill_dummy's bf16 experts
 
@@ -90,10 +88,6 @@ def _draw(seed: int) -> Callable[[torch.Tensor], object]:
     return lambda t: t.normal_(0.0, DUMMY_STD, generator=torch.Generator().manual_seed(seed))
 
 
-def _copy_from(src: torch.Tensor) -> Callable[[torch.Tensor], object]:
-    return lambda t: t.copy_(src)
-
-
 def fill_dummy_fp8(store: ExpertStore, seed: int, threads: int | None = None) -> None:
     """Seeded ``normal(0, 0.02)`` experts, drawn in float32 with the seeds ``fill_dummy`` gives the
     same matrices, then quantized. Deterministic by ``seed``, whatever the thread count."""
@@ -105,26 +99,3 @@ def fill_dummy_fp8(store: ExpertStore, seed: int, threads: int | None = None) ->
             for b, bank in enumerate(("w13", "w2")) for i in range(count)]
     with ProgressBar(banks.w13.nbytes + banks.w2.nbytes, f"dummy fp8 experts seed={seed}") as bar:
         _run_parallel(work, bar, threads)
-
-
-def fill_quantized_from_safetensors(store: ExpertStore, files: Sequence[str | Path],
-                                    styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
-                                    layers: Sequence[int] | None = None, threads: int | None = None) -> None:
-    """Fill an fp8 store from a float checkpoint: each layer is read into a scratch of the
-    checkpoint's dtype (exact), then every expert is quantized as ``quantize_w13`` / ``quantize``
-    quantize the checkpoint's own tensors."""
-    banks = store.host_banks()
-    layers = list(range(banks.w13.shape[0])) if layers is None else list(layers)
-    if len(layers) != banks.w13.shape[0]:
-        raise ValueError(f"{len(layers)} checkpoint layers given for {banks.w13.shape[0]} bank layers")
-    index = index_files(list(files))
-    names = detect_names(index.keys(), layers[0], styles)
-    probe = names.probe.format(layer=layers[0], expert=0)
-    dtype = index[probe].tensor(probe).dtype
-    src = {"w13": torch.empty(banks.w13.shape[1:], dtype=dtype), "w2": torch.empty(banks.w2.shape[1:], dtype=dtype)}
-    with ProgressBar(banks.w13.nbytes + banks.w2.nbytes, f"quantizing experts of {store.identity.label}") as bar:
-        for i, layer in enumerate(layers):
-            load_expert_layer(index, names, layer, src["w13"], src["w2"])
-            work = [functools.partial(_quantize_matrix, banks, bank, i, e, _copy_from(src[bank][e]))
-                    for bank in src for e in range(banks.num_experts)]
-            _run_parallel(work, bar, threads)

@@ -146,7 +146,8 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
     longest = max(args.chunks)
     experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES, expert_dtype=expert_dtype)
     runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
-                                      max_prefill_tokens=longest, experts=experts, attention=args.attention))
+                                      max_prefill_tokens=longest, experts=experts, attention=args.attention,
+                                      gpu_memory_limit=args.gpu_memory_limit))
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
@@ -195,6 +196,7 @@ def main() -> None:
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
     p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
+    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []

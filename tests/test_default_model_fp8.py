@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from moe_offload.expert_store import remove_segment
-from moe_offload.fp8 import FP8_DTYPE, ExpertFormat
+from moe_offload.experts import ExpertBanks
+from moe_offload.fp8 import FP8_DTYPE, dequantize, dequantize_w13, quantize, quantize_w13
 from worker.batch import SequenceChunk
-from worker.expert_placement import ExpertOptions, convert_banks
+from worker.expert_placement import ExpertOptions
 from worker.runner import ModelRunner, RunnerConfig
 from worker.sampling import SamplingParams
 from worker.tokenizer import ChatTokenizer
@@ -33,6 +34,12 @@ def last_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         return runner.forward([SequenceChunk(ids, 0, pages)], [SamplingParams()], [0]).logits[0].float()
     finally:
         runner.kv_pool.free(pages)
+
+
+def quantized_and_back(banks: ExpertBanks, fmt, dtype: torch.dtype) -> ExpertBanks:
+    """The float banks that fp8 ``fmt`` keeps of ``banks``: quantized, then expanded again."""
+    (q13, s13), (q2, s2) = quantize_w13(banks.w13, fmt.scale_block), quantize(banks.w2, fmt.scale_block)
+    return ExpertBanks(dequantize_w13(q13, s13, fmt.scale_block, dtype), dequantize(q2, s2, fmt.scale_block, dtype))
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -49,9 +56,7 @@ def compare(device: str, dtype: str, same_math_tol: float) -> None:
     fp8 = ModelRunner(RunnerConfig(**{**config.__dict__,
                                       "experts": ExpertOptions(cache_fraction=0.25, expert_dtype="fp8")}))
     dequantized = ModelRunner(config)  # the float model on the experts fp8 keeps: quantized, then expanded back
-    fmt, torch_dtype = fp8.expert_format, bf16.dtype
-    dequantized.experts.banks = convert_banks(convert_banks(bf16.experts.banks, fmt, torch_dtype),
-                                              ExpertFormat(torch_dtype), torch_dtype)
+    dequantized.experts.banks = quantized_and_back(bf16.experts.banks, fp8.expert_format, bf16.dtype)
     try:
         assert fp8.experts.cache.w13.dtype == FP8_DTYPE and "fp8-b128x128" in fp8.experts.store.identity.label
         for prompt in PROMPTS:

@@ -10,11 +10,13 @@ import torch
 
 from moe_offload.expert_cache import resolve_cache_slots, slot_bytes
 from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
-from moe_offload.fp8 import ExpertFormat, dequantize, dequantize_w13, quantize, quantize_w13
+from moe_offload.fp8 import ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
 from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
+from worker.device_memory import DeviceMemory
+from worker.loader import checkpoint_errors
 
 log = logging.getLogger("sluice.worker")
 
@@ -42,36 +44,28 @@ class ExpertOptions:
         return bool(given) or self.dummy_weights
 
 
-def checkpoint_expert_format(model_dir: str, dtype: torch.dtype) -> ExpertFormat:
-    """The format of the checkpoint's experts, as ``--expert-dtype auto`` keeps it.
-
-    For now every checkpoint (and every dummy geometry) counts as float experts in the compute
-    dtype; reading FP8 checkpoints' ``quantization_config`` is the loader's part (fp8-ckpt) and
-    will answer here."""
-    return ExpertFormat(dtype)
-
-
 def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resident: ExpertBanks,
-                  dtype: torch.dtype, device: torch.device, activation_bytes: int,
+                  dtype: torch.dtype, device: torch.device, activation_bytes: int, memory: DeviceMemory,
                   fmt: ExpertFormat | None = None) -> Experts:
     """The ``Experts`` backend, its experts in ``fmt`` (default: float in ``dtype``). ``resident``
-    holds the banks when the checkpoint loader filled them (no store); otherwise the experts come
-    from the store, filled in ``fmt`` (a float checkpoint run in fp8 is quantized once, at fill)."""
+    holds the banks when the checkpoint loader filled them in ``fmt`` (no store); otherwise the
+    experts come from the store, filled in ``fmt`` (a float checkpoint run in fp8 is quantized
+    once, at fill)."""
     fmt = fmt or ExpertFormat(dtype)
     if not options.uses_store:
-        return ResidentExperts(convert_banks(resident, fmt, dtype))
+        return ResidentExperts(resident)
     geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
     if options.dummy_weights:
         store = open_dummy_experts(geometry, options.seed, fmt)
     else:
-        store = open_checkpoint_experts(model_dir, geometry, fmt,
-                                        checkpoint_format=checkpoint_expert_format(model_dir, dtype))
+        with checkpoint_errors():
+            store = open_checkpoint_experts(model_dir, geometry, fmt, scheme=cfg.quantization)
     if device.type == "cuda":
         store.register_cuda(device)
     host = store.host_banks()
     total = cfg.num_layers * cfg.num_experts
     one_slot = slot_bytes(tuple(host.w13.shape[2:]), tuple(host.w2.shape[2:]), host.w13.dtype, host.scale_block)
-    slots = resolve_cache_slots(total, one_slot, **_sizing(options, cfg, dtype, device, activation_bytes))
+    slots = resolve_cache_slots(total, one_slot, **_sizing(options, cfg, dtype, memory, activation_bytes))
     if slots < cfg.num_experts:
         raise ValueError(f"the expert cache would hold {slots} experts; it needs at least one layer's "
                          f"{cfg.num_experts} (a prefill chunk can route to all of them)")
@@ -91,19 +85,7 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
     return experts
 
 
-def convert_banks(banks: ExpertBanks, fmt: ExpertFormat, dtype: torch.dtype) -> ExpertBanks:
-    """Resident banks in ``fmt``: float banks run in fp8 are quantized per ``fmt.scale_block``
-    (``w13``'s halves on their own grids), fp8 banks run in a float format are dequantized."""
-    if fmt.quantized == banks.quantized:
-        return banks
-    if fmt.quantized:
-        (q13, s13), (q2, s2) = quantize_w13(banks.w13, fmt.scale_block), quantize(banks.w2, fmt.scale_block)
-        return ExpertBanks(q13, q2, s13, s2, fmt.scale_block)
-    return ExpertBanks(dequantize_w13(banks.w13, banks.w13_scale, banks.scale_block, dtype),
-                       dequantize(banks.w2, banks.w2_scale, banks.scale_block, dtype))
-
-
-def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, memory: DeviceMemory,
             activation_bytes: int) -> dict:
     if options.cache_size is not None:
         return {"size": options.cache_size}
@@ -111,8 +93,8 @@ def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, device
         return {"fraction": options.cache_fraction}
     if not options.cache_auto:  # --dummy-weights alone: everything resident
         return {"fraction": 1.0}
-    if device.type != "cuda":
+    if memory.device.type != "cuda":
         raise ValueError("--moe-cache-auto sizes the cache from free GPU memory; give --moe-cache-size on CPU")
-    free, _ = torch.cuda.mem_get_info(device)
+    free = memory.free()
     kv_floor = options.kv_reserve_tokens * 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
     return {"auto_free_bytes": max(free - activation_bytes - kv_floor, 0)}

@@ -8,15 +8,17 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.fp8 import resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
 from worker.cuda_graph import DecodeGraphs
-from moe_offload.fp8 import resolve_expert_format
-from worker.expert_placement import ExpertOptions, checkpoint_expert_format, place_experts
+from worker.device_memory import DeviceMemory
+from worker.expert_placement import ExpertOptions, place_experts
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
+from worker.quantization import checkpoint_expert_format
 from worker.sampling import SamplingParams, SamplingTensors, sample
 
 # --max-prefill-tokens 0 (auto): a multiple of AUTO_PREFILL_STEP up to AUTO_PREFILL_MAX on a GPU.
@@ -38,6 +40,7 @@ class RunnerConfig:
     max_prefill_tokens: int = 0  # 0 = auto, see ModelRunner.max_prefill_tokens
     cuda_graph: bool = True  # decode steps of CUDA runners replay captured graphs (worker.cuda_graph)
     cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
+    gpu_memory_limit: float | None = None  # GiB: size and cap as if the card had this much (worker.device_memory)
 
     @property
     def attention_backend(self) -> str:
@@ -68,16 +71,21 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.memory = DeviceMemory.of(self.device, config.gpu_memory_limit)
+        self.memory.cap()
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         in_store = config.experts.uses_store
+        # --expert-dtype, resolved once against the checkpoint's format: the loader, the store and the
+        # cache all hold the experts in it
+        self.expert_format = resolve_expert_format(
+            config.experts.expert_dtype, checkpoint_expert_format(config.model_dir), self.dtype)
         if config.experts.dummy_weights:
             self.weights = ModelWeights.random(cfg, self.dtype, self.device, config.experts.seed, not in_store)
         else:
-            self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store)
-        self.expert_format = resolve_expert_format(
-            config.experts.expert_dtype, checkpoint_expert_format(config.model_dir, self.dtype), self.dtype)
+            self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store,
+                                             self.expert_format)
         experts = place_experts(cfg, config.model_dir, config.experts, self.weights.experts, self.dtype,
-                                self.device, self._activation_bytes(), self.expert_format)
+                                self.device, self._activation_bytes(), self.memory, self.expert_format)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.max_prefill_tokens = self._resolve_prefill_tokens()
@@ -120,8 +128,7 @@ class ModelRunner:
             return self.config.max_prefill_tokens
         if self.device.type != "cuda":
             return CPU_PREFILL_TOKENS
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        free = self.memory.free() + self.memory.reusable()
         context = min(self.model_config.max_context, self.kv_pool.capacity * self.page_size)
         sizes = range(AUTO_PREFILL_MAX, AUTO_PREFILL_STEP - 1, -AUTO_PREFILL_STEP)
         return next((t for t in sizes if self._activation_bytes(t, context) <= free), AUTO_PREFILL_STEP)
@@ -144,9 +151,12 @@ class ModelRunner:
         if c.kv_tokens:
             tokens = c.kv_tokens
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            # 80% of what is free, and never the activations' share: --moe-cache-auto left that for the
+            # prefill chunk, and a pool that took it would shrink the chunk to the minimum
+            free = self.memory.free()
+            usable = min(int(free * 0.8), free - self._activation_bytes())
             per_token = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=self.dtype).element_size()
-            tokens = min(int(free * 0.8) // per_token, 1 << 20)
+            tokens = min(max(usable, 0) // per_token, 1 << 20)
         else:
             tokens = 16384
         return 1 + -(-tokens // c.page_size)
