@@ -9,6 +9,7 @@ scale per 1x128 or per row gave 6% and 7%, so no block size reaches 2e-2 on this
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -65,7 +66,8 @@ def compare(device: str, dtype: str, same_math_tol: float) -> None:
             assert relative(got, last_logits(dequantized, ids)) < same_math_tol, prompt
             assert 0.01 < relative(got, last_logits(bf16, ids)) < 0.12, prompt  # e4m3's cost, see the docstring
     finally:
-        remove_segment(fp8.experts.store.name)
+        with contextlib.suppress(FileNotFoundError):  # another test session sharing /dev/shm may have removed it
+            remove_segment(fp8.experts.store.name)
 
 
 @pytest.mark.slow
