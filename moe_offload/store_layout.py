@@ -97,7 +97,8 @@ class BankLayout:
     scale_block: ScaleBlock | None = None
 
     @classmethod
-    def of(cls, banks: dict[str, tuple[tuple[int, ...], torch.dtype]], scale_block: ScaleBlock | None = None) -> BankLayout:
+    def of(cls, banks: dict[str, tuple[tuple[int, ...], torch.dtype]],
+           scale_block: ScaleBlock | None = None) -> BankLayout:
         """``banks``: name -> (shape, dtype), in segment order."""
         specs, offset = [], HEADER_BYTES
         for name, (shape, dtype) in banks.items():

@@ -129,8 +129,8 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
             total = staged["from_cache"] + staged["from_host"]
             if mode == "auto":  # which way it went
                 mode = "auto-m" if staged["chunks_memcpy"] else "auto-k"
-            rows.append(dict(fraction=fraction, experts=fmt, invalidate=mode, chunk=chunk, prefix=prefix, seconds=seconds,
-                             tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
+            rows.append(dict(fraction=fraction, experts=fmt, invalidate=mode, chunk=chunk, prefix=prefix,
+                             seconds=seconds, tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
                              pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
                              bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
                              ratio=max(pcie_s, flops_s) / seconds))
@@ -167,7 +167,8 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
         # after a chunk has touched every layer: run before any chunk on an H200 it gave 7-9 GB/s,
         # while the pipeline's chunks imply >= 50 GB/s; a slow first touch of the registered
         # segment is the suspected cause (not yet confirmed)
-        stage_rows += [{"experts": runner.expert_format.name, **r} for r in stage_bandwidth(experts, args.stage_programs)]
+        fmt = runner.expert_format.name
+        stage_rows += [{"experts": fmt, **r} for r in stage_bandwidth(experts, args.stage_programs)]
     rows = []
     for chunk in args.chunks:
         rows += measure(runner, pipelines, chunk, 0, prompt, pages, args.warmup, fraction)
