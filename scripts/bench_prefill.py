@@ -76,9 +76,9 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
         torch.cuda.synchronize()
         return reps * layer_bytes / (time.perf_counter() - start) / 1e9
 
+    scales = [(pool, bank, pool[:num_experts]) for pool, bank in zip(pools[2:], device_host[2:])]  # fp8 only
     rows = []
     for n in programs:
-        scales = [(pool, host, pool[:num_experts]) for pool, host in zip(pools[2:], device_host[2:])]
         gbs = timed(lambda layer: stage_experts(layer, num_experts, cache.num_slots, cache.tables.slot_for_id,
                                                 cache.w13, cache.w2, experts.host_w13, experts.host_w2,
                                                 cache.w13[:num_experts], cache.w2[:num_experts], scratch, programs=n,
