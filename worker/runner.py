@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.fp8 import resolve_expert_format
+from moe_offload.fp8 import ExpertFormat, resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
@@ -77,8 +77,9 @@ class ModelRunner:
         in_store = config.experts.uses_store
         # --expert-dtype, resolved once against the checkpoint's format: the loader, the store and the
         # cache all hold the experts in it
-        self.expert_format = resolve_expert_format(
-            config.experts.expert_dtype, checkpoint_expert_format(config.model_dir), self.dtype)
+        dummy = config.experts.dummy_weights  # drawn as float experts, whatever the directory holds
+        stored = ExpertFormat(self.dtype) if dummy else checkpoint_expert_format(config.model_dir)
+        self.expert_format = resolve_expert_format(config.experts.expert_dtype, stored, self.dtype)
         if config.experts.dummy_weights:
             self.weights = ModelWeights.random(cfg, self.dtype, self.device, config.experts.seed, not in_store)
         else:
