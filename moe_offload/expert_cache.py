@@ -7,6 +7,7 @@
          |   fill them again in between)                                       |
  tables  slot_for_id [L*E] int32 -> slot or -1      id_of_slot [S] int32 -> id or -1
          score, last_use [S] int64 (policy)         step [1] int64          stats [L, 5] int64
+ fp8     w13_scale [S, R13, C13], w2_scale [S, R2, C2] float32 beside the fp8 w13 / w2 pools
 ```
 
 Everything the hot path touches stays on the device: lookups, admissions, the copy plan, the step
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from moe_offload.experts import ExpertBanks
+from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, w13_scale_shape
+from moe_offload.grouped import ExpertScales
 from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.invalidate_slots import invalidate_slots
 from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, Policy, lookup_admit
@@ -61,15 +64,31 @@ def resolve_cache_slots(num_experts_total: int, slot_bytes: int, size: int | Non
     return min(slots, num_experts_total)
 
 
+def slot_bytes(w13_shape: tuple[int, int], w2_shape: tuple[int, int], dtype: torch.dtype,
+               scale_block: ScaleBlock | None = None) -> int:
+    """Bytes of one expert in its format (what a cache slot holds and a miss moves over PCIe):
+    the weights, plus for fp8 their float32 scales."""
+    weights = (w13_shape[0] * w13_shape[1] + w2_shape[0] * w2_shape[1]) * dtype.itemsize
+    if scale_block is None:
+        return weights
+    inter, hidden = w2_shape[1], w2_shape[0]
+    r13, c13 = w13_scale_shape(scale_block, inter, hidden)
+    r2, c2 = scale_block.scale_shape(hidden, inter)
+    return weights + 4 * (r13 * c13 + r2 * c2)
+
+
 class ExpertCache:
-    """Slot pools ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and the device tables that map expert ids
+    """Slot pools ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` (fp8 ones with float32 scale pools
+    ``w13_scale``, ``w2_scale`` per ``scale_block``) and the device tables that map expert ids
     (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels._triton``)."""
 
     def __init__(self, num_layers: int, num_experts: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
                  num_slots: int, dtype: torch.dtype, device: torch.device | str, policy: str = "lfru",
-                 backend: str | None = None):
+                 backend: str | None = None, scale_block: ScaleBlock | None = None):
         if num_slots < 1 or num_layers < 1 or num_experts < 1:
             raise ValueError(f"need layers, experts and slots >= 1, got {num_layers}, {num_experts}, {num_slots}")
+        if (dtype == FP8_DTYPE) != (scale_block is not None):
+            raise ValueError(f"{dtype} slots need a scale block exactly when they are fp8 (got {scale_block})")
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.policy_name = policy
@@ -78,7 +97,12 @@ class ExpertCache:
         # ==== slot pools: contents are only meaningful where id_of_slot says so ====
         self.w13 = torch.empty((num_slots, *w13_shape), dtype=dtype, device=device)
         self.w2 = torch.empty((num_slots, *w2_shape), dtype=dtype, device=device)
-        self.slot_bytes = self.w13[0].nbytes + self.w2[0].nbytes  # what one miss moves over PCIe
+        self.scales = None if scale_block is None else ExpertScales(
+            torch.empty((num_slots, *w13_scale_shape(scale_block, w2_shape[1], w2_shape[0])), dtype=torch.float32,
+                        device=device),
+            torch.empty((num_slots, *scale_block.scale_shape(*w2_shape)), dtype=torch.float32, device=device),
+            scale_block)
+        self.slot_bytes = slot_bytes(w13_shape, w2_shape, dtype, scale_block)  # what one miss moves over PCIe
         # ==== tables ====
         self.tables = CacheTables(
             slot_for_id=torch.full((num_layers * num_experts,), -1, dtype=torch.int32, device=device),
@@ -94,7 +118,7 @@ class ExpertCache:
                   backend: str | None = None) -> ExpertCache:
         """A cache on ``device`` for the experts of ``banks`` (wherever those live)."""
         return cls(banks.num_layers, banks.num_experts, tuple(banks.w13.shape[2:]), tuple(banks.w2.shape[2:]),
-                   num_slots, banks.w13.dtype, device, policy, backend)
+                   num_slots, banks.w13.dtype, device, policy, backend, banks.scale_block)
 
     @property
     def num_slots(self) -> int:
@@ -109,9 +133,15 @@ class ExpertCache:
         return lookup_admit(ids, layer, self.num_experts, self.tables, slot_start, num_slots, self.policy,
                             self.slot_bytes, self.backend)
 
-    def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor) -> None:
-        """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``."""
-        gather_missing(plan.src_id, plan.dst_slot, plan.count, host_w13, host_w2, self.w13, self.w2, self.backend)
+    def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor,
+             host_scales: ExpertScales | None = None) -> None:
+        """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and an
+        fp8 cache's scales from ``host_scales``, ``[L*E, R, C]``)."""
+        if (host_scales is None) != (self.scales is None):
+            raise ValueError("an fp8 cache fills from host scales, a float one from none")
+        scales = {} if host_scales is None else {"host_scales": host_scales[:2], "slot_scales": self.scales[:2]}
+        gather_missing(plan.src_id, plan.dst_slot, plan.count, host_w13, host_w2, self.w13, self.w2, self.backend,
+                       **scales)
 
     def invalidate(self, slot_start: int, num_slots: int) -> None:
         """Empty ``[slot_start, slot_start + num_slots)`` (the prefill pipeline's lent slots)."""

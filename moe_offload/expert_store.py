@@ -92,7 +92,7 @@ class ExpertStore:
         return _bank_view(self._bytes, self.layout.bank(name))
 
     def host_banks(self) -> ExpertBanks:
-        return ExpertBanks(self.bank("w13"), self.bank("w2"))
+        return self._banks(self.bank)
 
     def register_cuda(self, device: torch.device | int | None = None) -> None:
         """Pin the whole mapping (portable, mapped): copies run at full PCIe speed and kernels can
@@ -114,7 +114,13 @@ class ExpertStore:
         if not self.registered:
             raise RuntimeError(f"expert store {self.name}: call register_cuda() before device_banks()")
         raw = mapped_device_bytes(self._device_ptr, self.nbytes, self._device, owner=self)
-        return ExpertBanks(_bank_view(raw, self.layout.bank("w13")), _bank_view(raw, self.layout.bank("w2")))
+        return self._banks(lambda name: _bank_view(raw, self.layout.bank(name)))
+
+    def _banks(self, view: Callable[[str], torch.Tensor]) -> ExpertBanks:
+        """``w13``, ``w2`` and, in an fp8 store, their scale banks."""
+        if self.layout.scale_block is None:
+            return ExpertBanks(view("w13"), view("w2"))
+        return ExpertBanks(view("w13"), view("w2"), view("w13_scale"), view("w2_scale"), self.layout.scale_block)
 
     def close(self) -> None:
         """Unregister from CUDA and let go of the mapping. Host tensors taken earlier stay valid (they

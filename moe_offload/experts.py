@@ -33,6 +33,14 @@ class ExpertBanks(NamedTuple):
     def quantized(self) -> bool:
         return self.w13_scale is not None
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The banks present: ``w13``, ``w2`` and, for fp8, their scale banks."""
+        return tuple(t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None)
+
+    def to(self, device: torch.device | str) -> ExpertBanks:
+        return self._replace(**{name: getattr(self, name).to(device) for name in ("w13", "w2", "w13_scale", "w2_scale")
+                                if getattr(self, name) is not None})
+
     def scales(self, layer: int) -> ExpertScales | None:
         """One layer's scales for ``grouped_swiglu`` (None for unquantized banks)."""
         if self.w13_scale is None:

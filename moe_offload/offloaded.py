@@ -13,7 +13,7 @@ import torch
 
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.experts import ExpertBanks
-from moe_offload.grouped import grouped_swiglu
+from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.prefill_pipeline import PrefillPipeline
 
 # A batch with at least this many routed (token, expert) pairs per expert of the layer goes through
@@ -22,8 +22,14 @@ from moe_offload.prefill_pipeline import PrefillPipeline
 PIPELINE_PAIRS_PER_EXPERT = 4
 
 
+def _by_id(bank: torch.Tensor) -> torch.Tensor:
+    """``[L, E, ...]`` -> ``[L*E, ...]``, indexed by expert id as the cache's tables are."""
+    return bank.view(-1, *bank.shape[2:])
+
+
 class OffloadedExperts:
-    """The ``Experts`` backend for host-resident banks ``w13 [L, E, 2I, H]``, ``w2 [L, E, H, I]``.
+    """The ``Experts`` backend for host-resident banks ``w13 [L, E, 2I, H]``, ``w2 [L, E, H, I]``
+    (fp8 banks with their scale banks: every copy moves the scales beside the weights).
 
     With a CUDA cache the banks must be addressable by kernels: pinned or registered host memory
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
@@ -37,15 +43,20 @@ class OffloadedExperts:
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
                              f"{cache.num_layers}x{cache.num_experts}")
-        if not (banks.w13.is_contiguous() and banks.w2.is_contiguous()):
+        tensors = banks.tensors()
+        if not all(t.is_contiguous() for t in tensors):
             raise ValueError("host banks must be contiguous: the gather addresses experts by id * size")
-        if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in (banks.w13, banks.w2)):
+        if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in tensors):
             raise ValueError("a CUDA cache gathers from pinned (mapped) host banks; these are pageable")
+        if banks.w13.dtype != cache.w13.dtype or banks.scale_block != (cache.scales and cache.scales.block):
+            raise ValueError(f"banks of {banks.w13.dtype} ({banks.scale_block}) do not fit a cache of "
+                             f"{cache.w13.dtype} ({cache.scales and cache.scales.block})")
         self.cache = cache
-        self.host_w13 = banks.w13.view(num_layers * num_experts, *banks.w13.shape[2:])
-        self.host_w2 = banks.w2.view(num_layers * num_experts, *banks.w2.shape[2:])
-        self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage)
-                         if pipeline else None)
+        self.host_w13, self.host_w2 = _by_id(banks.w13), _by_id(banks.w2)
+        self.host_scales = (None if banks.scale_block is None else
+                            ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
+        self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage,
+                                         host_scales=self.host_scales) if pipeline else None)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
@@ -68,5 +79,5 @@ class OffloadedExperts:
             return self.pipeline.forward(layer, hidden, weights, ids)
         # the pipeline's double buffer is off limits to decode (see prefill_pipeline)
         plan, slots = self.cache.lookup(layer, ids, self.pipeline.lent if self.pipeline is not None else 0)
-        self.cache.fill(plan, self.host_w13, self.host_w2)
-        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2)
+        self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
+        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)

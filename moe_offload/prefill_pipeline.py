@@ -7,7 +7,8 @@ copy stream while the compute stream runs the layer before.
                                record release0   record release1      record release0
 ```
 
-The buffer is the cache's slots ``[0, 2E)``, lent as ``w13 [2, E, 2I, H]`` / ``w2 [2, E, H, I]``;
+The buffer is the cache's slots ``[0, 2E)``, lent as ``w13 [2, E, 2I, H]`` / ``w2 [2, E, H, I]``
+(and for fp8 experts the same slots of the scale pools, staged beside the weights);
 buffer ``b`` holds layer ``L`` (``b = L % 2``) indexed by expert id, so the grouped GEMM takes the
 routed ids as slots. Staging copies experts resident elsewhere in the cache device-to-device and
 reads only the rest over PCIe (``kernels.stage_experts``); the host never reads a count.
@@ -30,7 +31,7 @@ from typing import ContextManager, Protocol
 import torch
 
 from moe_offload.expert_cache import ExpertCache
-from moe_offload.grouped import grouped_swiglu
+from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import STAGE_FIELDS, stage_experts
 
@@ -128,11 +129,13 @@ class PrefillPipeline:
     The cache must have at least ``3E`` slots (``2E`` lent, ``E`` for decode lookups, the least
     one of them admits); a smaller one raises ``ValueError`` (``place_experts`` then runs without
     the pipeline). ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are
-    read from (device-addressable on CUDA). Layers must come in order ``0, 1, ..., L-1`` per chunk.
+    read from (device-addressable on CUDA), with ``host_scales`` ``[L*E, R, C]`` for an fp8 cache.
+    Layers must come in order ``0, 1, ..., L-1`` per chunk.
     """
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
-                 invalidate: str = "fixed", streams: PipelineStreams | None = None, stage: str = "kernel"):
+                 invalidate: str = "fixed", streams: PipelineStreams | None = None, stage: str = "kernel",
+                 host_scales: ExpertScales | None = None):
         num_experts = cache.num_experts
         if cache.num_slots < 3 * num_experts:
             raise ValueError(f"the prefill pipeline lends 2x{num_experts} slots and leaves {num_experts} to decode: "
@@ -141,6 +144,8 @@ class PrefillPipeline:
             raise ValueError(f"invalidate mode {invalidate!r} is not one of {INVALIDATE_MODES}")
         if stage not in STAGE_MODES:
             raise ValueError(f"stage mode {stage!r} is not one of {STAGE_MODES}")
+        if (host_scales is None) != (cache.scales is None):
+            raise ValueError("an fp8 cache stages from host scales, a float one from none")
         self.stage = stage
         self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
         self.chunks = {"kernel": 0, "memcpy": 0}  # chunks staged each way
@@ -150,6 +155,10 @@ class PrefillPipeline:
         self.lent = 2 * num_experts
         self.buf_w13 = cache.w13[:self.lent].view(2, num_experts, *cache.w13.shape[1:])
         self.buf_w2 = cache.w2[:self.lent].view(2, num_experts, *cache.w2.shape[1:])
+        # per buffer: the (pool, host, buffer) scale banks staging copies, and the GEMM's scales
+        self.buf_scales = [self._scale_banks(cache, host_scales, b) for b in range(2)]
+        self.gemm_scales = [ExpertScales(banks[0][2], banks[1][2], host_scales.block) if banks else None
+                            for banks in self.buf_scales]
         device = cache.w13.device
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
@@ -178,7 +187,8 @@ class PrefillPipeline:
         buf = layer % 2
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
-            out = grouped_swiglu(hidden, weights, ids, self.buf_w13[buf], self.buf_w2[buf])
+            out = grouped_swiglu(hidden, weights, ids, self.buf_w13[buf], self.buf_w2[buf],
+                                 scales=self.gemm_scales[buf])
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
         self._begun = False
@@ -205,12 +215,25 @@ class PrefillPipeline:
                 experts = slice(layer * num_experts, (layer + 1) * num_experts)
                 self.buf_w13[buf].copy_(self.host_w13[experts], non_blocking=True)
                 self.buf_w2[buf].copy_(self.host_w2[experts], non_blocking=True)
+                for _, host, dst in self.buf_scales[buf]:
+                    dst.copy_(host[experts], non_blocking=True)
                 self.staged[layer, 1] += num_experts
             else:
                 stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13,
                               self.cache.w2, self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf],
-                              self.staged, self.cache.backend)
+                              self.staged, self.cache.backend, scales=self.buf_scales[buf])
         self.streams.record(f"ready{buf}", "copy")
+
+    @staticmethod
+    def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None,
+                     buf: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(pool, host, buffer b's view)`` of each scale bank; empty for float experts."""
+        if host_scales is None:
+            return []
+        num_experts = cache.num_experts
+        pools = cache.scales.w13, cache.scales.w2
+        return [(pool, host, pool[buf * num_experts:(buf + 1) * num_experts])
+                for pool, host in zip(pools, (host_scales.w13, host_scales.w2))]
 
     def reset_stats(self) -> None:
         self.staged.zero_()

@@ -16,7 +16,8 @@ from moe_offload.fp8 import ExpertFormat, w13_scale_shape
 from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, index_files
-from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, checkpoint_files
+from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format, checkpoint_files
+from moe_offload.store_quantize import fill_dummy_fp8
 
 
 class ExpertNames(NamedTuple):
@@ -186,8 +187,9 @@ def fill_dummy(store: ExpertStore, seed: int, threads: int | None = None) -> Non
     own generator, so the values depend on ``seed`` only, not on the thread count or order."""
     chunks = []
     for spec in store.layout.banks:
-        if not spec.dtype.is_floating_point:
-            raise ValueError(f"bank {spec.name} is {spec.dtype}; dummy weights need a floating dtype")
+        if not spec.dtype.is_floating_point or spec.dtype.itemsize < 2:
+            raise ValueError(f"bank {spec.name} is {spec.dtype}; dummy weights need a float dtype "
+                             f"(fp8 stores are filled by store_quantize.fill_dummy_fp8)")
         bank = store.bank(spec.name)
         chunks.extend(bank.reshape(-1, *bank.shape[-2:]).unbind(0) if bank.dim() > 2 else [bank])
     seeds = [(seed * len(chunks) + i) % (1 << 63) for i in range(len(chunks))]
@@ -206,24 +208,29 @@ def fill_dummy(store: ExpertStore, seed: int, threads: int | None = None) -> Non
 def open_checkpoint_experts(
     path: str | Path,
     geometry: ExpertGeometry,
-    dtype: torch.dtype,
+    fmt: ExpertFormat | torch.dtype,
     styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
     layers: Sequence[int] | None = None,
     shm_dir: str | Path = SHM_DIR,
     scheme: FP8Scheme | None = None,
 ) -> ExpertStore:
-    """The store of a checkpoint directory (or file): reused if it exists, else read once
-    (``scheme``: how the checkpoint stores fp8 weights, see ``fill_from_safetensors``)."""
-    files = checkpoint_files(path)
+    """The store of a checkpoint directory (or file) with its experts in ``fmt``: reused if it
+    exists, else read once (``scheme``: how the checkpoint stores fp8 weights, see
+    ``fill_from_safetensors``; float experts stored as fp8 are quantized while the store fills)."""
+    files, fmt = checkpoint_files(path), as_format(fmt)
     return ExpertStore.open_or_create(
-        StoreIdentity.checkpoint(path, dtype),
-        BankLayout.experts(geometry, dtype),
+        StoreIdentity.checkpoint(path, fmt),
+        BankLayout.experts(geometry, fmt),
         lambda store: fill_from_safetensors(store, files, styles, layers, scheme),
         shm_dir,
     )
 
 
-def open_dummy_experts(geometry: ExpertGeometry, seed: int, dtype: torch.dtype, shm_dir: str | Path = SHM_DIR) -> ExpertStore:
+def open_dummy_experts(geometry: ExpertGeometry, seed: int, fmt: ExpertFormat | torch.dtype,
+                       shm_dir: str | Path = SHM_DIR) -> ExpertStore:
+    """Seeded random experts in format ``fmt`` (fp8: drawn in float32 and quantized)."""
+    fmt = as_format(fmt)
+    fill = fill_dummy_fp8 if fmt.quantized else fill_dummy
     return ExpertStore.open_or_create(
-        StoreIdentity.dummy(geometry, seed, dtype), BankLayout.experts(geometry, dtype), lambda s: fill_dummy(s, seed), shm_dir
+        StoreIdentity.dummy(geometry, seed, fmt), BankLayout.experts(geometry, fmt), lambda s: fill(s, seed), shm_dir
     )

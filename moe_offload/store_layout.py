@@ -4,10 +4,14 @@ at the start of the shared-memory segment.
 ```
  0              HEADER_BYTES         (every offset a multiple of ALIGN)                total_bytes
  ┌──────────────┬──────────────────────┬─────┬──────────────────────┬─────┐
- │ header       │ bank w13 [L,E,2I,H]  │ pad │ bank w2 [L,E,H,I]    │ pad │
+ │ header       │ bank w13 [L,E,2I,H]  │ pad │ bank w2 [L,E,H,I]    │ pad │ fp8 only: w13_scale, w2_scale
  └──────────────┴──────────────────────┴─────┴──────────────────────┴─────┘
  header: magic 8s | version u32 | complete u32 | json_len u64 | created f64 | fill_seconds f64 | json
 ```
+
+Each bank has its own dtype: fp8 experts (``moe_offload.fp8``) hold ``w13``/``w2`` in
+``float8_e4m3fn`` and their float32 scale grids ``w13_scale [L,E,R13,C13]``, ``w2_scale [L,E,R2,C2]``
+in the same segment; the layout records the scale block.
 
 `complete` is written last, after the data and `fill_seconds`, so a crashed fill is never taken
 for a usable store.
@@ -24,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from moe_offload.fp8 import ExpertFormat, ScaleBlock, w13_scale_shape
 
 MAGIC = b"SLUICEXS"
 FORMAT_VERSION = 1
@@ -64,6 +70,12 @@ class ExpertGeometry(NamedTuple):
     def w2_shape(self) -> tuple[int, int, int, int]:
         return (self.num_layers, self.num_experts, self.hidden, self.intermediate)
 
+    def scale_shapes(self, block: ScaleBlock) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The fp8 scale banks ``w13_scale``, ``w2_scale`` of this geometry for ``block``."""
+        lead = (self.num_layers, self.num_experts)
+        return ((*lead, *w13_scale_shape(block, self.intermediate, self.hidden)),
+                (*lead, *block.scale_shape(self.hidden, self.intermediate)))
+
 
 class BankSpec(NamedTuple):
     name: str
@@ -78,22 +90,36 @@ class BankSpec(NamedTuple):
 
 @dataclass(frozen=True)
 class BankLayout:
-    """Named banks placed one after another behind the header, each at an ALIGN boundary."""
+    """Named banks placed one after another behind the header, each at an ALIGN boundary;
+    ``scale_block`` is that of the fp8 scale banks (None without them)."""
 
     banks: tuple[BankSpec, ...]
+    scale_block: ScaleBlock | None = None
 
     @classmethod
-    def of(cls, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> BankLayout:
-        banks, offset = [], HEADER_BYTES
-        for name, shape in shapes.items():
+    def of(cls, banks: dict[str, tuple[tuple[int, ...], torch.dtype]],
+           scale_block: ScaleBlock | None = None) -> BankLayout:
+        """``banks``: name -> (shape, dtype), in segment order."""
+        specs, offset = [], HEADER_BYTES
+        for name, (shape, dtype) in banks.items():
             spec = BankSpec(name, tuple(int(d) for d in shape), dtype, offset)
-            banks.append(spec)
+            specs.append(spec)
             offset = _align(offset + spec.nbytes)
-        return cls(tuple(banks))
+        return cls(tuple(specs), scale_block)
 
     @classmethod
-    def experts(cls, geometry: ExpertGeometry, dtype: torch.dtype) -> BankLayout:
-        return cls.of({"w13": geometry.w13_shape, "w2": geometry.w2_shape}, dtype)
+    def experts(cls, geometry: ExpertGeometry, fmt: ExpertFormat | torch.dtype) -> BankLayout:
+        """``w13``, ``w2`` in the format's dtype, then for fp8 the float32 scale banks."""
+        fmt = as_format(fmt)
+        banks = {"w13": (geometry.w13_shape, fmt.dtype), "w2": (geometry.w2_shape, fmt.dtype)}
+        if fmt.quantized:
+            w13_scale, w2_scale = geometry.scale_shapes(fmt.scale_block)
+            banks.update(w13_scale=(w13_scale, torch.float32), w2_scale=(w2_scale, torch.float32))
+        return cls.of(banks, fmt.scale_block)
+
+    @property
+    def format(self) -> ExpertFormat:
+        return ExpertFormat(self.bank("w13").dtype, self.scale_block)
 
     @property
     def total_bytes(self) -> int:
@@ -112,8 +138,20 @@ class BankLayout:
         ]
 
     @classmethod
-    def from_json(cls, banks: list[dict]) -> BankLayout:
-        return cls(tuple(BankSpec(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"]), b["offset"]) for b in banks))
+    def from_json(cls, banks: list[dict], scale_block: list[int] | None = None) -> BankLayout:
+        specs = tuple(BankSpec(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"]), b["offset"]) for b in banks)
+        return cls(specs, ScaleBlock(*scale_block) if scale_block else None)
+
+
+def as_format(fmt: ExpertFormat | torch.dtype) -> ExpertFormat:
+    """A plain dtype is the float format of that dtype."""
+    return fmt if isinstance(fmt, ExpertFormat) else ExpertFormat(fmt)
+
+
+def _format_key(fmt: ExpertFormat) -> str:
+    """The expert format in a store's key: float formats keep the dtype name they always had (so
+    existing bf16 stores stay valid), fp8 ones say their scale block (``fp8-b128x128``)."""
+    return fmt.name if fmt.quantized else dtype_name(fmt.dtype)
 
 
 @dataclass(frozen=True)
@@ -129,19 +167,21 @@ class StoreIdentity:
         return SEGMENT_PREFIX + hashlib.sha256(self.key.encode()).hexdigest()[:16]
 
     @classmethod
-    def checkpoint(cls, path: str | Path, dtype: torch.dtype) -> StoreIdentity:
-        """A checkpoint directory or one file; a rewritten shard changes the key."""
-        resolved = Path(path).resolve()
+    def checkpoint(cls, path: str | Path, fmt: ExpertFormat | torch.dtype) -> StoreIdentity:
+        """A checkpoint directory or one file, in the expert format the store holds (a float
+        checkpoint quantized to fp8 is another store); a rewritten shard changes the key."""
+        resolved, fmt = Path(path).resolve(), as_format(fmt)
         files = checkpoint_files(resolved)
         stats = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-        key = {"checkpoint": str(resolved), "files": stats, "dtype": dtype_name(dtype), "layout": FORMAT_VERSION}
-        return cls(f"checkpoint {resolved} {dtype_name(dtype)}", json.dumps(key, sort_keys=True))
+        key = {"checkpoint": str(resolved), "files": stats, "dtype": _format_key(fmt), "layout": FORMAT_VERSION}
+        return cls(f"checkpoint {resolved} {fmt.name}", json.dumps(key, sort_keys=True))
 
     @classmethod
-    def dummy(cls, geometry: ExpertGeometry, seed: int, dtype: torch.dtype) -> StoreIdentity:
-        key = ["dummy", list(geometry), seed, dtype_name(dtype), FORMAT_VERSION]
+    def dummy(cls, geometry: ExpertGeometry, seed: int, fmt: ExpertFormat | torch.dtype) -> StoreIdentity:
+        fmt = as_format(fmt)
+        key = ["dummy", list(geometry), seed, _format_key(fmt), FORMAT_VERSION]
         g = geometry
-        label = f"dummy L={g.num_layers} E={g.num_experts} H={g.hidden} I={g.intermediate} seed={seed} {dtype_name(dtype)}"
+        label = f"dummy L={g.num_layers} E={g.num_experts} H={g.hidden} I={g.intermediate} seed={seed} {fmt.name}"
         return cls(label, json.dumps(key))
 
 
@@ -170,7 +210,9 @@ class Header(NamedTuple):
 
 def pack_header(identity: StoreIdentity, layout: BankLayout) -> bytes:
     """A header with ``complete`` unset; the creator sets it once the banks are filled."""
-    meta = json.dumps({"label": identity.label, "key": identity.key, "banks": layout.to_json()}).encode()
+    block = list(layout.scale_block) if layout.scale_block else None
+    meta = json.dumps({"label": identity.label, "key": identity.key, "banks": layout.to_json(),
+                       "scale_block": block}).encode()
     if _FIXED.size + len(meta) > HEADER_BYTES:
         raise ValueError(f"expert store header of {len(meta)} bytes does not fit in {HEADER_BYTES}")
     return _FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(meta), time.time(), 0.0) + meta
@@ -190,7 +232,7 @@ def parse_header(raw: bytes) -> Header:
     try:
         meta = json.loads(raw[_FIXED.size : _FIXED.size + meta_len])
         identity = StoreIdentity(meta["label"], meta["key"])
-        layout = BankLayout.from_json(meta["banks"])
+        layout = BankLayout.from_json(meta["banks"], meta.get("scale_block"))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable header metadata ({e})") from None
     return Header(identity, layout, complete == 1, created, fill_seconds)

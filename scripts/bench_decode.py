@@ -4,7 +4,9 @@ the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
-checkpoint directory.
+checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
+runner and rows; the bounds count an expert's bytes in its format (fp8: weights plus scales), the
+misses' bytes as the cache moved them.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import time
 
 import torch
 
+from moe_offload.expert_cache import slot_bytes
+from moe_offload.fp8 import EXPERT_DTYPES
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
@@ -28,6 +32,15 @@ HBM_BYTES_PER_S = 4.3e12
 def cache_totals(runner: ModelRunner) -> dict:
     cache = getattr(runner.experts, "cache", None)
     return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes_h2d": 0}
+
+
+def expert_bytes(runner: ModelRunner) -> int:
+    """One expert's bytes in the runner's format, resident or offloaded."""
+    cache = getattr(runner.experts, "cache", None)
+    if cache is not None:
+        return cache.slot_bytes
+    banks = runner.experts.banks
+    return slot_bytes(tuple(banks.w13.shape[2:]), tuple(banks.w2.shape[2:]), banks.w13.dtype, banks.scale_block)
 
 
 def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
@@ -74,6 +87,41 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
+def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str) -> list[dict]:
+    runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                      experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
+                                                            dummy_weights=args.model in GEOMETRIES,
+                                                            expert_dtype=expert_dtype)))
+    cfg = runner.model_config
+    w = runner.weights
+    dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
+    dense += w.lm_head.numel() * w.lm_head.element_size()
+    one_expert = expert_bytes(runner)
+    decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
+    if runner.graphs is not None:
+        runner.graphs.capture_all()  # capture outside the timed loop
+    rows = []
+    for batch in args.batch:
+        r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
+        profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
+        tok_s = r["tokens"] / r["seconds"]
+        distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
+        if fraction >= 1.0:
+            distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
+        step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
+        step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
+        bound = max(step_pcie, step_hbm)
+        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, batch=batch, tok_s=tok_s,
+                         hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
+                         bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
+                         bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
+                         ratio=tok_s / (batch / bound), **profiled))
+    del runner
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-geometry")
@@ -84,46 +132,20 @@ def main() -> None:
     p.add_argument("--policy", default="lfru")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
+    p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
+                   help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
     p.add_argument("--json")
     args = p.parse_args()
-    dummy = args.model in GEOMETRIES
     rows = []
     for fraction in args.fractions:
-        runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                          cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                          experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
-                                                                dummy_weights=dummy)))
-        cfg = runner.model_config
-        w = runner.weights
-        dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
-        dense += w.lm_head.numel() * w.lm_head.element_size()
-        expert_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
-        decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
-        if runner.graphs is not None:
-            runner.graphs.capture_all()  # capture outside the timed loop
-        for batch in args.batch:
-            r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
-            profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
-            tok_s = r["tokens"] / r["seconds"]
-            distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
-            if fraction >= 1.0:
-                distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
-            step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
-            step_hbm = (dense + distinct * expert_bytes) / HBM_BYTES_PER_S
-            bound = max(step_pcie, step_hbm)
-            rows.append(dict(fraction=fraction, batch=batch, tok_s=tok_s,
-                             hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
-                             bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
-                             bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
-                             ratio=tok_s / (batch / bound), **profiled))
-        del runner
-        torch.cuda.empty_cache()
+        for expert_dtype in args.expert_dtype:
+            rows += bench_runner(args, fraction, expert_dtype)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}")
-    print(f"{'cache':>6} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} "
-          f"{'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
+    print(f"{'cache':>6} {'experts':>12} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} "
+          f"{'bound tok/s':>11} {'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
-        print(f"{r['fraction']:>6.0%} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
+        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
               f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
               f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
     if args.json:

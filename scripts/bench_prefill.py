@@ -4,7 +4,7 @@ for each chunk size, cache fraction, invalidation mode, with and without a cache
 
     python scripts/bench_prefill.py [--model qwen3-30b-geometry] [--fractions 0.25 0.5]
         [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--auto]
-        [--json FILE]
+        [--expert-dtype bf16 fp8] [--json FILE]
 
 Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
 part of the cache (slots [2E, S)) is filled evenly across layers, as a decode phase would leave it;
@@ -15,6 +15,9 @@ backend instead of the paged Triton kernel. Rows "fixed"/"eager" stage through t
 the GPU, misses over PCIe); "memcpy" moves whole layers by the copy engine; "auto" is what serving
 does (the choice per chunk, shown as auto-k / auto-m). First a short table compares the
 stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
+Each ``--expert-dtype`` gets its own runner and rows (fp8: the experts quantized 128x128, half the
+slot bytes, so the same fraction of experts takes half the cache memory); the PCIe bound counts
+the bytes actually staged, fp8 weights plus their scales.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import time
 
 import torch
 
+from moe_offload.fp8 import EXPERT_DTYPES
 from moe_offload.kernels.stage_experts import stage_experts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import PrefillPipeline
@@ -47,7 +51,7 @@ def warm_cache(experts: OffloadedExperts, seed: int) -> None:
         count = usable // layers + (layer < usable % layers)
         ids = torch.randperm(cache.num_experts, generator=gen)[:count].view(-1, 1).cuda()
         plan, _ = cache.lookup(layer, ids, slot_start=lent)
-        cache.fill(plan, experts.host_w13, experts.host_w2)
+        cache.fill(plan, experts.host_w13, experts.host_w2, experts.host_scales)
     cache.reset_stats()
 
 
@@ -56,7 +60,10 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
     = S), and the copy engine moving the layer's contiguous banks."""
     cache, num_experts = experts.cache, experts.cache.num_experts
     host = experts.store.host_banks()  # pinned (registered) CPU views: what cudaMemcpyAsync reads
-    host_w13, host_w2 = (b.view(-1, *b.shape[2:]) for b in (host.w13, host.w2))
+    host_banks = [b.view(-1, *b.shape[2:]) for b in host.tensors()]
+    pools = [cache.w13, cache.w2, *(cache.scales[:2] if cache.scales is not None else ())]
+    device_host = [experts.host_w13, experts.host_w2,
+                   *(experts.host_scales[:2] if experts.host_scales is not None else ())]
     scratch = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device="cuda")
     layer_bytes = num_experts * cache.slot_bytes
 
@@ -69,17 +76,19 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
         torch.cuda.synchronize()
         return reps * layer_bytes / (time.perf_counter() - start) / 1e9
 
+    scales = [(pool, bank, pool[:num_experts]) for pool, bank in zip(pools[2:], device_host[2:])]  # fp8 only
     rows = []
     for n in programs:
         gbs = timed(lambda layer: stage_experts(layer, num_experts, cache.num_slots, cache.tables.slot_for_id,
                                                 cache.w13, cache.w2, experts.host_w13, experts.host_w2,
-                                                cache.w13[:num_experts], cache.w2[:num_experts], scratch, programs=n))
+                                                cache.w13[:num_experts], cache.w2[:num_experts], scratch, programs=n,
+                                                scales=scales))
         rows.append({"method": f"stage kernel, {n} CTAs", "GB/s": gbs})
 
     def memcpy(layer: int) -> None:
         ids = slice(layer * num_experts, (layer + 1) * num_experts)
-        cache.w13[:num_experts].copy_(host_w13[ids], non_blocking=True)
-        cache.w2[:num_experts].copy_(host_w2[ids], non_blocking=True)
+        for pool, bank in zip(pools, host_banks):
+            pool[:num_experts].copy_(bank[ids], non_blocking=True)
 
     rows.append({"method": "cudaMemcpyAsync, whole layer", "GB/s": timed(memcpy)})
     return rows
@@ -104,6 +113,7 @@ def run_chunk(runner: ModelRunner, tokens: list[int], prefix: int, pages: list[i
 
 def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: int, prefix: int,
             prompt: list[int], pages: list[int], warmup: int, fraction: float) -> list[dict]:
+    fmt = runner.expert_format.name
     experts, default = runner.experts, runner.experts.pipeline
     rows = []
     try:
@@ -119,45 +129,46 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
             total = staged["from_cache"] + staged["from_host"]
             if mode == "auto":  # which way it went
                 mode = "auto-m" if staged["chunks_memcpy"] else "auto-k"
-            rows.append(dict(fraction=fraction, invalidate=mode, chunk=chunk, prefix=prefix, seconds=seconds,
-                             tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
+            rows.append(dict(fraction=fraction, experts=fmt, invalidate=mode, chunk=chunk, prefix=prefix,
+                             seconds=seconds, tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
                              pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
                              bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
                              ratio=max(pcie_s, flops_s) / seconds))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        rows.append(dict(fraction=fraction, invalidate="-", chunk=chunk, prefix=prefix, oom=True))
+        rows.append(dict(fraction=fraction, experts=fmt, invalidate="-", chunk=chunk, prefix=prefix, oom=True))
     finally:
         experts.pipeline = default
     return rows
 
 
-def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[dict]) -> list[dict]:
+def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str, stage_rows: list[dict]) -> list[dict]:
     longest = max(args.chunks)
-    experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES)
+    experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES, expert_dtype=expert_dtype)
     runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
                                       max_prefill_tokens=longest, experts=experts, attention=args.attention,
                                       gpu_memory_limit=args.gpu_memory_limit))
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
-    banks = experts.cache, experts.host_w13, experts.host_w2
-    pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel") for mode in args.invalidate}
+    banks, scales = (experts.cache, experts.host_w13, experts.host_w2), experts.host_scales
+    pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel", host_scales=scales) for mode in args.invalidate}
     if args.memcpy:  # the whole layer by the copy engine, hits included
-        pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy")
+        pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy", host_scales=scales)
     if args.auto:  # the serving default: kernel or copy engine per chunk
-        pipelines["auto"] = PrefillPipeline(*banks, stage="auto")
+        pipelines["auto"] = PrefillPipeline(*banks, stage="auto", host_scales=scales)
     warm_cache(experts, seed=1)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (args.prefix + longest,), generator=torch.Generator().manual_seed(0)).tolist()
     pool = runner.kv_pool
     pages = pool.allocate(pool.pages_for(len(prompt)))
     run_chunk(runner, prompt[:1024], 0, pages)  # compile the kernels
-    if not stage_rows and args.stage_programs:
+    if args.stage_programs and not any(r["experts"] == runner.expert_format.name for r in stage_rows):
         # after a chunk has touched every layer: run before any chunk on an H200 it gave 7-9 GB/s,
         # while the pipeline's chunks imply >= 50 GB/s; a slow first touch of the registered
         # segment is the suspected cause (not yet confirmed)
-        stage_rows += stage_bandwidth(experts, args.stage_programs)
+        fmt = runner.expert_format.name
+        stage_rows += [{"experts": fmt, **r} for r in stage_bandwidth(experts, args.stage_programs)]
     rows = []
     for chunk in args.chunks:
         rows += measure(runner, pipelines, chunk, 0, prompt, pages, args.warmup, fraction)
@@ -184,23 +195,26 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
     p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
+    p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
+                   help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []
     rows = []
     for fraction in args.fractions:
-        rows += bench_fraction(args, fraction, stage_rows)
+        for expert_dtype in args.expert_dtype:
+            rows += bench_fraction(args, fraction, expert_dtype, stage_rows)
     print(f"prefill, {args.model}, {torch.cuda.get_device_name()}, attention {args.attention}, "
           f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
     if stage_rows:
-        print(f"{'staging one layer from the host':<32} {'GB/s':>6}")
+        print(f"{'experts':>12} {'staging one layer from the host':<32} {'GB/s':>6}")
         for r in stage_rows:
-            print(f"{r['method']:<32} {r['GB/s']:>6.1f}")
-    print(f"{'cache':>6} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} {'hits':>5} "
-          f"{'PCIe GB':>8} {'HBM GB':>7} {'bound s':>8} {'bound':>5} {'ratio':>6}")
+            print(f"{r['experts']:>12} {r['method']:<32} {r['GB/s']:>6.1f}")
+    print(f"{'cache':>6} {'experts':>12} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} "
+          f"{'hits':>5} {'PCIe GB':>8} {'HBM GB':>7} {'bound s':>8} {'bound':>5} {'ratio':>6}")
     for r in rows:
-        head = f"{r['fraction']:>6.0%} {r['invalidate']:>6} {r['chunk']:>6} {r['prefix']:>6}"
+        head = f"{r['fraction']:>6.0%} {r['experts']:>12} {r['invalidate']:>6} {r['chunk']:>6} {r['prefix']:>6}"
         if r.get("oom"):
             print(f"{head} {'out of memory':>40}")
             continue

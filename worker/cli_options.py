@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from moe_offload.fp8 import EXPERT_DTYPES
 from worker.attention import BACKENDS
 from worker.expert_placement import ExpertOptions
 from worker.runner import RunnerConfig
@@ -43,6 +44,11 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                         "the rest read over PCIe by a kernel that holds some SMs), memcpy (whole layers by the copy "
                         "engine, no SMs), auto (per chunk, memcpy when the chunk's compute is long enough "
                         "that the SMs matter more than the PCIe bytes saved)")
+    p.add_argument("--expert-dtype", default=ExpertOptions.expert_dtype, choices=EXPERT_DTYPES,
+                   help="expert weights' format: auto (default) keeps the checkpoint's, fp8 runs e4m3 experts with "
+                        "128x128 block scales (a bf16 checkpoint is quantized once, when the expert store is filled: "
+                        "half the bytes over PCIe, twice the experts in the same cache memory), bf16 runs them in "
+                        "the compute dtype")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(graphs are on: %(default)s)")
@@ -60,7 +66,7 @@ def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     experts = ExpertOptions(args.moe_cache_size, args.moe_cache_fraction, args.moe_cache_auto, args.moe_policy,
                             args.kv_reserve_tokens, args.dummy_weights, args.seed_weights,
                             prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate,
-                            prefill_stage=args.prefill_stage)
+                            prefill_stage=args.prefill_stage, expert_dtype=args.expert_dtype)
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,

@@ -1,5 +1,6 @@
 """Where the experts run from: all resident on the device, or in the shared-memory expert store
-behind a GPU expert cache of ``--moe-cache-size`` / ``--moe-cache-fraction`` / ``--moe-cache-auto``."""
+behind a GPU expert cache of ``--moe-cache-size`` / ``--moe-cache-fraction`` / ``--moe-cache-auto``;
+and in which format (``--expert-dtype``: bf16, or fp8 with block scales, see ``moe_offload.fp8``)."""
 from __future__ import annotations
 
 import logging
@@ -7,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.expert_cache import resolve_cache_slots
+from moe_offload.expert_cache import resolve_cache_slots, slot_bytes
 from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
+from moe_offload.fp8 import ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
 from moe_offload.store_layout import ExpertGeometry
@@ -31,6 +33,7 @@ class ExpertOptions:
     prefill_pipeline: bool = True  # stream prefill chunks' experts through a double buffer (needs 3E slots)
     prefill_invalidate: str = "fixed"  # "eager": the boolean-mask invalidation, a hidden sync (A/B only)
     prefill_stage: str = "auto"  # "kernel" | "memcpy" | "auto" (per chunk), see prefill_pipeline.STAGE_MODES
+    expert_dtype: str = "auto"  # "auto" | "bf16" | "fp8", see fp8.resolve_expert_format
 
     @property
     def uses_store(self) -> bool:
@@ -42,31 +45,35 @@ class ExpertOptions:
 
 
 def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resident: ExpertBanks,
-                  dtype: torch.dtype, device: torch.device, activation_bytes: int, memory: DeviceMemory) -> Experts:
-    """The ``Experts`` backend. ``resident`` holds the banks when the checkpoint loader filled them
-    (no store); otherwise the experts come from the store."""
+                  dtype: torch.dtype, device: torch.device, activation_bytes: int, memory: DeviceMemory,
+                  fmt: ExpertFormat | None = None) -> Experts:
+    """The ``Experts`` backend, its experts in ``fmt`` (default: float in ``dtype``). ``resident``
+    holds the banks when the checkpoint loader filled them in ``fmt`` (no store); otherwise the
+    experts come from the store, filled in ``fmt`` (a float checkpoint run in fp8 is quantized
+    once, at fill)."""
+    fmt = fmt or ExpertFormat(dtype)
     if not options.uses_store:
         return ResidentExperts(resident)
     geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
     if options.dummy_weights:
-        store = open_dummy_experts(geometry, options.seed, dtype)
+        store = open_dummy_experts(geometry, options.seed, fmt)
     else:
         with checkpoint_errors():
-            store = open_checkpoint_experts(model_dir, geometry, dtype, scheme=cfg.quantization)
+            store = open_checkpoint_experts(model_dir, geometry, fmt, scheme=cfg.quantization)
     if device.type == "cuda":
         store.register_cuda(device)
     host = store.host_banks()
     total = cfg.num_layers * cfg.num_experts
-    slot_bytes = (host.w13[0, 0].numel() + host.w2[0, 0].numel()) * host.w13.element_size()
-    slots = resolve_cache_slots(total, slot_bytes, **_sizing(options, cfg, dtype, memory, activation_bytes))
+    one_slot = slot_bytes(tuple(host.w13.shape[2:]), tuple(host.w2.shape[2:]), host.w13.dtype, host.scale_block)
+    slots = resolve_cache_slots(total, one_slot, **_sizing(options, cfg, dtype, memory, activation_bytes))
     if slots < cfg.num_experts:
         raise ValueError(f"the expert cache would hold {slots} experts; it needs at least one layer's "
                          f"{cfg.num_experts} (a prefill chunk can route to all of them)")
     if slots >= total:
         log.info("expert cache holds all %d experts: running fully resident", total)
-        return ResidentExperts(ExpertBanks(host.w13.to(device), host.w2.to(device)))
-    log.info("expert cache: %d of %d experts (%.1f%%, %.2f GB), policy %s", slots, total, 100 * slots / total,
-             slots * slot_bytes / 1e9, options.policy)
+        return ResidentExperts(host.to(device))
+    log.info("expert cache: %d of %d %s experts (%.1f%%, %.2f GB), policy %s", slots, total, fmt.name,
+             100 * slots / total, slots * one_slot / 1e9, options.policy)
     pipeline = options.prefill_pipeline and slots >= 3 * cfg.num_experts
     if options.prefill_pipeline and not pipeline:
         log.warning("expert cache of %d slots is below the %d the prefill pipeline needs (2x%d lent, %d for decode): "

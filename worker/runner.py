@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.fp8 import ExpertFormat, resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
@@ -17,6 +18,7 @@ from worker.expert_placement import ExpertOptions, place_experts
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
+from worker.quantization import checkpoint_expert_format
 from worker.sampling import SamplingParams, SamplingTensors, sample
 
 # --max-prefill-tokens 0 (auto): a multiple of AUTO_PREFILL_STEP up to AUTO_PREFILL_MAX on a GPU.
@@ -73,12 +75,18 @@ class ModelRunner:
         self.memory.cap()
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         in_store = config.experts.uses_store
+        # --expert-dtype, resolved once against the checkpoint's format: the loader, the store and the
+        # cache all hold the experts in it
+        dummy = config.experts.dummy_weights  # drawn as float experts, whatever the directory holds
+        stored = ExpertFormat(self.dtype) if dummy else checkpoint_expert_format(config.model_dir)
+        self.expert_format = resolve_expert_format(config.experts.expert_dtype, stored, self.dtype)
         if config.experts.dummy_weights:
             self.weights = ModelWeights.random(cfg, self.dtype, self.device, config.experts.seed, not in_store)
         else:
-            self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store)
+            self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store,
+                                             self.expert_format)
         experts = place_experts(cfg, config.model_dir, config.experts, self.weights.experts, self.dtype,
-                                self.device, self._activation_bytes(), self.memory)
+                                self.device, self._activation_bytes(), self.memory, self.expert_format)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.max_prefill_tokens = self._resolve_prefill_tokens()

@@ -47,3 +47,16 @@ def next_pow2(n: int) -> int:
 def num_warps_for(block: int) -> int:
     """Warps for a one-program kernel holding ``block`` elements per tensor in registers."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers, for kernels that copy bytes whatever the dtype (fp8 pointers
+    need not be supported by every Triton target or the interpreter). One-byte items with an even
+    last dimension go in pairs (int16), so a copy kernel's block of elements moves as many bytes
+    for fp8 banks as for bf16 ones."""
+    if tensor.element_size() == 1 and tensor.shape[-1] % 2 == 0 and tensor.is_contiguous():
+        return tensor.view(torch.int16)
+    return tensor.view(_RAW_DTYPES[tensor.element_size()])

@@ -5,6 +5,9 @@ them through their device addresses (zero-copy over PCIe), so a decode step with
 ``cudaMemcpy`` the host would have to size, and is capturable in a CUDA graph. The grid is fixed
 by the expert's size: program ``p`` copies block ``p`` of every planned expert, looping over the
 count read on the device, so a step without misses costs one launch of empty loops.
+
+The kernel copies raw bytes (each bank viewed as the integer type of its item size), so one kernel
+serves bf16 banks, fp8 banks (1 byte) and their float32 scale banks alike: one launch per bank.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels._triton import raw_bytes, use_triton
 
 BLOCK = 4096
 
@@ -32,27 +35,40 @@ def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                              f"{tuple(slots.shape)} {slots.dtype}")
         if not (host.is_contiguous() and slots.is_contiguous()) or slots.device != slot_device:
             raise ValueError("host banks and slot pools must be contiguous, the pools on one device")
-    if banks[0][0].shape[0] != banks[1][0].shape[0] or banks[0][1].shape[0] != banks[1][1].shape[0]:
-        raise ValueError("the w13 and w2 banks must hold the same experts and slots")
+    if len({host.shape[0] for host, _ in banks}) != 1 or len({slots.shape[0] for _, slots in banks}) != 1:
+        raise ValueError("every bank (w13, w2 and any scales) must hold the same experts and slots")
 
 
 def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                    host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
-                   backend: str | None = None) -> None:
-    """Copy rows ``host[plan_src[i]] -> slots[plan_dst[i]]`` for ``i < count``, both banks.
+                   backend: str | None = None, host_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   slot_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Copy rows ``host[plan_src[i]] -> slots[plan_dst[i]]`` for ``i < count``, every bank.
 
-    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``, ``slot_w13 [S, 2I, H]``, ``slot_w2 [S, H, I]``.
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``, ``slot_w13 [S, 2I, H]``, ``slot_w2 [S, H, I]``;
+    fp8 banks also move their scales: ``host_scales`` ``(w13 [L*E, R13, C13], w2 [L*E, R2, C2])``
+    into ``slot_scales`` ``([S, R13, C13], [S, R2, C2])``.
     Plan entries are not checked (that would read the device): ``lookup_admit`` produces them in
     range. On CUDA the host banks must be device-addressable (pinned/registered, or device views).
     """
-    banks = [(host_w13, slot_w13), (host_w2, slot_w2)]
+    banks = _pairs(host_w13, host_w2, slot_w13, slot_w2, host_scales, slot_scales)
     _check(plan_src, plan_dst, count, banks)
     if use_triton(slot_w13, backend):
         for host, slots in banks:
+            host, slots = raw_bytes(host), raw_bytes(slots)
             numel = host[0].numel()
             _kernel()[(_num_blocks(numel),)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK)
     else:
-        gather_missing_eager(plan_src, plan_dst, count, host_w13, host_w2, slot_w13, slot_w2)
+        gather_missing_eager(plan_src, plan_dst, count, banks)
+
+
+def _pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
+           host_scales: tuple[torch.Tensor, torch.Tensor] | None,
+           slot_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if (host_scales is None) != (slot_scales is None):
+        raise ValueError("scales must be given for both the host banks and the slots, or for neither")
+    pairs = [(host_w13, slot_w13), (host_w2, slot_w2)]
+    return pairs + list(zip(host_scales, slot_scales)) if host_scales is not None else pairs
 
 
 def _num_blocks(numel: int) -> int:
@@ -60,11 +76,11 @@ def _num_blocks(numel: int) -> int:
 
 
 def gather_missing_eager(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
-                         host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor,
-                         slot_w2: torch.Tensor) -> None:
-    """Reference twin: reads the count on the host (CPU path and oracle only)."""
+                         banks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Reference twin over ``(host, slots)`` bank pairs: reads the count on the host (CPU path and
+    oracle only)."""
     num = int(count[0])
-    for host, slots in ((host_w13, slot_w13), (host_w2, slot_w2)):
+    for host, slots in banks:
         src = plan_src[:num].long().to(host.device)
         slots[plan_dst[:num].long()] = host[src].to(slots.device)
 

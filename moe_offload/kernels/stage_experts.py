@@ -15,14 +15,18 @@ or be sized on the host (a sync). The kernel is persistent with a small grid (``
 loop over (expert, block) work items) so that the grouped GEMM on the compute stream keeps most of
 the SMs; it reads mapped host memory through its device address (about 51-55 GB/s measured for the
 decode gather). ``scripts/bench_prefill.py`` measures it against a whole-layer copy-engine copy.
+
+Like the gather it copies raw bytes (``_triton.raw_bytes``): fp8 banks and their float32 scale
+banks are staged by the same kernel, one launch per bank.
 """
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels._triton import next_pow2, raw_bytes, use_triton
 
 BLOCK = 8192  # elements per work item: 16 KB of bf16 in flight per CTA
 PROGRAMS = 32  # CTAs: 512 KB in flight covers PCIe latency; the other SMs stay with the GEMM
@@ -63,23 +67,27 @@ def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
 def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
                   pool_w13: torch.Tensor, pool_w2: torch.Tensor, host_w13: torch.Tensor, host_w2: torch.Tensor,
                   buf_w13: torch.Tensor, buf_w2: torch.Tensor, stats: torch.Tensor,
-                  backend: str | None = None, programs: int = PROGRAMS) -> None:
+                  backend: str | None = None, programs: int = PROGRAMS,
+                  scales: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> None:
     """Fill ``buf [E, ...]`` with all experts of ``layer``: hits (slot >= ``lent``) from the pool
     ``[S, ...]``, the rest from the host bank ``[L*E, ...]``; ``stats[layer] += (hits, misses)``.
+    fp8 banks stage their scale banks too: ``scales`` holds ``(pool, host, buf)`` for ``w13_scale``
+    and ``w2_scale``, shaped like the weights' but ``[..., R, C]``.
 
-    Two launches (w13, w2), fixed grids. On CUDA the host banks must be device-addressable (pinned
+    One launch per bank, fixed grids. On CUDA the host banks must be device-addressable (pinned
     or registered, or device views of mapped memory). Slot entries are not checked (that would read
     the device): ``lookup_admit`` keeps them in ``[0, S)`` or -1.
     """
-    banks = [(pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2)]
+    banks = [(pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2), *scales]
     _check(layer, num_experts, lent, slot_for_id, banks, stats)
     if programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
     if not use_triton(buf_w13, backend):
-        stage_experts_eager(layer, num_experts, lent, slot_for_id, pool_w13, pool_w2, host_w13, host_w2,
-                            buf_w13, buf_w2, stats)
+        stage_experts_eager(layer, num_experts, lent, slot_for_id, banks, stats)
         return
-    for count, (pool, host, buf) in zip((True, False), banks):
+    for i, bank in enumerate(banks):
+        count = i == 0
+        pool, host, buf = (raw_bytes(t) for t in bank)
         numel = pool[0].numel()
         grid = min(programs, num_experts * -(-numel // BLOCK))
         _kernel()[(grid,)](slot_for_id, pool, host, buf, stats, layer, num_experts, lent, numel,
@@ -88,14 +96,13 @@ def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Te
 
 
 def stage_experts_eager(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
-                        pool_w13: torch.Tensor, pool_w2: torch.Tensor, host_w13: torch.Tensor, host_w2: torch.Tensor,
-                        buf_w13: torch.Tensor, buf_w2: torch.Tensor, stats: torch.Tensor) -> None:
-    """Reference twin: plain gathers and a select (CPU path and oracle; it copies every expert
-    from both sources, so it saves no PCIe traffic)."""
+                        banks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], stats: torch.Tensor) -> None:
+    """Reference twin over ``(pool, host, buf)`` banks: plain gathers and a select (CPU path and
+    oracle; it copies every expert from both sources, so it saves no PCIe traffic)."""
     gids = layer * num_experts + torch.arange(num_experts, device=slot_for_id.device)
     slots = slot_for_id[gids].long()
     hit = slots >= lent
-    for pool, host, buf in ((pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2)):
+    for pool, host, buf in banks:
         from_host = host[gids.to(host.device)].to(buf.device)
         buf.copy_(torch.where(hit[:, None, None], pool[slots.clamp(min=0)], from_host))
     num_hit = hit.sum()

@@ -1,0 +1,101 @@
+"""Seeded dummy experts in fp8 (``--dummy-weights --expert-dtype fp8``): drawn in float32 as the
+bf16 ones are and quantized block-wise while the store is filled (``moe_offload.fp8``: e4m3, amax
+per block; ``w13``'s halves keep their own grids).
+
+One matrix at a time on a thread pool, quantized in place in its float32 scratch, so the 58 GB
+geometry store fills in fp8 about as fast as in bf16; each matrix depends on its seed only.
+(A float checkpoint run in fp8 is quantized by ``store_fill.fill_from_safetensors``.)
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from moe_offload.expert_store import ExpertStore
+from moe_offload.experts import ExpertBanks
+from moe_offload.fp8 import FP8_MAX, ScaleBlock, quantize
+from moe_offload.progress import ProgressBar
+
+DUMMY_STD = 0.02  # as fill_dummy's bf16 experts
+
+_scratch = threading.local()
+
+
+def quantize_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: ScaleBlock) -> None:
+    """``q, scale = fp8.quantize(w, block)``, bit for bit, written into ``q [N, K]`` and
+    ``scale [R, C]``. A float32 ``w`` whose shape is a multiple of the block is used as scratch
+    (divided in place: no full-size temporaries); any other goes through ``fp8.quantize``."""
+    rows, cols = w.shape
+    col_block = block.col_block(cols)
+    if w.dtype != torch.float32 or not w.is_contiguous() or rows % block.rows or cols % col_block:
+        q_new, scale_new = quantize(w, block)
+        q.copy_(q_new)
+        scale.copy_(scale_new)
+        return
+    tiles = w.view(rows // block.rows, block.rows, cols // col_block, col_block)
+    amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_())
+    scale.copy_(torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
+    tiles.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    q.copy_(w)
+
+
+def quantize_w13_into(w13: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: ScaleBlock) -> None:
+    """``fp8.quantize_w13`` into ``q [2I, H]``, ``scale [2R, C]``: each half on its own grid."""
+    inter, grid = w13.shape[0] // 2, scale.shape[0] // 2
+    quantize_into(w13[:inter], q[:inter], scale[:grid], block)
+    quantize_into(w13[inter:], q[inter:], scale[grid:], block)
+
+
+def _float_scratch(shape: torch.Size) -> torch.Tensor:
+    numel = shape.numel()
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel].view(shape)
+
+
+def _quantize_matrix(banks: ExpertBanks, bank: str, layer: int, expert: int,
+                     fill: Callable[[torch.Tensor], object]) -> int:
+    """``fill`` a float32 scratch with one expert's ``w13 [2I, H]`` or ``w2 [H, I]``, quantize it
+    into the fp8 bank and its scales; returns the fp8 bytes written."""
+    dst = getattr(banks, bank)[layer, expert]
+    scale = getattr(banks, bank + "_scale")[layer, expert]
+    scratch = _float_scratch(dst.shape)
+    fill(scratch)
+    (quantize_w13_into if bank == "w13" else quantize_into)(scratch, dst, scale, banks.scale_block)
+    return dst.nbytes
+
+
+def _run_parallel(work: list[Callable[[], int]], bar: ProgressBar, threads: int | None) -> None:
+    """Run ``work`` (each returns the bytes it wrote) on a thread pool of single-threaded torch."""
+    threads = threads or len(os.sched_getaffinity(0))
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)  # the parallelism is across matrices; nested intra-op pools would oversubscribe
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for done in pool.map(lambda fn: fn(), work):
+                bar.advance(done)
+    finally:
+        torch.set_num_threads(intra_op)
+
+
+def _draw(seed: int) -> Callable[[torch.Tensor], object]:
+    return lambda t: t.normal_(0.0, DUMMY_STD, generator=torch.Generator().manual_seed(seed))
+
+
+def fill_dummy_fp8(store: ExpertStore, seed: int, threads: int | None = None) -> None:
+    """Seeded ``normal(0, 0.02)`` experts, drawn in float32 with the seeds ``fill_dummy`` gives the
+    same matrices, then quantized. Deterministic by ``seed``, whatever the thread count."""
+    banks = store.host_banks()
+    layers, experts = banks.w13.shape[:2]
+    count = layers * experts
+    work = [functools.partial(_quantize_matrix, banks, bank, i // experts, i % experts,
+                              _draw((seed * 2 * count + b * count + i) % (1 << 63)))
+            for b, bank in enumerate(("w13", "w2")) for i in range(count)]
+    with ProgressBar(banks.w13.nbytes + banks.w2.nbytes, f"dummy fp8 experts seed={seed}") as bar:
+        _run_parallel(work, bar, threads)
