@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import signal
 import sys
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    atexit.register(runner.save_routing_record)  # at exit: after Shutdown, or SIGTERM (sys.exit)
     cfg = runner.model_config
     host_gib = args.kv_host_size
     if host_gib is None:  # on CPU the KV pool already lives in host RAM: a second copy buys nothing

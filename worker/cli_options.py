@@ -5,6 +5,7 @@ import argparse
 
 from worker.attention import BACKENDS
 from worker.expert_placement import ExpertOptions
+from worker.routing_options import RoutingOptions
 from worker.runner import RunnerConfig
 
 
@@ -51,6 +52,21 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
+    add_routing_args(p)
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", default=RoutingOptions.routing, metavar="model|synthetic|replay:FILE",
+                   help="which experts each token goes to: model (default: the model's own router); synthetic "
+                        "(with --dummy-weights: a router calibrated to Qwen3-30B-A3B's decode statistics, ~45%% of "
+                        "choices repeat at the next token, ~80%% within 8, near-flat popularity); replay:FILE (a "
+                        "trace written by --record-routing; tokens it lacks use the model's router)")
+    p.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="record every token's routing (ids and weights per layer) on the device and write it to "
+                        "FILE at exit, for --routing replay:FILE and scripts/cache_policy_report.py")
+    p.add_argument("--record-routing-tokens", type=int, default=RoutingOptions.record_tokens,
+                   help="tokens --record-routing holds (device buffers sized up front; later ones are dropped "
+                        "with a warning)")
 
 
 def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
@@ -61,7 +77,11 @@ def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,
-                        cuda_graph_max_batch=args.cuda_graph_max_batch)
+                        cuda_graph_max_batch=args.cuda_graph_max_batch, routing=routing_options(args))
+
+
+def routing_options(args: argparse.Namespace) -> RoutingOptions:
+    return RoutingOptions(args.routing, args.record_routing, args.record_routing_tokens, seed=args.seed_weights)
 
 
 def resolve_model(model: str | None) -> str:

@@ -1,11 +1,14 @@
 """The decoder both families share: pre-norm GQA attention with RoPE (and per-head q/k RMSNorm for
-Qwen3), then a sparse MoE MLP behind the ``MoEBlock`` API of ``moe_offload``."""
+Qwen3), then a sparse MoE MLP: a ``Routing`` picks each token's experts (the model's router by
+default), an ``Experts`` backend of ``moe_offload`` runs them."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from moe_offload.experts import Experts, MoEBlock
+from moe_offload.experts import Experts
+from moe_offload.routing import ModelRouting, Routing
+from moe_offload.synthetic_routing import TokenKeys
 from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
@@ -14,23 +17,26 @@ from worker.models.weights import LayerWeights, ModelWeights
 
 
 class MoETransformer:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts,
+                 routing: Routing | None = None):
         self.cfg = cfg
         self.weights = weights
         self.attention = attention
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device)
         self.experts = experts
-        self.moe = [MoEBlock(i, experts, cfg.top_k, cfg.renormalize) for i in range(cfg.num_layers)]
+        self.routing = routing or ModelRouting(cfg.top_k, cfg.renormalize)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
         self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
+        self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
         x = w.embed[batch.input_ids]
         for i, lw in enumerate(w.layers):
             x = x + self._attention(i, lw, rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps), batch)
             h = rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps)
-            x = x + self.moe[i](h, F.linear(h, lw.router))
+            weights, ids = self.routing(i, h, lw.router)
+            x = x + self.experts.forward(i, h, weights, ids)
         last = rms_norm(x[batch.last_index], w.final_norm, self.cfg.rms_norm_eps)
         return F.linear(last, w.lm_head).float()
 
@@ -56,3 +62,10 @@ class MoETransformer:
         k = self.rotary(k, batch.positions)
         out = self.attention.forward(layer, q, k, v, batch)
         return F.linear(out.reshape(T, cfg.q_size), lw.o)
+
+
+def token_keys(batch: ForwardBatch) -> TokenKeys:
+    """Each token's sequence key (its sequence's first KV page), position and id, on the device."""
+    tokens = torch.arange(batch.num_tokens, device=batch.positions.device)
+    sequence = torch.searchsorted(batch.last_index, tokens)
+    return TokenKeys(batch.page_table[sequence, 0], batch.positions, batch.input_ids)
