@@ -19,7 +19,7 @@ import torch
 from moe_offload.experts import ExpertBanks
 from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.invalidate_slots import invalidate_slots
-from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, Policy, lookup_admit
+from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, LowPriority, Policy, lookup_admit
 
 POLICIES = ("lru", "lfru")
 # LFRU in model steps (one lookup per layer per step): each use banks two steps of credit against
@@ -100,14 +100,15 @@ class ExpertCache:
     def num_slots(self) -> int:
         return self.w13.shape[0]
 
-    def lookup(self, layer: int, ids: torch.Tensor, slot_start: int = 0,
-               num_slots: int | None = None) -> tuple[CopyPlan, torch.Tensor]:
+    def lookup(self, layer: int, ids: torch.Tensor, slot_start: int = 0, num_slots: int | None = None,
+               low: LowPriority = LowPriority()) -> tuple[CopyPlan, torch.Tensor]:
         """Route ``ids [T, k]`` of ``layer`` to slots, admitting misses into ``[slot_start, +num_slots)``
-        (default: every slot from ``slot_start`` on). The plan still has to be gathered (``fill``)."""
+        (default: every slot from ``slot_start`` on), slots below ``low.end`` ranking first as
+        victims. The plan still has to be gathered (``fill``)."""
         if num_slots is None:
             num_slots = self.num_slots - slot_start
         return lookup_admit(ids, layer, self.num_experts, self.tables, slot_start, num_slots, self.policy,
-                            self.slot_bytes, self.backend)
+                            self.slot_bytes, self.backend, low)
 
     def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor) -> None:
         """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``."""

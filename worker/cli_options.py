@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.attention import BACKENDS
 from worker.expert_placement import ExpertOptions
 from worker.routing_options import RoutingOptions
@@ -44,6 +45,10 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                         "the rest read over PCIe by a kernel that holds some SMs), memcpy (whole layers by the copy "
                         "engine, no SMs), auto (default: per chunk, memcpy when the chunk's compute is long enough "
                         "that the SMs matter more than the PCIe bytes saved)")
+    p.add_argument("--lent-slots", default=ExpertOptions.lent_slots, choices=list(LENT_SLOT_RULES),
+                   help="what decode does with the 2E cache slots the prefill pipeline borrows: reserve (default: "
+                        "decode never admits there, so they idle between prefills) or decode (decode admits there "
+                        "too, as the first victims, and a prefill wipes only those coldest entries)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(graphs are on: %(default)s)")
@@ -73,7 +78,7 @@ def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     experts = ExpertOptions(args.moe_cache_size, args.moe_cache_fraction, args.moe_cache_auto, args.moe_policy,
                             args.kv_reserve_tokens, args.dummy_weights, args.seed_weights,
                             prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate,
-                            prefill_stage=args.prefill_stage)
+                            prefill_stage=args.prefill_stage, lent_slots=args.lent_slots)
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,
