@@ -29,6 +29,16 @@ LENT_SLOT_RULES = ("reserve", "decode")
 LENT_PENALTY_STEPS = 8
 
 
+def decode_slots(rule: str, lent: int, num_layers: int) -> tuple[int, LowPriority]:
+    """Where decode admits under lent-slot ``rule`` with ``lent`` slots lent to a pipeline (0: none):
+    its first slot, and which slots rank first as victims."""
+    if lent == 0:
+        return 0, LowPriority()
+    if rule == "reserve":  # the pipeline's double buffer is off limits to decode (see prefill_pipeline)
+        return lent, LowPriority()
+    return 0, LowPriority(lent, LENT_PENALTY_STEPS * num_layers)
+
+
 class OffloadedExperts:
     """The ``Experts`` backend for host-resident banks ``w13 [L, E, 2I, H]``, ``w2 [L, E, H, I]``.
 
@@ -56,7 +66,8 @@ class OffloadedExperts:
         self.host_w2 = banks.w2.view(num_layers * num_experts, *banks.w2.shape[2:])
         self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage)
                          if pipeline else None)
-        self.decode_start, self.low = self._decode_slots(lent_slots)
+        lent = self.pipeline.lent if self.pipeline is not None else 0
+        self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
@@ -65,13 +76,6 @@ class OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
                    lent_slots)
 
-    def _decode_slots(self, rule: str) -> tuple[int, LowPriority]:
-        """Where decode admits: its first slot, and which slots rank first as victims."""
-        if self.pipeline is None:
-            return 0, LowPriority()
-        if rule == "reserve":  # the pipeline's double buffer is off limits to decode (see prefill_pipeline)
-            return self.pipeline.lent, LowPriority()
-        return 0, LowPriority(self.pipeline.lent, LENT_PENALTY_STEPS * self.cache.num_layers)
 
     def pipelined(self, ids: torch.Tensor) -> bool:
         """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""

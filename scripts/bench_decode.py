@@ -2,9 +2,12 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
-checkpoint directory.
+checkpoint directory. Dummy weights route nearly the same experts every step; ``--routing
+synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
+Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once).
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import torch
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
+from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.geometry import GEOMETRIES
+from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
 from worker.sampling import SamplingParams
 
@@ -62,15 +67,18 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--policy", default="lfru")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
+    p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
+    p.add_argument("--lent-slots", nargs="+", default=["reserve"], choices=list(LENT_SLOT_RULES),
+                   help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--json")
     args = p.parse_args()
     dummy = args.model in GEOMETRIES
     rows = []
-    for fraction in args.fractions:
+    for fraction, lent in [(f, rule) for f in args.fractions for rule in args.lent_slots]:
         runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                          cuda_graph=not args.no_cuda_graph,
+                                          cuda_graph=not args.no_cuda_graph, routing=RoutingOptions(args.routing),
                                           experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
-                                                                dummy_weights=dummy)))
+                                                                dummy_weights=dummy, lent_slots=lent)))
         cfg = runner.model_config
         w = runner.weights
         dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -88,7 +96,7 @@ def main() -> None:
             step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
             step_hbm = (dense + distinct * expert_bytes) / HBM_BYTES_PER_S
             bound = max(step_pcie, step_hbm)
-            rows.append(dict(fraction=fraction, batch=batch, tok_s=tok_s,
+            rows.append(dict(fraction=fraction, lent_slots=lent, batch=batch, tok_s=tok_s,
                              hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
                              bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
                              bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
@@ -96,10 +104,11 @@ def main() -> None:
         del runner
         torch.cuda.empty_cache()
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
-          f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}")
-    print(f"{'cache':>6} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} {'bound':>5} {'ratio':>6}")
+          f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
+          f"routing {args.routing}")
+    print(f"{'cache':>6} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} {'bound':>5} {'ratio':>6}")
     for r in rows:
-        print(f"{r['fraction']:>6.0%} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
+        print(f"{r['fraction']:>6.0%} {r['lent_slots']:>7} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
               f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -47,6 +47,8 @@ CONFIGS = {
     "odd-sizes": Config(3, 6, 9, 1, 6, 1, 3, Policy(3, 30)),
     "low-priority": Config(3, 16, 40, 0, 40, 5, 4, Policy(6, 96), LowPriority(16, 20)),  # decode in lent slots
     "low-priority-lru": Config(2, 16, 24, 0, 24, 2, 2, Policy(0, 0), LowPriority(16, 3)),
+    "visit": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96, 2)),  # layers' next lookups rank the victims
+    "visit-low-priority": Config(4, 8, 28, 0, 28, 2, 2, Policy(4, 8, 3), LowPriority(16, 10)),
 }
 
 
@@ -149,6 +151,22 @@ def test_lookup_admit_twin_semantics():
     assert tables.id_of_slot.tolist() == [0, 6, 2, 5] and tables.slot_for_id.tolist() == [0, -1, 2, -1, -1, 3, 1, -1]
     assert tables.last_use.tolist() == [5, 10, 10, 10] and tables.step.tolist() == [11]
     assert tables.stats[0].tolist() == [3, 1, 2, 1, 14]
+
+
+def test_lookup_admit_visit_ranks_the_layer_looked_up_last_first():
+    """Equally old residents of layers 1, 2 and 0; a miss of layer 0 evicts layer 1's expert under
+    LRU (the lowest slot of a tie) but layer 0's with ``visit``: layer 1 is looked up next, layer 0
+    only after a whole cycle."""
+    cfg = Config(3, 4, 3, 0, 3, 1, 1, Policy(0, 0))
+    for visit, want in ((0, 0), (1, 2)):
+        tables = empty_tables(cfg)
+        for slot, gid in enumerate([4, 8, 0]):  # layers 1, 2, 0
+            tables.id_of_slot[slot], tables.slot_for_id[gid] = gid, slot
+            tables.last_use[slot] = tables.score[slot] = 5
+        tables.step.fill_(10)
+        plan, _ = lookup_mod.lookup_admit(torch.tensor([[1]]), 0, 4, tables, 0, 3, Policy(0, 0, visit), 1,
+                                          backend="eager")
+        assert plan.dst_slot.tolist() == [want]
 
 
 def test_lookup_admit_bounds():
