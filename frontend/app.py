@@ -1,4 +1,5 @@
-"""``python -m frontend``: bind the client endpoint, spawn the scheduler, wait for it, serve.
+"""``python -m frontend``: bind the client endpoint and the HTTP API, spawn the scheduler, wait for
+it, serve. The HTTP API answers /health (503) while the model loads.
 
 Options the frontend does not know are passed to the scheduler verbatim (e.g. ``--model DIR``)."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -15,6 +17,9 @@ from dataclasses import dataclass, fields
 import zmq
 import zmq.asyncio
 
+from frontend.client import API_KEY_ENV
+from frontend.http.context import HttpContext
+from frontend.http.server import HttpServer
 from frontend.launch import SchedulerStartError, scheduler_command, spawn_scheduler, wait_ready
 from frontend.server import Frontend
 from frontend.tokenizer import ChatTokenizer
@@ -32,6 +37,11 @@ class FrontendConfig:
     heartbeat_timeout_s: float = 30.0
     client_keepalive_s: float = 2.0  # a Pending reply per live request this often (finds vanished clients)
     shutdown_grace_s: float = 10.0
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000  # None: no HTTP API (--no-http); 0: any free port
+    http_max_body_bytes: int = 32 << 20
+    served_model_name: str | None = None  # default: the model name the scheduler announces
+    api_key: str | None = None  # default: $SLUICE_API_KEY
     engine_args: tuple[str, ...] = ()
 
 
@@ -59,11 +69,58 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         help="seconds between Pending replies to each live request; a client that went away is "
         "noticed when one cannot be delivered, and its requests are aborted",
     )
+    _add_http_args(p, d)
     known, engine_args = p.parse_known_args(argv)
+    if known.no_http:
+        known.http_port = None
+    if known.api_key is None:
+        known.api_key = os.environ.get(API_KEY_ENV) or None
     values = {
         f.name: getattr(known, f.name) for f in fields(FrontendConfig) if f.name != "engine_args"
     }
     return FrontendConfig(**values, engine_args=tuple(engine_args))
+
+
+def _add_http_args(p: argparse.ArgumentParser, d: type[FrontendConfig]) -> None:
+    p.add_argument("--http-host", default=d.http_host, help="address of the OpenAI HTTP API")
+    p.add_argument("--http-port", type=int, default=d.http_port, help="0: any free port (printed)")
+    p.add_argument("--no-http", action="store_true", help="serve ZMQ clients only")
+    p.add_argument("--http-max-body", dest="http_max_body_bytes", type=int,
+                   default=d.http_max_body_bytes, help="largest HTTP request body, in bytes")
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="the model name HTTP clients send (default: the model's path)")
+    p.add_argument("--api-key", default=d.api_key,
+                   help=f"require this key from every client (default: ${API_KEY_ENV})")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # "*", an interface or host name: assume it is reachable
+        return False
+
+
+def _warn_open_sockets(config: FrontendConfig) -> None:
+    """Anyone who can reach a non-loopback socket can use the server: say so if no key guards it."""
+    if config.api_key:
+        return
+    zmq_host = config.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    if config.endpoint.startswith("tcp://") and not _is_loopback(zmq_host):
+        log.warning("the ZMQ endpoint %s is not loopback and no --api-key is set", config.endpoint)
+    if config.http_port is not None and not _is_loopback(config.http_host):
+        log.warning("the HTTP API on %s is not loopback and no --api-key is set", config.http_host)
+
+
+def _start_http(config: FrontendConfig) -> HttpServer | None:
+    if config.http_port is None:
+        return None
+    ctx = HttpContext(config.api_key, config.http_max_body_bytes, config.served_model_name)
+    http = HttpServer(ctx, config.http_host, config.http_port)
+    http.start()
+    log.info("HTTP API on %s (503 on /health until the model is loaded)", http.url)
+    return http
 
 
 def _bind_clients(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
@@ -82,6 +139,21 @@ def _load_tokenizer(path: str) -> ChatTokenizer:
 
 
 async def run(config: FrontendConfig) -> int:
+    _warn_open_sockets(config)
+    try:
+        http = _start_http(config)
+    except OSError as exc:
+        print(f"error: cannot serve HTTP on {config.http_host}:{config.http_port}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
+    try:
+        return await _run_zmq(config, http)
+    finally:
+        if http is not None:
+            await http.stop()
+
+
+async def _run_zmq(config: FrontendConfig, http: HttpServer | None) -> int:
     ctx = zmq.asyncio.Context()
     router = _bind_clients(ctx, config.endpoint)
     stop = asyncio.Event()
@@ -107,7 +179,6 @@ async def run(config: FrontendConfig) -> int:
         if config.pid_file:  # before the announcement, so a reader of stdout finds it
             with open(config.pid_file, "w") as f:
                 f.write(f"{scheduler.pid}\n")
-        print(f"frontend endpoint {endpoint}\nscheduler pid {scheduler.pid}", flush=True)
         frontend = Frontend(
             router,
             scheduler,
@@ -116,8 +187,16 @@ async def run(config: FrontendConfig) -> int:
             config.heartbeat_timeout_s,
             stop,
             config.client_keepalive_s,
+            config.api_key,
+            http.ctx.metrics if http is not None else None,
         )
+        print(f"frontend endpoint {endpoint}\nscheduler pid {scheduler.pid}", flush=True)
+        if http is not None:
+            http.ctx.frontend = frontend
+            print(f"http endpoint {http.url}", flush=True)
         code = await frontend.serve()
+        if http is not None:  # its loops have stopped: new HTTP requests get 503 from here on
+            http.ctx.frontend, http.ctx.stopping = None, True
         return code
     except (SchedulerStartError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

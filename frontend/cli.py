@@ -14,6 +14,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m frontend.client", description=__doc__, allow_abbrev=False
     )
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
+    p.add_argument("--api-key", help="the server's --api-key (default: $SLUICE_API_KEY)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--prompt", help="complete this text and print the completion")
     mode.add_argument("--chat", action="store_true", help="interactive chat (Ctrl-D ends it)")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop,
         timeout=args.timeout,
     )
-    with Client(args.endpoint, timeout=args.timeout) as client:
+    with Client(args.endpoint, timeout=args.timeout, api_key=args.api_key) as client:
         try:
             if args.stats:
                 for key, value in sorted(client.stats().items()):

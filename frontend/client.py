@@ -7,11 +7,13 @@ many concurrent requests on one socket). Both use a DEALER socket and time out e
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -20,6 +22,14 @@ from frontend.api.replies import Chunk, Usage
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 DEFAULT_TIMEOUT_S = 120.0
+API_KEY_ENV = "SLUICE_API_KEY"
+
+
+def _keyed(message: requests.ClientRequest, api_key: str | None) -> bytes:
+    """The frame for ``message``, carrying the api key when there is one."""
+    if api_key is not None:
+        message = msgspec.structs.replace(message, api_key=api_key)
+    return requests.encode(message)
 
 
 class ServerError(RuntimeError):
@@ -93,9 +103,13 @@ class Client:
     """Blocking client. ``timeout`` bounds each wait for a reply (each chunk, when streaming)."""
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,  # default: $SLUICE_API_KEY
     ) -> None:
         self.timeout = timeout
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._ctx = zmq.Context()
         self._sock = _dealer(self._ctx, endpoint)
 
@@ -133,7 +147,7 @@ class Client:
         self.close()
 
     def _send(self, message: requests.ClientRequest) -> None:
-        self._sock.send(requests.encode(message))
+        self._sock.send(_keyed(message, self.api_key))
 
     def _next(self, rid: str, timeout: float | None) -> Chunk | replies.Stats:
         """The next reply for ``rid``; replies to earlier, abandoned requests are skipped."""
@@ -195,9 +209,13 @@ class AsyncClient:
     """asyncio client; concurrent requests share one socket, a reader task routes replies."""
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_S
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,  # default: $SLUICE_API_KEY
     ) -> None:
         self.timeout = timeout
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._ctx = zmq.asyncio.Context()
         self._sock = _dealer(self._ctx, endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -224,7 +242,7 @@ class AsyncClient:
             return dict((await self._next(request.rid, timeout)).stats)
 
     async def abort(self, rid: str) -> None:
-        await self._sock.send(requests.encode(requests.Abort(rid=rid)))
+        await self._sock.send(_keyed(requests.Abort(rid=rid), self.api_key))
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -278,7 +296,7 @@ class _Pending:
 
     async def __aenter__(self) -> _Pending:
         self._client._queues[self._request.rid] = asyncio.Queue()
-        await self._client._sock.send(requests.encode(self._request))
+        await self._client._sock.send(_keyed(self._request, self._client.api_key))
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from frontend.api.replies import Chunk, FinishReason, Usage
@@ -35,6 +36,8 @@ class RequestState:
         self._token_ids: list[int] = []  # for a non-streaming reply, all of them
         self._text: list[str] = []  # likewise
         self.completion_tokens = 0
+        self.started_s = time.monotonic()  # for the latency metrics
+        self.last_token_s: float | None = None
 
     def on_update(self, update: TokenUpdate) -> Chunk | None:
         """The chunk to send for this update (None: nothing yet, non-streaming). When the chunk

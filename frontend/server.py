@@ -2,14 +2,20 @@
 
 Three tasks on one asyncio loop: client frames in, scheduler frames in, and a watchdog that
 notices a dead or silent scheduler. Requests are keyed twice: by the frontend's own ``rid`` (what
-the scheduler sees) and by (client identity, client rid) (what a client may abort)."""
+the scheduler sees) and by (client identity, client rid) (what a client may abort).
+
+Local clients (the HTTP API in ``frontend.http``) speak the same ``requests`` structs through
+``submit``; each has its own identity, and its replies go to an asyncio queue instead of the
+ROUTER, so both front doors share one request table, one validation and one scheduler link."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import time
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -29,6 +35,13 @@ log = logging.getLogger("sluice.frontend")
 WATCHDOG_INTERVAL_S = 0.1
 
 
+class RequestObserver(Protocol):
+    """Told when tokens of a request arrive (latency metrics); times are ``time.monotonic()``."""
+
+    def on_tokens(self, started_s: float, previous_s: float | None, now_s: float, count: int) -> None:
+        ...
+
+
 class Frontend:
     def __init__(
         self,
@@ -39,6 +52,8 @@ class Frontend:
         heartbeat_timeout_s: float,
         stop: asyncio.Event,
         client_keepalive_s: float = 2.0,
+        api_key: str | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
         self._router = router
         self._scheduler = scheduler
@@ -47,6 +62,9 @@ class Frontend:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._client_keepalive_s = client_keepalive_s
         self._stop = stop
+        self._api_key = api_key
+        self._observer = observer
+        self._local: dict[bytes, asyncio.Queue[replies.ServerReply]] = {}
         self._requests: dict[str, RequestState] = {}
         self._by_client: dict[tuple[bytes, str], str] = {}
         self._stats_waiting: dict[int, tuple[list[bytes], str]] = {}
@@ -80,6 +98,32 @@ class Frontend:
         self.exit_code = 1
         self._stop.set()
 
+    @property
+    def model(self) -> ModelInfo:
+        return self._model
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        return self._tokenizer
+
+    # ==== local clients ====
+
+    def open_local(self) -> tuple[bytes, asyncio.Queue[replies.ServerReply]]:
+        """A new local client: its identity, and the queue its replies arrive on."""
+        identity = b"local:%d" % next(self._ids)
+        queue: asyncio.Queue[replies.ServerReply] = asyncio.Queue()
+        self._local[identity] = queue
+        return identity, queue
+
+    async def submit(self, identity: bytes, request: requests.ClientRequest) -> None:
+        """A local client's request, handled as a ZMQ client's (authenticated by its caller)."""
+        await self._dispatch([identity], request)
+
+    def close_local(self, identity: bytes) -> None:
+        """The local client is done or gone: abort whatever it still has running."""
+        if self._local.pop(identity, None) is not None:
+            self._abort_client(identity)
+
     # ==== clients ====
 
     async def _client_loop(self) -> None:
@@ -101,6 +145,19 @@ class Frontend:
         except ProtocolError as exc:
             await self._error(envelope, exc.rid, replies.BAD_REQUEST, str(exc))
             return
+        if not self._authorized(request):
+            rid = getattr(request, "rid", None)
+            await self._error(envelope, rid, replies.UNAUTHORIZED, "missing or wrong api_key")
+            return
+        await self._dispatch(envelope, request)
+
+    def _authorized(self, request: requests.ClientRequest) -> bool:
+        if self._api_key is None:
+            return True
+        given = (request.api_key or "").encode()
+        return hmac.compare_digest(given, self._api_key.encode())
+
+    async def _dispatch(self, envelope: list[bytes], request: requests.ClientRequest) -> None:
         if isinstance(request, requests.Generate):
             await self._on_generate(envelope, request)
         elif isinstance(request, requests.Abort):
@@ -156,6 +213,9 @@ class Frontend:
     def _drop_client(self, identity: bytes) -> None:
         """The client is gone: abort its requests, forget its stats requests."""
         self._counts["client_disconnects_total"] += 1
+        self._abort_client(identity)
+
+    def _abort_client(self, identity: bytes) -> None:
         for rid in [r for r, s in self._requests.items() if s.envelope[0] == identity]:
             self._forget(rid)
             self._scheduler.send(AbortRequest(rid=rid))
@@ -163,6 +223,12 @@ class Frontend:
             del self._stats_waiting[nonce]
 
     async def _send(self, envelope: list[bytes], reply: replies.ServerReply) -> None:
+        queue = self._local.get(envelope[0])
+        if queue is not None:
+            queue.put_nowait(reply)
+            return
+        if envelope[0].startswith(b"local:"):
+            return  # a local client that has closed: nobody to tell
         try:
             await self._router.send_multipart([*envelope, replies.encode(reply)])
         except zmq.ZMQError as exc:
@@ -215,6 +281,10 @@ class Frontend:
         state = self._requests.get(update.rid)
         if state is None:
             return  # aborted here while the update was in flight
+        if self._observer is not None and update.token_ids:
+            now = time.monotonic()
+            self._observer.on_tokens(state.started_s, state.last_token_s, now, len(update.token_ids))
+            state.last_token_s = now
         chunk: Chunk | None = state.on_update(update)
         if chunk is None:
             return

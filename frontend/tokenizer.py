@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.sandbox
@@ -81,12 +81,16 @@ class ChatTokenizer:
         """A raw prompt, plus the special tokens (BOS) that tokenizer.json's post-processor adds."""
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+    ) -> str:
+        """``tools`` (OpenAI tool definitions) reach the template as transformers passes them."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template; send a prompt instead")
         try:
             return self._template.render(
                 messages=list(messages),
+                tools=list(tools) if tools else None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -96,9 +100,12 @@ class ChatTokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+    ) -> list[int]:
         # The template writes BOS itself when the model wants one, as transformers assumes.
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        text = self.render_chat(messages, tools)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

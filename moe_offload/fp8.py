@@ -46,6 +46,8 @@ class ScaleBlock(NamedTuple):
 
 BLOCK_128 = ScaleBlock(128, 128)
 PER_CHANNEL = ScaleBlock(1, 0)
+# Activations quantized on the fly (fp8 x fp8 GEMMs): one scale per token and 128 columns.
+ACTIVATION_BLOCK = ScaleBlock(1, 128)
 
 
 class ExpertFormat(NamedTuple):

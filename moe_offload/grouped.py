@@ -12,7 +12,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, w13_scale_shape
+from moe_offload.fp8 import (ACTIVATION_BLOCK, FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, quantize,
+                             w13_scale_shape)
 from moe_offload.kernels._triton import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,24 +27,32 @@ def grouped_swiglu(
     w2: torch.Tensor,
     *,
     scales: ExpertScales | None = None,
+    fp8_activations: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
 
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
-    (``w13``'s is the gate's grid stacked on the up's); the activations stay in hidden's dtype.
+    (``w13``'s is the gate's grid stacked on the up's). The activations stay in hidden's dtype
+    (weight-only), or with ``fp8_activations`` each GEMM's input is quantized per token and 128
+    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8.
 
-    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``), anything
+    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``, or
+    ``grouped_gemm_fp8`` for fp8 banks, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
     ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
     requires them in range.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
+    if fp8_activations and scales is None:
+        raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
-        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations)
     if scales is not None:
-        raise NotImplementedError("the Triton fp8 grouped GEMM is not written yet")  # TODO(fp8-kernel)
+        from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
+
+        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
@@ -76,8 +85,9 @@ def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
         _check_scales(scales, num_slots, inter, dim)
     if not weights.dtype.is_floating_point or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"weights must be floating point and slots int32/int64; got {weights.dtype}, {slots.dtype}")
-    if len({t.device for t in (hidden, weights, slots, w13, w2)}) != 1:
-        raise ValueError("hidden, weights, slots, w13 and w2 must be on one device")
+    devices = {t.device for t in (hidden, weights, slots, w13, w2)}
+    if len(devices | ({scales.w13.device} if scales is not None else set())) != 1:
+        raise ValueError("hidden, weights, slots, w13, w2 (and scales) must be on one device")
 
 
 def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) -> None:
@@ -88,6 +98,8 @@ def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) ->
                          f"{scales.block}: want {want13} / {want2}")
     if scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32:
         raise ValueError(f"scales must be float32; got {scales.w13.dtype}, {scales.w2.dtype}")
+    if scales.w13.device != scales.w2.device:
+        raise ValueError("scales w13 and w2 must be on one device")
 
 
 def grouped_swiglu_eager(
@@ -97,9 +109,10 @@ def grouped_swiglu_eager(
     w13: torch.Tensor,
     w2: torch.Tensor,
     scales: ExpertScales | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
-    hidden's dtype first).
+    hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
 
     Reads the routing on the host (which experts occur), so it is the CPU path and the parity
     oracle, never the GPU hot path.
@@ -108,15 +121,21 @@ def grouped_swiglu_eager(
     inter = w2.shape[-1]
     out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     flat_slots = slots.reshape(-1)
+    round_trip = _fp8_round_trip if fp8_activations else (lambda x: x)
+    hidden_in = round_trip(hidden)
     for slot in torch.unique(flat_slots).tolist():
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
         up_w, down_w = _expert_weights(w13, w2, scales, slot, hidden.dtype)
-        gate_up = F.linear(hidden[tokens], up_w)
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        gate_up = F.linear(hidden_in[tokens], up_w)
+        act = round_trip(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         expert_out = F.linear(act, down_w)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
     return out.to(hidden.dtype)
+
+
+def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    return dequantize(*quantize(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK, x.dtype)
 
 
 def _expert_weights(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None, slot: int,

@@ -57,7 +57,7 @@ class OffloadedExperts:
                              f"{cache.num_layers}x{cache.num_experts}")
         if not (banks.w13.is_contiguous() and banks.w2.is_contiguous()):
             raise ValueError("host banks must be contiguous: the gather addresses experts by id * size")
-        if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in banks):
+        if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in (banks.w13, banks.w2)):
             raise ValueError("a CUDA cache gathers from pinned (mapped) host banks; these are pageable")
         if lent_slots not in LENT_SLOT_RULES:
             raise ValueError(f"lent-slot rule {lent_slots!r} is not one of {LENT_SLOT_RULES}")

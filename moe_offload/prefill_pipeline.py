@@ -213,6 +213,10 @@ class PrefillPipeline:
                               self.staged, self.cache.backend)
         self.streams.record(f"ready{buf}", "copy")
 
+    def reset_stats(self) -> None:
+        self.staged.zero_()
+        self.chunks = dict.fromkeys(self.chunks, 0)
+
     def stats(self) -> dict:
         """Experts staged from the cache and from the host, and the PCIe bytes; reads the device,
         so call it off the hot path."""

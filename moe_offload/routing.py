@@ -11,25 +11,24 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
 from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys
 
 # synthetic routing computes every layer at once in ``begin`` up to this many scores (decode
 # steps: one set of launches per step); bigger batches (prefill chunks) go layer by layer
 ALL_LAYERS_MAX_SCORES = 1 << 22
 
-
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to one.
 
     This is the normalisation of both Mixtral (always renormalised, which equals a softmax over the
     top-k logits) and Qwen3-MoE (renormalised when ``norm_topk_prob``). Returns float32 weights
-    ``[T, k]`` and int64 expert ids ``[T, k]``.
+    ``[T, k]`` and int64 expert ids ``[T, k]``. One fused launch on CUDA (``kernels.topk_softmax``).
     """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    if use_triton(router_logits):
+        return topk_softmax(router_logits, top_k, renormalize)
+    return topk_softmax_eager(router_logits, top_k, renormalize)
 
 
 class Routing(Protocol):

@@ -11,6 +11,9 @@ from typing import Collection, NamedTuple, Sequence
 import torch
 
 from moe_offload.expert_store import SHM_DIR, ExpertStore
+from moe_offload.experts import ExpertBanks
+from moe_offload.fp8 import ExpertFormat, w13_scale_shape
+from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, index_files
 from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, checkpoint_files
@@ -51,29 +54,84 @@ def detect_names(tensor_names: Collection[str], layer: int, styles: Sequence[Exp
     raise ValueError(f"no expert weights for layer {layer} in the checkpoint; looked for {tried}")
 
 
-def _read(index: dict[str, SafetensorsFile], name: str, shape: Sequence[int]) -> torch.Tensor:
-    if name not in index:
-        raise ValueError(f"missing tensor {name}")
-    tensor = index[name].tensor(name)
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-    return tensor
+class ExpertLayer(NamedTuple):
+    """One layer's experts in one format: ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` and, for fp8, their
+    float32 scale grids ``[E, R, C]`` (``moe_offload.fp8``; ``w13``'s = gate grid on up grid)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
 
 
-def load_expert_layer(
-    index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, w13: torch.Tensor, w2: torch.Tensor
-) -> None:
-    """Copy checkpoint layer ``layer`` into ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (any device/dtype)."""
-    num_experts, two_i, hidden = w13.shape
-    inter = two_i // 2
+def load_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
+                      target: ExpertFormat, scheme: FP8Scheme | None = None) -> None:
+    """Write checkpoint layer ``layer`` into ``dst`` (any device) in ``target``'s format: fp8 experts
+    kept (their scales beside them), dequantized for a float target; float experts cast, or
+    quantized for an fp8 target. ``scheme`` says how the checkpoint stores fp8 (None: no fp8)."""
+    inter, hidden = dst.w2.shape[-1], dst.w2.shape[-2]
     if names.gate_up is not None:
-        w13.copy_(_read(index, names.gate_up.format(layer=layer), w13.shape))
-        w2.copy_(_read(index, names.down.format(layer=layer), w2.shape))
+        _load_fused(index, names, layer, dst, target, scheme)
         return
-    for e in range(num_experts):
-        w13[e, :inter].copy_(_read(index, names.gate.format(layer=layer, expert=e), (inter, hidden)))
-        w13[e, inter:].copy_(_read(index, names.up.format(layer=layer, expert=e), (inter, hidden)))
-        w2[e].copy_(_read(index, names.down.format(layer=layer, expert=e), (hidden, inter)))
+    for e in range(dst.w13.shape[0]):
+        for half, template, shape in ((0, names.gate, (inter, hidden)), (1, names.up, (inter, hidden)),
+                                      (None, names.down, (hidden, inter))):
+            matrix = read_matrix(index, template.format(layer=layer, expert=e), shape, scheme)
+            _put(dst, e, half, to_expert_format(matrix, scheme, target))
+
+
+def read_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, geometry: ExpertGeometry,
+                      target: ExpertFormat, scheme: FP8Scheme | None = None) -> ExpertLayer:
+    """Checkpoint layer ``layer`` in ``target``'s format, in new CPU tensors."""
+    dst = empty_expert_layer(geometry, target, torch.device("cpu"))
+    load_expert_layer(index, names, layer, dst, target, scheme)
+    return dst
+
+
+def empty_expert_layer(geometry: ExpertGeometry, target: ExpertFormat, device: torch.device,
+                       num_layers: tuple[int, ...] = ()) -> ExpertLayer:
+    """Uninitialised banks of ``target``'s format, ``[*num_layers, E, ...]``."""
+    lead = (*num_layers, geometry.num_experts)
+    two_i, hidden, inter = 2 * geometry.intermediate, geometry.hidden, geometry.intermediate
+    w13 = torch.empty(*lead, two_i, hidden, dtype=target.dtype, device=device)
+    w2 = torch.empty(*lead, hidden, inter, dtype=target.dtype, device=device)
+    if not target.quantized:
+        return ExpertLayer(w13, w2)
+    block = target.scale_block
+    return ExpertLayer(w13, w2, torch.empty(*lead, *w13_scale_shape(block, inter, hidden), device=device),
+                       torch.empty(*lead, *block.scale_shape(hidden, inter), device=device))
+
+
+def _put(dst: ExpertLayer, e: int | slice, half: int | None, matrix: StoredMatrix) -> None:
+    """``matrix`` into expert ``e``'s ``w2`` (``half`` None) or its gate (0) or up (1) rows of ``w13``;
+    each half of ``w13``'s scale grid is that half's own grid."""
+    if half is None:
+        weight, scale = dst.w2[e], None if dst.w2_scale is None else dst.w2_scale[e]
+    else:
+        weight = _half_rows(dst.w13[e], half)
+        scale = None if dst.w13_scale is None else _half_rows(dst.w13_scale[e], half)
+    weight.copy_(matrix.weight)
+    if scale is not None:
+        scale.copy_(matrix.scale)
+
+
+def _half_rows(t: torch.Tensor, half: int) -> torch.Tensor:
+    rows = t.shape[-2] // 2
+    return t[..., half * rows:(half + 1) * rows, :]
+
+
+def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
+                target: ExpertFormat, scheme: FP8Scheme | None) -> None:
+    """The transformers-5 layout, float only: a fused fp8 ``gate_up`` carries one scale grid over
+    ``[2I, H]``, not the two halves' grids that Sluice's fp8 experts use."""
+    w13 = read_matrix(index, names.gate_up.format(layer=layer), dst.w13.shape, scheme)
+    w2 = read_matrix(index, names.down.format(layer=layer), dst.w2.shape, scheme)
+    if w13.scale is not None or w2.scale is not None:
+        raise ValueError(f"fused fp8 experts ({names.gate_up.format(layer=layer)}) are not supported; "
+                         "Sluice reads fp8 experts stored one expert per tensor")
+    for half in (0, 1):
+        _put(dst, slice(None), half, to_expert_format(StoredMatrix(_half_rows(w13.weight, half)), None, target))
+    _put(dst, slice(None), None, to_expert_format(w2, None, target))
 
 
 def fill_from_safetensors(
@@ -81,19 +139,33 @@ def fill_from_safetensors(
     files: Sequence[str | Path],
     styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
     layers: Sequence[int] | None = None,
+    scheme: FP8Scheme | None = None,
 ) -> None:
-    """Fill ``w13``/``w2`` from a (sharded) checkpoint. ``layers[i]`` is the checkpoint layer of bank
-    layer ``i`` (default: the same index), for models whose first layers are dense."""
-    w13, w2 = store.bank("w13"), store.bank("w2")
-    layers = list(range(w13.shape[0])) if layers is None else list(layers)
-    if len(layers) != w13.shape[0]:
-        raise ValueError(f"{len(layers)} checkpoint layers given for {w13.shape[0]} bank layers")
+    """Fill the store's banks from a (sharded) checkpoint, in the banks' format (their dtype, and
+    their scales' block for fp8). ``layers[i]`` is the checkpoint layer of bank layer ``i``
+    (default: the same index), for models whose first layers are dense; ``scheme`` says how the
+    checkpoint stores fp8 weights (None: it has none)."""
+    banks = store.host_banks()
+    target = ExpertFormat(banks.w13.dtype, banks.scale_block)
+    layers = list(range(banks.w13.shape[0])) if layers is None else list(layers)
+    if len(layers) != banks.w13.shape[0]:
+        raise ValueError(f"{len(layers)} checkpoint layers given for {banks.w13.shape[0]} bank layers")
     index = index_files(list(files))
     names = detect_names(index.keys(), layers[0], styles)
-    with ProgressBar(w13.nbytes + w2.nbytes, f"loading experts of {store.identity.label}") as bar:
+    with ProgressBar(_nbytes(banks), f"loading experts of {store.identity.label}") as bar:
         for i, layer in enumerate(layers):
-            load_expert_layer(index, names, layer, w13[i], w2[i])
-            bar.advance(w13[i].nbytes + w2[i].nbytes)
+            dst = _bank_layer(banks, i)
+            load_expert_layer(index, names, layer, dst, target, scheme)
+            bar.advance(_nbytes(dst))
+
+
+def _bank_layer(banks: ExpertBanks, i: int) -> ExpertLayer:
+    scales = (banks.w13_scale[i], banks.w2_scale[i]) if banks.quantized else (None, None)
+    return ExpertLayer(banks.w13[i], banks.w2[i], *scales)
+
+
+def _nbytes(tensors: ExpertBanks | ExpertLayer) -> int:
+    return sum(t.nbytes for t in tensors[:4] if t is not None)
 
 
 _scratch = threading.local()
@@ -138,13 +210,15 @@ def open_checkpoint_experts(
     styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
     layers: Sequence[int] | None = None,
     shm_dir: str | Path = SHM_DIR,
+    scheme: FP8Scheme | None = None,
 ) -> ExpertStore:
-    """The store of a checkpoint directory (or file): reused if it exists, else read once."""
+    """The store of a checkpoint directory (or file): reused if it exists, else read once
+    (``scheme``: how the checkpoint stores fp8 weights, see ``fill_from_safetensors``)."""
     files = checkpoint_files(path)
     return ExpertStore.open_or_create(
         StoreIdentity.checkpoint(path, dtype),
         BankLayout.experts(geometry, dtype),
-        lambda store: fill_from_safetensors(store, files, styles, layers),
+        lambda store: fill_from_safetensors(store, files, styles, layers, scheme),
         shm_dir,
     )
 

@@ -98,7 +98,11 @@ class SchedulerServer:
     def stats(self) -> dict:
         stats = dict(self.engine.stats())
         stats["scheduler_pid"] = os.getpid()
-        cache = getattr(self.engine.runner.experts, "cache", None)
+        experts = self.engine.runner.experts
+        pipeline = getattr(experts, "pipeline", None)
+        if pipeline is not None:
+            stats.update({f"prefill_{k}": v for k, v in pipeline.stats().items()})
+        cache = getattr(experts, "cache", None)
         if cache is not None:
             moe = cache.stats()
             stats.update({f"moe_{k}": v for k, v in moe["total"].items()})

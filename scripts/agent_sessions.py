@@ -1,53 +1,116 @@
 """Agent sessions against a running server (``scripts/serve.sh``): each session sends a long task
 prompt, then turn after turn its whole history plus a tool result, as an agent loop does; all
-sessions run at once. Per turn it records the time to the first token, the prompt tokens, and how
-many of them the server served from its prefix cache.
+sessions run at once. Per turn it records the time to the first token, the turn's time, the prompt
+tokens, and how many of them the server served from its prefix cache.
 
     python scripts/agent_sessions.py [--endpoint tcp://127.0.0.1:5557] [--sessions 4] [--turns 5]
-        [--context 4000] [--tool-tokens 300] [--max-tokens 64] [--id-range 1000] [--json FILE]
+        [--context 4000] [--tool-tokens 300] [--max-tokens 64] [--id-range 1000] [--seed 0]
+        [--content fresh|shared] [--json FILE]
 
 The bound it chases is the design's promise, that a turn costs what its new tokens cost: every
 token of the previous turns (history and the model's own answers) served from the cache. The
 ratio is cached prompt tokens over that ideal, for turns after the first. Prompts are token ids
 drawn from ``[10, id-range)`` so the history stays token-exact across turns.
+
+``scripts/agent_ab.py`` runs this workload against two builds of the server, one after the other.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 from frontend.client import DEFAULT_ENDPOINT, AsyncClient
 
+CONTENT_MODES = ("fresh", "shared")
 
-async def session(client: AsyncClient, sid: int, args: argparse.Namespace) -> list[dict]:
-    gen = random.Random(sid)
-    history = [gen.randrange(10, args.id_range) for _ in range(args.context)]
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int = 4  # run at once
+    turns: int = 5
+    context: int = 4000  # tokens of a session's first prompt
+    tool_tokens: int = 300  # new tokens each later turn adds (a tool result)
+    max_tokens: int = 64  # tokens the model answers per turn
+    id_range: int = 1000  # prompt token ids are drawn from [10, id_range)
+    seed: int = 0
+    content: str = "fresh"  # fresh: each session its own random tokens; shared: one first prompt for all
+
+    def generator(self, stream: str) -> random.Random:
+        return random.Random(f"{self.seed}/{stream}")
+
+    def first_prompt(self, sid: int) -> list[int]:
+        """A session's task prompt; with ``shared`` content every session opens with the same one
+        (the radix cache then serves it to all), and the tool results make them diverge."""
+        gen = self.generator("first" if self.content == "shared" else f"first/{sid}")
+        return self.tokens(gen, self.context)
+
+    def tokens(self, gen: random.Random, n: int) -> list[int]:
+        return [gen.randrange(10, self.id_range) for _ in range(n)]
+
+
+def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """The workload's flags; ``defaults`` override Workload's (e.g. ``turns=120``)."""
+    d = dataclasses.replace(Workload(), **defaults)
+    p.add_argument("--sessions", type=int, default=d.sessions, help="sessions run at once")
+    p.add_argument("--turns", type=int, default=d.turns, help="turns per session")
+    p.add_argument("--context", type=int, default=d.context, help="tokens of the first prompt of a session")
+    p.add_argument("--tool-tokens", type=int, default=d.tool_tokens, help="new tokens a later turn adds (a tool result)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens the model answers per turn")
+    p.add_argument("--id-range", type=int, default=d.id_range, help="prompt token ids are drawn from [10, this)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the sessions' random tokens")
+    p.add_argument("--content", default=d.content, choices=CONTENT_MODES,
+                   help="fresh: every session draws its own random tokens; shared: all open with one first prompt")
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    return Workload(args.sessions, args.turns, args.context, args.tool_tokens, args.max_tokens, args.id_range,
+                    args.seed, args.content)
+
+
+async def timed_turn(client: AsyncClient, prompt: list[int], max_tokens: int) -> tuple[dict, list[int]]:
+    """One greedy request: its timings and usage, and the tokens it generated."""
+    start = time.perf_counter()
+    ttft, output, usage = None, [], None
+    async for chunk in client.stream(input_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+        if ttft is None and chunk.token_ids:
+            ttft = time.perf_counter() - start
+        output += chunk.token_ids
+        usage = chunk.usage or usage
+    row = dict(seconds=time.perf_counter() - start, ttft_s=ttft, prompt_tokens=usage.prompt_tokens,
+               cached_tokens=usage.cached_prompt_tokens, new_tokens=len(output))
+    return row, output
+
+
+async def session(client: AsyncClient, sid: int, workload: Workload, t0: float) -> list[dict]:
+    gen = workload.generator(f"tools/{sid}")
+    history = workload.first_prompt(sid)
     turns = []
-    for turn in range(args.turns):
-        prompt = history + ([gen.randrange(10, args.id_range) for _ in range(args.tool_tokens)] if turn else [])
-        start = time.perf_counter()
-        ttft, output, usage = None, [], None
-        async for chunk in client.stream(input_ids=prompt, max_tokens=args.max_tokens, temperature=0,
-                                         ignore_eos=True):
-            if ttft is None and chunk.token_ids:
-                ttft = time.perf_counter() - start
-            output += chunk.token_ids
-            usage = chunk.usage or usage
-        turns.append(dict(session=sid, turn=turn, seconds=time.perf_counter() - start, ttft_s=ttft,
-                          prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_prompt_tokens,
-                          ideal_cached=len(history) if turn else 0, new_tokens=len(output)))
+    for turn in range(workload.turns):
+        prompt = history + (workload.tokens(gen, workload.tool_tokens) if turn else [])
+        started = time.perf_counter() - t0
+        row, output = await timed_turn(client, prompt, workload.max_tokens)
+        turns.append(dict(session=sid, turn=turn, started_s=started, ideal_cached=len(history) if turn else 0, **row))
         history = prompt + output
     return turns
 
 
-async def run(args: argparse.Namespace) -> list[dict]:
-    async with AsyncClient(args.endpoint, timeout=args.timeout) as client:
-        per_session = await asyncio.gather(*(session(client, s, args) for s in range(args.sessions)))
+async def run_sessions(endpoint: str, workload: Workload, timeout: float) -> list[dict]:
+    """Every turn of every session, session by session; ``started_s`` counts from the first send."""
+    t0 = time.perf_counter()
+    async with AsyncClient(endpoint, timeout=timeout) as client:
+        per_session = await asyncio.gather(*(session(client, s, workload, t0) for s in range(workload.sessions)))
     return [t for turns in per_session for t in turns]
+
+
+async def server_stats(endpoint: str, timeout: float) -> dict:
+    async with AsyncClient(endpoint, timeout=timeout) as client:
+        return await client.stats()
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -63,16 +126,11 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
-    p.add_argument("--sessions", type=int, default=4)
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--context", type=int, default=4000, help="tokens of the first prompt of a session")
-    p.add_argument("--tool-tokens", type=int, default=300, help="new tokens a later turn adds (a tool result)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens the model answers per turn")
-    p.add_argument("--id-range", type=int, default=1000, help="prompt token ids are drawn from [10, this)")
+    add_workload_args(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a turn may wait for a reply")
     p.add_argument("--json")
     args = p.parse_args()
-    rows = asyncio.run(run(args))
+    rows = asyncio.run(run_sessions(args.endpoint, workload_from_args(args), args.timeout))
     print(f"{'session':>7} {'turn':>4} {'prompt':>7} {'cached':>7} {'ideal':>7} {'TTFT s':>7} {'turn s':>7}")
     for r in rows:
         print(f"{r['session']:>7} {r['turn']:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} "

@@ -35,7 +35,22 @@ def cache_totals(runner: ModelRunner) -> dict:
     return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes_h2d": 0}
 
 
-def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int) -> dict:
+def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
+    """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (torch.profiler sees
+    the kernels inside replayed graphs too); the busy time sums kernel durations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time for e in kernels)
+    return len(kernels) / steps, busy_us / 1e3 / steps
+
+
+def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
+               profile_steps: int = 0) -> dict:
     engine = Engine(runner, EngineConfig(max_prefill_tokens=prompt_tokens * batch, max_running=batch,
                                          prefix_cache=False))
     gen = torch.Generator().manual_seed(seed)
@@ -47,6 +62,12 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     while not all(r.output for r in reqs):  # prefill (and the first token)
         engine.step()
     torch.cuda.synchronize()
+    if profile_steps:
+        profiled = dict(zip(("kernels", "busy_ms"), kernel_profile(engine, profile_steps)))
+        while engine.has_work:  # finish, so the next run finds every page free
+            engine.step()
+        engine.check_pages()
+        return profiled
     before, start = cache_totals(runner), time.perf_counter()
     while engine.has_work:
         engine.step()
@@ -67,6 +88,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--policy", default="lfru")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
+    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
     p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
     p.add_argument("--lent-slots", nargs="+", default=["reserve"], choices=list(LENT_SLOT_RULES),
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
@@ -76,7 +98,8 @@ def main() -> None:
     rows = []
     for fraction, lent in [(f, rule) for f in args.fractions for rule in args.lent_slots]:
         runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                          cuda_graph=not args.no_cuda_graph, routing=RoutingOptions(args.routing),
+                                          cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                          routing=RoutingOptions(args.routing),
                                           experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
                                                                 dummy_weights=dummy, lent_slots=lent)))
         cfg = runner.model_config
@@ -89,6 +112,7 @@ def main() -> None:
             runner.graphs.capture_all()  # capture outside the timed loop
         for batch in args.batch:
             r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
+            profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
             tok_s = r["tokens"] / r["seconds"]
             distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
             if fraction >= 1.0:
@@ -100,16 +124,18 @@ def main() -> None:
                              hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
                              bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
                              bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
-                             ratio=tok_s / (batch / bound)))
+                             ratio=tok_s / (batch / bound), **profiled))
         del runner
         torch.cuda.empty_cache()
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
-    print(f"{'cache':>6} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} {'bound':>5} {'ratio':>6}")
+    print(f"{'cache':>6} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} {'bound tok/s':>11} "
+          f"{'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
         print(f"{r['fraction']:>6.0%} {r['lent_slots']:>7} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
-              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f}")
+              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
+              f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

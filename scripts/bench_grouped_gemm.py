@@ -1,11 +1,19 @@
 """Time the Triton grouped SwiGLU GEMM against the bounds it chases, on the qwen3-30b geometry.
 
-    python scripts/bench_grouped_gemm.py [--tokens 1,8,64,2048] [--json out.json]
+    python scripts/bench_grouped_gemm.py [--tokens 1,8,64,2048] [--expert-dtype bf16|fp8|both]
+                                         [--scale-block b128|channel] [--fp8-activations] [--sweep]
+                                         [--json out.json]
 
 Each size is captured in a CUDA graph and the replay timed with ``triton.testing.do_bench`` (which
 flushes L2 between runs), so tiny decode launches are not measured as Python launch overhead; the
-"launched" column is the same op called eagerly. HBM bound = bytes of the experts the routing
-touches / 4.3e12 B/s; compute bound = 6*T*k*H*I FLOPs / 7.9e14 FLOP/s; ratio = bound / time.
+"launched" column is the same op called eagerly. HBM bound = bytes the kernel must read for the
+experts the routing touches (weights in their dtype, plus fp8 scales) / 4.3e12 B/s; compute bound
+= 6*T*k*H*I FLOPs / 7.86e14 FLOP/s (bf16 matmul, measured; fp8a8 rows assume twice that, the
+fp8 tensor-core peak, unmeasured); ratio = bound / time. Rows "fp8" dequantize the weights in the
+GEMM (weight-only); "fp8a8" rows (``--fp8-activations``) quantize activations per token-group
+and multiply fp8 x fp8. With ``both``, "vs bf16" is the bf16 time over the row's time at the same
+routing (above 1: faster than bf16). ``--sweep`` times fp8 tile configs (block_m, block_n,
+block_k, group_m, warps, stages) per size, for each fp8 variant asked for.
 """
 from __future__ import annotations
 
@@ -18,64 +26,153 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from moe_offload.grouped import grouped_swiglu  # noqa: E402
+from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, quantize, quantize_w13  # noqa: E402
+from moe_offload.grouped import ExpertScales, grouped_swiglu  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
-BF16_FLOPS_PER_S = 7.9e14
+BF16_FLOPS_PER_S = 7.86e14
+SCALE_BLOCKS = {"b128": BLOCK_128, "channel": PER_CHANNEL}
+# vLLM's H200 fp8 table (E=128, N=768) around our defaults, plus the bf16 file's big tile.
+SWEEP = [(16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 128, 128, 16, 4, 5), (32, 128, 128, 8, 4, 4),
+         (64, 64, 128, 1, 4, 3), (64, 128, 128, 16, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
+         (128, 256, 64, 8, 8, 3)]
 
 
-def bench_one(num_tokens: int, args: argparse.Namespace, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
+    """``{variant: (w13, w2, scales)}``: bf16 banks and, when asked, their fp8 quantization (the
+    fp8a8 variant runs on the same fp8 banks)."""
+    torch.manual_seed(0)
+    w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda") * args.hidden**-0.5).bfloat16()
+    w2 = (torch.randn(args.experts, args.hidden, args.inter, device="cuda") * args.inter**-0.5).bfloat16()
+    banks = {"bf16": (w13, w2, None)}
+    if args.expert_dtype != "bf16":
+        block = SCALE_BLOCKS[args.scale_block]
+        q13, s13 = quantize_w13(w13, block)
+        q2, s2 = quantize(w2, block)
+        banks["fp8"] = (q13, q2, ExpertScales(s13, s2, block))
+        if args.fp8_activations:
+            banks["fp8a8"] = banks["fp8"]
+    if args.expert_dtype == "fp8":
+        del banks["bf16"]
+    return banks
+
+
+def expert_bytes(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> int:
+    """Bytes of one expert as the kernel reads them: weights in their dtype, plus scales."""
+    size = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    if scales is not None:
+        size += (scales.w13[0].numel() + scales.w2[0].numel()) * scales.w13.element_size()
+    return size
+
+
+def routing(num_tokens: int, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """Seeded by size, so every dtype and tile config sees the same routing: distinct experts
+    per token, as top-k routing gives."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, args.hidden, device="cuda", generator=gen).bfloat16()
+    slots = torch.rand(num_tokens, args.experts, device="cuda", generator=gen).topk(args.top_k, dim=-1).indices
+    weights = torch.softmax(torch.randn(num_tokens, args.top_k, device="cuda", generator=gen), dim=-1)
+    return hidden, weights, slots
+
+
+def time_us(fn) -> tuple[float, float]:
+    """(CUDA-graph replay, eager launch) times of ``fn`` in microseconds."""
     from triton.testing import do_bench
 
-    hidden = torch.randn(num_tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
-    # Distinct experts per token, as top-k routing gives.
-    slots = torch.rand(num_tokens, args.experts, device="cuda").topk(args.top_k, dim=-1).indices
-    weights = torch.softmax(torch.randn(num_tokens, args.top_k, device="cuda"), dim=-1)
-    launched_ms = do_bench(lambda: grouped_swiglu(hidden, weights, slots, w13, w2))
+    launched_ms = do_bench(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        grouped_swiglu(hidden, weights, slots, w13, w2)
-    graph_ms = do_bench(graph.replay)
+        fn()
+    return do_bench(graph.replay) * 1e3, launched_ms * 1e3
+
+
+def bench_one(num_tokens: int, args: argparse.Namespace, dtype: str, banks: tuple) -> dict:
+    w13, w2, scales = banks
+    hidden, weights, slots = routing(num_tokens, args)
+    fp8_acts = dtype == "fp8a8"
+    graph_us, launched_us = time_us(lambda: grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales,
+                                                           fp8_activations=fp8_acts))
     touched = len(torch.unique(slots))
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    hbm_s = touched * expert_bytes / HBM_BYTES_PER_S
-    compute_s = 6 * num_tokens * args.top_k * args.hidden * args.inter / BF16_FLOPS_PER_S
-    time_s = graph_ms * 1e-3
-    return {
-        "tokens": num_tokens,
-        "experts_touched": touched,
-        "time_us": time_s * 1e6,
-        "launched_us": launched_ms * 1e3,
-        "hbm_bound_us": hbm_s * 1e6,
-        "compute_bound_us": compute_s * 1e6,
-        "ratio": max(hbm_s, compute_s) / time_s,
-    }
+    hbm_us = touched * expert_bytes(w13, w2, scales) / HBM_BYTES_PER_S * 1e6
+    peak = BF16_FLOPS_PER_S * (2 if fp8_acts else 1)
+    compute_us = 6 * num_tokens * args.top_k * args.hidden * args.inter / peak * 1e6
+    return {"dtype": dtype, "tokens": num_tokens, "experts_touched": touched, "time_us": graph_us,
+            "launched_us": launched_us, "hbm_bound_us": hbm_us, "compute_bound_us": compute_us,
+            "ratio": max(hbm_us, compute_us) / graph_us}
 
 
-def main() -> int:
+def sweep(num_tokens: int, args: argparse.Namespace, banks: tuple, fp8_acts: bool) -> list[dict]:
+    from moe_offload.kernels.grouped_gemm import BlockConfig
+    from moe_offload.kernels.grouped_gemm_fp8 import default_config, fit_block_k, fused_grouped_swiglu_fp8
+
+    w13, w2, scales = banks
+    hidden, weights, slots = routing(num_tokens, args)
+    default = fit_block_k(default_config(num_tokens, hidden.dtype), scales.block)
+    rows = []
+    for tiles in SWEEP:
+        config = BlockConfig(*tiles)
+        graph_us, _ = time_us(lambda: fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config,
+                                                               fp8_acts))
+        rows.append({"variant": "fp8a8" if fp8_acts else "fp8", "tokens": num_tokens, "config": list(tiles),
+                     "default": config == default, "time_us": graph_us})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    bf16 = {r["tokens"]: r["time_us"] for r in rows if r["dtype"] == "bf16"}
+    print(f"{'dtype':>5} {'tokens':>7} {'experts':>7} {'graph us':>9} {'launched us':>11} {'HBM us':>8} "
+          f"{'compute us':>10} {'bound/time':>10} {'vs bf16':>8}")
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["dtype"])):
+        speedup = f"{bf16[r['tokens']] / r['time_us']:8.2f}" if r["dtype"] != "bf16" and r["tokens"] in bf16 else ""
+        print(f"{r['dtype']:>5} {r['tokens']:7d} {r['experts_touched']:7d} {r['time_us']:9.1f} {r['launched_us']:11.1f} "
+              f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f} {speedup:>8}")
+
+
+def print_sweep(rows: list[dict]) -> None:
+    print("\nfp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages); * = default, < = best")
+    for key in sorted({(r["variant"], r["tokens"]) for r in rows}):
+        mine = [r for r in rows if (r["variant"], r["tokens"]) == key]
+        best = min(r["time_us"] for r in mine)
+        for r in mine:
+            mark = ("*" if r["default"] else " ") + ("<" if r["time_us"] == best else " ")
+            print(f"{key[0]:>5} {key[1]:7d} {str(tuple(r['config'])):>28} {r['time_us']:9.1f} us {mark}")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,8,32,64,512,2048,8192", help="comma-separated batch sizes")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=768)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--expert-dtype", choices=("bf16", "fp8", "both"), default="bf16")
+    parser.add_argument("--scale-block", choices=tuple(SCALE_BLOCKS), default="b128", help="fp8 scales")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="also time the fp8 x fp8 variant (activations quantized per token-group)")
+    parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
-    torch.manual_seed(0)
-    scale = args.hidden**-0.5
-    w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, device="cuda") * scale).bfloat16()
-    w2 = (torch.randn(args.experts, args.hidden, args.inter, device="cuda") * args.inter**-0.5).bfloat16()
-    rows = [bench_one(int(t), args, w13, w2) for t in args.tokens.split(",")]
-    print(f"{'tokens':>7} {'experts':>7} {'graph us':>9} {'launched us':>11} {'HBM us':>8} {'compute us':>10} {'bound/time':>10}")
-    for r in rows:
-        print(f"{r['tokens']:7d} {r['experts_touched']:7d} {r['time_us']:9.1f} {r['launched_us']:11.1f} "
-              f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f}")
+    if args.sweep and args.expert_dtype == "bf16":
+        print("--sweep times fp8 tiles: give --expert-dtype fp8 or both", file=sys.stderr)
+        return 2
+    banks = make_banks(args)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = [bench_one(t, args, dtype, bank) for dtype, bank in banks.items() for t in tokens]
+    print_rows(rows)
+    variants = [False, True] if args.fp8_activations else [False]
+    sweep_rows = [r for a8 in variants for t in tokens for r in sweep(t, args, banks["fp8"], a8)] if args.sweep else []
+    if sweep_rows:
+        print_sweep(sweep_rows)
     if args.json:
-        geometry = {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k")}
-        Path(args.json).write_text(json.dumps({"geometry": geometry, "rows": rows}, indent=2))
+        geometry = {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k", "scale_block")}
+        Path(args.json).write_text(json.dumps({"geometry": geometry, "rows": rows, "sweep": sweep_rows}, indent=2))
     return 0
 
 

@@ -56,7 +56,7 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
     = S), and the copy engine moving the layer's contiguous banks."""
     cache, num_experts = experts.cache, experts.cache.num_experts
     host = experts.store.host_banks()  # pinned (registered) CPU views: what cudaMemcpyAsync reads
-    host_w13, host_w2 = (b.view(-1, *b.shape[2:]) for b in host)
+    host_w13, host_w2 = (b.view(-1, *b.shape[2:]) for b in (host.w13, host.w2))
     scratch = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device="cuda")
     layer_bytes = num_experts * cache.slot_bytes
 
@@ -136,7 +136,8 @@ def bench_fraction(args: argparse.Namespace, fraction: float, stage_rows: list[d
     longest = max(args.chunks)
     experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES)
     runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
-                                      max_prefill_tokens=longest, experts=experts, attention=args.attention))
+                                      max_prefill_tokens=longest, experts=experts, attention=args.attention,
+                                      gpu_memory_limit=args.gpu_memory_limit))
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
@@ -183,6 +184,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
     p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
+    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []

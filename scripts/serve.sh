@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Start Sluice: scripts/serve.sh [--model DIR] [--endpoint E] [--pid-file F] [engine options]
+# Start Sluice: scripts/serve.sh [--model DIR] [--endpoint E] [--http-port P] [--pid-file F] [engine options]
 # Sets up .venv on first use, prepares the embedded default model when no --model is given,
-# then runs the frontend, which spawns the scheduler and prints the endpoint and the scheduler pid.
+# then runs the frontend, which spawns the scheduler and prints the ZMQ endpoint, the scheduler pid
+# and the HTTP endpoint (OpenAI API, http://127.0.0.1:8000 by default).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/setup_env.sh"

@@ -3,8 +3,13 @@
 #   [SLUICE_EXTRA=dev] source scripts/setup_env.sh   -> sets $SLUICE_PY to the environment's python
 # Torch: $SLUICE_TORCH if set; otherwise the CUDA build where an NVIDIA GPU answers, else the
 # CPU build (torch==2.13.0, falling back to any torch if that version is not available).
+# SLUICE_PY=/path/to/python (already set up, e.g. by a test run): used as it is, nothing installed.
 set -euo pipefail
 SLUICE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ -n "${SLUICE_PY:-}" ]; then
+    export SLUICE_PY SLUICE_ROOT
+    return 0
+fi
 venv=${SLUICE_VENV:-$SLUICE_ROOT/.venv}
 extra=${SLUICE_EXTRA:-}
 stamp="$venv/.sluice-installed${extra:+-$extra}"

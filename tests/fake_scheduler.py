@@ -45,7 +45,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def write_byte_tokenizer(path: str | Path) -> Path:
+def write_byte_tokenizer(path: str | Path, chat_template: str = CHATML) -> Path:
     """Writes tokenizer.json (256 byte tokens + SPECIALS) and tokenizer_config.json (ChatML)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -57,7 +57,7 @@ def write_byte_tokenizer(path: str | Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
     tok.save(str(path / "tokenizer.json"))
-    config = {"chat_template": CHATML, "eos_token": "<|endoftext|>", "bos_token": None}
+    config = {"chat_template": chat_template, "eos_token": "<|endoftext|>", "bos_token": None}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
@@ -171,10 +171,12 @@ def main() -> int:
         "--hang-id", type=int, default=-1, help="first prompt id that hangs after one token"
     )
     p.add_argument("--fail-start", action="store_true", help="exit 3 before Ready")
+    p.add_argument("--ready-delay", type=float, default=0.0, help="seconds of 'loading' before Ready")
     args, engine_args = p.parse_known_args()
     if args.fail_start:
         print("fake scheduler: failing on purpose", file=sys.stderr)
         return 3
+    time.sleep(args.ready_delay)
     scheduler = FakeScheduler(args, engine_args)
     try:
         return scheduler.run()

@@ -49,7 +49,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def start(tmp: Path, model_dir: Path, *extra: str) -> Server:
     log = tmp / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*",
+    proc = subprocess.Popen([sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*", "--http-port", "0",
                              "--pid-file", str(tmp / "pid"), "--ready-timeout", str(WAIT_S),
                              "--model", str(model_dir), "--device", "cpu", "--page-size", str(PAGE),
                              "--kv-tokens", "4096", "--check-pages", *extra],
@@ -199,14 +199,12 @@ def test_killed_scheduler_fails_waiting_clients_and_frontend_exits_nonzero(model
 def test_agent_sessions_serve_each_turns_history_from_the_cache(server, monkeypatch, capsys, tmp_path):
     """scripts/agent_sessions.py, small: concurrent multi-turn sessions; every later turn finds all
     earlier turns' tokens cached but for the page-rounded tail."""
-    import argparse
     import asyncio
 
-    from scripts.agent_sessions import main, run, summarise
+    from scripts.agent_sessions import Workload, main, run_sessions, summarise
 
-    args = argparse.Namespace(endpoint=server.endpoint, sessions=3, turns=3, context=41, tool_tokens=9,
-                              max_tokens=6, id_range=200, timeout=WAIT_S)
-    rows = asyncio.run(run(args))
+    workload = Workload(sessions=3, turns=3, context=41, tool_tokens=9, max_tokens=6, id_range=200)
+    rows = asyncio.run(run_sessions(server.endpoint, workload, WAIT_S))
     assert len(rows) == 9 and all(r["new_tokens"] == 6 for r in rows)
     for r in rows:
         if r["turn"]:

@@ -54,6 +54,9 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                         "(graphs are on: %(default)s)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=RunnerConfig.cuda_graph_max_batch,
                    help="largest decode batch replayed from a CUDA graph; larger ones run eagerly")
+    p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
+                   help="size the expert cache (--moe-cache-auto too), KV pool and prefill chunk as if the GPU had "
+                        "this much memory, and cap torch's allocator there (e.g. 32 to run as on a 32 GB card)")
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
@@ -82,7 +85,8 @@ def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,
-                        cuda_graph_max_batch=args.cuda_graph_max_batch, routing=routing_options(args))
+                        cuda_graph_max_batch=args.cuda_graph_max_batch, gpu_memory_limit=args.gpu_memory_limit,
+                        routing=routing_options(args))
 
 
 def routing_options(args: argparse.Namespace) -> RoutingOptions:

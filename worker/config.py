@@ -5,7 +5,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_offload.fp8_checkpoint import FP8Scheme
 from worker.errors import CheckpointError
+from worker.quantization import parse_quantization
 
 SUPPORTED_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
@@ -28,6 +30,7 @@ class ModelConfig:
     max_context: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    quantization: FP8Scheme | None = None  # how the checkpoint stores fp8 weights (None: all float)
 
     @property
     def q_size(self) -> int:
@@ -87,6 +90,7 @@ class ModelConfig:
             max_context=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+            quantization=parse_quantization(raw, source),
         )
 
 

@@ -13,6 +13,8 @@ from moe_offload.offloaded import OffloadedExperts
 from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
 from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
+from worker.device_memory import DeviceMemory
+from worker.loader import checkpoint_errors
 
 log = logging.getLogger("sluice.worker")
 
@@ -41,7 +43,7 @@ class ExpertOptions:
 
 
 def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resident: ExpertBanks,
-                  dtype: torch.dtype, device: torch.device, activation_bytes: int) -> Experts:
+                  dtype: torch.dtype, device: torch.device, activation_bytes: int, memory: DeviceMemory) -> Experts:
     """The ``Experts`` backend. ``resident`` holds the banks when the checkpoint loader filled them
     (no store); otherwise the experts come from the store."""
     if not options.uses_store:
@@ -50,13 +52,14 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
     if options.dummy_weights:
         store = open_dummy_experts(geometry, options.seed, dtype)
     else:
-        store = open_checkpoint_experts(model_dir, geometry, dtype)
+        with checkpoint_errors():
+            store = open_checkpoint_experts(model_dir, geometry, dtype, scheme=cfg.quantization)
     if device.type == "cuda":
         store.register_cuda(device)
     host = store.host_banks()
     total = cfg.num_layers * cfg.num_experts
     slot_bytes = (host.w13[0, 0].numel() + host.w2[0, 0].numel()) * host.w13.element_size()
-    slots = resolve_cache_slots(total, slot_bytes, **_sizing(options, cfg, dtype, device, activation_bytes))
+    slots = resolve_cache_slots(total, slot_bytes, **_sizing(options, cfg, dtype, memory, activation_bytes))
     if slots < cfg.num_experts:
         raise ValueError(f"the expert cache would hold {slots} experts; it needs at least one layer's "
                          f"{cfg.num_experts} (a prefill chunk can route to all of them)")
@@ -77,7 +80,7 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
     return experts
 
 
-def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, memory: DeviceMemory,
             activation_bytes: int) -> dict:
     if options.cache_size is not None:
         return {"size": options.cache_size}
@@ -85,8 +88,8 @@ def _sizing(options: ExpertOptions, cfg: ModelConfig, dtype: torch.dtype, device
         return {"fraction": options.cache_fraction}
     if not options.cache_auto:  # --dummy-weights alone: everything resident
         return {"fraction": 1.0}
-    if device.type != "cuda":
+    if memory.device.type != "cuda":
         raise ValueError("--moe-cache-auto sizes the cache from free GPU memory; give --moe-cache-size on CPU")
-    free, _ = torch.cuda.mem_get_info(device)
+    free = memory.free()
     kv_floor = options.kv_reserve_tokens * 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=dtype).element_size()
     return {"auto_free_bytes": max(free - activation_bytes - kv_floor, 0)}

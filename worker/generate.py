@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from worker.batch import SequenceChunk
 from worker.errors import CheckpointError
 from worker.cli_options import add_runner_args, resolve_model, runner_config
+from worker.geometry_tokenizer import tokenizer_dir
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import ChatTokenizer
@@ -79,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     params.validate()
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    tokenizer = ChatTokenizer(model_dir)
+    tokenizer = ChatTokenizer(tokenizer_dir(model_dir))
     runner = ModelRunner(runner_config(args, model_dir))
     text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tokenizer.encode(text)

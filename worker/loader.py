@@ -1,14 +1,17 @@
-"""Stream safetensors tensors into preallocated destinations, checking names and shapes."""
+"""Stream safetensors tensors into preallocated destinations, checking names and shapes, and
+dequantizing fp8 weights to the destination's dtype."""
 from __future__ import annotations
 
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, dequantized, read_matrix, read_tensor
+from moe_offload.safetensors_file import SafetensorsFile, index_files
 from worker.errors import CheckpointError
 
 
@@ -28,41 +31,51 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def tensor_names(files: list[Path]) -> set[str]:
-    names: set[str] = set()
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            names.update(f.keys())
-    return names
+def open_checkpoint(files: list[Path]) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the shard holding it (headers only; tensors are mapped when read)."""
+    return index_files(files)
 
 
-def load_tensors(files: list[Path], targets: dict[str, torch.Tensor], label: str = "loading") -> None:
-    """Copy every tensor named in ``targets`` into its destination (casting dtype, moving device).
+def load_tensors(files: list[Path], targets: dict[str, torch.Tensor], label: str = "loading",
+                 scheme: FP8Scheme | None = None) -> None:
+    """Copy every tensor named in ``targets`` into its destination (casting dtype, moving device);
+    an fp8 tensor is dequantized with its scale (``scheme``, from ``config.json``) first.
 
-    A missing name or a shape mismatch raises ``CheckpointError`` naming the tensor; tensors of the
-    file that no target asks for are skipped without being read.
+    A missing name, a shape mismatch or a scale that does not fit raises ``CheckpointError``
+    naming the tensor; tensors of the file that no target asks for are not read.
     """
-    total = sum(t.numel() * t.element_size() for t in targets.values())
-    progress = _Progress(label, total)
-    seen: set[str] = set()
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                dst = targets.get(name)
-                if dst is None:
-                    continue
-                src = f.get_slice(name)
-                shape = tuple(src.get_shape())
-                if shape != tuple(dst.shape):
-                    raise CheckpointError(f"{path.name}: tensor {name} has shape {shape}, expected {tuple(dst.shape)}")
-                dst.copy_(f.get_tensor(name))
-                seen.add(name)
-                progress.advance(dst.numel() * dst.element_size())
-    progress.close()
-    missing = sorted(set(targets) - seen)
+    index = open_checkpoint(files)
+    missing = sorted(set(targets) - set(index))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+    progress = _Progress(label, sum(t.numel() * t.element_size() for t in targets.values()))
+    for name, dst in targets.items():
+        with checkpoint_errors():
+            dst.copy_(_read_float(index, name, dst, scheme))
+        progress.advance(dst.numel() * dst.element_size())
+    progress.close()
+
+
+def _read_float(index: dict[str, SafetensorsFile], name: str, dst: torch.Tensor,
+                scheme: FP8Scheme | None) -> torch.Tensor:
+    if dst.dim() != 2:  # norms and other vectors are never quantized
+        return read_tensor(index, name, dst.shape)
+    weight, scale = read_matrix(index, name, dst.shape, scheme)
+    # dequantized where it lands: on a GPU that is quicker than a float32 pass on the host
+    moved = StoredMatrix(weight.to(dst.device), None if scale is None else scale.to(dst.device))
+    return dequantized(moved, scheme, dst.dtype)
+
+
+@contextmanager
+def checkpoint_errors():
+    """The readers of ``moe_offload`` raise ``ValueError``; entry points print ``CheckpointError``s."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 class _Progress:

@@ -12,6 +12,7 @@ from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
 from worker.cuda_graph import DecodeGraphs
+from worker.device_memory import DeviceMemory
 from worker.expert_placement import ExpertOptions, place_experts
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
@@ -38,6 +39,7 @@ class RunnerConfig:
     max_prefill_tokens: int = 0  # 0 = auto, see ModelRunner.max_prefill_tokens
     cuda_graph: bool = True  # decode steps of CUDA runners replay captured graphs (worker.cuda_graph)
     cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
+    gpu_memory_limit: float | None = None  # GiB: size and cap as if the card had this much (worker.device_memory)
     routing: RoutingOptions = RoutingOptions()
 
     @property
@@ -69,6 +71,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        self.memory = DeviceMemory.of(self.device, config.gpu_memory_limit)
+        self.memory.cap()
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         in_store = config.experts.uses_store
         if config.experts.dummy_weights:
@@ -76,7 +80,7 @@ class ModelRunner:
         else:
             self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store)
         experts = place_experts(cfg, config.model_dir, config.experts, self.weights.experts, self.dtype,
-                                self.device, self._activation_bytes())
+                                self.device, self._activation_bytes(), self.memory)
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.max_prefill_tokens = self._resolve_prefill_tokens()
@@ -126,8 +130,7 @@ class ModelRunner:
             return self.config.max_prefill_tokens
         if self.device.type != "cuda":
             return CPU_PREFILL_TOKENS
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        free = self.memory.free() + self.memory.reusable()
         context = min(self.model_config.max_context, self.kv_pool.capacity * self.page_size)
         sizes = range(AUTO_PREFILL_MAX, AUTO_PREFILL_STEP - 1, -AUTO_PREFILL_STEP)
         return next((t for t in sizes if self._activation_bytes(t, context) <= free), AUTO_PREFILL_STEP)
@@ -150,9 +153,12 @@ class ModelRunner:
         if c.kv_tokens:
             tokens = c.kv_tokens
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            # 80% of what is free, and never the activations' share: --moe-cache-auto left that for the
+            # prefill chunk, and a pool that took it would shrink the chunk to the minimum
+            free = self.memory.free()
+            usable = min(int(free * 0.8), free - self._activation_bytes())
             per_token = 2 * cfg.num_layers * cfg.kv_size * torch.empty((), dtype=self.dtype).element_size()
-            tokens = min(int(free * 0.8) // per_token, 1 << 20)
+            tokens = min(max(usable, 0) // per_token, 1 << 20)
         else:
             tokens = 16384
         return 1 + -(-tokens // c.page_size)

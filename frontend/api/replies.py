@@ -20,6 +20,7 @@ DUPLICATE_RID = "duplicate_rid"  # the client already has a live request with th
 SCHEDULER_ERROR = "scheduler_error"  # the scheduler rejected or failed the request
 SCHEDULER_DIED = "scheduler_died"  # the scheduler process exited or stopped answering
 SHUTTING_DOWN = "shutting_down"  # the frontend is stopping
+UNAUTHORIZED = "unauthorized"  # the server has an --api-key and the request lacks it
 INTERNAL = "internal"  # a bug in the frontend; the server keeps serving
 
 

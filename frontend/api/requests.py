@@ -21,6 +21,7 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = API_VERSION
+    api_key: str | None = None  # required when the server runs with --api-key
 
 
 class Generate(_Message, tag="generate", kw_only=True):

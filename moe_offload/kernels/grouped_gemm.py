@@ -13,7 +13,8 @@ one row short of a full block); the padded total stays on the device and surplus
 at once. Launches: align (which sorts in registers up to IN_KERNEL_SORT_MAX pairs; larger inputs
 are sorted by torch.sort first), gate_up+SiLU, down (times the combine weight), sum over k.
 
-Callers go through ``moe_offload.grouped.grouped_swiglu``, which checks the arguments.
+Callers go through ``moe_offload.grouped.grouped_swiglu``, which checks the arguments. Fp8 banks
+take ``grouped_gemm_fp8``, which shares this file's alignment and sum over k.
 """
 from __future__ import annotations
 
@@ -266,7 +267,13 @@ def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
                         w2.stride(0), w2.stride(1), w2.stride(2),
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                         PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sum_over_k(pair_out, slots, out, num_slots, top_k)
+    return out
+
+
+def sum_over_k(pair_out: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, num_slots: int, top_k: int) -> None:
+    """``out [T, H] = sum_j pair_out[t*k + j]`` over the in-range slots (flat ``slots [T*k]``)."""
+    num_tokens, dim = out.shape
     block_h = min(1024, triton.next_power_of_2(dim))
     _sum_k_kernel[(num_tokens, triton.cdiv(dim, block_h))](pair_out, slots, out, num_slots, dim, top_k,
                                                            TOP_K=triton.next_power_of_2(top_k), BLOCK_H=block_h)
-    return out

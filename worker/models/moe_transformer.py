@@ -12,7 +12,8 @@ from moe_offload.synthetic_routing import TokenKeys
 from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
-from worker.models.layers import Rotary, rms_norm
+from worker.models.norm import add_rms_norm, rms_norm
+from worker.models.rotary import Rotary, qk_rope
 from worker.models.weights import LayerWeights, ModelWeights
 
 
@@ -29,15 +30,20 @@ class MoETransformer:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
+        eps = self.cfg.rms_norm_eps
         self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
         self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
         x = w.embed[batch.input_ids]
-        for i, lw in enumerate(w.layers):
-            x = x + self._attention(i, lw, rms_norm(x, lw.input_norm, self.cfg.rms_norm_eps), batch)
-            h = rms_norm(x, lw.post_norm, self.cfg.rms_norm_eps)
+        h = rms_norm(x, w.layers[0].input_norm, eps)
+        for i, lw in enumerate(w.layers):  # each residual add is fused with the norm after it
+            h, x = add_rms_norm(x, self._attention(i, lw, h, batch), lw.post_norm, eps)
             weights, ids = self.routing(i, h, lw.router)
-            x = x + self.experts.forward(i, h, weights, ids)
-        last = rms_norm(x[batch.last_index], w.final_norm, self.cfg.rms_norm_eps)
+            out = self.experts.forward(i, h, weights, ids)
+            if i + 1 < len(w.layers):
+                h, x = add_rms_norm(x, out, w.layers[i + 1].input_norm, eps)
+            else:
+                x = x + out
+        last = rms_norm(x[batch.last_index], w.final_norm, eps)
         return F.linear(last, w.lm_head).float()
 
     def _flops(self, batch: ForwardBatch) -> float:
@@ -55,11 +61,8 @@ class MoETransformer:
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-        q = self.rotary(q, batch.positions)
-        k = self.rotary(k, batch.positions)
+        norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm else (None, None)
+        q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps)
         out = self.attention.forward(layer, q, k, v, batch)
         return F.linear(out.reshape(T, cfg.q_size), lw.o)
 

@@ -7,9 +7,13 @@ from pathlib import Path
 import torch
 
 from moe_offload.experts import ExpertBanks
+from moe_offload.fp8 import ExpertFormat, resolve_expert_format
+from moe_offload.store_fill import ExpertLayer, detect_names, empty_expert_layer, load_expert_layer
+from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
-from worker.loader import checkpoint_files, load_tensors, tensor_names
+from worker.loader import checkpoint_errors, checkpoint_files, load_tensors, open_checkpoint
 from worker.models import checkpoint_names as names
+from worker.quantization import checkpoint_expert_format
 
 
 @dataclass
@@ -32,12 +36,14 @@ class ModelWeights:
     experts: ExpertBanks  # w13 [L, E, 2I, H], w2 [L, E, H, I]
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 with_experts: bool = True) -> ModelWeights:
+    def allocate(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, with_experts: bool = True,
+                 expert_format: ExpertFormat | None = None) -> ModelWeights:
+        """Uninitialised weights; the experts in ``expert_format`` (default: ``dtype``), or none
+        (``[L, 0, ...]`` banks) without ``with_experts``."""
         def empty(*shape):
             return torch.empty(shape, dtype=dtype, device=device)
 
-        H, D, I, E, L = cfg.hidden_size, cfg.head_dim, cfg.expert_intermediate_size, cfg.num_experts, cfg.num_layers
+        H, D, E, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.num_layers
         layers = [
             LayerWeights(empty(H), empty(H), empty(cfg.q_size + 2 * cfg.kv_size, H), empty(H, cfg.q_size),
                          empty(D) if cfg.qk_norm else None, empty(D) if cfg.qk_norm else None, empty(E, H))
@@ -45,12 +51,13 @@ class ModelWeights:
         ]
         embed = empty(cfg.vocab_size, H)
         lm_head = embed if cfg.tie_word_embeddings else empty(cfg.vocab_size, H)
-        n = E if with_experts else 0
-        banks = ExpertBanks(empty(L, n, 2 * I, H), empty(L, n, H, I))
-        return cls(embed, empty(H), lm_head, layers, banks)
+        geometry = ExpertGeometry(L, E if with_experts else 0, H, cfg.expert_intermediate_size)
+        fmt = expert_format or ExpertFormat(dtype)
+        banks = empty_expert_layer(geometry, fmt, device, num_layers=(L,))
+        return cls(embed, empty(H), lm_head, layers, ExpertBanks(*banks, scale_block=fmt.scale_block))
 
-    def targets(self, cfg: ModelConfig, checkpoint: set[str], with_experts: bool = True) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> destination view, for every tensor the model needs."""
+    def targets(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> destination view, for every tensor but the experts."""
         t = {names.EMBED: self.embed, names.FINAL_NORM: self.final_norm}
         if not cfg.tie_word_embeddings:
             t[names.LM_HEAD] = self.lm_head
@@ -60,18 +67,22 @@ class ModelWeights:
                       n.q: lw.qkv[:q], n.k: lw.qkv[q:q + kv], n.v: lw.qkv[q + kv:]})
             if cfg.qk_norm:
                 t.update({n.q_norm: lw.q_norm, n.k_norm: lw.k_norm})
-            if with_experts:
-                t.update(expert_targets(self.experts, cfg, i, n, checkpoint))
         return t
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-             with_experts: bool = True) -> ModelWeights:
-        """With ``with_experts=False`` the expert banks are left empty (``[L, 0, ...]``): the
-        experts then live in the expert store."""
+             with_experts: bool = True, expert_format: ExpertFormat | None = None) -> ModelWeights:
+        """Dense weights in ``dtype`` (fp8 ones dequantized). Experts in ``expert_format`` (default:
+        as ``--expert-dtype auto``, the checkpoint's fp8 or else ``dtype``); with
+        ``with_experts=False`` the banks are left empty (``[L, 0, ...]``): the experts then live in
+        the expert store."""
         files = checkpoint_files(model_dir)
-        weights = cls.allocate(cfg, dtype, device, with_experts)
-        load_tensors(files, weights.targets(cfg, tensor_names(files), with_experts), label="loading weights")
+        if with_experts and expert_format is None:
+            expert_format = resolve_expert_format("auto", checkpoint_expert_format(model_dir), dtype)
+        weights = cls.allocate(cfg, dtype, device, with_experts, expert_format)
+        load_tensors(files, weights.targets(cfg), label="loading weights", scheme=cfg.quantization)
+        if with_experts:
+            load_resident_experts(files, cfg, weights.experts, expert_format)
         return weights
 
     @classmethod
@@ -80,27 +91,22 @@ class ModelWeights:
         """Seeded random weights (``--dummy-weights``): norms 1, matrices N(0, 0.02)."""
         weights = cls.allocate(cfg, dtype, device, with_experts)
         gen = torch.Generator(device=device).manual_seed(seed)
-        for name, t in weights.targets(cfg, set(), with_experts).items():
+        for name, t in weights.targets(cfg).items():
             if name.endswith("norm.weight"):
                 t.fill_(1.0)
             else:
                 t.normal_(0.0, 0.02, generator=gen)
+        weights.experts.w13.normal_(0.0, 0.02, generator=gen)
+        weights.experts.w2.normal_(0.0, 0.02, generator=gen)
         return weights
 
 
-def expert_targets(banks: ExpertBanks, cfg: ModelConfig, layer: int, n: names.LayerNames,
-                   checkpoint: set[str]) -> dict[str, torch.Tensor]:
-    """Destinations of one layer's experts, per-expert tensors or the fused layout, whichever the
-    checkpoint holds."""
-    I = cfg.expert_intermediate_size
-    w13, w2 = banks.w13[layer], banks.w2[layer]
-    fused = n.expert_prefix + names.FUSED_GATE_UP
-    if fused in checkpoint:
-        return {fused: w13, n.expert_prefix + names.FUSED_DOWN: w2}
-    t = {}
-    for e in range(cfg.num_experts):
-        p = f"{n.expert_prefix}{e}."
-        t[p + n.gate + ".weight"] = w13[e, :I]
-        t[p + n.up + ".weight"] = w13[e, I:]
-        t[p + n.down + ".weight"] = w2[e]
-    return t
+def load_resident_experts(files: list[Path], cfg: ModelConfig, banks: ExpertBanks, fmt: ExpertFormat) -> None:
+    """Every layer's experts into ``banks`` (on the device), converted to ``fmt`` on the way."""
+    with checkpoint_errors():
+        index = open_checkpoint(files)
+        style = detect_names(index.keys(), 0)
+        for layer in range(cfg.num_layers):
+            scales = (banks.w13_scale[layer], banks.w2_scale[layer]) if banks.quantized else (None, None)
+            dst = ExpertLayer(banks.w13[layer], banks.w2[layer], *scales)
+            load_expert_layer(index, style, layer, dst, fmt, cfg.quantization)

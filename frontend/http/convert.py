@@ -1,0 +1,119 @@
+"""OpenAI bodies -> the internal ``requests.Generate``, through the same typed conversion (field
+ranges) and, in ``Frontend``, the same ``frontend.validate`` checks as a ZMQ request: both front
+doors share one set of rules. Chat messages, tools and tool results are rendered here with the
+model's chat template, since the ZMQ protocol's messages carry text only."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from frontend.api import requests
+from frontend.http.errors import ApiError
+from frontend.http.schemas import ChatRequest, CompletionRequest, Message, _Sampling
+from frontend.tokenizer import ChatTemplateError, ChatTokenizer
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_request(body: _Sampling, served_name: str) -> None:
+    """The model is the one served and no unimplemented option is set; else an ApiError."""
+    if body.model != served_name:
+        raise ApiError(404, f"model {body.model!r} is not served here (this server serves "
+                       f"{served_name!r})", "model_not_found", "model")
+    if body.n != 1:
+        raise ApiError(400, "n must be 1: one choice per request is supported", param="n")
+    if body.logprobs or body.top_logprobs:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported", param=name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
+    """The tools the template sees. Forcing a call ("required", a named function) would need
+    constrained decoding, which Sluice does not have, so it is refused rather than ignored."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    if body.tool_choice not in (None, "auto"):
+        raise ApiError(400, "tool_choice must be 'auto' or 'none' (forcing a call is not "
+                       "supported)", param="tool_choice")
+    return [msgspec.to_builtins(t) for t in body.tools]
+
+
+def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: ChatTokenizer) -> list[int]:
+    if not body.messages:
+        raise ApiError(400, "messages is empty", param="messages")
+    # A tool result names its function in many templates (Hermes); OpenAI sends only the call id.
+    names = {c.id: c.function.name for m in body.messages for c in m.tool_calls or []}
+    messages = [_template_message(m, names) for m in body.messages]
+    try:
+        return tokenizer.encode_chat(messages, tools)
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+
+
+def _template_message(m: Message, call_names: dict[str, str]) -> dict[str, Any]:
+    """A message as transformers' chat templates expect it: text content, tool-call arguments as
+    a mapping, "developer" spoken as "system"."""
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": content or ""}
+    name = m.name if m.name is not None else call_names.get(m.tool_call_id or "")
+    if name is not None:
+        out["name"] = name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls]
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # templates print a string as is
+
+
+def completion_prompt(body: CompletionRequest) -> dict[str, Any]:
+    """``prompt`` or ``input_ids`` for Generate: one text, or one list of token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if all(isinstance(p, int) for p in prompt):
+        return {"input_ids": prompt}
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return {"prompt": prompt[0]}
+    raise ApiError(400, "prompt must be one text or one list of token ids (a batch of prompts "
+                   "is not supported)", param="prompt")
+
+
+def to_generate(body: _Sampling, prompt: dict[str, Any], max_tokens: int | None,
+                default_max_tokens: int) -> requests.Generate:
+    """The internal request, converted (and so range-checked) as a decoded ZMQ frame would be."""
+    fields: dict[str, Any] = {"rid": "http", **prompt, "stream": body.stream,
+                              "ignore_eos": body.ignore_eos,
+                              "max_tokens": default_max_tokens if max_tokens is None else max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(body, name) is not None:
+            fields[name] = getattr(body, name)
+    if body.stop is not None:
+        fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    try:
+        return msgspec.convert(fields, requests.Generate)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def chat_max_tokens(body: ChatRequest) -> int | None:
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+

@@ -1,0 +1,96 @@
+"""``/metrics`` in the Prometheus text format. Latencies are measured here, in the frontend, as
+tokens reach it (``RequestObserver``); everything else is the scheduler's stats, the same numbers
+a ZMQ client gets from ``GetStats``, fetched when /metrics is scraped."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, NamedTuple
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.25, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0)
+
+
+class Stat(NamedTuple):
+    name: str  # without the sluice_ prefix (and, for counters, the _total suffix)
+    counter: bool
+    doc: str
+    keys: tuple[tuple[str, str], ...]  # (label value, scheduler stat key); label "" = no label
+    label: str = ""
+
+
+STATS = (
+    Stat("prompt_tokens", True, "Prompt tokens of finished requests", (("", "prompt_tokens"),)),
+    Stat("cached_prompt_tokens", True, "Prompt tokens served from the prefix cache",
+         (("", "cached_prompt_tokens"),)),
+    Stat("generated_tokens", True, "Tokens sampled", (("", "generated_tokens"),)),
+    Stat("requests_finished", True, "Requests that finished", (("", "requests_finished"),)),
+    Stat("requests_aborted", True, "Requests aborted", (("", "requests_aborted"),)),
+    Stat("requests_preempted", True, "Requests preempted", (("", "requests_preempted"),)),
+    Stat("frontend_requests", True, "Generate requests received, both doors",
+         (("", "frontend_requests_total"),)),
+    Stat("frontend_errors", True, "Error replies sent", (("", "frontend_errors_total"),)),
+    Stat("client_disconnects", True, "ZMQ clients found gone",
+         (("", "frontend_client_disconnects_total"),)),
+    Stat("requests_running", False, "Requests running", (("", "requests_running"),)),
+    Stat("requests_waiting", False, "Requests waiting", (("", "requests_waiting"),)),
+    Stat("kv_usage_ratio", False, "Share of KV pages in use", (("gpu", "kv_usage"),
+                                                              ("host", "kv_host_usage")), "tier"),
+    Stat("expert_cache_hit_rate", False, "GPU expert-cache hit rate since start",
+         (("", "moe_hit_rate"),)),
+    Stat("pcie_bytes", True, "Bytes moved over PCIe", (
+        ("expert_miss_h2d", "moe_bytes_h2d"), ("prefill_stream_h2d", "prefill_bytes_h2d"),
+        ("kv_write_d2h", "kv_host_bytes_written"), ("kv_restore_h2d", "kv_host_bytes_restored")),
+        "kind"),
+    Stat("prefill_pipeline_chunks", True, "Prefill chunks through the expert pipeline", (
+        ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy")), "stage"),
+)
+
+
+class _SchedulerStats:
+    """A collector over the latest stats snapshot; a stat the scheduler does not report (no
+    expert cache, no host tier) is left out rather than shown as 0."""
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for stat in STATS:
+            found = [(label, self.stats[key]) for label, key in stat.keys
+                     if isinstance(self.stats.get(key), (int, float))]
+            if not found:
+                continue
+            kind = CounterMetricFamily if stat.counter else GaugeMetricFamily
+            family = kind(f"sluice_{stat.name}", stat.doc, labels=[stat.label] if stat.label else [])
+            for label, value in found:
+                family.add_metric([label] if stat.label else [], float(value))
+            yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.started = int(time.time())
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("sluice_time_to_first_token_seconds",
+                              "Time from a request's arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("sluice_inter_token_latency_seconds",
+                             "Time between a request's tokens", buckets=_LATENCY_BUCKETS,
+                             registry=self.registry)
+        self._scheduler = _SchedulerStats()
+        self.registry.register(self._scheduler)
+
+    def on_tokens(self, started_s: float, previous_s: float | None, now_s: float, count: int) -> None:
+        if previous_s is None:
+            self.ttft.observe(now_s - started_s)
+            return  # tokens that arrive with the first are not spaced by any latency
+        gap = (now_s - previous_s) / count
+        for _ in range(count):
+            self.itl.observe(gap)
+
+    def render(self, scheduler_stats: dict) -> tuple[bytes, str]:
+        self._scheduler.stats = scheduler_stats
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,143 @@
+"""The endpoints: parse the body, convert it, submit it as a local client of the Frontend, and
+answer whole or as a stream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, AsyncIterator, TypeVar
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from frontend.api import requests
+from frontend.http import chat, completions, convert, sse
+from frontend.http import responses as r
+from frontend.http.context import HttpContext
+from frontend.http.errors import ApiError
+from frontend.http.schemas import ChatRequest, CompletionRequest
+from frontend.http.session import Session
+
+STATS_TIMEOUT_S = 10.0
+B = TypeVar("B")
+T = TypeVar("T")
+
+
+def _ctx(request: Request) -> HttpContext:
+    return request.app.state.ctx
+
+
+def json_response(body: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+async def read_body(request: Request, type_: type[B], limit: int) -> B:
+    """The JSON body decoded as ``type_``; oversized, malformed and mistyped bodies are 4xx."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is larger than {limit} bytes")
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes")
+    try:
+        return msgspec.json.decode(bytes(data), type=type_)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"malformed JSON: {exc}") from None
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    frontend = ctx.ready()
+    body = await read_body(request, ChatRequest, ctx.max_body_bytes)
+    convert.check_request(body, ctx.model_name)
+    tools = convert.chat_tools(body)
+    ids = convert.chat_prompt_ids(body, tools, frontend.tokenizer)
+    generate = convert.to_generate(body, {"input_ids": ids}, convert.chat_max_tokens(body),
+                                   frontend.model.max_context_tokens)
+    response_ids = r.ResponseIds.new("chatcmpl", body.model)
+    session = await _start(ctx, generate)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse.response(_closing(session, chat.stream(session, response_ids, bool(tools), usage)))
+    async with session:
+        return json_response(await _unless_gone(request, chat.whole(session, response_ids, bool(tools))))
+
+
+async def text_completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.ready()
+    body = await read_body(request, CompletionRequest, ctx.max_body_bytes)
+    convert.check_request(body, ctx.model_name)
+    if body.echo or body.suffix or (body.best_of or 1) > 1:
+        raise ApiError(400, "echo, suffix and best_of are not supported")
+    generate = convert.to_generate(body, convert.completion_prompt(body), body.max_tokens,
+                                   convert.COMPLETION_DEFAULT_MAX_TOKENS)
+    response_ids = r.ResponseIds.new("cmpl", body.model)
+    session = await _start(ctx, generate)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse.response(_closing(session, completions.stream(session, response_ids, usage)))
+    async with session:
+        return json_response(await _unless_gone(request, completions.whole(session, response_ids)))
+
+
+async def _start(ctx: HttpContext, generate: requests.Generate) -> Session:
+    session = Session(ctx.ready())
+    await session.start(generate)
+    return session
+
+
+async def _unless_gone(request: Request, reply: Awaitable[T]) -> T:
+    """``reply``, unless the client disconnects first: then the request is given up (the session's
+    close aborts it) and nobody is answered."""
+    answer = asyncio.ensure_future(reply)
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not answer.done():
+        answer.cancel()
+        raise ClientDisconnect()
+    return answer.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read: the server's next message is http.disconnect, whenever the client leaves.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _closing(session: Session, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Close the session however the stream ends: a client that disconnects cancels the stream,
+    and closing aborts its request in the scheduler."""
+    try:
+        async for e in events:
+            yield e
+    finally:
+        session.close()
+
+
+async def models(request: Request) -> Response:
+    ctx = _ctx(request)
+    card = r.ModelCard(id=ctx.model_name, created=ctx.metrics.started,
+                       max_model_len=ctx.ready().model.max_context_tokens)
+    return json_response(r.ModelList(data=[card]))
+
+
+async def health(request: Request) -> Response:
+    ready = _ctx(request).frontend is not None
+    return json_response({"status": "ready" if ready else "loading"}, 200 if ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    ctx = _ctx(request)
+    stats: dict = {}
+    if ctx.frontend is not None:
+        async with Session(ctx.frontend) as session:
+            await session.start(requests.GetStats(rid="metrics"))
+            stats = await asyncio.wait_for(session.stats(), STATS_TIMEOUT_S)
+    body, content_type = ctx.metrics.render(stats)
+    return Response(body, media_type=content_type)

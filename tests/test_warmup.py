@@ -1,0 +1,48 @@
+"""Warm start on CPU: the warm-up runs every step kind without taking a page, touching the
+counters or changing what the engine then generates."""
+from __future__ import annotations
+
+import pytest
+
+from moe_offload.offloaded import OffloadedExperts
+from scheduler.engine import Engine, EngineConfig
+from scheduler.warmup import warm_up
+from tests.test_engine import prompts, req, run
+from tests.tiny_models import write_tiny
+from worker.expert_placement import ExpertOptions
+from worker.runner import ModelRunner, RunnerConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-warm")
+    write_tiny(path, "mixtral", seed=3, layers=4, experts=8, top_k=2)
+    return str(path)
+
+
+def make_engine(model_dir, device: str) -> Engine:
+    # 75% of the experts cached: room for the prefill pipeline's 3E slots; a host KV tier too
+    page_size = 16 if device == "cuda" else 4  # as the other CUDA runner tests
+    runner = ModelRunner(RunnerConfig(model_dir, device=device, dtype="float32", page_size=page_size, kv_tokens=1024,
+                                      max_prefill_tokens=64, experts=ExpertOptions(cache_fraction=0.75)))
+    return Engine(runner, EngineConfig(kv_host_gib=0.001))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_warm_up_takes_no_page_resets_the_counters_and_changes_no_output(model_dir, device):
+    cold, warm = make_engine(model_dir, device), make_engine(model_dir, device)
+    experts = warm.runner.experts
+    assert isinstance(experts, OffloadedExperts) and experts.pipeline is not None
+    assert warm.pages.tier is not None
+    assert warm_up(warm) >= 0
+    assert warm.pages.pool.num_free == warm.pages.pool.capacity
+    warm.check_pages()
+    assert experts.cache.stats()["total"]["lookups"] == 0
+    assert experts.pipeline.stats()["chunks_kernel"] + experts.pipeline.stats()["chunks_memcpy"] == 0
+    assert warm.stats()["steps"] == 0
+    graphs = warm.runner.graphs
+    assert graphs is None or set(graphs.captured) == set(graphs.buckets)  # every bucket captured
+    batch = prompts(4, seed=1)
+    got = run(warm, [req(f"r{i}", p) for i, p in enumerate(batch)])
+    want = run(cold, [req(f"r{i}", p) for i, p in enumerate(batch)])
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
