@@ -21,8 +21,9 @@ for ``PERIOD`` positions at a time (its own phase), so consecutive tokens share 
 
 A lane picked at ``t`` holds the same expert at ``t - d`` with probability ``1 - d/PERIOD`` and
 is picked there with probability ``k/W``: 7/8 x 4/9 = 0.39 for the next token, plus about 0.06 of
-chance repeats (popular experts drawn again), and about 0.8 for any of the last 8. Everything is integer arithmetic on 32-bit hashes (exact on CPU and CUDA), with
-fixed shapes and no host reads; the weights are normalised random positive numbers.
+chance repeats (popular experts drawn again), and about 0.8 for any of the last 8. Everything is
+integer arithmetic on 32-bit hashes (exact on CPU and CUDA), with fixed shapes and no host reads;
+the weights are normalised random positive numbers.
 """
 from __future__ import annotations
 

@@ -107,9 +107,14 @@ def min_hit_rate(steps: Steps, num_experts: int, slots: int) -> float:
 
 def report(steps: Steps, num_layers: int, num_experts: int, fractions: list[float],
            lent_slots: str = "none") -> list[dict]:
+    """Rows of hit rates; a cache too small for one lookup's experts is skipped with a note."""
     rows = []
+    largest = max((ids.numel() for step in steps if step is not None for ids in step), default=0)
     for fraction in fractions:
         slots = max(1, int(fraction * num_layers * num_experts))
+        if slots < largest:
+            print(f"cache {fraction:.0%}: {slots} slots cannot hold one lookup's {largest} experts; skipped")
+            continue
         for policy in POLICIES:
             rate = (min_hit_rate(steps, num_experts, slots) if policy == "min" else
                     engine_hit_rate(steps, num_layers, num_experts, slots, policy, lent_slots))

@@ -73,7 +73,8 @@ def test_low_priority_slots_go_first_unless_much_older():
                                       low=LowPriority(2, 5))
     assert plan.dst_slot.tolist() == [2, 0]  # slots 0 and 1 tie; the lower slot goes first
     with pytest.raises(ValueError, match="end"):
-        lookup_mod.lookup_admit(torch.tensor([[5]]), 0, 8, empty_tables(cfg), 0, 4, cfg.policy, 1, low=LowPriority(5, 1))
+        lookup_mod.lookup_admit(torch.tensor([[5]]), 0, 8, empty_tables(cfg), 0, 4, cfg.policy, 1,
+                                low=LowPriority(5, 1))
 
 
 @pytest.mark.cuda

@@ -27,7 +27,8 @@ class RoutingOptions:
         if self.routing not in ("model", "synthetic") and not self.routing.startswith("replay:"):
             raise ValueError(f"--routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
         if self.routing == "synthetic" and not dummy_weights:
-            raise ValueError("--routing synthetic replaces the router of seeded random weights: it needs --dummy-weights")
+            raise ValueError("--routing synthetic replaces the router of seeded random weights: "
+                             "it needs --dummy-weights")
 
 
 def make_routing(options: RoutingOptions, cfg: ModelConfig, device: torch.device, dummy_weights: bool) -> Routing:

@@ -73,6 +73,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.memory = DeviceMemory.of(self.device, config.gpu_memory_limit)
         self.memory.cap()
+        config.routing.check(config.experts.dummy_weights)  # before loading anything
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         in_store = config.experts.uses_store
         if config.experts.dummy_weights:
