@@ -28,7 +28,7 @@ POLICIES = ("lru", "lfru")
 # with synthetic Qwen3-30B-A3B routing (scripts/cache_policy_report.py, 48 layers), the cap of 32
 # steps and no visit term reached 0.71 of Belady's MIN at 10% cache, batch 1, and 0.00 at batch 8
 # (10% and 25%: plain recency evicts the experts of the layers about to run); these reach 0.76,
-# 0.75 and 0.77.
+# 0.78 and 0.78.
 LFRU_CREDIT_STEPS = 2
 LFRU_CAP_STEPS = 8
 LFRU_VISIT = 2

@@ -76,7 +76,6 @@ class OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
                    lent_slots)
 
-
     def pipelined(self, ids: torch.Tensor) -> bool:
         """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
         return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
