@@ -132,26 +132,52 @@ def test_record_keeps_its_capacity(tmp_path):
 def test_router_in_a_cuda_graph_matches_the_cpu():
     router = SyntheticRouter(4, 128, 8, "cuda", seed=2)
     static = keys_for(4, 1, "cuda")
-    router.route(slice(None), static)  # warm-up
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        router.route(slice(None), static)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            weights, ids = router.route(slice(None), static)
-        cpu = SyntheticRouter(4, 128, 8, "cpu", seed=2)
-        for step in range(1, 20):  # decode steps: positions advance, tokens change
-            fresh = keys_for(4, 1, seed=step)
-            new = TokenKeys(fresh.sequence, fresh.positions + step, fresh.tokens)
+    with torch.cuda.graph(graph):  # a host read inside would fail the capture
+        weights, ids = router.route(slice(None), static)
+    cpu = SyntheticRouter(4, 128, 8, "cpu", seed=2)
+    for step in range(1, 20):  # decode steps: positions advance, tokens change
+        fresh = keys_for(4, 1, seed=step)
+        new = TokenKeys(fresh.sequence, fresh.positions + step, fresh.tokens)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             for dst, src in zip(static, new):
                 dst.copy_(src.pin_memory(), non_blocking=True)
             graph.replay()
-            want_w, want_ids = cpu.route(slice(None), new)
-            torch.cuda.set_sync_debug_mode(0)
-            assert torch.equal(ids.cpu(), want_ids)
-            torch.testing.assert_close(weights.cpu(), want_w)
-            torch.cuda.set_sync_debug_mode("error")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want_w, want_ids = cpu.route(slice(None), new)
+        assert torch.equal(ids.cpu(), want_ids)
+        torch.testing.assert_close(weights.cpu(), want_w)
+
+
+@pytest.mark.cuda
+def test_recorded_synthetic_decode_steps_replay_graphs_without_sync(tmp_path):
+    from worker.batch import SequenceChunk
+
+    r = ModelRunner(RunnerConfig("small-geometry", device="cuda", dtype="bfloat16", kv_tokens=1024,
+                                 experts=ExpertOptions(cache_fraction=0.25, dummy_weights=True),
+                                 routing=RoutingOptions("synthetic", record=str(tmp_path / "t.pt"))))
+    prompt, params = list(range(1, 30)), [SamplingParams()]
+    pages = r.kv_pool.allocate(r.kv_pool.pages_for(len(prompt) + 8))
+    token = int(r.forward([SequenceChunk(prompt, 0, pages)], params, [0]).next_tokens[0])
+    r.graphs.capture_all()
+    for step in range(1, 8):
+        chunk = SequenceChunk([token], len(prompt) + step - 1, pages)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = r.forward([chunk], params, [step])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        token = int(out.next_tokens[0])
+    r.save_routing_record()
+    trace = RoutingTrace.load(str(tmp_path / "t.pt"))
+    assert trace.ids.shape[0] == len(prompt) + 7 and int(trace.step.unique().numel()) == 8
 
 
 @pytest.mark.cuda
