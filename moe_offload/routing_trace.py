@@ -93,6 +93,10 @@ class RecordingRouting:
         self.weights[self.rows, layer] = weights.float()
         return weights, ids
 
+    def clear(self) -> None:
+        """Forget what was recorded so far (e.g. warm-up steps)."""
+        self.cursor.zero_()
+
     def trace(self) -> RoutingTrace:
         """What was recorded so far (reads the device: call it off the hot path)."""
         written = int(self.cursor)

@@ -198,3 +198,13 @@ def test_synthetic_decode_in_cuda_graphs_equals_eager(tmp_path):
     router = SyntheticRouter(cfg.num_layers, cfg.num_experts, cfg.top_k, "cpu")
     keys = TokenKeys(trace.sequence, trace.position, torch.tensor(prompt + graphed[0][:15]))
     assert torch.equal(router.route(slice(None), keys)[1].transpose(0, 1), trace.ids)
+
+
+def test_a_cleared_record_keeps_only_later_steps(tmp_path):
+    r = runner(RoutingOptions("synthetic", record=str(tmp_path / "t.pt")))
+    generate(r, list(range(1, 9)), SamplingParams(), 3)  # like the scheduler's warm-up
+    r.clear_routing_record()
+    generate(r, list(range(1, 6)), SamplingParams(), 2)
+    r.save_routing_record()
+    trace = RoutingTrace.load(str(tmp_path / "t.pt"))
+    assert trace.position.tolist() == [0, 1, 2, 3, 4, 5]

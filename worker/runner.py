@@ -114,6 +114,11 @@ class ModelRunner:
         if self.config.routing.record is not None:
             save_record(self.model.routing, self.config.routing.record)
 
+    def clear_routing_record(self) -> None:
+        """With ``--record-routing``: forget the steps recorded so far (the scheduler's warm-up)."""
+        if self.config.routing.record is not None:
+            self.model.routing.clear()
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not (self.config.cuda_graph and self.device.type == "cuda"):
             return None
