@@ -1,7 +1,9 @@
 """Record the routing of every token to a trace file, and replay a recorded trace.
 
 A token is known by its sequence key (the sequence's first KV page) and its position, as in
-``synthetic_routing``. Recording writes, inside the step and on the device, one row per token into
+``synthetic_routing``: a replay routes each request as recorded when the run hands out KV pages
+as the recorded one did (``worker.generate``, the benchmarks); a server with other arrivals gets
+recorded routing of whichever request held that page. Recording writes, inside the step and on the device, one row per token into
 fixed buffers at a device-side cursor (so it also runs inside captured CUDA graphs, with no host
 read and no extra sync); ``trace()`` reads them at exit. Rows of sequence key 0 (the KV scratch
 page: CUDA-graph warm-ups and idle rows) are dropped when a trace is read.
