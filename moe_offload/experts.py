@@ -2,7 +2,7 @@
 
 An ``Experts`` backend turns routed expert ids into the layer's output. ``ResidentExperts`` keeps
 every expert on the device and indexes the banks by expert id; the offloaded backends (expert
-cache, prefill pipeline) implement the same ``forward`` and slot in behind ``MoEBlock``.
+cache, prefill pipeline) implement the same ``forward`` and slot in behind the same API.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from moe_offload.fp8 import ScaleBlock
 from moe_offload.grouped import ExpertScales, grouped_swiglu
-from moe_offload.routing import route
 
 
 class ExpertBanks(NamedTuple):
@@ -80,16 +79,3 @@ class ResidentExperts:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
                               scales=self.banks.scales(layer))
 
-
-class MoEBlock:
-    """One layer's sparse MLP; the router weight belongs to the model, the experts to a backend."""
-
-    def __init__(self, layer: int, experts: Experts, top_k: int, renormalize: bool):
-        self.layer = layer
-        self.experts = experts
-        self.top_k = top_k
-        self.renormalize = renormalize
-
-    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return self.experts.forward(self.layer, hidden, weights, ids)

@@ -14,12 +14,29 @@ import torch
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.experts import ExpertBanks
 from moe_offload.grouped import ExpertScales, grouped_swiglu
+from moe_offload.kernels.lookup_admit import LowPriority
 from moe_offload.prefill_pipeline import PrefillPipeline
 
 # A batch with at least this many routed (token, expert) pairs per expert of the layer goes through
 # the pipeline: under uniform routing an expert then stays unused with probability ~e^-4, so
 # streaming all of them moves about what lookups would, but overlapped and without evicting.
 PIPELINE_PAIRS_PER_EXPERT = 4
+# What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
+# (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
+# lent slots ranked LENT_PENALTY_STEPS steps older than they are as victims, so that they hold the
+# coldest entries and a prefill wipes those.
+LENT_SLOT_RULES = ("reserve", "decode")
+LENT_PENALTY_STEPS = 8
+
+
+def decode_slots(rule: str, lent: int, num_layers: int) -> tuple[int, LowPriority]:
+    """Where decode admits under lent-slot ``rule`` with ``lent`` slots lent to a pipeline (0: none):
+    its first slot, and which slots rank first as victims."""
+    if lent == 0:
+        return 0, LowPriority()
+    if rule == "reserve":  # the pipeline's double buffer is off limits to decode (see prefill_pipeline)
+        return lent, LowPriority()
+    return 0, LowPriority(lent, LENT_PENALTY_STEPS * num_layers)
 
 
 def _by_id(bank: torch.Tensor) -> torch.Tensor:
@@ -34,11 +51,12 @@ class OffloadedExperts:
     With a CUDA cache the banks must be addressable by kernels: pinned or registered host memory
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
     pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
-    ``prefill_pipeline.INVALIDATE_MODES`` and ``STAGE_MODES``).
+    ``prefill_pipeline.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
+    the slots it lends (``LENT_SLOT_RULES``).
     """
 
     def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
-                 stage: str = "auto"):
+                 stage: str = "auto", lent_slots: str = "reserve"):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -51,18 +69,23 @@ class OffloadedExperts:
         if banks.w13.dtype != cache.w13.dtype or banks.scale_block != (cache.scales and cache.scales.block):
             raise ValueError(f"banks of {banks.w13.dtype} ({banks.scale_block}) do not fit a cache of "
                              f"{cache.w13.dtype} ({cache.scales and cache.scales.block})")
+        if lent_slots not in LENT_SLOT_RULES:
+            raise ValueError(f"lent-slot rule {lent_slots!r} is not one of {LENT_SLOT_RULES}")
         self.cache = cache
         self.host_w13, self.host_w2 = _by_id(banks.w13), _by_id(banks.w2)
         self.host_scales = (None if banks.scale_block is None else
                             ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
         self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage,
                                          host_scales=self.host_scales) if pipeline else None)
+        lent = self.pipeline.lent if self.pipeline is not None else 0
+        self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
-               stage: str = "auto") -> OffloadedExperts:
-        return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage)
+               stage: str = "auto", lent_slots: str = "reserve") -> OffloadedExperts:
+        return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
+                   lent_slots)
 
     def pipelined(self, ids: torch.Tensor) -> bool:
         """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
@@ -77,7 +100,6 @@ class OffloadedExperts:
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.pipelined(ids):
             return self.pipeline.forward(layer, hidden, weights, ids)
-        # the pipeline's double buffer is off limits to decode (see prefill_pipeline)
-        plan, slots = self.cache.lookup(layer, ids, self.pipeline.lent if self.pipeline is not None else 0)
+        plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
         return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)

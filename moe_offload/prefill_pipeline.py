@@ -13,15 +13,16 @@ buffer ``b`` holds layer ``L`` (``b = L % 2``) indexed by expert id, so the grou
 routed ids as slots. Staging copies experts resident elsewhere in the cache device-to-device and
 reads only the rest over PCIe (``kernels.stage_experts``); the host never reads a count.
 
-Why the lent slots stay correct: while a pipeline exists, decode lookups manage only slots
-``[2E, S)`` (``OffloadedExperts`` passes ``slot_start=2E``), so no table entry points into the
-buffer. Had decode used the lent slots too, its victim order (empty slots first) would put the
-experts admitted right after a prefill, its hot set, exactly there, and every prefill would wipe
-them. Staging still empties buffer ``b``'s ``E`` slots first (``invalidate_slots``: one
-fixed-shape launch that clears ``slot_for_id`` of any expert held there), so a lookup into the lent
-range by any other user of the cache can never alias a buffer being overwritten; it runs on the
-copy stream after ``begin``, i.e. after every decode enqueued earlier has finished with the tables
-and the slots that staging reads. No lookup runs inside a pipelined chunk.
+Why the lent slots stay correct: under the "reserve" lent-slot rule (``OffloadedExperts``) decode
+lookups manage only slots ``[2E, S)``, so no table entry points into the buffer. Under the
+"decode" rule decode admits into the lent slots too (ranked first as victims, so that they hold the
+coldest entries rather than the hot set admitted right after a prefill). Either way staging first
+empties buffer ``b``'s ``E`` slots (``invalidate_slots``: one fixed-shape launch that clears
+``slot_for_id`` of any expert held there), so no lookup can alias a buffer being overwritten, and
+it takes hits only from slots ``>= 2E``; it runs on the copy stream after ``begin``, i.e. after
+every decode enqueued earlier has finished with the tables and the slots that staging reads. No
+lookup runs inside a pipelined chunk, and after a chunk of two layers or more no entry points into
+``[0, 2E)``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,23 @@
-"""Top-k routing: router logits -> (combine weights, expert ids), fixed shapes, no host reads."""
+"""Top-k routing: router logits -> (combine weights, expert ids), fixed shapes, no host reads.
+
+A model asks a ``Routing`` for each MoE layer's choice. ``ModelRouting`` is the model's own router;
+``SyntheticRouting`` replaces it for dummy weights (``synthetic_routing``); ``routing_trace``
+records any routing and replays a recorded one.
+"""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+import torch.nn.functional as F
 
 from moe_offload.kernels._triton import use_triton
 from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
+from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys
 
+# synthetic routing computes every layer at once in ``begin`` up to this many scores (decode
+# steps: one set of launches per step); bigger batches (prefill chunks) go layer by layer
+ALL_LAYERS_MAX_SCORES = 1 << 22
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, keep the top k, optionally renormalise them to sum to one.
@@ -17,3 +29,55 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if use_triton(router_logits):
         return topk_softmax(router_logits, top_k, renormalize)
     return topk_softmax_eager(router_logits, top_k, renormalize)
+
+
+class Routing(Protocol):
+    uses_keys: bool  # whether ``begin`` needs the tokens' keys (else it gets None)
+
+    def begin(self, keys: TokenKeys | None) -> None:
+        """A forward pass over tokens ``keys`` starts (before layer 0)."""
+        ...
+
+    def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 weights and int64 ids ``[T, k]`` of ``layer`` for ``hidden [T, H]`` (``router [E, H]``)."""
+        ...
+
+
+class ModelRouting:
+    """The model's own router."""
+
+    uses_keys = False
+
+    def __init__(self, top_k: int, renormalize: bool):
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def begin(self, keys: TokenKeys | None) -> None:
+        pass
+
+    def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(F.linear(hidden, router), self.top_k, self.renormalize)
+
+
+class SyntheticRouting:
+    """The synthetic router in place of the model's (whose weights are random anyway)."""
+
+    uses_keys = True
+
+    def __init__(self, router: SyntheticRouter):
+        self.router = router
+        self.keys: TokenKeys | None = None
+        self.all_layers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self, keys: TokenKeys | None) -> None:
+        r = self.router
+        self.keys = keys
+        small = keys.sequence.numel() * r.num_layers * r.num_experts <= ALL_LAYERS_MAX_SCORES
+        self.all_layers = r.route(slice(None), keys) if small else None
+
+    def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.all_layers is not None:
+            weights, ids = self.all_layers
+            return weights[layer], ids[layer]
+        weights, ids = self.router.route(slice(layer, layer + 1), self.keys)
+        return weights[0], ids[0]

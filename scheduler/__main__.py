@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import shutil
@@ -81,6 +82,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     log.info("model loaded in %.1f s", time.monotonic() - started)
+    atexit.register(runner.save_routing_record)  # at exit: after Shutdown, or SIGTERM (sys.exit)
     cfg = runner.model_config
     host_gib = args.kv_host_size
     if host_gib is None:  # on CPU the KV pool already lives in host RAM: a second copy buys nothing

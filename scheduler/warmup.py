@@ -35,6 +35,7 @@ def warm_up(engine: Engine) -> float:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # start-up, not a step: wait so the time is true
     _reset_expert_counters(runner)
+    runner.clear_routing_record()  # warm-up tokens sit on real pages: a replay would route requests by them
     seconds = time.perf_counter() - start
     log.info("warm-up: prefill chunks, decode, sampling and page copies compiled, %d decode graphs "
              "captured, in %.1f s", graphs, seconds)

@@ -2,11 +2,15 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
 runner and rows; the bounds count an expert's bytes in its format (fp8: weights plus scales), the
 misses' bytes as the cache moved them.
+checkpoint directory. Dummy weights route nearly the same experts every step; ``--routing
+synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
+Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once).
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from moe_offload.fp8 import EXPERT_DTYPES
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
+from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.geometry import GEOMETRIES
+from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
 from worker.sampling import SamplingParams
 
@@ -87,12 +93,13 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
-def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str) -> list[dict]:
+def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str) -> list[dict]:
     runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
                                       cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                      routing=RoutingOptions(args.routing),
                                       experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
                                                             dummy_weights=args.model in GEOMETRIES,
-                                                            expert_dtype=expert_dtype)))
+                                                            expert_dtype=expert_dtype, lent_slots=lent)))
     cfg = runner.model_config
     w = runner.weights
     dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -112,7 +119,7 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str) -
         step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
         step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
         bound = max(step_pcie, step_hbm)
-        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, batch=batch, tok_s=tok_s,
+        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, batch=batch, tok_s=tok_s,
                          hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
                          bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
                          bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
@@ -134,18 +141,23 @@ def main() -> None:
     p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
     p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
+    p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
+    p.add_argument("--lent-slots", nargs="+", default=["reserve"], choices=list(LENT_SLOT_RULES),
+                   help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
     for fraction in args.fractions:
         for expert_dtype in args.expert_dtype:
-            rows += bench_runner(args, fraction, expert_dtype)
+            for lent in args.lent_slots:
+                rows += bench_runner(args, fraction, expert_dtype, lent)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
-          f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}")
-    print(f"{'cache':>6} {'experts':>12} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} "
+          f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
+          f"routing {args.routing}")
+    print(f"{'cache':>6} {'experts':>12} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} "
           f"{'bound tok/s':>11} {'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
-        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
+        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
               f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
               f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
     if args.json:

@@ -20,7 +20,7 @@ from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels import invalidate_slots as invalidate_mod  # noqa: E402
 from moe_offload.kernels import lookup_admit as lookup_mod  # noqa: E402
-from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, Policy  # noqa: E402
+from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, LowPriority, Policy  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -37,6 +37,7 @@ class Config(NamedTuple):
     tokens: int
     top_k: int
     policy: Policy
+    low: LowPriority = LowPriority()
 
 
 CONFIGS = {
@@ -44,6 +45,10 @@ CONFIGS = {
     "lfru-offset": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96)),  # hits may sit outside the range
     "exact-capacity": Config(2, 8, 10, 2, 8, 8, 2, Policy(4, 64)),  # T*k > E = num_slots
     "odd-sizes": Config(3, 6, 9, 1, 6, 1, 3, Policy(3, 30)),
+    "low-priority": Config(3, 16, 40, 0, 40, 5, 4, Policy(6, 96), LowPriority(16, 20)),  # decode in lent slots
+    "low-priority-lru": Config(2, 16, 24, 0, 24, 2, 2, Policy(0, 0), LowPriority(16, 3)),
+    "visit": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96, 2)),  # layers' next lookups rank the victims
+    "visit-low-priority": Config(4, 8, 28, 0, 28, 2, 2, Policy(4, 8, 3), LowPriority(16, 10)),
 }
 
 
@@ -103,10 +108,10 @@ def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=
         ids = random_ids(cfg, gen)
         args = (layer, cfg.experts)
         rest = (cfg.slot_start, cfg.num_slots, cfg.policy, 1000)
-        want_plan, want_slots = lookup_mod.lookup_admit(ids, *args, want, *rest, backend="eager")
+        want_plan, want_slots = lookup_mod.lookup_admit(ids, *args, want, *rest, backend="eager", low=cfg.low)
         dev_ids = ids.to(device)
         with guard():
-            got_plan, got_slots = lookup_mod.lookup_admit(dev_ids, *args, got, *rest, backend=backend)
+            got_plan, got_slots = lookup_mod.lookup_admit(dev_ids, *args, got, *rest, backend=backend, low=cfg.low)
         assert_same(got_plan, want_plan)
         assert torch.equal(got_slots.cpu(), want_slots)
         assert_same(got, want)
@@ -146,6 +151,22 @@ def test_lookup_admit_twin_semantics():
     assert tables.id_of_slot.tolist() == [0, 6, 2, 5] and tables.slot_for_id.tolist() == [0, -1, 2, -1, -1, 3, 1, -1]
     assert tables.last_use.tolist() == [5, 10, 10, 10] and tables.step.tolist() == [11]
     assert tables.stats[0].tolist() == [3, 1, 2, 1, 14]
+
+
+def test_lookup_admit_visit_ranks_the_layer_looked_up_last_first():
+    """Equally old residents of layers 1, 2 and 0; a miss of layer 0 evicts layer 1's expert under
+    LRU (the lowest slot of a tie) but layer 0's with ``visit``: layer 1 is looked up next, layer 0
+    only after a whole cycle."""
+    cfg = Config(3, 4, 3, 0, 3, 1, 1, Policy(0, 0))
+    for visit, want in ((0, 0), (1, 2)):
+        tables = empty_tables(cfg)
+        for slot, gid in enumerate([4, 8, 0]):  # layers 1, 2, 0
+            tables.id_of_slot[slot], tables.slot_for_id[gid] = gid, slot
+            tables.last_use[slot] = tables.score[slot] = 5
+        tables.step.fill_(10)
+        plan, _ = lookup_mod.lookup_admit(torch.tensor([[1]]), 0, 4, tables, 0, 3, Policy(0, 0, visit), 1,
+                                          backend="eager")
+        assert plan.dst_slot.tolist() == [want]
 
 
 def test_lookup_admit_bounds():

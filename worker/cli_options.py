@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 
 from moe_offload.fp8 import EXPERT_DTYPES
+from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.attention import BACKENDS
 from worker.expert_placement import ExpertOptions
+from worker.routing_options import RoutingOptions
 from worker.runner import RunnerConfig
 
 
@@ -49,6 +51,10 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                         "128x128 block scales (a bf16 checkpoint is quantized once, when the expert store is filled: "
                         "half the bytes over PCIe, twice the experts in the same cache memory), bf16 runs them in "
                         "the compute dtype")
+    p.add_argument("--lent-slots", default=ExpertOptions.lent_slots, choices=list(LENT_SLOT_RULES),
+                   help="what decode does with the 2E cache slots the prefill pipeline borrows: reserve (default: "
+                        "decode never admits there, so they idle between prefills) or decode (decode admits there "
+                        "too, as the first victims, and a prefill wipes only those coldest entries)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(graphs are on: %(default)s)")
@@ -60,17 +66,38 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
+    add_routing_args(p)
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", default=RoutingOptions.routing, metavar="model|synthetic|replay:FILE",
+                   help="which experts each token goes to: model (default: the model's own router); synthetic "
+                        "(with --dummy-weights: a router calibrated to Qwen3-30B-A3B's decode statistics, ~45%% of "
+                        "choices repeat at the next token, ~80%% within 8, near-flat popularity); replay:FILE (a "
+                        "trace written by --record-routing; tokens it lacks use the model's router)")
+    p.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="record every token's routing (ids and weights per layer) on the device and write it to "
+                        "FILE at exit, for --routing replay:FILE and scripts/cache_policy_report.py")
+    p.add_argument("--record-routing-tokens", type=int, default=RoutingOptions.record_tokens,
+                   help="tokens --record-routing holds (device buffers sized up front; later ones are dropped "
+                        "with a warning)")
 
 
 def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
     experts = ExpertOptions(args.moe_cache_size, args.moe_cache_fraction, args.moe_cache_auto, args.moe_policy,
                             args.kv_reserve_tokens, args.dummy_weights, args.seed_weights,
                             prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate,
-                            prefill_stage=args.prefill_stage, expert_dtype=args.expert_dtype)
+                            prefill_stage=args.prefill_stage, expert_dtype=args.expert_dtype,
+                            lent_slots=args.lent_slots)
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,
-                        cuda_graph_max_batch=args.cuda_graph_max_batch, gpu_memory_limit=args.gpu_memory_limit)
+                        cuda_graph_max_batch=args.cuda_graph_max_batch, gpu_memory_limit=args.gpu_memory_limit,
+                        routing=routing_options(args))
+
+
+def routing_options(args: argparse.Namespace) -> RoutingOptions:
+    return RoutingOptions(args.routing, args.record_routing, args.record_routing_tokens, seed=args.seed_weights)
 
 
 def resolve_model(model: str | None) -> str:

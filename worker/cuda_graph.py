@@ -71,7 +71,7 @@ class DecodeGraphs:
         self.page_size = kv_pool.page_size
         self.max_context = max_context
         self.max_pages = min(-(-max_context // self.page_size), kv_pool.num_pages)
-        self.buckets = decode_buckets(max_batch, model.moe[0].experts, model.cfg.top_k)
+        self.buckets = decode_buckets(max_batch, model.experts, model.cfg.top_k)
         self.use_graphs = use_graphs
         self.page_table = torch.zeros(max(self.buckets, default=0), self.max_pages, dtype=torch.int64,
                                       device=self.device)

@@ -34,6 +34,7 @@ class ExpertOptions:
     prefill_invalidate: str = "fixed"  # "eager": the boolean-mask invalidation, a hidden sync (A/B only)
     prefill_stage: str = "auto"  # "kernel" | "memcpy" | "auto" (per chunk), see prefill_pipeline.STAGE_MODES
     expert_dtype: str = "auto"  # "auto" | "bf16" | "fp8", see fp8.resolve_expert_format
+    lent_slots: str = "reserve"  # decode and the pipeline's lent slots: offloaded.LENT_SLOT_RULES
 
     @property
     def uses_store(self) -> bool:
@@ -80,7 +81,8 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
                     "prefill runs through the cache", slots, 3 * cfg.num_experts, cfg.num_experts, cfg.num_experts)
     banks = store.device_banks() if device.type == "cuda" else host
     experts = OffloadedExperts.create(banks, slots, device, options.policy, pipeline=pipeline,
-                                      invalidate=options.prefill_invalidate, stage=options.prefill_stage)
+                                      invalidate=options.prefill_invalidate, stage=options.prefill_stage,
+                                      lent_slots=options.lent_slots)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts
 

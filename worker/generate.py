@@ -87,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     gen = generate(runner, prompt_ids, params, args.max_tokens, runner.model_config.eos_token_ids)
+    runner.save_routing_record()
     print(tokenizer.decode(gen.token_ids))
     if args.stats:
         print(f"prefill {len(prompt_ids)} tokens in {gen.prefill_seconds:.3f} s "

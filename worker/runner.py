@@ -19,6 +19,7 @@ from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
 from worker.quantization import checkpoint_expert_format
+from worker.routing_options import RoutingOptions, make_routing, save_record
 from worker.sampling import SamplingParams, SamplingTensors, sample
 
 # --max-prefill-tokens 0 (auto): a multiple of AUTO_PREFILL_STEP up to AUTO_PREFILL_MAX on a GPU.
@@ -41,6 +42,7 @@ class RunnerConfig:
     cuda_graph: bool = True  # decode steps of CUDA runners replay captured graphs (worker.cuda_graph)
     cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
     gpu_memory_limit: float | None = None  # GiB: size and cap as if the card had this much (worker.device_memory)
+    routing: RoutingOptions = RoutingOptions()
 
     @property
     def attention_backend(self) -> str:
@@ -73,6 +75,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.memory = DeviceMemory.of(self.device, config.gpu_memory_limit)
         self.memory.cap()
+        config.routing.check(config.experts.dummy_weights)  # before loading anything
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         in_store = config.experts.uses_store
         # --expert-dtype, resolved once against the checkpoint's format: the loader, the store and the
@@ -92,7 +95,8 @@ class ModelRunner:
         self.max_prefill_tokens = self._resolve_prefill_tokens()
         attention = create_backend(config.attention_backend, self.kv_pool, cfg.head_dim ** -0.5)
         self.experts = experts
-        self.model = MoETransformer(cfg, self.weights, attention, experts)
+        routing = make_routing(config.routing, cfg, self.device, config.experts.dummy_weights)
+        self.model = MoETransformer(cfg, self.weights, attention, experts, routing)
         self.graphs = self._decode_graphs()
 
     @property
@@ -111,6 +115,17 @@ class ModelRunner:
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))
+
+    def save_routing_record(self) -> None:
+        """With ``--record-routing FILE``: write the routing recorded so far to FILE (reads the
+        device; the entry points call it when they finish)."""
+        if self.config.routing.record is not None:
+            save_record(self.model.routing, self.config.routing.record)
+
+    def clear_routing_record(self) -> None:
+        """With ``--record-routing``: forget the steps recorded so far (the scheduler's warm-up)."""
+        if self.config.routing.record is not None:
+            self.model.routing.clear()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not (self.config.cuda_graph and self.device.type == "cuda"):

@@ -6,12 +6,16 @@ writes a fixed-shape copy plan ``(src_id, dst_slot)`` with its count on the devi
 routing to slot ids. Victims are the lowest eviction keys, one int64 per slot:
 
 ```
- bits 63 62 | 61 60 | 59 ............. 20 | 19 ......... 0
-     0   0 | class | score - step + 2^39 | slot - start        class: 0 empty, 1 resident, 3 used now
+ bits 63 62 | 61 60 | 59 ............................... 20 | 19 ......... 0
+     0   0 | class | score - step + 2^39 - visit * until_visit | slot - start   class: 0 empty, 1 resident,
+                     (- the low-priority penalty)                                  3 used now
 ```
 
 Keys are unique (the slot is in them), so the twin's sort and the kernel's repeated min agree. The
 kernel extracts one min per miss: its cost follows the misses, each of which moves a whole expert.
+Slots below ``LowPriority.end`` (the prefill pipeline's lent slots, when decode may use them) rank
+as if ``penalty`` launches older than they are: a resident there goes before one elsewhere unless
+that one has been idle ``penalty`` launches longer, so the next prefill wipes the coldest entries.
 """
 from __future__ import annotations
 
@@ -55,10 +59,24 @@ class Policy(NamedTuple):
     The score is the last use plus a bonus that decays by one per launch; each use adds ``credit``
     to what is left of it, up to ``cap``. ``(0, 0)`` is LRU; with ``credit`` above the launches
     between an expert's uses, frequently used experts bank credit that one-off experts lack.
+
+    ``visit`` ranks a slot lower by ``visit`` per launch until its layer is looked up again (1 for
+    the next layer, L for the layer of this launch): layers are looked up in a cycle, so an expert
+    whose layer comes next is needed sooner than an equally recent one whose layer just ran. Plain
+    recency evicts exactly the experts needed next, and once a step needs more experts than the
+    cache holds (batch 8 at 25%), LRU hits almost nothing.
     """
 
     credit: int
     cap: int
+    visit: int = 0
+
+
+class LowPriority(NamedTuple):
+    """Victim ranking of slots ``[0, end)``: their score counts ``penalty`` launches lower."""
+
+    end: int = 0
+    penalty: int = 0
 
 
 def plan_capacity(num_routed: int, num_experts: int) -> int:
@@ -84,8 +102,10 @@ def check_tables(tables: CacheTables, slot_start: int, num_slots: int) -> int:
 
 
 def _check(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables,
-           slot_start: int, num_slots: int, policy: Policy) -> None:
-    check_tables(tables, slot_start, num_slots)
+           slot_start: int, num_slots: int, policy: Policy, low: LowPriority) -> None:
+    size = check_tables(tables, slot_start, num_slots)
+    if not (0 <= low.end <= size and 0 <= low.penalty < 1 << (REL_BITS - 2)):
+        raise ValueError(f"{low} needs 0 <= end <= {size} slots and 0 <= penalty < 2^{REL_BITS - 2}")
     if ids.dim() != 2 or ids.dtype != torch.int64 or ids.numel() < 1:
         raise ValueError(f"ids must be a non-empty [T, k] int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
     num_layers = tables.stats.shape[0]
@@ -94,29 +114,31 @@ def _check(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables,
     if num_slots < plan_capacity(ids.numel(), num_experts):
         raise ValueError(f"{num_slots} slots cannot hold the up to {plan_capacity(ids.numel(), num_experts)} "
                          "distinct experts of one launch")
-    if not 0 <= policy.credit <= policy.cap < 1 << (REL_BITS - 2):
-        raise ValueError(f"policy {policy} needs 0 <= credit <= cap < 2^{REL_BITS - 2}")
+    if not (0 <= policy.credit <= policy.cap < 1 << (REL_BITS - 2) and 0 <= policy.visit * num_layers < 1 << 30):
+        raise ValueError(f"policy {policy} needs 0 <= credit <= cap < 2^{REL_BITS - 2} and 0 <= visit * L < 2^30")
     if len({t.device for t in (ids, *tables)}) != 1:
         raise ValueError("ids and the cache tables must be on one device")
 
 
 def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
-                 num_slots: int, policy: Policy, expert_bytes: int,
-                 backend: str | None = None) -> tuple[CopyPlan, torch.Tensor]:
+                 num_slots: int, policy: Policy, expert_bytes: int, backend: str | None = None,
+                 low: LowPriority = LowPriority()) -> tuple[CopyPlan, torch.Tensor]:
     """Look up ``ids [T, k]`` (experts of ``layer``) and admit the misses into victims of slots
     ``[slot_start, slot_start + num_slots)``. Returns the copy plan and the slot ids ``[T, k]``
     int64 (-1 for ids outside ``[0, E)``). Advances ``tables.step`` and the layer's stats.
 
     ``num_slots`` must be at least ``min(T*k, E)``, checked from shapes, so victims never run out.
+    ``low`` lowers the rank of the first slots as victims (see the module docstring).
     """
-    _check(ids, layer, num_experts, tables, slot_start, num_slots, policy)
+    _check(ids, layer, num_experts, tables, slot_start, num_slots, policy, low)
     capacity = plan_capacity(ids.numel(), num_experts)
     device = ids.device
     plan = CopyPlan(torch.empty(capacity, dtype=torch.int32, device=device),
                     torch.empty(capacity, dtype=torch.int32, device=device),
                     torch.empty(1, dtype=torch.int32, device=device))
     slots = torch.empty(ids.shape, dtype=torch.int64, device=device)
-    args = (ids.contiguous(), layer, num_experts, tables, slot_start, num_slots, policy, expert_bytes, plan, slots)
+    args = (ids.contiguous(), layer, num_experts, tables, slot_start, num_slots, policy, low, expert_bytes, plan,
+            slots)
     if use_triton(ids, backend):
         _launch(*args)
     else:
@@ -131,7 +153,7 @@ def _touch(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int) 
 
 
 def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
-                       num_slots: int, policy: Policy, expert_bytes: int, plan: CopyPlan,
+                       num_slots: int, policy: Policy, low: LowPriority, expert_bytes: int, plan: CopyPlan,
                        slots: torch.Tensor) -> None:
     """Reference twin: reads the step and the miss count on the host (CPU path and oracle only)."""
     device, step = ids.device, int(tables.step[0])
@@ -148,7 +170,10 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     occ = tables.id_of_slot[slot_start + rng]
     used = tables.last_use[slot_start + rng] == step
     cls = torch.where(used, 3, torch.where(occ < 0, 0, 1)).long()
-    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1))).clamp(0, (1 << REL_BITS) - 1)
+    num_layers = tables.stats.shape[0]
+    until_visit = (occ.long().clamp(min=0) // num_experts - layer - 1 + num_layers) % num_layers + 1
+    penalty = torch.where(slot_start + rng < low.end, low.penalty, 0) + policy.visit * until_visit
+    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1)) - penalty).clamp(0, (1 << REL_BITS) - 1)
     keys = torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values
     src = gid[miss]
     num_miss = src.numel()
@@ -173,14 +198,15 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
 
 
 def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
-            num_slots: int, policy: Policy, expert_bytes: int, plan: CopyPlan, slots: torch.Tensor) -> None:
+            num_slots: int, policy: Policy, low: LowPriority, expert_bytes: int, plan: CopyPlan,
+            slots: torch.Tensor) -> None:
     block_e = next_pow2(num_experts)
     block_s = next_pow2(num_slots)
     _kernel()[(1,)](
         ids, tables.slot_for_id, tables.id_of_slot, tables.score, tables.last_use, tables.step, tables.stats,
         plan.src_id, plan.dst_slot, plan.count, slots,
         ids.numel(), layer, num_experts, slot_start, num_slots, plan.src_id.numel(),
-        policy.credit, policy.cap, expert_bytes,
+        policy.credit, policy.cap, policy.visit, tables.stats.shape[0], low.end, low.penalty, expert_bytes,
         BLOCK_N=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=next_pow2(plan.src_id.numel()),
         NUM_STATS=len(STAT_FIELDS), num_warps=num_warps_for(max(block_s, block_e)),
     )
@@ -195,7 +221,7 @@ def _kernel():
     def lookup_admit_kernel(ids_ptr, slot_for_id_ptr, id_of_slot_ptr, score_ptr, last_use_ptr, step_ptr, stats_ptr,
                             plan_src_ptr, plan_dst_ptr, count_ptr, slots_ptr,
                             num_routed, layer, num_experts, slot_start, num_slots, plan_cap,
-                            credit, cap, expert_bytes,
+                            credit, cap, visit, num_layers, low_end, low_penalty, expert_bytes,
                             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                             BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr):
         # Where a block is smaller than the CTA, threads hold replicas of one element; every
@@ -240,7 +266,9 @@ def _kernel():
         used = tl.load(last_use_ptr + slot_start + s, mask=in_range, other=0) == step
         score = tl.load(score_ptr + slot_start + s, mask=in_range, other=0)
         cls = tl.where(used | ~in_range, 3, tl.where(occ < 0, 0, 1)).to(tl.int64)
-        rel = tl.minimum(tl.maximum(score - step + (1 << 39), 0), (1 << 40) - 1)
+        until_visit = (tl.maximum(occ, 0) // num_experts - layer - 1 + num_layers) % num_layers + 1
+        penalty = tl.where(slot_start + s < low_end, low_penalty, 0).to(tl.int64) + visit * until_visit.to(tl.int64)
+        rel = tl.minimum(tl.maximum(score - step + (1 << 39) - penalty, 0), (1 << 40) - 1)
         keys = (cls << 60) | (rel << 20) | s.to(tl.int64)  # the layout drawn in the module docstring
         for j in range(0, num_miss):
             low = tl.min(keys, axis=0)

@@ -1,11 +1,14 @@
 """The decoder both families share: pre-norm GQA attention with RoPE (and per-head q/k RMSNorm for
-Qwen3), then a sparse MoE MLP behind the ``MoEBlock`` API of ``moe_offload``."""
+Qwen3), then a sparse MoE MLP: a ``Routing`` picks each token's experts (the model's router by
+default), an ``Experts`` backend of ``moe_offload`` runs them."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from moe_offload.experts import Experts, MoEBlock
+from moe_offload.experts import Experts
+from moe_offload.routing import ModelRouting, Routing
+from moe_offload.synthetic_routing import TokenKeys
 from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
@@ -15,24 +18,27 @@ from worker.models.weights import LayerWeights, ModelWeights
 
 
 class MoETransformer:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts,
+                 routing: Routing | None = None):
         self.cfg = cfg
         self.weights = weights
         self.attention = attention
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device)
         self.experts = experts
-        self.moe = [MoEBlock(i, experts, cfg.top_k, cfg.renormalize) for i in range(cfg.num_layers)]
+        self.routing = routing or ModelRouting(cfg.top_k, cfg.renormalize)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
         eps = self.cfg.rms_norm_eps
         self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
+        self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
         x = w.embed[batch.input_ids]
         h = rms_norm(x, w.layers[0].input_norm, eps)
         for i, lw in enumerate(w.layers):  # each residual add is fused with the norm after it
             h, x = add_rms_norm(x, self._attention(i, lw, h, batch), lw.post_norm, eps)
-            out = self.moe[i](h, F.linear(h, lw.router))
+            weights, ids = self.routing(i, h, lw.router)
+            out = self.experts.forward(i, h, weights, ids)
             if i + 1 < len(w.layers):
                 h, x = add_rms_norm(x, out, w.layers[i + 1].input_norm, eps)
             else:
@@ -59,3 +65,10 @@ class MoETransformer:
         q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps)
         out = self.attention.forward(layer, q, k, v, batch)
         return F.linear(out.reshape(T, cfg.q_size), lw.o)
+
+
+def token_keys(batch: ForwardBatch) -> TokenKeys:
+    """Each token's sequence key (its sequence's first KV page), position and id, on the device."""
+    tokens = torch.arange(batch.num_tokens, device=batch.positions.device)
+    sequence = torch.searchsorted(batch.last_index, tokens)
+    return TokenKeys(batch.page_table[sequence, 0], batch.positions, batch.input_ids)

@@ -1,0 +1,170 @@
+"""Synthetic expert routing for dummy weights, calibrated to Qwen3-30B-A3B's decode statistics.
+
+Seeded random weights route nearly the same experts every step, so an expert-cache benchmark on
+them measures no misses. This router replaces the model's choice with a process calibrated to the
+published figures for Qwen3-30B-A3B: about 45% of a layer's top-k choices repeat at the next
+token, about 80% within 8 tokens, and a near-flat popularity (90% of the routing mass in about 60
+of 128 experts, the top expert about 5%).
+
+The process is a pure function of ``(layer, sequence key, position, token)``, so a token's routing
+needs no state carried from the tokens before it, and prefill tokens (all at once) and decode
+tokens (one a step, inside a CUDA graph) follow the same process. Each (layer, sequence) has a
+working set of ``W = 2.25k`` lanes; lane ``w`` holds one expert, drawn from the layer's popularity,
+for ``PERIOD`` positions at a time (its own phase), so consecutive tokens share most of the set:
+
+```
+ position      t-3  t-2  t-1   t   ...   lane w's expert changes every PERIOD positions
+ lane 0        e17  e17  e17  e90        token t routes to the k lanes of highest hash(t, lane),
+ lane 1        e4   e4   e4   e4         then fresh popularity draws fill in for duplicates;
+ ...                                     top-k over an integer score per expert keeps ids distinct
+```
+
+A lane picked at ``t`` holds the same expert at ``t - d`` with probability ``1 - d/PERIOD`` and
+is picked there with probability ``k/W``: 7/8 x 4/9 = 0.39 for the next token, plus about 0.06 of
+chance repeats (popular experts drawn again), and about 0.8 for any of the last 8. Everything is
+integer arithmetic on 32-bit hashes (exact on CPU and CUDA), with fixed shapes and no host reads;
+the weights are normalised random positive numbers.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Fitted at E = 128, k = 8 by a grid search over these four (tests/test_synthetic_routing.py measures
+# the result): W = 2.25k lanes (a lane is picked with probability 4/9 per token) holding their expert
+# for 8 positions; the popularity of the expert ranked r of E is (r/E + OFFSET)^-POWER, the same
+# shape for any E.
+LANES_PER_CHOICE = 2.25
+PERIOD = 8
+POPULARITY_OFFSET = 0.25
+POPULARITY_POWER = 2.75
+DRAW_BITS = 24  # popularity draws are 24-bit integers against an integer CDF
+_M32 = 0xFFFFFFFF
+_SALTS = {"phase": 1, "lane": 2, "pick": 3, "fresh": 4, "weight": 5, "shuffle": 6}
+
+
+def mix32(x):
+    """A 32-bit integer hash (xorshift-multiply); works on Python ints and int64 tensors alike.
+    Multipliers are below 2^31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _M32
+    return x ^ (x >> 16)
+
+
+def hash_ints(*parts: int) -> int:
+    h = 0x9E3779B9
+    for p in parts:
+        h = mix32(h ^ (p & _M32))
+    return h
+
+
+class TokenKeys(NamedTuple):
+    """What identifies each routed token: its sequence's key, its position and its token id, ``[T]`` int64."""
+
+    sequence: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+
+
+def popularity(num_experts: int, layer: int, seed: int) -> torch.Tensor:
+    """The layer's expert popularity ``[E]`` float64 (sums to 1): the fitted profile, shuffled per layer."""
+    ranks = (torch.arange(num_experts, dtype=torch.float64) + 0.5) / num_experts
+    profile = (ranks + POPULARITY_OFFSET) ** -POPULARITY_POWER
+    order = torch.tensor([hash_ints(seed, _SALTS["shuffle"], layer, e) for e in range(num_experts)])
+    return (profile / profile.sum())[torch.argsort(torch.argsort(order))]
+
+
+def _cdf(pop: torch.Tensor) -> torch.Tensor:
+    """Integer inclusive CDF over ``2^DRAW_BITS``, every expert at least one unit wide."""
+    units = torch.clamp(torch.round(pop * ((1 << DRAW_BITS) - pop.numel())), min=0).long() + 1
+    cdf = torch.cumsum(units, 0)
+    cdf[-1] = 1 << DRAW_BITS
+    return cdf
+
+
+class SyntheticRouter:
+    """Routes ``[T]`` tokens of any layers to ``top_k`` of ``num_experts`` experts (see the module doc)."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, device: torch.device | str, seed: int = 0):
+        if not 1 <= top_k <= num_experts or num_layers < 1 or num_experts > 1024:
+            raise ValueError(f"synthetic routing needs 1 <= top_k <= experts <= 1024 and layers >= 1, "
+                             f"got {num_layers} layers, {num_experts} experts, top {top_k}")
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.lanes = min(round(LANES_PER_CHOICE * top_k), 255)
+        self.cdf = torch.stack([_cdf(popularity(num_experts, i, seed)) for i in range(num_layers)]).to(device)
+        seed_h = hash_ints(seed)
+        self.seed_h = seed_h
+
+        def consts(salt: str, n: int) -> torch.Tensor:  # one 32-bit constant per (layer, lane or rank)
+            return torch.tensor([[hash_ints(seed_h, _SALTS[salt], i, j) for j in range(n)]
+                                 for i in range(num_layers)], dtype=torch.int64, device=device)
+
+        self.phase_c, self.lane_c = consts("phase", self.lanes), consts("lane", self.lanes)
+        self.pick_c, self.fresh_c = consts("pick", self.lanes), consts("fresh", top_k)
+        self.weight_c = consts("weight", top_k)
+        self.expert_bits = torch.arange(num_experts, dtype=torch.int64, device=device)
+
+    def route(self, layers: slice, keys: TokenKeys) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 weights and int64 ids ``[Ls, T, k]`` of the layers in ``layers`` (a slice of the
+        ``L`` layers), for tokens ``keys``. Fixed shapes, no host reads."""
+        seq = mix32((keys.sequence & _M32) ^ self.seed_h)  # [T]
+        tok = mix32(mix32(seq ^ (keys.positions & _M32)) ^ (keys.tokens & _M32))  # [T]
+        lane_experts = self._lanes(layers, seq, keys.positions)  # [Ls, T, W]
+        pick = (mix32(tok[None, :, None] ^ self.pick_c[layers, None, :]) << 8) | torch.arange(
+            self.lanes, device=seq.device)  # unique per lane, so top-k has no ties
+        chosen = torch.gather(lane_experts, 2, torch.topk(pick, self.top_k, dim=2).indices)
+        fresh = self._draw(layers, mix32(tok[None, :, None] ^ self.fresh_c[layers, None, :]))
+        order = torch.arange(self.top_k, 0, -1, device=seq.device)
+        score = torch.zeros(*chosen.shape[:2], self.num_experts, dtype=torch.int64, device=seq.device)
+        score.scatter_reduce_(2, fresh, ((1 << 20) | (order << 10)).expand_as(fresh), "amax")
+        score.scatter_reduce_(2, chosen, ((2 << 20) | (order << 10)).expand_as(chosen), "amax")
+        ids = torch.topk(score | self.expert_bits, self.top_k, dim=2).indices
+        raw = mix32(tok[None, :, None] ^ self.weight_c[layers, None, :]).float() / 2.0 ** 32 + 1.0
+        return raw / raw.sum(dim=2, keepdim=True), ids
+
+    def _lanes(self, layers: slice, seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each lane's expert at each token ``[Ls, T, W]``: a popularity draw per (lane, epoch)."""
+        phase = mix32(seq[None, :, None] ^ self.phase_c[layers, None, :]) % PERIOD
+        epoch = (positions[None, :, None] + phase) // PERIOD
+        return self._draw(layers, mix32(mix32(seq[None, :, None] ^ self.lane_c[layers, None, :]) ^ (epoch & _M32)))
+
+    def _draw(self, layers: slice, hashed: torch.Tensor) -> torch.Tensor:
+        """Experts drawn by popularity ``[Ls, T, n]`` from 32-bit hashes ``[Ls, T, n]``."""
+        draws = (hashed & ((1 << DRAW_BITS) - 1)).flatten(1)
+        picked = torch.searchsorted(self.cdf[layers], draws, right=True)
+        return picked.clamp(max=self.num_experts - 1).view_as(hashed)
+
+
+def routing_statistics(ids: torch.Tensor, num_experts: int, window: int = 8) -> dict:
+    """Measured statistics of ``ids [L, N, T, k]`` (layers, sequences, consecutive tokens): the
+    fraction of choices also made at the previous token, and at any of the previous ``window``;
+    the share of all choices on the most chosen expert and on the top ``60/128`` of the experts
+    (per layer, then averaged). Host-side analysis, not for the hot path."""
+    L, N, T, k = ids.shape
+    onehot = torch.zeros(L, N, T, num_experts, dtype=torch.bool)
+    onehot.scatter_(3, ids.long().cpu(), True)
+    prev = onehot[:, :, :-1] & onehot[:, :, 1:]
+    recent = torch.zeros_like(onehot[:, :, window:])
+    for d in range(1, window + 1):
+        recent |= onehot[:, :, window - d:T - d]
+    within = (recent & onehot[:, :, window:]).sum() / (L * N * (T - window) * k)
+    counts = onehot.sum(dim=(1, 2)).double()  # [L, E]
+    share = counts / counts.sum(dim=1, keepdim=True)
+    top = torch.sort(share, dim=1, descending=True).values
+    head = max(1, round(num_experts * 60 / 128))
+    return {"repeat_next": float(prev.sum() / (L * N * (T - 1) * k)), "repeat_within": float(within),
+            "top_share": float(top[:, 0].mean()), "head_mass": float(top[:, :head].sum(dim=1).mean()),
+            "head": head}
+
+
+def synthetic_trace(num_layers: int, num_experts: int, top_k: int, sequences: int, tokens: int,
+                    seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Decode routing of ``sequences`` sequences over ``tokens`` positions: ids ``[L, N, T, k]``."""
+    router = SyntheticRouter(num_layers, num_experts, top_k, device, seed)
+    seq = torch.arange(1, sequences + 1, device=device).repeat_interleave(tokens)
+    pos = torch.arange(tokens, device=device).repeat(sequences)
+    _, ids = router.route(slice(None), TokenKeys(seq, pos, torch.zeros_like(pos)))
+    return ids.view(num_layers, sequences, tokens, top_k)

@@ -1,0 +1,168 @@
+"""Expert-cache hit rates of the engine's policies against Belady's offline optimum (MIN).
+
+    python scripts/cache_policy_report.py [--trace FILE] [--fractions 0.1 0.25 0.5] [--json OUT]
+        [--batch 1] [--steps 256] [--layers 48 --experts 128 --top-k 8]   (synthetic, without --trace)
+        [--lent-slots none|reserve|decode] [--prefill-every N]
+
+Replays the decode lookups of a routing trace (``--record-routing``; steps big enough for the
+prefill pipeline are chunks, which do not look up) or, without one, of the synthetic router
+(``--batch`` sequences decoding ``--steps`` tokens), one lookup per layer per step, as the engine
+does. lru and lfru run the engine's own code: ``ExpertCache.lookup`` (the ``lookup_admit`` eager
+twin, the kernel's parity oracle) on CPU tables. MIN evicts the expert used farthest in the future
+among those the step's layer does not use, and admits every miss (as the engine must).
+
+``--lent-slots`` models a prefill pipeline lending ``2E`` slots: reserve (decode never uses them),
+decode (decode uses them as first victims); each chunk (a trace's, or one every ``--prefill-every``
+synthetic steps) wipes them. MIN always has the whole cache: it is the bound either way.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+
+import torch
+
+from moe_offload.expert_cache import ExpertCache
+from moe_offload.offloaded import PIPELINE_PAIRS_PER_EXPERT, decode_slots
+from moe_offload.routing_trace import RoutingTrace
+from moe_offload.synthetic_routing import synthetic_trace
+
+POLICIES = ("lru", "lfru", "min")
+Steps = list  # per step: a list of L tensors (each layer's distinct experts), or None for a prefill chunk
+
+
+def synthetic_steps(layers: int, experts: int, top_k: int, batch: int, steps: int, seed: int = 0,
+                    prefill_every: int = 0) -> Steps:
+    ids = synthetic_trace(layers, experts, top_k, batch, steps, seed)  # [L, N, T, k]
+    out: Steps = []
+    for t in range(steps):
+        if prefill_every and t and t % prefill_every == 0:
+            out.append(None)
+        out.append([torch.unique(ids[layer, :, t]) for layer in range(layers)])
+    return out
+
+
+def trace_steps(trace: RoutingTrace) -> Steps:
+    """A trace's steps; those the engine sends through the prefill pipeline become chunks (None)."""
+    order = torch.argsort(trace.step, stable=True)
+    counts = torch.unique_consecutive(trace.step[order], return_counts=True)[1].tolist()
+    threshold = PIPELINE_PAIRS_PER_EXPERT * trace.num_experts
+    return [None if rows.shape[0] * trace.top_k >= threshold else
+            [torch.unique(rows[:, layer]) for layer in range(trace.num_layers)]
+            for rows in torch.split(trace.ids[order], counts)]
+
+
+def engine_hit_rate(steps: Steps, num_layers: int, num_experts: int, slots: int, policy: str,
+                    lent_slots: str = "none") -> float:
+    """Hit rate of the engine's cache code over ``steps`` (CPU tables, eager twin)."""
+    cache = ExpertCache(num_layers, num_experts, (1, 1), (1, 1), slots, torch.float32, "cpu", policy)
+    lent = 0 if lent_slots == "none" else 2 * num_experts
+    if lent and slots < 3 * num_experts:
+        raise ValueError(f"a pipeline lends 2x{num_experts} slots and needs {3 * num_experts}; the cache has {slots}")
+    start, low = decode_slots(lent_slots, lent, num_layers)
+    for step in steps:
+        if step is None:
+            if lent:
+                cache.invalidate(0, lent)
+            continue
+        for layer, ids in enumerate(step):
+            cache.lookup(layer, ids.view(-1, 1), start, low=low)
+    total = cache.stats()["total"]
+    return total["hits"] / max(total["lookups"], 1)
+
+
+def min_hit_rate(steps: Steps, num_experts: int, slots: int) -> float:
+    """Belady's MIN over the lookups of ``steps`` (chunks ignored): on a miss with the cache full,
+    evict the resident expert whose next use is farthest (never one of this lookup's)."""
+    requests = [[layer * num_experts + int(e) for e in ids] for step in steps if step is not None
+                for layer, ids in enumerate(step)]
+    next_use, upcoming = [], {}
+    for r in range(len(requests) - 1, -1, -1):  # next_use[r][i]: the next request of requests[r][i]
+        next_use.append([upcoming.get(x, math.inf) for x in requests[r]])
+        for x in requests[r]:
+            upcoming[x] = r
+    next_use.reverse()
+    resident: dict[int, float] = {}  # expert -> its next use
+    heap: list[tuple[float, int]] = []  # (-next use, expert), stale entries skipped
+    hits = lookups = 0
+    for r, request in enumerate(requests):
+        now = set(request)
+        for x in request:
+            lookups += 1
+            if x in resident:
+                hits += 1
+                continue
+            while len(resident) >= slots:
+                far, victim = heapq.heappop(heap)
+                if resident.get(victim) == -far and victim not in now:  # else stale, or in use
+                    del resident[victim]
+            resident[x] = r
+        for x, nxt in zip(request, next_use[r]):
+            resident[x] = nxt
+            heapq.heappush(heap, (-nxt, x))
+    return hits / max(lookups, 1)
+
+
+def report(steps: Steps, num_layers: int, num_experts: int, fractions: list[float],
+           lent_slots: str = "none") -> list[dict]:
+    """Rows of hit rates; a cache too small for one lookup's experts is skipped with a note."""
+    rows = []
+    largest = max((ids.numel() for step in steps if step is not None for ids in step), default=0)
+    for fraction in fractions:
+        slots = max(1, int(fraction * num_layers * num_experts))
+        if slots < largest:
+            print(f"cache {fraction:.0%}: {slots} slots cannot hold one lookup's {largest} experts; skipped")
+            continue
+        for policy in POLICIES:
+            rate = (min_hit_rate(steps, num_experts, slots) if policy == "min" else
+                    engine_hit_rate(steps, num_layers, num_experts, slots, policy, lent_slots))
+            rows.append({"cache": fraction, "policy": policy, "hit_rate": rate})
+    return rows
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(title)
+    print(f"{'cache':>6} {'lru':>7} {'lfru':>7} {'min':>7} {'lfru/min':>8}")
+    for fraction in sorted({r["cache"] for r in rows}):
+        rate = {r["policy"]: r["hit_rate"] for r in rows if r["cache"] == fraction}
+        ratio = rate["lfru"] / rate["min"] if rate["min"] else float("nan")
+        print(f"{fraction:>6.0%} {rate['lru']:>7.3f} {rate['lfru']:>7.3f} {rate['min']:>7.3f} {ratio:>8.3f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", help="a routing trace written by --record-routing (default: the synthetic router)")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    p.add_argument("--batch", type=int, default=1, help="synthetic: sequences decoding together")
+    p.add_argument("--steps", type=int, default=256, help="synthetic: decode steps")
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lent-slots", default="none", choices=["none", "reserve", "decode"],
+                   help="model a prefill pipeline lending 2E slots (see --lent-slots of the engine)")
+    p.add_argument("--prefill-every", type=int, default=0, help="synthetic: a prefill chunk every N steps")
+    p.add_argument("--json", help="write [{cache, policy, hit_rate}, ...] here")
+    args = p.parse_args(argv)
+    if args.trace:
+        trace = RoutingTrace.load(args.trace)
+        layers, experts, steps = trace.num_layers, trace.num_experts, trace_steps(trace)
+        title = f"trace {args.trace}: {trace.num_layers} layers, {experts} experts, top {trace.top_k}"
+    else:
+        layers, experts = args.layers, args.experts
+        steps = synthetic_steps(layers, experts, args.top_k, args.batch, args.steps, args.seed, args.prefill_every)
+        title = (f"synthetic routing: {layers} layers, {experts} experts, top {args.top_k}, batch {args.batch}, "
+                 f"{args.steps} steps")
+    chunks = sum(step is None for step in steps)
+    rows = report(steps, layers, experts, args.fractions, args.lent_slots)
+    print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
+                      f"lent slots {args.lent_slots}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

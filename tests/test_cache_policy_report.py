@@ -1,0 +1,88 @@
+"""scripts/cache_policy_report.py: Belady's MIN gives the known optimum (a textbook trace, and
+exhaustive search over small traces of multi-expert lookups), the engine's lru is textbook LRU, a
+trace's pipelined steps are chunks, and the report's rows."""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from moe_offload.routing_trace import RoutingTrace
+from scripts.cache_policy_report import engine_hit_rate, main, min_hit_rate, trace_steps
+
+
+def single(sequence: list[int]) -> list:
+    """One layer, one expert per lookup."""
+    return [[torch.tensor([x])] for x in sequence]
+
+
+def test_min_on_the_textbook_trace():
+    # 1 2 3 4 1 2 5 1 2 3 4 5 with 3 frames: the optimum faults 7 times (Belady 1966; Silberschatz)
+    assert min_hit_rate(single([1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5]), 8, 3) == pytest.approx(5 / 12)
+    assert min_hit_rate(single([1, 2, 3, 1, 2, 3]), 8, 3) == pytest.approx(3 / 6)
+
+
+def brute_force_hits(requests: list[frozenset[int]], slots: int) -> int:
+    """Most hits over every admissible eviction choice (every miss admitted, none of the lookup's
+    own experts evicted)."""
+    @functools.cache
+    def best(r: int, cache: frozenset[int]) -> int:
+        if r == len(requests):
+            return 0
+        request = requests[r]
+        hits, missing = len(request & cache), request - cache
+        overflow = len(cache) + len(missing) - slots
+        choices = [frozenset()] if overflow <= 0 else map(frozenset, itertools.combinations(cache - request, overflow))
+        return hits + max(best(r + 1, (cache - out) | missing) for out in choices)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_min_equals_exhaustive_search(seed):
+    gen = torch.Generator().manual_seed(seed)
+    layers, experts, slots = 2, 4, 3 + seed % 2
+    steps = [[torch.unique(torch.randint(experts, (int(torch.randint(1, 3, (1,), generator=gen)),), generator=gen))
+              for _ in range(layers)] for _ in range(7)]
+    requests = [frozenset(layer * experts + int(e) for e in ids) for step in steps for layer, ids in enumerate(step)]
+    lookups = sum(len(r) for r in requests)
+    assert min_hit_rate(steps, experts, slots) == pytest.approx(brute_force_hits(requests, slots) / lookups)
+
+
+def test_engine_lru_is_textbook_lru():
+    gen = torch.Generator().manual_seed(0)
+    sequence = torch.randint(0, 12, (200,), generator=gen).tolist()
+    cache, hits = OrderedDict(), 0
+    for x in sequence:
+        hits += x in cache
+        cache[x] = None
+        cache.move_to_end(x)
+        if len(cache) > 5:
+            cache.popitem(last=False)
+    assert engine_hit_rate(single(sequence), 1, 12, 5, "lru") == pytest.approx(hits / len(sequence))
+
+
+def test_pipelined_steps_of_a_trace_are_chunks():
+    # a 12-token step routes 12 * 2 >= 4 * 4 pairs (the pipeline); 1-token steps look up
+    step = torch.tensor([0] + [1] * 12 + [2])
+    ids = torch.randint(0, 4, (14, 3, 2))
+    trace = RoutingTrace(4, step, torch.ones(14, dtype=torch.long), torch.arange(14), ids, torch.ones(14, 3, 2))
+    steps = trace_steps(trace)
+    assert steps[1] is None and len(steps) == 3
+    assert [torch.equal(a, torch.unique(ids[13, layer])) for layer, a in enumerate(steps[2])] == [True] * 3
+
+
+def test_report_rows(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    main(["--layers", "4", "--experts", "16", "--top-k", "2", "--steps", "40", "--batch", "2",
+          "--fractions", "0.25", "0.5", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["cache"], r["policy"]) for r in rows] == [(f, p) for f in (0.25, 0.5) for p in ("lru", "lfru", "min")]
+    for fraction in (0.25, 0.5):
+        rate = {r["policy"]: r["hit_rate"] for r in rows if r["cache"] == fraction}
+        assert 0 < rate["lru"] <= rate["min"] and 0 < rate["lfru"] <= rate["min"] < 1  # MIN is the optimum
+    assert "lfru/min" in capsys.readouterr().out
