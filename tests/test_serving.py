@@ -138,6 +138,7 @@ def test_finish_reasons_and_usage(server):
 
 def test_abort_and_disconnect_free_every_page(server):
     with Client(server.endpoint, timeout=WAIT_S) as c:
+        before = c.stats()
         stream = c.stream(prompt="a long story " * 5, max_tokens=400, temperature=0, ignore_eos=True)
         chunks = [next(iter(stream)) for _ in range(2)]
         assert all(ch.finish_reason is None for ch in chunks)
@@ -146,12 +147,12 @@ def test_abort_and_disconnect_free_every_page(server):
         gone.stream(prompt="another long story " * 5, max_tokens=400, temperature=0, ignore_eos=True)
         time.sleep(0.5)
         gone.close()  # disconnect without a word: noticed when the frontend next sends to it
-        # under load the vanished client's prompt may still be tokenizing now: wait for its abort
-        deadline = time.monotonic() + WAIT_S
-        while c.stats()["requests_aborted"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert c.stats()["requests_aborted"] >= 2
         assert_pages_settled(c)
+        after = c.stats()
+        assert after["requests_aborted"] > before["requests_aborted"]
+        # the vanished client's request never runs to its 400 tokens: it is aborted in the scheduler,
+        # or dropped by the frontend before it gets there (which of the two depends on timing)
+        assert after["generated_tokens"] - before["generated_tokens"] < 400
 
 
 def _gen(**fields) -> bytes:
