@@ -145,9 +145,10 @@ def run_gather_fp8(seed: int, shape: tuple[int, int, int, int], device: str, gua
                               slot_scales=want[2:])
     got = [t.clone().to(device) for t in (*pools, *slot_scales)]
     pinned = (lambda t: t) if device == "cpu" else (lambda t: t.pin_memory())
-    with guard():
-        gather_mod.gather_missing(*(t.to(device) for t in plan), *map(pinned, host), *got[:2], backend="triton",
-                                  host_scales=[pinned(t) for t in host_scales], slot_scales=got[2:])
+    plan_d, host_p, scales_p = [t.to(device) for t in plan], list(map(pinned, host)), [pinned(t) for t in host_scales]
+    with guard():  # inputs are built first: only the gather itself must not synchronise
+        gather_mod.gather_missing(*plan_d, *host_p, *got[:2], backend="triton",
+                                  host_scales=scales_p, slot_scales=got[2:])
     assert all(same(a.cpu(), b) for a, b in zip(got, want))
     assert int(plan[2]) == 0 or not all(same(a, b) for a, b in zip(want, (*pools, *slot_scales)))
 

@@ -37,7 +37,8 @@ class DeviceMemory:
         if self.limit_bytes > total:
             raise ValueError(f"--gpu-memory-limit {self.limit_bytes / GIB:g} GiB is more than the "
                              f"{total / GIB:.1f} GiB of {torch.cuda.get_device_name(self.device)}")
-        torch.cuda.set_per_process_memory_fraction(self.limit_bytes / total, self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(self.limit_bytes / total, index)  # needs an index
 
     def free(self) -> int:
         """Bytes free on the card, and under a limit no more than the limit less what torch's
