@@ -37,7 +37,7 @@ class DeviceMemory:
         if self.limit_bytes > total:
             raise ValueError(f"--gpu-memory-limit {self.limit_bytes / GIB:g} GiB is more than the "
                              f"{total / GIB:.1f} GiB of {torch.cuda.get_device_name(self.device)}")
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = self.device.index if self.device.index is not None else 0  # "cuda" is the first device here
         torch.cuda.set_per_process_memory_fraction(self.limit_bytes / total, index)  # needs an index
 
     def free(self) -> int:
