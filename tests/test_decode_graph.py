@@ -133,6 +133,7 @@ def test_triton_backend_matches_torch_backend():
         batch = build_batch(chunks, 4, torch.device("cpu"))
         q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
         k, v = torch.randn(2, batch.num_tokens, 2, 16, generator=gen)
+        pool.store(0, batch.out_loc, k, v)
         want = torch_attn.forward(0, q, k, v, batch)
         torch.testing.assert_close(triton_attn.forward(0, q, k, v, batch), want, rtol=1e-5, atol=1e-5)
 

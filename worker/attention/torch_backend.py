@@ -24,7 +24,6 @@ class TorchAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, batch.out_loc, k, v)
         heads = q.shape[1]
         keys = self._gather(self.pool.k[layer], batch, heads)  # [B, heads, S, D]
         values = self._gather(self.pool.v[layer], batch, heads)

@@ -28,7 +28,6 @@ class TritonAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, batch.out_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         if batch.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)

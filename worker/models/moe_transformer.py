@@ -13,7 +13,7 @@ from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
 from worker.models.norm import add_rms_norm, rms_norm
-from worker.models.rotary import Rotary, qk_rope
+from worker.models.rotary import KVWrite, Rotary, qk_rope
 from worker.models.weights import LayerWeights, ModelWeights
 
 
@@ -62,7 +62,8 @@ class MoETransformer:
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm else (None, None)
-        q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps)
+        write = KVWrite(v, *self.attention.pool.layer_slots(layer), batch.out_loc)
+        q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
         out = self.attention.forward(layer, q, k, v, batch)
         return F.linear(out.reshape(T, cfg.q_size), lw.o)
 
