@@ -37,8 +37,9 @@ def grouped_swiglu(
     (weight-only), or with ``fp8_activations`` each GEMM's input is quantized per token and 128
     columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8.
 
-    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``, or
-    ``grouped_gemm_fp8`` for fp8 banks, which dequantizes inside the GEMM), anything
+    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``; decode
+    batches of float banks ``grouped_gemm_decode``, two launches instead of four; fp8 banks
+    ``grouped_gemm_fp8``, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
     ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
@@ -53,6 +54,10 @@ def grouped_swiglu(
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
         return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations)
+    from moe_offload.kernels import grouped_gemm_decode
+
+    if hidden.shape[0] <= grouped_gemm_decode.DECODE_MAX_TOKENS:
+        return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
