@@ -9,8 +9,9 @@ found inside the GEMM and the sum inside the down projection:
                                     reads the slot's w13 tile once for every pair routed to it
                                     (a [T*k, H] x [H, BLOCK_N] dot over the pairs on the slot,
                                     the other rows masked; the other programs exit at once)
- down     grid (T, H / BLOCK_N)     token t: out[t] = sum_j weight[t, j] * (act[t, j] . w2[slot_j])
-                                    in float32, rounded once: the combine in the epilogue
+ down     grid (T, H / BLOCK_N)     token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
+                                    in one float32 accumulator, rounded once: the combine is
+                                    folded into the down projection
 ```
 
 The down launch reads a slot's w2 once per token that uses it, so the path pays for slots that
@@ -39,7 +40,7 @@ class DecodeConfig(NamedTuple):
     gate_up_n: int = 32
     gate_up_k: int = 128
     down_n: int = 16
-    down_k: int = 128
+    down_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
 
@@ -80,28 +81,33 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 
 @triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, top_k, num_slots, hidden, inter,
-                        stride_ws, stride_wh, stride_wi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h]), accumulated in float32."""
+                        stride_ws, stride_wh, stride_wi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
+
+    A tl.dot with one live row (the other 15 masked, never loaded) rather than a vector product,
+    so the loads are software-pipelined as in the GEMMs; the k experts run as one flat loop."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for j in range(0, top_k):
-        pair = token * top_k + j
+    row0 = tl.arange(0, 16)[:, None] == 0
+    steps = tl.cdiv(inter, BLOCK_K)
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for step in range(0, top_k * steps):
+        pair = token * top_k + step // steps
+        ks = (step % steps) * BLOCK_K + tl.arange(0, BLOCK_K)
         slot = tl.load(slots_ptr + pair).to(tl.int64)
-        ok = (slot >= 0) & (slot < num_slots)  # an out-of-range slot's act row was never written
-        w_ptrs = w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[:, None].to(tl.int64) * stride_wh
-        part = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            in_range = slot + 0 * ks  # a vector compare: the interpreter rejects a broadcast scalar mask
-            k_ok = (ks < inter) & (in_range >= 0) & (in_range < num_slots)
-            a = tl.load(act_ptr + pair * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + ks[None, :] * stride_wi, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            part += w.to(tl.float32) * a[None, :]
-        weight = tl.where(ok, tl.load(weights_ptr + pair).to(tl.float32), 0.0)  # pair < T*k: in bounds
-        acc += weight * tl.sum(part, 1)
-    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        in_range = slot + 0 * ks  # a vector compare: the interpreter rejects a broadcast scalar mask
+        k_ok = (ks < inter) & (in_range >= 0) & (in_range < num_slots)  # an unwritten act row is never read
+        weight = tl.load(weights_ptr + pair).to(tl.float32)  # pair < T*k: in bounds
+        a = tl.load(act_ptr + pair * inter + ks[None, :] + 0 * row0, mask=row0 & k_ok[None, :], other=0.0)
+        a = (a.to(tl.float32) * weight).to(act_ptr.dtype.element_ty)
+        w = tl.load(w2_ptr + tl.where(slot < num_slots, tl.maximum(slot, 0), 0) * stride_ws
+                    + cols[None, :].to(tl.int64) * stride_wh + ks[:, None] * stride_wi,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    out = tl.sum(tl.where(row0, acc, 0.0), 0)
+    tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
@@ -126,5 +132,6 @@ def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: to
         BLOCK_K=cfg.gate_up_k, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, w2, weights, slots, out, top_k, num_slots, dim, inter, w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PRECISION=precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
