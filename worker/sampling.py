@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.gumbel import gumbel_noise
+
 _MASK32 = 0xFFFFFFFF
 _INT64_MAX = 2**63 - 1
 
@@ -66,22 +68,7 @@ def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     drop = (rank >= s.top_k[:, None]) | (mass_before > s.top_p[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     # Gumbel-max over the kept tokens, with noise hashed from (seed, step, token)
-    noise = _gumbel(s.seed[:, None], s.step[:, None], order)
+    noise = gumbel_noise(s.seed, s.step, order)
     sampled = order.gather(1, (sorted_logits + noise).argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(s.temperature == 0, greedy, sampled)
 
-
-def _gumbel(seed: torch.Tensor, step: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    h = _fmix32((seed * 0x9E3779B1 + step) & _MASK32)
-    h = _fmix32((h ^ (token * 0x85EBCA77)) & _MASK32)
-    uniform = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser on int64 tensors holding 32-bit values (products keep the low bits)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
