@@ -37,8 +37,9 @@ DECODE_EXPERTS = {"triton._decode_gate_up_kernel": 1, "triton._decode_down_kerne
 GROUPED_EXPERTS = {"triton._align_kernel": 1, "triton._gate_up_kernel": 1, "triton._down_kernel": 1,
                    "triton._sum_k_kernel": 1}
 # the rest of a step: the inputs' unpacking, embedding, final norm, LM head and sampling (62 before
-# the sampler's hash noise became one launch); the sort, softmax and cumsum of top-k/top-p remain
-STEP = 29
+# the sampler's hash noise became one launch and the last residual add joined the final norm); the
+# sort, softmax and cumsum of top-k/top-p remain
+STEP = 28
 
 
 

@@ -35,16 +35,13 @@ class MoETransformer:
         self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
         x = w.embed[batch.input_ids]
         h = rms_norm(x, w.layers[0].input_norm, eps)
+        next_norms = [lw.input_norm for lw in w.layers[1:]] + [w.final_norm]
         for i, lw in enumerate(w.layers):  # each residual add is fused with the norm after it
             h, x = add_rms_norm(x, self._attention(i, lw, h, batch), lw.post_norm, eps)
             weights, ids = self.routing(i, h, lw.router)
-            out = self.experts.forward(i, h, weights, ids)
-            if i + 1 < len(w.layers):
-                h, x = add_rms_norm(x, out, w.layers[i + 1].input_norm, eps)
-            else:
-                x = x + out
-        last = rms_norm(x[batch.last_index], w.final_norm, eps)
-        return F.linear(last, w.lm_head).float()
+            h, x = add_rms_norm(x, self.experts.forward(i, h, weights, ids), next_norms[i], eps)
+        # the last residual add joins the final norm (of every token: prefill's extra rows cost nothing)
+        return F.linear(h[batch.last_index], w.lm_head).float()
 
     def _flops(self, batch: ForwardBatch) -> float:
         """The batch's matmul work, which picks how a pipelined chunk stages experts; a decode
