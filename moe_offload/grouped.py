@@ -38,7 +38,7 @@ def grouped_swiglu(
     columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8.
 
     CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``; decode
-    batches of float banks ``grouped_gemm_decode``, two launches instead of four; fp8 banks
+    batches of float banks ``grouped_gemm_decode``, two or three launches instead of four; fp8 banks
     ``grouped_gemm_fp8``, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
     ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
@@ -56,7 +56,7 @@ def grouped_swiglu(
         return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations)
     from moe_offload.kernels import grouped_gemm_decode
 
-    if hidden.shape[0] <= grouped_gemm_decode.DECODE_MAX_TOKENS:
+    if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS:
         return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 

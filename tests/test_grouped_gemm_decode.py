@@ -1,5 +1,5 @@
 """The decode path of the grouped SwiGLU GEMM (moe_offload/kernels/grouped_gemm_decode.py: no
-align, no sum launch) against the eager twin: interpreted on the CPU in float32 (the interpreter's
+align launch; up to DECODE_MAX_TOKENS tokens no sum launch either) against the eager twin: interpreted on the CPU in float32 (the interpreter's
 ``tl.dot`` multiplies bfloat16 as raw uint16 bits), compiled in bfloat16, sync-free and
 graph-captured on a GPU."""
 from __future__ import annotations
@@ -41,10 +41,12 @@ def check_trials(num_tokens, top_k, num_slots, dim, inter, dtype, device, config
         assert rel_err(out, ref) < tol, (trial, CASES[trial % len(CASES)])
 
 
-# T, k, slots, hidden, inter: one token (the batch-1 step), a full batch with slots shared by
-# tokens, and shapes off every tile (hidden and inter not multiples, more slots than pairs)
-CONFIGS = [(1, 4, 16, 64, 32), (4, 3, 5, 48, 40), (3, 2, 40, 33, 17)]
-SMALL_TILES = dict(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16)
+# T, k, slots, hidden, inter: one token (the batch-1 step), slots shared by tokens, shapes off
+# every tile (hidden and inter not multiples, more slots than pairs); the last two take the
+# per-slot down (more than DECODE_MAX_TOKENS tokens; test_public_op_takes_each_path_at_its_batch
+# runs it at DECODE_MAX_PAIRS)
+CONFIGS = [(1, 4, 16, 64, 32), (4, 3, 5, 48, 40), (3, 2, 40, 33, 17), (7, 2, 6, 40, 24), (8, 4, 24, 32, 16)]
+SMALL_TILES = dict(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16, slot_down_n=16, slot_down_k=16)
 
 
 @interpreted
@@ -54,11 +56,14 @@ def test_decode_path_matches_twin_interpreted(shape):
 
 
 @interpreted
-def test_decode_path_out_of_range_slots_contribute_zero():
+@pytest.mark.parametrize("tokens", [3, 6])
+def test_decode_path_out_of_range_slots_contribute_zero(tokens):
     w13, w2 = make_banks(4, 32, 16)
-    hidden = torch.randn(3, 32)
-    weights, slots = make_routing("random", 3, 3, 4)
-    bad = torch.tensor([[True, False, False], [False, False, False], [True, True, True]])
+    hidden = torch.randn(tokens, 32)
+    weights, slots = make_routing("random", tokens, 3, 4)
+    bad = torch.zeros(tokens, 3, dtype=torch.bool)
+    bad[0, 0] = True
+    bad[2] = True
     out = decode().decode_grouped_swiglu(hidden, weights, slots.masked_fill(bad, -1).masked_fill(bad.roll(1, 1), 4),
                                          w13, w2, decode().DecodeConfig(**SMALL_TILES))
     bad = bad | bad.roll(1, 1)
@@ -68,25 +73,30 @@ def test_decode_path_out_of_range_slots_contribute_zero():
 
 
 @interpreted
-def test_public_op_takes_the_decode_path_up_to_its_batch():
-    """``grouped_swiglu`` sends decode batches here and larger ones to the align path."""
+def test_public_op_takes_each_path_at_its_batch():
+    """``grouped_swiglu`` sends a few tokens to the per-token down, up to DECODE_MAX_PAIRS pairs to
+    the per-slot down, larger batches to the align path."""
     from tests.launch_count import count_launches
 
-    limit = decode().DECODE_MAX_TOKENS
+    max_tokens, max_pairs = decode().DECODE_MAX_TOKENS, decode().DECODE_MAX_PAIRS
     w13, w2 = make_banks(6, 16, 16)
-    for tokens in (1, limit, limit + 1):
+    paths = {1: "_decode_down_kernel", max_tokens: "_decode_down_kernel",
+             max_tokens + 1: "_decode_slot_down_kernel", max_pairs // 2: "_decode_slot_down_kernel",
+             max_pairs // 2 + 1: "_align_kernel"}
+    for tokens, kernel in paths.items():
         weights, slots = make_routing("random", tokens, 2, 6)
         hidden = torch.randn(tokens, 16)
         with count_launches() as counter:
             out = grouped_swiglu(hidden, weights, slots, w13, w2, backend="triton")
         assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2)) < 1e-5
-        kernels = {name for name in counter.launches if name.startswith("triton.")}
-        assert ("triton._decode_down_kernel" in kernels) == (tokens <= limit), kernels
+        assert f"triton.{kernel}" in counter.launches, (tokens, dict(counter.launches))
+        assert sum(counter.launches[k] for k in counter.launches if k.startswith("triton.")) == (
+            2 if tokens <= max_tokens else 3 if tokens * 2 <= max_pairs else 4)
 
 
-def test_decode_path_refuses_a_large_batch():
+def test_decode_path_refuses_too_many_pairs():
     w13, w2 = make_banks(4, 16, 8)
-    tokens = decode().DECODE_MAX_TOKENS + 1
+    tokens = decode().DECODE_MAX_PAIRS // 2 + 1
     weights, slots = make_routing("random", tokens, 2, 4)
     with pytest.raises(ValueError):
         decode().decode_grouped_swiglu(torch.randn(tokens, 16), weights, slots, w13, w2)
@@ -95,10 +105,11 @@ def test_decode_path_refuses_a_large_batch():
 # ==== GPU ====
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("shape", [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768), (2, 2, 8, 576, 1536)],
+@pytest.mark.parametrize("shape", [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768), (8, 8, 128, 2048, 768),
+                                   (2, 2, 8, 576, 1536), (24, 2, 8, 576, 1536)],
                          ids=lambda c: "T{}k{}N{}H{}I{}".format(*c))
 def test_decode_path_bf16_sync_free(shape):
-    """qwen3-30b's shapes (batch 1 and 4) and the default model's, without a sync."""
+    """qwen3-30b's shapes (batch 1, 4 and 8) and the default model's, without a sync."""
     check_trials(*shape, torch.bfloat16, "cuda", trials=1)  # compiles outside the sync check
     torch.cuda.set_sync_debug_mode("error")
     try:

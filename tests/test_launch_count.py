@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_TOKENS  # noqa: E402
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS  # noqa: E402
 from tests.launch_count import count_launches, launches_kernel  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import create_backend  # noqa: E402
@@ -24,8 +24,9 @@ from worker.sampling import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
-# one decoder layer of a decode step: 11 launches up to DECODE_MAX_TOKENS sequences, 13 above
-# (before the fusions of issue 12: 15 at every batch size)
+# one decoder layer of a decode step: 11 launches up to DECODE_MAX_TOKENS sequences, 12 up to
+# DECODE_MAX_PAIRS (token, expert) pairs, 13 above (the align path's four expert launches); before
+# the fusions of issue 12, 15 at every batch size
 ATTENTION = {
     "aten.mm": 2,  # qkv, o
     "triton.qk_rope_kernel": 1,  # q/k norm, RoPE and the KV-pool write
@@ -33,9 +34,8 @@ ATTENTION = {
     "triton.add_rms_norm_kernel": 2,  # after attention and after the MoE
 }
 ROUTER = {"aten.mm": 1, "triton.topk_softmax_kernel": 1}
-DECODE_EXPERTS = {"triton._decode_gate_up_kernel": 1, "triton._decode_down_kernel": 1}
-GROUPED_EXPERTS = {"triton._align_kernel": 1, "triton._gate_up_kernel": 1, "triton._down_kernel": 1,
-                   "triton._sum_k_kernel": 1}
+PER_TOKEN_DOWN = {"triton._decode_gate_up_kernel": 1, "triton._decode_down_kernel": 1}
+PER_SLOT_DOWN = {"triton._decode_gate_up_kernel": 1, "triton._decode_slot_down_kernel": 1, "triton._sum_k_kernel": 1}
 # the rest of a step: the inputs' unpacking, embedding, final norm, LM head and sampling (62 before
 # the sampler's hash noise became one launch and the last residual add joined the final norm); the
 # sort, softmax and cumsum of top-k/top-p remain
@@ -77,7 +77,8 @@ def test_decode_step_kernels_per_layer(tmp_path, monkeypatch, batch):
     graphs = decode_graphs(tmp_path, batch)
     one_layer = step_launches(graphs, batch, 1)
     per_layer = step_launches(graphs, batch, 2) - one_layer
-    experts = DECODE_EXPERTS if batch <= DECODE_MAX_TOKENS else GROUPED_EXPERTS
+    assert batch * 4 <= DECODE_MAX_PAIRS
+    experts = PER_TOKEN_DOWN if batch <= DECODE_MAX_TOKENS else PER_SLOT_DOWN
     assert per_layer == Counter(ATTENTION) + Counter(ROUTER) + Counter(experts)
     assert sum((one_layer - per_layer).values()) == STEP
 

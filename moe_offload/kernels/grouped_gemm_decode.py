@@ -1,20 +1,26 @@
-"""The grouped SwiGLU expert GEMM for decode batches (a few tokens): two launches, no sort.
+"""The grouped SwiGLU expert GEMM for decode batches (up to DECODE_MAX_PAIRS (token, slot)
+pairs): no align kernel, no sort.
 
-The general path (``grouped_gemm``) groups the T*k (token, slot) pairs by slot with an align
-kernel, and sums each token's k outputs in a fourth launch. With a few tokens the grouping can be
-found inside the GEMM and the sum inside the down projection:
+The general path (``grouped_gemm``) groups the T*k pairs by slot with an align kernel, then runs
+gate_up, down, and a sum of each token's k outputs: four launches. With few pairs a program can
+find its slot's pairs itself, and with a few tokens the sum fits in the down projection:
 
 ```
- gate_up  grid (T*k, I / BLOCK_N)   pair p runs only if it is its slot's first pair: one program
-                                    reads the slot's w13 tile once for every pair routed to it
-                                    (a [T*k, H] x [H, BLOCK_N] dot over the pairs on the slot,
-                                    the other rows masked; the other programs exit at once)
- down     grid (T, H / BLOCK_N)     token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
-                                    in one float32 accumulator, rounded once: the combine is
-                                    folded into the down projection
+ gate_up    grid (T*k, I / BLOCK_N)  pair p runs only if it is its slot's first pair: one program
+                                     reads the slot's w13 tile once for every pair routed to it
+                                     (a [T*k, H] x [H, BLOCK_N] dot over the pairs on the slot,
+                                     the other rows masked; the other programs exit at once)
+ T <= DECODE_MAX_TOKENS: 2 launches
+ down       grid (T, H / BLOCK_N)    token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
+                                     in one float32 accumulator, rounded once: the combine is
+                                     folded into the down projection
+ larger: 3 launches
+ down       grid (T*k, H / BLOCK_N)  as gate_up (a slot's first pair runs all its pairs), each row
+                                     times its combine weight
+ sum over k                          grouped_gemm.sum_over_k
 ```
 
-The down launch reads a slot's w2 once per token that uses it, so the path pays for slots that
+The per-token down reads a slot's w2 once per token that uses it, so it pays for slots that
 several tokens share; DECODE_MAX_TOKENS keeps it to batches where few do. Slots outside ``[0, N)``
 contribute zero, as on the general path. Callers go through ``moe_offload.grouped.grouped_swiglu``,
 which checks the arguments and keeps the eager twin (``grouped_swiglu_eager``).
@@ -27,15 +33,20 @@ import torch
 import triton
 import triton.language as tl
 
-# Batches up to this many tokens take this path. A duplicate (two tokens on one slot) costs one
-# more read of w2 (a third of an expert); uniform routing of 4 tokens x top-8 over 128 experts
-# expects about 3.7 of them (~12 MB at qwen3-30b's shapes), about what the two launches saved cost.
+from moe_offload.kernels.grouped_gemm import sum_over_k
+
+# Batches of up to this many pairs take this path: a program holds every pair's activations of a
+# BLOCK_K column step ([T*k, BLOCK_K]) in registers, and scans all pairs' slots.
+DECODE_MAX_PAIRS = 64
+# Up to this many tokens the down projection also sums over k. A duplicate (two tokens on one
+# slot) costs one more read of w2 (a third of an expert); uniform routing of 4 tokens x top-8 over
+# 128 experts expects about 3.7 of them (~12 MB at qwen3-30b's shapes), about what a launch costs.
 DECODE_MAX_TOKENS = 4
 
 
 class DecodeConfig(NamedTuple):
-    """Tile sizes: gate_up columns (each of gate and up) and reduction step, down columns and
-    reduction step, warps."""
+    """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
+    columns and reduction step, warps, stages, and the per-slot down's columns and step."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
@@ -43,6 +54,8 @@ class DecodeConfig(NamedTuple):
     down_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    slot_down_n: int = 64
+    slot_down_k: int = 128
 
 
 @triton.jit
@@ -110,28 +123,94 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, top_k,
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
+                             inter, stride_ws, stride_wh, stride_wi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
+    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    ps = tl.arange(0, BLOCK_P)
+    on_slot = tl.load(slots_ptr + ps, mask=ps < num_pairs, other=-1).to(tl.int64) == slot
+    first = tl.min(tl.where(on_slot, ps, BLOCK_P), 0)
+    if (slot < 0) | (slot >= num_slots) | (first != tl.program_id(0)):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(act_ptr + ps[:, None].to(tl.int64) * inter + ks[None, :], mask=on_slot[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    weight = tl.load(weights_ptr + ps, mask=on_slot, other=0.0).to(tl.float32)
+    out_ptrs = pair_out_ptr + ps[:, None].to(tl.int64) * hidden + cols[None, :]
+    tl.store(out_ptrs, (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty),
+             mask=on_slot[:, None] & col_ok[None, :])
+
+
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
-    """The decode path of ``grouped_swiglu`` (``hidden [T, H]`` with T <= DECODE_MAX_TOKENS, float
-    banks); arguments are already checked."""
+    """The decode path of ``grouped_swiglu`` (float banks, at most DECODE_MAX_PAIRS pairs);
+    arguments are already checked."""
     num_tokens, top_k = slots.shape
-    if num_tokens > DECODE_MAX_TOKENS:
-        raise ValueError(f"the decode path takes at most {DECODE_MAX_TOKENS} tokens; got {num_tokens}")
-    num_slots, inter, dim = w2.shape[0], w2.shape[2], hidden.shape[1]
+    if num_tokens * top_k > DECODE_MAX_PAIRS:
+        raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
+                         f"got {num_tokens} x {top_k}")
     cfg = config or DecodeConfig()
-    out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
+    act = _gate_up(hidden, slots, w13, cfg)
+    if num_tokens <= DECODE_MAX_TOKENS:
+        _down_per_token(act, weights, slots, w2, out, cfg)
+    else:
+        _down_per_slot(act, weights, slots, w2, out, cfg)
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_p(num_pairs: int) -> int:
+    return max(16, triton.next_power_of_2(num_pairs))  # tl.dot needs 16 rows
+
+
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: DecodeConfig) -> torch.Tensor:
+    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     _decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        BLOCK_P=max(16, triton.next_power_of_2(num_tokens * top_k)), BLOCK_N=cfg.gate_up_n,
-        BLOCK_K=cfg.gate_up_k, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
+        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
+                    out: torch.Tensor, cfg: DecodeConfig) -> None:
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = w2.shape
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, w2, weights, slots, out, top_k, num_slots, dim, inter, w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PRECISION=precision, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PRECISION=_precision(act.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
-    return out
+
+
+def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
+                   out: torch.Tensor, cfg: DecodeConfig) -> None:
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = w2.shape
+    num_pairs = num_tokens * top_k
+    pair_out = torch.empty(num_pairs, dim, dtype=out.dtype, device=out.device)
+    _decode_slot_down_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
+        act, w2, weights, slots, pair_out, num_pairs, num_slots, dim, inter, w2.stride(0), w2.stride(1),
+        w2.stride(2), BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
+        PRECISION=_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)
