@@ -15,10 +15,11 @@ and multiply fp8 x fp8. With ``both``, "vs bf16" is the bf16 time over the row's
 routing (above 1: faster than bf16). ``--sweep`` times fp8 tile configs (block_m, block_n,
 block_k, group_m, warps, stages) per size, for each fp8 variant asked for.
 
-Bf16 batches of up to ``DECODE_MAX_TOKENS`` tokens take the two-launch decode path
-(``grouped_gemm_decode``); rows "bf16-align" time the general four-launch path at the same sizes
-("vs bf16" below 1: the decode path is faster). ``--decode-sweep`` times the decode path's tiles
-(gate_up n, gate_up k, down n, down k, warps, stages).
+Bf16 batches of up to ``DECODE_MAX_PAIRS`` (token, expert) pairs take the decode path
+(``grouped_gemm_decode``, two or three launches); rows "bf16-align" time the general four-launch
+path at the same sizes ("vs bf16" below 1: the decode path is faster). ``--decode-sweep`` times
+the decode path's tiles (gate_up n, gate_up k, down n, down k, warps, stages; the per-slot down's
+tiles stay at their defaults).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, quantize, quantize_w13  # noqa: E402
 from moe_offload.grouped import ExpertScales, grouped_swiglu  # noqa: E402
-from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_TOKENS, DecodeConfig  # noqa: E402
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DecodeConfig  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 7.86e14
@@ -179,7 +180,7 @@ def parse_args() -> argparse.Namespace:
                         help="also time the fp8 x fp8 variant (activations quantized per token-group)")
     parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
     parser.add_argument("--decode-sweep", action="store_true",
-                        help=f"also time the bf16 decode path's tiles at sizes up to {DECODE_MAX_TOKENS} tokens")
+                        help=f"also time the bf16 decode path's tiles at sizes up to {DECODE_MAX_PAIRS} pairs")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
 
@@ -196,14 +197,14 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = [bench_one(t, args, dtype, bank) for dtype, bank in banks.items() for t in tokens]
     if "bf16" in banks:
-        rows += [bench_one(t, args, "bf16-align", banks["bf16"]) for t in tokens if t <= DECODE_MAX_TOKENS]
+        rows += [bench_one(t, args, "bf16-align", banks["bf16"]) for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS]
     print_rows(rows)
     variants = [False, True] if args.fp8_activations else [False]
     sweep_rows = [r for a8 in variants for t in tokens for r in sweep(t, args, banks["fp8"], a8)] if args.sweep else []
     if sweep_rows:
         print_sweep(sweep_rows, "fp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages)")
     if args.decode_sweep and "bf16" in banks:
-        decode_rows = [r for t in tokens if t <= DECODE_MAX_TOKENS for r in decode_sweep(t, args, banks["bf16"])]
+        decode_rows = [r for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS for r in decode_sweep(t, args, banks["bf16"])]
         print_sweep(decode_rows, "bf16 decode tile sweep (gate_up n, gate_up k, down n, down k, warps, stages)")
         sweep_rows += decode_rows
     if args.json:
