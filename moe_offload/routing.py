@@ -42,6 +42,11 @@ class Routing(Protocol):
         """Float32 weights and int64 ids ``[T, k]`` of ``layer`` for ``hidden [T, H]`` (``router [E, H]``)."""
         ...
 
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """A guess of ``layer``'s int64 ids ``[T, k]`` from the layer before's ``hidden [T, H]`` and
+        ``layer``'s ``router [E, H]`` (cross-layer prefetch); fixed shapes, no host reads."""
+        ...
+
 
 class ModelRouting:
     """The model's own router."""
@@ -57,6 +62,10 @@ class ModelRouting:
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(F.linear(hidden, router), self.top_k, self.renormalize)
+
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s router applied to the layer before's hidden state (Pre-gated MoE, HOBBIT)."""
+        return self(layer, hidden, router)[1]
 
 
 class SyntheticRouting:
@@ -81,3 +90,7 @@ class SyntheticRouting:
             return weights[layer], ids[layer]
         weights, ids = self.router.route(slice(layer, layer + 1), self.keys)
         return weights[0], ids[0]
+
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """The synthetic stand-in for a predictor (``SyntheticRouter.guess``)."""
+        return self.router.guess(layer, self.keys, self(layer, hidden, router)[1])

@@ -20,8 +20,8 @@ that one has been idle ``penalty`` launches longer, so the next prefill wipes th
 An ``ahead`` launch admits the experts predicted for the *next* lookup (cross-layer prefetch) while
 the experts of the launch before may still be read: it runs at the step that lookup will take (no
 advance), counts slots used by the launch before as used too, marks predicted hits used without
-crediting them, and gives its admissions the bare score ``step`` (no credit), so that the real
-lookup credits each expert once and a wrong prediction is the first victim afterwards. It never
+crediting them, and gives its admissions the score 0: the real lookup raises a right guess to a
+fresh admission's score (``max(score, step) + credit``), a wrong one stays the first victim. It never
 takes a slot in use as a victim: predicted misses beyond the free victims are not admitted.
 """
 from __future__ import annotations
@@ -200,7 +200,7 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     tables.slot_for_id[src] = dst.int()
     tables.id_of_slot[dst] = src.int()
     if ahead:
-        tables.score[dst] = step
+        tables.score[dst] = 0
         tables.last_use[dst] = step
     else:
         tables.score[dst] = 0
@@ -317,9 +317,7 @@ def _kernel():
         tl.store(slot_for_id_ptr + old, -1, mask=evicted)
         tl.store(slot_for_id_ptr + src, dst, mask=admit)
         tl.store(id_of_slot_ptr + dst, src, mask=admit)
-        fresh = tl.minimum(step + credit, step + cap)
-        if AHEAD:
-            fresh = step
+        fresh = tl.minimum(step + credit, step + cap) * (1 - AHEAD)  # ahead: 0 (module docstring)
         tl.store(score_ptr + dst, fresh, mask=admit)
         tl.store(last_use_ptr + dst, step, mask=admit)
         tl.debug_barrier()
