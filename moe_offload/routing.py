@@ -77,12 +77,14 @@ class SyntheticRouting:
         self.router = router
         self.keys: TokenKeys | None = None
         self.all_layers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.all_guesses: torch.Tensor | None = None
 
     def begin(self, keys: TokenKeys | None) -> None:
         r = self.router
         self.keys = keys
         small = keys.sequence.numel() * r.num_layers * r.num_experts <= ALL_LAYERS_MAX_SCORES
         self.all_layers = r.route(slice(None), keys) if small else None
+        self.all_guesses = None
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.all_layers is not None:
@@ -92,5 +94,10 @@ class SyntheticRouting:
         return weights[0], ids[0]
 
     def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-        """The synthetic stand-in for a predictor (``SyntheticRouter.guess``)."""
-        return self.router.guess(layer, self.keys, self(layer, hidden, router)[1])
+        """The synthetic stand-in for a predictor (``SyntheticRouter.guess``): every layer's guess
+        at the first call of a small batch (one set of launches a step, as for the routing)."""
+        if self.all_layers is None:
+            return self.router.guess(slice(layer, layer + 1), self.keys, self(layer, hidden, router)[1][None])[0]
+        if self.all_guesses is None:
+            self.all_guesses = self.router.guess(slice(None), self.keys, self.all_layers[1])
+        return self.all_guesses[layer]

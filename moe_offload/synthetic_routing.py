@@ -133,14 +133,13 @@ class SyntheticRouter:
         raw = mix32(tok[None, :, None] ^ self.weight_c[layers, None, :]).float() / 2.0 ** 32 + 1.0
         return raw / raw.sum(dim=2, keepdim=True), ids
 
-    def guess(self, layer: int, keys: TokenKeys, ids: torch.Tensor) -> torch.Tensor:
-        """A prefetch's guess ``[T, k]`` of ``layer``'s choices ``ids [T, k]``: each kept with
-        probability ``GUESS_ACCURACY``, else a popularity draw (duplicates allowed)."""
+    def guess(self, layers: slice, keys: TokenKeys, ids: torch.Tensor) -> torch.Tensor:
+        """A prefetch's guess ``[Ls, T, k]`` of the choices ``ids [Ls, T, k]`` of ``layers``: each
+        kept with probability ``GUESS_ACCURACY``, else a popularity draw (duplicates allowed)."""
         _, tok = self._hashes(keys)
-        hashed = mix32(tok[:, None] ^ self.guess_c[layer, None, :])  # [T, k]
+        hashed = mix32(tok[None, :, None] ^ self.guess_c[layers, None, :])
         keep = (hashed & ((1 << GUESS_BITS) - 1)) < round(GUESS_ACCURACY * (1 << GUESS_BITS))
-        drawn = self._draw(slice(layer, layer + 1), mix32(hashed)[None])[0]
-        return torch.where(keep, ids, drawn)
+        return torch.where(keep, ids, self._draw(layers, mix32(hashed)))
 
     def _hashes(self, keys: TokenKeys) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's sequence hash and token hash ``[T]``."""

@@ -20,6 +20,7 @@ from tests.test_expert_cache import make_banks
 from tests.tiny_models import write_tiny
 from worker.expert_placement import ExpertOptions
 from worker.generate import generate
+from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
 from worker.sampling import SamplingParams
 
@@ -132,16 +133,29 @@ def test_prefetch_on_and_off_generate_the_same_tokens(model_dir, fraction):
     assert off.experts.cache.stats()["prefetch"]["lookups"] == 0
 
 
+def test_synthetic_routing_prefetch_same_tokens_and_guesses_right():
+    """Dummy weights under ``--routing synthetic`` (what bench_decode measures): the stand-in
+    predictor, all layers' guesses at once, leaves the tokens as they are."""
+    runs = [ModelRunner(RunnerConfig("tiny-geometry", device="cpu", dtype="float32", page_size=4, kv_tokens=256,
+                                     routing=RoutingOptions("synthetic"),
+                                     experts=ExpertOptions(cache_fraction=0.5, dummy_weights=True, prefetch=on)))
+            for on in (False, True)]
+    tokens = [generate(r, [1, 2, 3, 4, 5], SamplingParams(), 8).token_ids for r in runs]
+    assert tokens[0] == tokens[1]
+    assert runs[1].experts.cache.stats()["total"]["predicted"] > 0
+
+
 def test_synthetic_guess_keeps_its_stated_share():
     router = SyntheticRouter(3, 64, 8, "cpu", seed=2)
     tokens = 2000
     keys = TokenKeys(torch.arange(tokens) % 7 + 1, torch.arange(tokens), torch.arange(tokens) * 31 % 1000)
     _, ids = router.route(slice(None), keys)
+    guesses = router.guess(slice(None), keys, ids)
     for layer in range(3):
-        guess = router.guess(layer, keys, ids[layer])
-        kept = (guess == ids[layer]).float().mean().item()  # a draw may also land on the true choice
+        kept = (guesses[layer] == ids[layer]).float().mean().item()  # a draw may also land on the true choice
         assert GUESS_ACCURACY <= kept <= GUESS_ACCURACY + 0.04, (layer, kept)
-        assert torch.equal(guess, router.guess(layer, keys, ids[layer]))  # a pure function of the keys
+        one = router.guess(slice(layer, layer + 1), keys, ids[layer:layer + 1])[0]
+        assert torch.equal(guesses[layer], one)  # a pure function of the layer and the keys
 
 
 # ==== GPU ====
