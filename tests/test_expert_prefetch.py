@@ -14,6 +14,7 @@ from moe_offload.experts import ExpertBanks, ResidentExperts
 from moe_offload.kernels import lookup_admit as lookup_mod
 from moe_offload.kernels.lookup_admit import Policy
 from moe_offload.offloaded import OffloadedExperts
+from moe_offload.prefill_pipeline import HostStreams
 from moe_offload.synthetic_routing import GUESS_ACCURACY, SyntheticRouter, TokenKeys
 from tests.test_cache_kernels import Config, empty_tables
 from tests.test_expert_cache import make_banks
@@ -84,6 +85,23 @@ def test_guess_raises_the_next_layers_hit_rate_and_a_wrong_one_costs_bytes_only(
     assert runs["off"].cache.stats()["prefetch"]["lookups"] == 0
     spent = runs["wrong"].cache.stats()["prefetch"]
     assert spent["misses"] > 0 and spent["bytes_h2d"] == spent["misses"] * runs["wrong"].cache.slot_bytes
+
+
+def test_each_guess_is_forked_after_its_plan_and_joined_before_the_next():
+    """The stream log of one decode step: a guess's gather waits for its plan on the copy stream,
+    the compute stream waits for it at the next layer before anything else is forked, and the step
+    ends joined (what a captured graph needs)."""
+    banks = make_banks(LAYERS, EXPERTS, 16, 8)
+    offloaded = OffloadedExperts.create(banks, 2 * EXPERTS, "cpu", prefetch=True)
+    log: list[tuple[str, ...]] = []
+    offloaded.prefetch.streams = HostStreams(log)
+    run_steps(offloaded, ResidentExperts(banks), "exact", steps=1)
+    fork = [("record", "planned", "compute"), ("wait", "copy", "planned")]
+    want = fork + [("copy", "prefetch layer 1"), ("record", "fetched", "copy")]
+    for layer in range(2, LAYERS):
+        want += [("wait", "compute", "fetched")] + fork + [("copy", f"prefetch layer {layer}"),
+                                                           ("record", "fetched", "copy")]
+    assert log == want + [("wait", "compute", "fetched")]
 
 
 def test_ahead_lookup_spares_the_layer_before_and_drops_what_does_not_fit():
