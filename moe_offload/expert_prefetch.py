@@ -49,8 +49,9 @@ class ExpertPrefetch:
         self.pending: CopyPlan | None = None  # the plan of the gather in flight
 
     def fits(self, num_routed: int, num_slots: int) -> bool:
-        """Whether ``num_slots`` managed slots guarantee a real lookup of ``num_routed`` (token,
-        expert) pairs its victims after a guess of as many took its share (shapes only)."""
+        """Whether ``num_slots`` managed slots still hold a victim for every miss of a real lookup
+        of ``num_routed`` (token, expert) pairs after a guess of as many marked its experts: both
+        are experts of one layer, at most ``min(2 * num_routed, E)`` slots (shapes only)."""
         return num_slots >= min(2 * num_routed, self.cache.num_experts)
 
     def start(self, layer: int, guess: torch.Tensor, slot_start: int, low: LowPriority) -> None:

@@ -115,13 +115,14 @@ class OffloadedExperts:
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 next_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One MoE layer; ``next_ids [T, k]``, a guess of layer ``layer + 1``'s experts, starts their
-        gather beside this layer's GEMM (only when ``fetches_ahead``)."""
+        gather beside this layer's GEMM (only when ``fetches_ahead``: else the next real lookup
+        might find no victim, and the guess is ignored)."""
         if self.pipelined(ids):
             return self.pipeline.forward(layer, hidden, weights, ids)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
         if self.prefetch is not None:
             self.prefetch.join()  # this layer's guess has landed before the GEMM reads its slots
-            if next_ids is not None:
+            if next_ids is not None and self.fetches_ahead(*next_ids.shape):
                 self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
         return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)

@@ -87,6 +87,21 @@ def test_guess_raises_the_next_layers_hit_rate_and_a_wrong_one_costs_bytes_only(
     assert spent["misses"] > 0 and spent["bytes_h2d"] == spent["misses"] * runs["wrong"].cache.slot_bytes
 
 
+def test_a_guess_is_taken_only_where_the_next_lookup_keeps_its_victims():
+    """8 decode slots: a guess of 4 pairs beside 4 real ones fits, of 8 beside 8 does not (it
+    could leave the real lookup no victim), and is then ignored; pipelined batches take none."""
+    banks = make_banks(LAYERS, EXPERTS, 16, 8)
+    small = OffloadedExperts.create(banks, 8, "cpu", prefetch=True)
+    assert small.fetches_ahead(1, TOP_K) and not small.fetches_ahead(2, TOP_K)
+    x, (weights, ids, _) = torch.randn(2, 16), fresh_routing(torch.Generator().manual_seed(0), 2, "cpu")
+    torch.testing.assert_close(small.forward(0, x, weights, ids, next_ids=ids),
+                               ResidentExperts(banks).forward(0, x, weights, ids))
+    assert small.cache.stats()["prefetch"]["lookups"] == 0
+    piped = OffloadedExperts.create(banks, 3 * EXPERTS, "cpu", pipeline=True, prefetch=True)
+    assert piped.fetches_ahead(1, TOP_K) and not piped.fetches_ahead(EXPERTS, TOP_K)  # 4E pairs: pipelined
+    assert not OffloadedExperts.create(banks, 8, "cpu").fetches_ahead(1, TOP_K)
+
+
 def test_each_guess_is_forked_after_its_plan_and_joined_before_the_next():
     """The stream log of one decode step: a guess's gather waits for its plan on the copy stream,
     the compute stream waits for it at the next layer before anything else is forked, and the step
