@@ -224,3 +224,23 @@ def test_cuda_graph_decode_with_prefetch_matches_eager_without_prefetch(tmp_path
     decode_in_lockstep(graphed, eager, (1, 6), 1e-4, steps=3)
     stats = graphed.experts.cache.stats()
     assert stats["prefetch"]["lookups"] > 0 and stats["total"]["predicted"] > 0
+
+
+@pytest.mark.cuda
+def test_cuda_graph_decode_synthetic_routing_with_prefetch():
+    """The benchmark's path (dummy weights, ``--routing synthetic``, 25% cache with the prefill
+    pipeline): the stand-in guesses are made inside the captured graph; same logits and greedy
+    tokens as eager decode without prefetch, replays under sync debug mode "error"."""
+    from tests.test_decode_graph import decode_in_lockstep
+
+    def runner(graph: bool, prefetch: bool) -> ModelRunner:
+        return ModelRunner(RunnerConfig("small-geometry", device="cuda", dtype="bfloat16", page_size=16,
+                                        kv_tokens=8192, cuda_graph=graph, routing=RoutingOptions("synthetic"),
+                                        experts=ExpertOptions(cache_fraction=0.25, dummy_weights=True,
+                                                              prefetch=prefetch)))
+
+    graphed, eager = runner(True, True), runner(False, False)
+    assert graphed.experts.pipeline is not None
+    decode_in_lockstep(graphed, eager, (1, 8), 2e-2, steps=3)
+    stats = graphed.experts.cache.stats()
+    assert stats["prefetch"]["lookups"] > 0 and stats["total"]["predicted"] > 0
