@@ -312,6 +312,21 @@ def test_float32_takes_the_tile_that_fits_in_shared_memory():
     assert tile_for(torch.float32).rows == 128 and tile_for(torch.bfloat16) == TILE
 
 
+def test_tile_table_covers_dtypes_and_head_dims():
+    """Every float dtype up to head dim 256 finds a line of the table; wider elements or head dims
+    never take more rows (shared memory grows with both); past the table the call is refused."""
+    assert tile_for(torch.bfloat16, 128) == TILE and tile_for(torch.float16, 64) == TILE
+    tiles = [tile for *_, tile in TILES]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for D in (32, 128, 129, 256):
+            assert tile_for(dtype, D) in tiles
+            assert tile_for(dtype, D).rows <= tile_for(dtype, min(D, 128)).rows
+            assert tile_for(torch.float32, D).rows <= tile_for(dtype, D).rows
+    assert tile_for(torch.float32, 256).rows < tile_for(torch.float32, 128).rows < TILE.rows
+    with pytest.raises(ValueError, match="no prefill tile"):
+        tile_for(torch.float32, 512)
+
+
 def test_block_table_matches_block_list():
     for group, tokens in ((1, 256), (2, 128), (3, 64), (7, 32), (8, 32), (128, 2), (256, 1), (512, 1)):
         assert block_tokens(group) == tokens
@@ -364,6 +379,54 @@ def test_kernel_matches_twin_on_gpu(case, dtype):
             torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
         else:
             assert rel_err(out, want) < 2e-2
+
+
+GPU_SPLIT_CASES = [  # heads, kv_heads, D, page, rows: GQA 1/4/8, few blocks over long prefixes, ragged
+    (8, 8, 128, 16, [(20003, 7), (3001, 1)]),
+    (32, 8, 128, 16, [(40000, 300), (17, 5)]),
+    (32, 4, 128, 16, [(100003, 64), (5000, 1), (0, 33)]),  # Qwen3-30B-A3B's geometry, a 100k prefix
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [None, 1, 4], ids=["split-auto", "split1", "split4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_SPLIT_CASES, ids=lambda c: f"gqa{c[0] // c[1]}")
+def test_split_kernel_matches_twin_on_gpu(case, dtype, splits):
+    """Split-KV chosen by the launch (these batches fill a few SMs unsplit), forced off and forced
+    to 4, against the twin and SDPA, with no sync inside the call."""
+    heads, kv_heads, D, page, rows = case
+    gen = torch.Generator().manual_seed(heads + D)
+    q, k, v, table, lens, q_lens = prefill_case(gen, heads, kv_heads, D, page, rows, dtype, "cuda")
+    blocks = prefill_block_table(q_lens, heads // kv_heads, q.device, tile_for(dtype, D), [p for p, _ in rows], splits)
+    if splits is None:
+        assert split_count(blocks.table.shape[0] * kv_heads, blocks.max_tiles, multiprocessors(q.device)) > 1
+    paged_prefill_attention(q, k, v, table, lens, q_lens, D ** -0.5, blocks=blocks)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = paged_prefill_attention(q, k, v, table, lens, q_lens, D ** -0.5, blocks=blocks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = paged_prefill_attention_eager(q, k, v, table, lens, q_lens, D ** -0.5)
+    sdpa = sdpa_reference(q, k, v, table, [p + n for p, n in rows], q_lens, D ** -0.5)
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(out, sdpa, rtol=1e-4, atol=2e-5)
+    else:
+        assert rel_err(out, want) < 2e-2 and rel_err(out, sdpa) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_matches_twin_on_gpu_head_dim_256(dtype):
+    """The table's head-dim-256 tiles compile within shared memory and match the twin."""
+    gen = torch.Generator().manual_seed(256)
+    q, k, v, table, lens, q_lens = prefill_case(gen, 8, 2, 256, 16, [(3000, 200), (77, 1)], dtype, "cuda")
+    out = paged_prefill_attention(q, k, v, table, lens, q_lens, 256 ** -0.5)
+    want = paged_prefill_attention_eager(q, k, v, table, lens, q_lens, 256 ** -0.5)
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 # ==== the "triton" backend in a model ====
