@@ -31,10 +31,11 @@ FLOPS_PER_S = 7.86e14
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
 CHUNKS, PREFIXES = [1024, 2048, 8192, 32768], [0, 32768, 65536, 131072]
 QUICK_CHUNKS, QUICK_PREFIXES = [2048, 8192], [0, 131072]
-SWEEP = [PrefillTile(256, 64, 16, 2), PrefillTile(256, 64, 16, 3), PrefillTile(256, 64, 8, 2),
-         PrefillTile(256, 128, 16, 2), PrefillTile(256, 128, 8, 2), PrefillTile(128, 64, 8, 3),
-         PrefillTile(128, 128, 8, 2), PrefillTile(128, 128, 8, 3), PrefillTile(128, 128, 4, 2),
-         PrefillTile(256, 64, 16, 2, True), PrefillTile(128, 128, 8, 2, True), PrefillTile(512, 64, 16, 2)]
+SWEEP = [  # warp specialisation last: a setting Triton cannot build on this GPU may take the process down
+    PrefillTile(256, 64, 16, 2), PrefillTile(256, 64, 16, 3), PrefillTile(256, 64, 8, 2), PrefillTile(256, 128, 16, 2),
+    PrefillTile(256, 128, 8, 2), PrefillTile(128, 64, 8, 3), PrefillTile(128, 128, 8, 2), PrefillTile(128, 128, 8, 3),
+    PrefillTile(128, 128, 4, 2), PrefillTile(512, 64, 16, 2),
+    PrefillTile(256, 64, 16, 2, True), PrefillTile(128, 128, 8, 2, True), PrefillTile(128, 64, 4, 2, True)]
 
 
 def tile_name(tile: PrefillTile) -> str:

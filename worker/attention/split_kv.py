@@ -69,7 +69,8 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     CUDA tensors run the kernel, others the eager twin."""
     splits, T, heads, D = part_o.shape
     if part_lse.shape != (splits, T, heads) or out.shape != (T, heads, D) or out.stride(2) != 1:
-        raise ValueError(f"partials {tuple(part_o.shape)} / {tuple(part_lse.shape)} do not match out {tuple(out.shape)}")
+        raise ValueError(f"partials {tuple(part_o.shape)} / {tuple(part_lse.shape)} do not match "
+                         f"out {tuple(out.shape)}")
     if not (part_o.is_contiguous() and part_lse.is_contiguous()):
         raise ValueError("the partial buffers must be contiguous")
     if not use_triton(out, backend):
