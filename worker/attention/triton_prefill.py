@@ -12,14 +12,17 @@ serves GROUP heads:
                | mask (whole BLOCK_N tiles)               | per query                      |
 ```
 
-The grid is ``(blocks, kv_heads)`` with the block list ``(row, first token, q_len, m0)`` built on
+The grid is ``(blocks, kv_heads, splits)`` with the block list ``(row, first token, q_len, m0)`` built on
 the host from ``q_lens`` (longest-running blocks first); loop bounds come from ``seq_lens`` on the
 device, clamped to ``[q_len, max_pages * page]``, and page ids are clamped to the pool, so no value
 read on the device can address outside a buffer. Nothing is read back on the host.
 
-When the blocks are too few to fill the GPU, a third grid dimension splits each block's keys
+When the blocks are too few to fill the GPU (``split_count``, at launch, from the host prefixes the
+block list was built with), the third grid dimension splits each block's keys
 (``worker.attention.split_kv``): the splits share the mask-free tiles, the last one also takes the
-diagonal, and a merge launch combines their partial outputs by log-sum-exp.
+diagonal, and a merge launch combines their partial outputs by log-sum-exp. Tiles come from a small
+table by dtype and head dim (``TILES``), picked on the host; ``bench_prefill_attention.py --sweep``
+times the alternatives.
 """
 from __future__ import annotations
 
@@ -135,12 +138,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     n_splits = blocks.splits or split_count(blocks.table.shape[0] * k_cache.shape[2], blocks.max_tiles,
                                             multiprocessors(q.device))
     out = torch.empty_like(q)
-    if n_splits == 1:
-        _launch(q, k_cache, v_cache, page_table, seq_lens, blocks, tile, scale, out, None)
-        return out
-    parts = partial_buffers(n_splits, q)
+    parts = partial_buffers(n_splits, q) if n_splits > 1 else None
     _launch(q, k_cache, v_cache, page_table, seq_lens, blocks, tile, scale, out, parts)
-    return merge_splits(*parts, out, backend="triton")
+    return out if parts is None else merge_splits(*parts, out, backend="triton")
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
