@@ -34,12 +34,14 @@ QUICK_CHUNKS, QUICK_PREFIXES = [2048, 8192], [0, 131072]
 SWEEP = [  # warp specialisation last: a setting Triton cannot build on this GPU may take the process down
     PrefillTile(256, 64, 16, 2), PrefillTile(256, 64, 16, 3), PrefillTile(256, 64, 8, 2), PrefillTile(256, 128, 16, 2),
     PrefillTile(256, 128, 8, 2), PrefillTile(128, 64, 8, 3), PrefillTile(128, 128, 8, 2), PrefillTile(128, 128, 8, 3),
-    PrefillTile(128, 128, 4, 2), PrefillTile(512, 64, 16, 2),
+    PrefillTile(128, 128, 4, 2), PrefillTile(512, 64, 16, 2), PrefillTile(256, 64, 16, 2, qk_ahead=True),
+    PrefillTile(256, 64, 8, 2, qk_ahead=True), PrefillTile(128, 128, 8, 2, qk_ahead=True),
     PrefillTile(256, 64, 16, 2, True), PrefillTile(128, 128, 8, 2, True), PrefillTile(128, 64, 4, 2, True)]
 
 
 def tile_name(tile: PrefillTile) -> str:
-    return f"{tile.rows}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{' ws' if tile.warp_specialize else ''}"
+    knobs = " ws" * tile.warp_specialize + " ahead" * tile.qk_ahead
+    return f"{tile.rows}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{knobs}"
 
 
 def attention_flops(tokens: int, prefix: int) -> float:

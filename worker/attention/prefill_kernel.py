@@ -17,36 +17,74 @@ def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def key_tile(ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, d, d_live,
+             PAGE: tl.constexpr, EVEN_D: tl.constexpr):
+    """Keys (or values) ``t`` of one KV head, ``[N, D]``, page ids clamped into the pool."""
+    page = tl.load(table_row + t // PAGE, mask=t < hi, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    row = page * stride_page + (t % PAGE) * stride_tok + kv_off
+    if EVEN_D:
+        tile = tl.load(ptr + row[:, None] + d[None, :])
+    else:
+        tile = tl.load(ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def softmax_step(acc, l, m, s, v, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of the online softmax: scores ``s`` (unscaled), values ``v``; ``m`` in the scaled
+    log2 domain."""
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = mma(p, v, acc, IEEE, UPCAST)
+    else:
+        acc = mma(p.to(v.dtype), v, acc, IEEE, UPCAST)
+    return acc, l, m_new
+
+
+@triton.jit
 def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, d, d_live,
            pos, seq_len, lo, hi, qk_scale,
            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
            IEEE: tl.constexpr, UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """Online softmax over keys [lo, hi) in BLOCK_N tiles; ``m`` is kept in the log2 domain, scaled.
-    MASKED: the causal (and seq_len) mask per query; without it every key of [lo, hi) is visible."""
+    """Online softmax over keys [lo, hi) in BLOCK_N tiles. MASKED: the causal (and seq_len) mask per
+    query; without it every key of [lo, hi) is visible."""
     for t0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         t = t0 + tl.arange(0, BLOCK_N)
-        page = tl.load(table_row + t // PAGE, mask=t < hi, other=0).to(tl.int64)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        row = page * stride_page + (t % PAGE) * stride_tok + kv_off
-        if EVEN_D:
-            k = tl.load(k_ptr + row[:, None] + d[None, :])  # [N, D]
-            v = tl.load(v_ptr + row[:, None] + d[None, :])
-        else:
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
+        k = key_tile(k_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, d, d_live, PAGE, EVEN_D)
+        v = key_tile(v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, d, d_live, PAGE, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
         if MASKED:
             s = tl.where((t[None, :] <= pos[:, None]) & (t < seq_len)[None, :], s, -1e30)
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = mma(p, v, acc, IEEE, UPCAST)
-        else:
-            acc = mma(p.to(v.dtype), v, acc, IEEE, UPCAST)
-        m = m_new
+        acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
+    return acc, l, m
+
+
+@triton.jit
+def attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, d, d_live,
+                 lo, hi, qk_scale,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """``attend`` over mask-free whole tiles [lo, hi), with the next tile's scores issued before this
+    tile's softmax, so that the exponentials can overlap an asynchronous QK^T (FlashAttention-3's
+    intra-warpgroup pipelining, by hand). The last step scores the last tile again, unused."""
+    if lo < hi:
+        r = tl.arange(0, BLOCK_N)
+        k = key_tile(k_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, lo + r, hi, d, d_live, PAGE, EVEN_D)
+        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
+        for t0 in tl.range(lo, hi, BLOCK_N):
+            t_next = tl.minimum(t0 + BLOCK_N, hi - BLOCK_N) + r
+            k = key_tile(k_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t_next, hi, d, d_live,
+                         PAGE, EVEN_D)
+            s_next = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
+            v = key_tile(v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t0 + r, hi, d, d_live,
+                         PAGE, EVEN_D)
+            acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
+            s = s_next
     return acc, l, m
 
 
@@ -57,7 +95,8 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_p
                    tokens, heads, splits,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, SPLIT: tl.constexpr):
+                   UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, QK_AHEAD: tl.constexpr,
+                   SPLIT: tl.constexpr):
     """Program (block, kv head, split): split s of ``splits`` takes its share of the block's
     mask-free key tiles; the last split also takes the diagonal. SPLIT: write the normalised partial
     output and its log2-sum-exp for the merge, else the output itself (``splits`` is then 1)."""
@@ -92,9 +131,13 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_p
     lo = (split * tiles // splits * BLOCK_N).to(tl.int32)
     mid = ((split + 1) * tiles // splits * BLOCK_N).to(tl.int32)
     diag = tl.where(split == splits - 1, full, hi)  # the other splits' diagonal loop is empty
-    acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                       d, d_live, pos, seq_len, lo, mid, qk_scale, PAGE, BLOCK_N, False, BLOCK_D == HEAD_DIM, IEEE,
-                       UPCAST, WARP_SPECIALIZE)
+    if QK_AHEAD:
+        acc, l, m = attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
+                                 d, d_live, lo, mid, qk_scale, PAGE, BLOCK_N, BLOCK_D == HEAD_DIM, IEEE, UPCAST)
+    else:
+        acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
+                           d, d_live, pos, seq_len, lo, mid, qk_scale, PAGE, BLOCK_N, False, BLOCK_D == HEAD_DIM,
+                           IEEE, UPCAST, WARP_SPECIALIZE)
     acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
                        d, d_live, pos, seq_len, diag, hi, qk_scale, PAGE, BLOCK_N, True, BLOCK_D == HEAD_DIM, IEEE,
                        UPCAST, WARP_SPECIALIZE)

@@ -46,7 +46,8 @@ class PrefillTile(NamedTuple):
     block_n: int = 64  # keys per inner step
     num_warps: int = 16
     num_stages: int = 2
-    warp_specialize: bool = False  # Triton's automatic warp specialisation of the key loop (sm90+)
+    warp_specialize: bool = False  # Triton's automatic warp specialisation of the key loops (sm90+)
+    qk_ahead: bool = False  # the mask-free loop scores the next tile before this tile's softmax
 
 
 TILE = PrefillTile()
@@ -160,7 +161,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         GROUP=group, BLOCK_G=next_pow2(group), HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), PAGE=page,
         BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype == torch.bfloat16, WARP_SPECIALIZE=tile.warp_specialize,
-        SPLIT=parts is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        QK_AHEAD=tile.qk_ahead, SPLIT=parts is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def paged_prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
