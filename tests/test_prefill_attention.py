@@ -239,8 +239,9 @@ def test_twin_matches_sdpa(config):
 # ==== clamps of device data ====
 
 @interpreted
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("table_dtype,huge", [(torch.int64, 2**40), (torch.int32, 2**31 - 1)])
-def test_kernel_clamps_device_data(table_dtype, huge):
+def test_kernel_clamps_device_data(table_dtype, huge, splits):
     """seq_lens past the table or below q_len, and page ids outside the pool (in padding and inside
     a row), are clamped alike in kernel and twin: the same output as the clamped values give."""
     gen = torch.Generator().manual_seed(7)
@@ -252,7 +253,9 @@ def test_kernel_clamps_device_data(table_dtype, huge):
     bad_table[3, 2:] = torch.tensor([huge, -huge, -1, num_pages, huge, 0])  # padding past seq_len
     bad_table[0, -2:] = torch.tensor([-huge, huge])  # row 0's seq_len clamps to the whole table: these are read
     bad_table, bad_lens = bad_table.to(table_dtype), bad_lens.to(lens.dtype)
-    out = paged_prefill_attention(q, k, v, bad_table, bad_lens, q_lens, 0.25, backend="triton")
+    tile = SMALL_TILE if splits > 1 else None  # 16-key tiles: rows long enough to split
+    out = paged_prefill_attention(q, k, v, bad_table, bad_lens, q_lens, 0.25, tile=tile, splits=splits,
+                                  backend="triton")
     assert torch.isfinite(out).all()
     want = paged_prefill_attention_eager(q, k, v, bad_table, bad_lens, q_lens, 0.25)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
