@@ -17,12 +17,16 @@ def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def key_tile(ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, d, d_live,
-             PAGE: tl.constexpr, EVEN_D: tl.constexpr):
-    """Keys (or values) ``t`` of one KV head, ``[N, D]``, page ids clamped into the pool."""
+def key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE: tl.constexpr):
+    """Offsets of keys ``t`` of one KV head in the pool (K and V alike), page ids clamped into it."""
     page = tl.load(table_row + t // PAGE, mask=t < hi, other=0).to(tl.int64)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-    row = page * stride_page + (t % PAGE) * stride_tok + kv_off
+    return page * stride_page + (t % PAGE) * stride_tok + kv_off
+
+
+@triton.jit
+def load_rows(ptr, row, d, d_live, EVEN_D: tl.constexpr):
+    """``[N, D]`` at the offsets ``row``."""
     if EVEN_D:
         tile = tl.load(ptr + row[:, None] + d[None, :])
     else:
@@ -55,8 +59,9 @@ def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page
     query; without it every key of [lo, hi) is visible."""
     for t0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         t = t0 + tl.arange(0, BLOCK_N)
-        k = key_tile(k_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, d, d_live, PAGE, EVEN_D)
-        v = key_tile(v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, d, d_live, PAGE, EVEN_D)
+        row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE)
+        k = load_rows(k_ptr, row, d, d_live, EVEN_D)
+        v = load_rows(v_ptr, row, d, d_live, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
         if MASKED:
             s = tl.where((t[None, :] <= pos[:, None]) & (t < seq_len)[None, :], s, -1e30)
@@ -74,15 +79,15 @@ def attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, strid
     intra-warpgroup pipelining, by hand). The last step scores the last tile again, unused."""
     if lo < hi:
         r = tl.arange(0, BLOCK_N)
-        k = key_tile(k_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, lo + r, hi, d, d_live, PAGE, EVEN_D)
-        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
+        row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, lo + r, hi, PAGE)
+        s = mma(q, tl.trans(load_rows(k_ptr, row, d, d_live, EVEN_D)), tl.zeros([q.shape[0], BLOCK_N], tl.float32),
+                IEEE, UPCAST)
         for t0 in tl.range(lo, hi, BLOCK_N):
-            t_next = tl.minimum(t0 + BLOCK_N, hi - BLOCK_N) + r
-            k = key_tile(k_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t_next, hi, d, d_live,
-                         PAGE, EVEN_D)
+            v = load_rows(v_ptr, row, d, d_live, EVEN_D)  # this tile's values
+            row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok,
+                           tl.minimum(t0 + BLOCK_N, hi - BLOCK_N) + r, hi, PAGE)
+            k = load_rows(k_ptr, row, d, d_live, EVEN_D)
             s_next = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
-            v = key_tile(v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, t0 + r, hi, d, d_live,
-                         PAGE, EVEN_D)
             acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
             s = s_next
     return acc, l, m
