@@ -22,7 +22,7 @@ from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import triton_prefill  # noqa: E402
 from worker.attention.split_kv import (MIN_TILES_PER_SPLIT, merge_splits, merge_splits_eager,  # noqa: E402
                                        multiprocessors, split_count)
-from worker.attention.triton_prefill import (TILE, TILES, PrefillBlocks, PrefillTile, block_tokens,  # noqa: E402
+from worker.attention.triton_prefill import (TILE, TILES, PrefillTile, block_tokens,  # noqa: E402
                                              paged_prefill_attention, paged_prefill_attention_eager,
                                              prefill_block_table, prefill_blocks, tile_for)
 from worker.batch import SequenceChunk  # noqa: E402
