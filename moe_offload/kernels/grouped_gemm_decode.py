@@ -8,8 +8,8 @@ find its slot's pairs itself, and with a few tokens the sum fits in the down pro
 ```
  gate_up    grid (T*k, I / BLOCK_N)  pair p runs only if it is its slot's first pair: one program
                                      reads the slot's w13 tile once for every pair routed to it
-                                     (a [T*k, H] x [H, BLOCK_N] dot over the pairs on the slot,
-                                     the other rows masked; the other programs exit at once)
+                                     (its pairs compacted into 16-row tl.dots; the other
+                                     programs exit at once)
  T <= DECODE_MAX_TOKENS: 2 launches
  down       grid (T, H / BLOCK_N)    token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
                                      in one float32 accumulator, rounded once: the combine is
@@ -35,8 +35,8 @@ import triton.language as tl
 
 from moe_offload.kernels.grouped_gemm import sum_over_k
 
-# Batches of up to this many pairs take this path: a program holds every pair's activations of a
-# BLOCK_K column step ([T*k, BLOCK_K]) in registers, and scans all pairs' slots.
+# Batches of up to this many pairs take this path: every program scans all pairs' slots, and
+# compacts its slot's pairs with a [16, T*k] selection.
 DECODE_MAX_PAIRS = 64
 # Up to this many tokens the down projection also sums over k. A duplicate (two tokens on one
 # slot) costs one more read of w2 (a third of an expert); uniform routing of 4 tokens x top-8 over
@@ -59,37 +59,58 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
+def _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P: tl.constexpr):
+    """This program's slot, which pairs are on it, their ranks among them and their count, and
+    whether the program skips (its pair is not the slot's first, or the slot is out of range)."""
+    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    ps = tl.arange(0, BLOCK_P)
+    on_slot = tl.load(slots_ptr + ps, mask=ps < num_pairs, other=-1).to(tl.int64) == slot
+    first = tl.min(tl.where(on_slot, ps, BLOCK_P), 0)
+    skip = (slot < 0) | (slot >= num_slots) | (first != tl.program_id(0))
+    ones = on_slot.to(tl.int32)
+    return slot, on_slot, tl.cumsum(ones, 0) - 1, tl.sum(ones, 0), skip
+
+
+@triton.jit
+def _round_pairs(on_slot, rank, count, r0, BLOCK_P: tl.constexpr):
+    """The pairs of ranks ``[r0, r0 + 16)`` on the slot (compacted into the 16 rows a tl.dot needs
+    at least) and which rows are live; a slot with more pairs takes several rounds."""
+    ps = tl.arange(0, BLOCK_P)
+    rs = r0 + tl.arange(0, 16)
+    pick = on_slot[None, :] & (rank[None, :] == rs[:, None])
+    return tl.sum(tl.where(pick, ps[None, :], 0), 1).to(tl.int64), rs < count
+
+
+@triton.jit
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr):
     """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s."""
-    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
-    ps = tl.arange(0, BLOCK_P)
-    on_slot = tl.load(slots_ptr + ps, mask=ps < num_pairs, other=-1).to(tl.int64) == slot
-    first = tl.min(tl.where(on_slot, ps, BLOCK_P), 0)
-    if (slot < 0) | (slot >= num_slots) | (first != tl.program_id(0)):
+    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
+    if skip:
         return
-    tokens = (ps // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xh,
-                    mask=on_slot[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    out_ptrs = act_ptr + ps[:, None].to(tl.int64) * inter + cols[None, :]
-    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=on_slot[:, None] & col_ok[None, :])
+    for r0 in range(0, count, 16):
+        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        a_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt
+        acc_g = tl.zeros((16, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((16, BLOCK_N), tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            a = tl.load(a_ptrs + ks[None, :] * stride_xh, mask=live[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+            u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -128,27 +149,24 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
                              inter, stride_ws, stride_wh, stride_wi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
-    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
-    ps = tl.arange(0, BLOCK_P)
-    on_slot = tl.load(slots_ptr + ps, mask=ps < num_pairs, other=-1).to(tl.int64) == slot
-    first = tl.min(tl.where(on_slot, ps, BLOCK_P), 0)
-    if (slot < 0) | (slot >= num_slots) | (first != tl.program_id(0)):
+    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
+    if skip:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < inter
-        a = tl.load(act_ptr + ps[:, None].to(tl.int64) * inter + ks[None, :], mask=on_slot[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    weight = tl.load(weights_ptr + ps, mask=on_slot, other=0.0).to(tl.float32)
-    out_ptrs = pair_out_ptr + ps[:, None].to(tl.int64) * hidden + cols[None, :]
-    tl.store(out_ptrs, (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty),
-             mask=on_slot[:, None] & col_ok[None, :])
+    for r0 in range(0, count, 16):
+        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        acc = tl.zeros((16, BLOCK_N), tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            a = tl.load(act_ptr + pairs[:, None] * inter + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
+        tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
+                 (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
 
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
@@ -177,7 +195,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _block_p(num_pairs: int) -> int:
-    return max(16, triton.next_power_of_2(num_pairs))  # tl.dot needs 16 rows
+    return max(16, triton.next_power_of_2(num_pairs))
 
 
 def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: DecodeConfig) -> torch.Tensor:
