@@ -42,7 +42,8 @@ def grouped_swiglu(
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
     ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
-    requires them in range.
+    skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
+    rest in range.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
     if fp8_activations and scales is None:
@@ -124,6 +125,8 @@ def grouped_swiglu_eager(
     round_trip = _fp8_round_trip if fp8_activations else (lambda x: x)
     hidden_in = round_trip(hidden)
     for slot in torch.unique(flat_slots).tolist():
+        if slot < 0:  # another rank's expert, or an empty route: contributes zero as in the kernel
+            continue
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
         up_w, down_w = _expert_weights(w13, w2, scales, slot, hidden.dtype)
