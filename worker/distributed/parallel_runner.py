@@ -50,6 +50,7 @@ class ParallelRunner(RankRunner):
             self.processes.stop()
             group.close()
             raise
+        self.in_step = False
         sizes = [1, (self.kv_pool.num_pages - 1) * self.page_size, self.max_prefill_tokens]
         with self._collective():
             group.broadcast_host(torch.tensor(sizes, dtype=torch.int64))
@@ -60,18 +61,24 @@ class ParallelRunner(RankRunner):
                 token_buffer: torch.Tensor | None = None) -> ForwardOutput:
         buffer_len = 0 if token_buffer is None else token_buffer.numel()
         head, payload = step_message.encode(step_message.Step(chunks, sampling, steps, buffer_len))
+        self.in_step = True  # until the step returns: an exit half-way leaves the ranks mid-protocol
         with self._collective():
             self.group.broadcast_host(head)
             self.group.broadcast_host(payload)
             if token_buffer is not None:
                 self.group.broadcast_device(token_buffer)
-            return super().forward(chunks, sampling, steps, token_buffer)
+            out = super().forward(chunks, sampling, steps, token_buffer)
+        self.in_step = False
+        return out
 
     def close(self) -> None:
         """Stop the other ranks (after the last step) and leave the process group."""
         if self.processes.stopping.is_set():
             return
         self.processes.stopping.set()
+        if self.in_step:  # left mid-step (SIGTERM, an error): the ranks cannot take a STOP now
+            self.processes.kill()
+            return
         with self._collective():
             self.group.broadcast_host(step_message.header(step_message.Op.STOP))
         self.processes.stop()

@@ -1,0 +1,143 @@
+"""Expert parallelism on CPU: gloo ranks in spawned processes, tiny models. Greedy generation with
+``--gpus 2`` equals one rank token for token (resident experts, offloaded behind the cache, and
+through the prefill pipeline); a rank that dies ends the run with one clear error and no process
+left behind."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import write_tiny
+from worker.distributed import step_message
+from worker.distributed.expert_parallel import ExpertParallel, owned_banks
+from worker.distributed.parallel_runner import ParallelRunner, start_runner
+from worker.distributed.processes import RANK_DIED_EXIT
+from worker.batch import SequenceChunk
+from worker.expert_placement import ExpertOptions
+from worker.generate import generate
+from worker.runner import RunnerConfig
+from worker.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ([5, 9, 11, 3], list(range(1, 40)), [77] * 13)
+WAIT_S = 300  # an upper bound on waits, never a measured duration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-ep")
+    write_tiny(path, "mixtral", seed=9, layers=4, experts=8, top_k=2)
+    return str(path)
+
+
+def config(model_dir: str, **experts) -> RunnerConfig:
+    return RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=512,
+                        experts=ExpertOptions(**experts))
+
+
+def greedy_runs(model_dir: str, **experts) -> tuple[list[list[int]], list[list[int]], ParallelRunner]:
+    """Every prompt's greedy tokens from one rank and from two; the 2-rank runner is closed."""
+    one = start_runner(config(model_dir, **experts), 1)
+    two = start_runner(config(model_dir, **experts), 2)
+    try:
+        want = [generate(one, p, SamplingParams(), 16).token_ids for p in PROMPTS]
+        got = [generate(two, p, SamplingParams(), 16).token_ids for p in PROMPTS]
+    finally:
+        two.close()
+    assert not multiprocessing.active_children()
+    return want, got, two
+
+
+def test_two_ranks_equal_one_resident(model_dir):
+    want, got, two = greedy_runs(model_dir)
+    assert isinstance(two.experts, ExpertParallel)
+    assert two.experts.banks.w13.shape[1] == 4  # rank 0 holds experts 0, 2, 4, 6 of each layer
+    assert got == want
+
+
+def test_two_ranks_equal_one_offloaded(model_dir):
+    want, got, two = greedy_runs(model_dir, cache_fraction=0.25)
+    assert got == want
+    stats = two.experts.cache.stats()["total"]
+    assert stats["misses"] > 0 and stats["hits"] > 0
+    assert two.experts.pipeline is None
+    assert_holds_only_own_experts(two)
+
+
+def assert_holds_only_own_experts(runner: ParallelRunner) -> None:
+    """Rank 0's cache never admitted an odd expert (rank 1's)."""
+    held = runner.experts.cache.tables.id_of_slot
+    held = held[held >= 0]
+    assert held.numel() > 0 and bool((held % runner.model_config.num_experts % 2 == 0).all())
+
+
+def test_two_ranks_equal_one_through_the_prefill_pipeline(model_dir):
+    want, got, two = greedy_runs(model_dir, cache_size=28)  # >= 3E slots: 39 tokens x top 2 stream
+    assert got == want
+    assert two.experts.pipeline.stats()["chunks_kernel"] + two.experts.pipeline.stats()["chunks_memcpy"] > 0
+
+
+def test_own_ids_mask_other_ranks_experts():
+    ids = torch.tensor([[0, 3], [5, 2], [7, 6]])
+    resident = ExpertParallel(None, 1, 2, lambda t: t, local_ids=True)
+    assert resident.own_ids(ids).tolist() == [[-1, 1], [2, -1], [3, -1]]
+    offloaded = ExpertParallel(None, 1, 2, lambda t: t, local_ids=False)
+    assert offloaded.own_ids(ids).tolist() == [[-1, 3], [5, -1], [7, -1]]
+
+
+def test_owned_banks_take_every_nth_expert():
+    from moe_offload.experts import ExpertBanks
+
+    w13 = torch.arange(2 * 6).float().view(2, 6, 1, 1).expand(2, 6, 2, 1).contiguous()
+    banks = owned_banks(ExpertBanks(w13, w13[:, :, :1, :1].contiguous()), 2, 3)
+    assert banks.w13[:, :, 0, 0].tolist() == [[2, 5], [8, 11]] and banks.w13.is_contiguous()
+
+
+def test_step_message_round_trip():
+    chunks = [SequenceChunk([4, 5, 6], 8, [1, 2, 3]), SequenceChunk([0], 17, [7, 9, 11, 12, 13], buffer_slot=3)]
+    sampling = [SamplingParams(), SamplingParams(0.7, 20, 0.9, 2**40 + 5)]
+    head, payload = step_message.encode(step_message.Step(chunks, sampling, [0, 6], 64))
+    got = step_message.decode(head.tolist(), payload)
+    assert got.chunks == chunks and got.steps == [0, 6] and got.buffer_len == 64
+    assert got.sampling[0] == sampling[0]
+    assert got.sampling[1] == SamplingParams(0.7, 20, 0.9, 5)  # sampling reads the seed's low 32 bits
+
+
+def test_more_gpus_than_visible_is_refused(model_dir):
+    if torch.cuda.device_count() >= 64:
+        pytest.skip("64 GPUs visible")
+    with pytest.raises(ValueError, match="--gpus 64 needs 64 CUDA devices"):
+        start_runner(RunnerConfig(model_dir, device="cuda"), 64)
+    with pytest.raises(ValueError, match="--gpus must be >= 1"):
+        start_runner(config(model_dir), 0)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead; its new parent has not reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_run_with_one_error_and_no_process_left(tmp_path):
+    env = dict(os.environ, SLUICE_KILL_RANK="2:3", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "worker.generate", "--model", "tiny-geometry", "--dummy-weights",
+                          "--device", "cpu", "--gpus", "3", "--kv-tokens", "256", "--prompt", "hello there",
+                          "--max-tokens", "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert out.returncode == RANK_DIED_EXIT, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    found = re.fullmatch(r"error: rank 2 \(pid (\d+)\) was killed by SIGKILL; .* rank 0 \(pid (\d+)\) exits and "
+                         r"ends the other ranks: rank 1 \(pid (\d+)\)", errors[0])
+    assert found, errors[0]
+    assert all(_gone(int(pid)) for pid in found.groups())
