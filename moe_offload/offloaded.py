@@ -15,7 +15,7 @@ from moe_offload.expert_cache import ExpertCache
 from moe_offload.experts import ExpertBanks
 from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
-from moe_offload.prefill_pipeline import PrefillPipeline
+from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 
 # A batch with at least this many routed (token, expert) pairs per expert of the layer goes through
 # the pipeline: under uniform routing an expert then stays unused with probability ~e^-4, so
@@ -77,8 +77,20 @@ class OffloadedExperts:
                             ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
         self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage,
                                          host_scales=self.host_scales) if pipeline else None)
+        self.lent_slots = lent_slots
         lent = self.pipeline.lent if self.pipeline is not None else 0
         self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
+
+    def run_share(self, share: ExpertShare) -> None:
+        """Expert parallelism: this process runs only ``share``'s experts of each layer (routes to
+        the others come as -1, which lookups skip). The pipeline then stages only those, into
+        ``2 x`` that many lent slots, and decode gets the rest of the cache."""
+        old = self.pipeline
+        if old is None:
+            return
+        self.pipeline = PrefillPipeline(self.cache, self.host_w13, self.host_w2, old.invalidate, stage=old.stage,
+                                        host_scales=self.host_scales, share=share)
+        self.decode_start, self.low = decode_slots(self.lent_slots, self.pipeline.lent, self.cache.num_layers)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",

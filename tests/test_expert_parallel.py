@@ -141,3 +141,51 @@ def test_a_killed_rank_ends_the_run_with_one_error_and_no_process_left(tmp_path)
                          r"ends the other ranks: rank 1 \(pid (\d+)\)", errors[0])
     assert found, errors[0]
     assert all(_gone(int(pid)) for pid in found.groups())
+
+
+def test_each_rank_stages_only_its_share_of_each_layer(model_dir):
+    _, _, two = greedy_runs(model_dir, cache_size=28)
+    pipeline = two.experts.pipeline
+    assert pipeline.lent == 8 and two.experts.decode_start == 8  # 2 x 4 experts, not 2 x 8
+    staged = pipeline.stats()
+    assert staged["from_cache"] + staged["from_host"] == 4 * 4 * (staged["chunks_kernel"] + staged["chunks_memcpy"])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels run on the CPU only")
+@pytest.mark.parametrize("first,stride", [(1, 2), (0, 3), (2, 4)])
+def test_stage_kernel_stages_a_share_as_its_twin(first, stride):
+    from tests.test_prefill_pipeline import stage_case
+    from moe_offload.kernels import stage_experts as stage_mod
+
+    gen = torch.Generator().manual_seed(first * 10 + stride)
+    count = len(range(first, 6, stride))
+    for trial in range(4):
+        host, pools, slot_for_id, stats = stage_case(gen)
+        layer, outs = trial % 3, []
+        for backend in ("triton", "eager"):
+            p, s = [t.clone() for t in pools], stats.clone()
+            bufs = [t[count:2 * count] for t in p]
+            stage_mod.stage_experts(layer, 6, 2 * count, slot_for_id, *p, *host, *bufs, s, backend=backend,
+                                    programs=3, first=first, stride=stride)
+            outs.append((p, s))
+        (p_k, s_k), (p_e, s_e) = outs
+        assert all(torch.equal(a, b) for a, b in zip(p_k, p_e)) and torch.equal(s_k, s_e)
+        gids = layer * 6 + torch.arange(first, 6, stride)
+        hit = slot_for_id[gids] >= 2 * count
+        want = torch.where(hit[:, None, None], pools[0][slot_for_id[gids].long().clamp(min=0)], host[0][gids])
+        assert torch.equal(p_e[0][count:2 * count], want)
+        assert torch.equal(p_e[0][2 * count:], pools[0][2 * count:])  # nothing outside the buffer moved
+        assert s_e[layer].tolist() == [int(hit.sum()), count - int(hit.sum())]
+
+
+def test_a_share_outside_the_layer_is_refused():
+    from tests.test_prefill_pipeline import stage_case
+    from moe_offload.kernels import stage_experts as stage_mod
+
+    host, pools, slot_for_id, stats = stage_case(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="share"):
+        stage_mod.stage_experts(0, 6, 12, slot_for_id, *pools, *host, *[t[:3] for t in pools], stats, first=6,
+                                stride=2)
+    with pytest.raises(ValueError, match="one expert shape"):  # a buffer of 6 for a share of 3
+        stage_mod.stage_experts(0, 6, 12, slot_for_id, *pools, *host, *[t[:6] for t in pools], stats, first=1,
+                                stride=2)

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 
 from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
+from moe_offload.offloaded import OffloadedExperts
+from moe_offload.prefill_pipeline import ExpertShare
 
 
 def owned_banks(banks: ExpertBanks, rank: int, world: int) -> ExpertBanks:
@@ -49,6 +51,8 @@ class ExpertParallel:
              reduce: Callable[[torch.Tensor], torch.Tensor]) -> ExpertParallel:
         if isinstance(experts, ResidentExperts):
             return cls(ResidentExperts(owned_banks(experts.banks, rank, world)), rank, world, reduce, local_ids=True)
+        if isinstance(experts, OffloadedExperts):
+            experts.run_share(ExpertShare(rank, world))  # the pipeline streams this rank's experts only
         return cls(experts, rank, world, reduce, local_ids=False)
 
     def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
