@@ -61,8 +61,10 @@ class Experts(Protocol):
         ``flops`` is its estimated matmul work (``ModelConfig.forward_flops``)."""
         ...
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``."""
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` (-1: none) -> ``[T, H]``
+        in ``out_dtype`` (default hidden's; see ``grouped_swiglu``)."""
         ...
 
 
@@ -75,7 +77,8 @@ class ResidentExperts:
     def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
         pass
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
-                              scales=self.banks.scales(layer))
+                              scales=self.banks.scales(layer), out_dtype=out_dtype)
 

@@ -29,8 +29,12 @@ def grouped_swiglu(
     scales: ExpertScales | None = None,
     fp8_activations: bool = False,
     backend: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
+    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
+    (default hidden's). The k outputs of a token are summed in float32 and rounded once to it:
+    expert parallelism asks for float32 so that the ranks' partial sums, added by an all_reduce,
+    round once as one rank's would.
 
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
     (``w13``'s is the gate's grid stacked on the up's). The activations stay in hidden's dtype
@@ -49,14 +53,15 @@ def grouped_swiglu(
     if fp8_activations and scales is None:
         raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
-        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations)
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype)
     if scales is not None:
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
-        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations)
+        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
+                                        out_dtype=out_dtype)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
-    return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
+    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
 
 
 class ExpertScales(NamedTuple):
@@ -111,6 +116,7 @@ def grouped_swiglu_eager(
     w2: torch.Tensor,
     scales: ExpertScales | None = None,
     fp8_activations: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
     hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
@@ -134,7 +140,7 @@ def grouped_swiglu_eager(
         act = round_trip(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         expert_out = F.linear(act, down_w)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
-    return out.to(hidden.dtype)
+    return out.to(out_dtype or hidden.dtype)
 
 
 def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:

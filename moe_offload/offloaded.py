@@ -109,9 +109,11 @@ class OffloadedExperts:
         if self.pipeline is not None and num_tokens * top_k >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts:
             self.pipeline.begin(flops)
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.pipelined(ids):
-            return self.pipeline.forward(layer, hidden, weights, ids)
+            return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
-        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)
+        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
+                              out_dtype=out_dtype)

@@ -190,7 +190,8 @@ class PrefillPipeline:
         self._begin()
         self._begun = True
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """One layer of a chunk: stage the next layer, wait for this one, run the grouped GEMM."""
         if layer == 0 and not self._begun:
             self._begin()
@@ -202,7 +203,7 @@ class PrefillPipeline:
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
             out = grouped_swiglu(hidden, weights, self._buffer_slots(ids), self.buf_w13[buf], self.buf_w2[buf],
-                                 scales=self.gemm_scales[buf])
+                                 scales=self.gemm_scales[buf], out_dtype=out_dtype)
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
         self._begun = False

@@ -189,3 +189,26 @@ def test_a_share_outside_the_layer_is_refused():
     with pytest.raises(ValueError, match="one expert shape"):  # a buffer of 6 for a share of 3
         stage_mod.stage_experts(0, 6, 12, slot_for_id, *pools, *host, *[t[:6] for t in pools], stats, first=1,
                                 stride=2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_ranks_float32_partials_sum_to_one_ranks_bf16_output(backend):
+    """Top-2 in bf16: each rank's partial (others' experts -1) in float32, summed and rounded once,
+    is bit for bit what one rank computes."""
+    if backend == "triton" and not torch.cuda.is_available():
+        pytest.skip("the Triton interpreter does not compute in bf16 (numpy has none): the kernel runs on a GPU")
+    from moe_offload.grouped import grouped_swiglu
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 32, generator=gen).bfloat16().to(device)
+    w13 = (torch.randn(8, 32, 32, generator=gen) * 0.2).bfloat16().to(device)
+    w2 = (torch.randn(8, 32, 16, generator=gen) * 0.2).bfloat16().to(device)
+    ids = torch.rand(6, 8, generator=gen).topk(2, dim=-1).indices.to(device)
+    weights = torch.rand(6, 2, generator=gen).to(device)
+    want = grouped_swiglu(hidden, weights, ids, w13, w2, backend=backend)
+    ranks = [ExpertParallel(None, r, 2, lambda t: t, local_ids=False) for r in range(2)]
+    parts = [grouped_swiglu(hidden, weights, r.own_ids(ids), w13, w2, backend=backend, out_dtype=torch.float32)
+             for r in ranks]
+    assert parts[0].dtype == torch.float32 and not torch.equal(parts[0], parts[1])
+    assert torch.equal((parts[0] + parts[1]).bfloat16(), want)

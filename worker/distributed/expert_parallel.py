@@ -58,9 +58,11 @@ class ExpertParallel:
     def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
         self.inner.begin(num_tokens, top_k, flops)
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids))
-        return self.reduce(out)
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # float32 partials: their sum rounds once, as one rank's sum over k would
+        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids), out_dtype=torch.float32)
+        return self.reduce(out).to(out_dtype or hidden.dtype)
 
     def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` with other ranks' experts as -1 (and this rank's as local ids if resident)."""
