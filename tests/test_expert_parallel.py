@@ -212,3 +212,64 @@ def test_ranks_float32_partials_sum_to_one_ranks_bf16_output(backend):
              for r in ranks]
     assert parts[0].dtype == torch.float32 and not torch.equal(parts[0], parts[1])
     assert torch.equal((parts[0] + parts[1]).bfloat16(), want)
+
+
+# ==== two GPUs (NCCL) ====
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def _chat_ids(model: str) -> list[list[int]]:
+    from worker.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(model)
+    prompts = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers."]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("experts", [{}, {"cache_fraction": 0.25}], ids=["resident", "offloaded"])
+def test_default_model_on_two_gpus_equals_one(experts):
+    from worker.default_model import default_model_dir
+
+    model = str(default_model_dir())
+    cfg = RunnerConfig(model, device="cuda", dtype="bfloat16", kv_tokens=2048, experts=ExpertOptions(**experts))
+    one = start_runner(cfg, 1)
+    want = [generate(one, ids, SamplingParams(), 32).token_ids for ids in _chat_ids(model)]
+    del one
+    two = start_runner(cfg, 2)
+    try:
+        got = [generate(two, ids, SamplingParams(), 32).token_ids for ids in _chat_ids(model)]
+    finally:
+        two.close()
+    assert got == want
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_two_gpu_steps_have_no_hidden_sync(model_dir):
+    """Rank 0's prefill chunk (through the pipeline, its share only) and decode steps (graphs
+    captured on both ranks, the token buffer broadcast) never read the device on the host."""
+    cfg = RunnerConfig(model_dir, device="cuda", dtype="bfloat16", page_size=4, kv_tokens=512,
+                       experts=ExpertOptions(cache_size=28))
+    runner = start_runner(cfg, 2)
+    try:
+        pages = runner.kv_pool.allocate(runner.kv_pool.pages_for(64))
+        greedy = SamplingParams()
+        runner.forward([SequenceChunk(list(range(1, 33)), 0, pages)], [greedy], [0])  # compile, untimed
+        runner.graphs.capture_all()
+        buffer = torch.zeros(8, dtype=torch.int64, device=runner.device)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = runner.forward([SequenceChunk(list(range(33, 49)), 32, pages)], [greedy], [0], buffer)
+            buffer[:1].copy_(out.next_tokens)
+            for step in range(4):
+                out = runner.forward([SequenceChunk([0], 48 + step, pages, buffer_slot=0)], [greedy], [step + 1], buffer)
+                buffer[:1].copy_(out.next_tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert runner.experts.pipeline.stats()["from_cache"] + runner.experts.pipeline.stats()["from_host"] > 0
+    finally:
+        runner.close()
