@@ -141,8 +141,8 @@ class PrefillPipeline:
 
     The cache must have at least ``2n + E`` slots for the ``n`` experts of ``share`` per layer
     (``2n`` lent, ``E`` for decode lookups, the least one of them admits; ``3E`` unshared); a
-    smaller one raises ``ValueError`` (``place_experts`` then runs without the pipeline). ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are
-    read from (device-addressable on CUDA), with ``host_scales`` ``[L*E, R, C]`` for an fp8 cache.
+    smaller one raises ``ValueError`` (``place_experts`` then runs without the pipeline).
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are read from (device-addressable on CUDA), with ``host_scales`` ``[L*E, R, C]`` for an fp8 cache.
     Layers must come in order ``0, 1, ..., L-1`` per chunk.
     """
 

@@ -162,10 +162,12 @@ def main() -> None:
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
-    print(f"{'gpus':>4} {'cache':>6} {'experts':>12} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} "
+    print(f"{'gpus':>4} {'cache':>6} {'experts':>12} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} "
+          f"{'MB moved/tok':>12} "
           f"{'bound tok/s':>11} {'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
-        print(f"{r['gpus']:>4} {r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
+        print(f"{r['gpus']:>4} {r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['batch']:>5} "
+              f"{r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
               f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
               f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
     if args.json:

@@ -44,8 +44,8 @@ def timed_chunk(runner: ModelRunner, tokens: list[int], prefix: int, pages: list
 def bench_gpus(args: argparse.Namespace, gpus: int) -> list[dict]:
     longest = max(args.chunk, args.turn)
     experts = ExpertOptions(cache_fraction=args.fraction, dummy_weights=args.model in GEOMETRIES)
-    runner = start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
-                                       max_prefill_tokens=longest, experts=experts,
+    runner = start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16",
+                                       kv_tokens=args.prefix + longest + 16, max_prefill_tokens=longest, experts=experts,
                                        routing=RoutingOptions(args.routing)), gpus)
     try:
         if getattr(runner.experts, "pipeline", None) is None:

@@ -266,7 +266,8 @@ def test_two_gpu_steps_have_no_hidden_sync(model_dir):
             out = runner.forward([SequenceChunk(list(range(33, 49)), 32, pages)], [greedy], [0], buffer)
             buffer[:1].copy_(out.next_tokens)
             for step in range(4):
-                out = runner.forward([SequenceChunk([0], 48 + step, pages, buffer_slot=0)], [greedy], [step + 1], buffer)
+                chunk = SequenceChunk([0], 48 + step, pages, buffer_slot=0)
+                out = runner.forward([chunk], [greedy], [step + 1], buffer)
                 buffer[:1].copy_(out.next_tokens)
         finally:
             torch.cuda.set_sync_debug_mode("default")
