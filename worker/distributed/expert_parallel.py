@@ -58,10 +58,15 @@ class ExpertParallel:
     def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
         self.inner.begin(num_tokens, top_k, flops)
 
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        return self.inner.fetches_ahead(num_tokens, top_k)
+
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # a guess of the next layer is prefetched only where it is this rank's expert;
         # float32 partials: their sum rounds once, as one rank's sum over k would
-        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids), out_dtype=torch.float32)
+        guess = None if next_ids is None else self.own_ids(next_ids)
+        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids), guess, out_dtype=torch.float32)
         return self.reduce(out).to(out_dtype or hidden.dtype)
 
     def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
