@@ -62,8 +62,9 @@ def test_two_ranks_equal_one_resident(model_dir):
     assert got == want
 
 
-def test_two_ranks_equal_one_offloaded(model_dir):
-    want, got, two = greedy_runs(model_dir, cache_fraction=0.25)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_two_ranks_equal_one_offloaded(model_dir, prefetch):
+    want, got, two = greedy_runs(model_dir, cache_fraction=0.25, prefetch=prefetch)
     assert got == want
     stats = two.experts.cache.stats()["total"]
     assert stats["misses"] > 0 and stats["hits"] > 0
