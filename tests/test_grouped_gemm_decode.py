@@ -119,6 +119,19 @@ def test_decode_path_bf16_sync_free(shape):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_decode_path_float32_output(tokens):
+    """``out_dtype=float32`` (expert parallelism's partials): the sum is not rounded to bf16."""
+    w13, w2 = make_banks(128, 2048, 768, torch.bfloat16, "cuda")
+    hidden = torch.randn(tokens, 2048, device="cuda").bfloat16()
+    weights, slots = make_routing("random", tokens, 8, 128, "cuda")
+    out = grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = grouped_swiglu_eager(hidden, weights, slots, w13, w2, out_dtype=torch.float32)
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.cuda
 def test_decode_path_graph_replay_with_new_routing():
     w13, w2 = make_banks(64, 512, 256, torch.bfloat16, "cuda")
     hidden = torch.randn(2, 512, device="cuda").bfloat16()

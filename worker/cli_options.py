@@ -67,6 +67,9 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
                    help="size the expert cache (--moe-cache-auto too), KV pool and prefill chunk as if the GPU had "
                         "this much memory, and cap torch's allocator there (e.g. 32 to run as on a 32 GB card)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs to run on by expert parallelism (expert e on GPU e %% N, attention replicated): "
+                        "this process drives rank 0 and starts one process per other GPU; on CPU, N gloo ranks")
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")

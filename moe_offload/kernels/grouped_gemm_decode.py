@@ -170,15 +170,17 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
 
 
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
-                          w2: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
-    """The decode path of ``grouped_swiglu`` (float banks, at most DECODE_MAX_PAIRS pairs);
-    arguments are already checked."""
+                          w2: torch.Tensor, config: DecodeConfig | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The decode path of ``grouped_swiglu`` (float banks, at most DECODE_MAX_PAIRS pairs), the
+    output in ``out_dtype`` (default hidden's; the per-slot path's k rows stay in hidden's dtype
+    until their sum, as on the align path); arguments are already checked."""
     num_tokens, top_k = slots.shape
     if num_tokens * top_k > DECODE_MAX_PAIRS:
         raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
                          f"got {num_tokens} x {top_k}")
     cfg = config or DecodeConfig()
-    out = torch.empty(num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
@@ -226,7 +228,7 @@ def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     num_pairs = num_tokens * top_k
-    pair_out = torch.empty(num_pairs, dim, dtype=out.dtype, device=out.device)
+    pair_out = torch.empty(num_pairs, dim, dtype=act.dtype, device=out.device)
     _decode_slot_down_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
         act, w2, weights, slots, pair_out, num_pairs, num_slots, dim, inter, w2.stride(0), w2.stride(1),
         w2.stride(2), BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
