@@ -15,8 +15,8 @@ from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import ExpertFormat, w13_scale_shape
 from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
-from moe_offload.safetensors_file import SafetensorsFile, index_files
-from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format, checkpoint_files
+from moe_offload.safetensors_file import SafetensorsFile, checkpoint_files, index_files
+from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format
 from moe_offload.store_quantize import fill_dummy_fp8
 
 

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.fp8 import ExpertFormat, ScaleBlock, w13_scale_shape
+from moe_offload.safetensors_file import checkpoint_files
 
 MAGIC = b"SLUICEXS"
 FORMAT_VERSION = 1
@@ -183,21 +184,6 @@ class StoreIdentity:
         g = geometry
         label = f"dummy L={g.num_layers} E={g.num_experts} H={g.hidden} I={g.intermediate} seed={seed} {fmt.name}"
         return cls(label, json.dumps(key))
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The shards named by a checkpoint directory's ``model.safetensors.index.json`` (some repos
-    also ship a consolidated copy, not to be read twice), else all its ``*.safetensors``; or the
-    one file given."""
-    resolved = Path(path).resolve()
-    index = resolved / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({resolved / name for name in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(resolved.glob("*.safetensors")) if resolved.is_dir() else [resolved]
-    if not files:
-        raise ValueError(f"no *.safetensors files in {resolved}")
-    return files
 
 
 class Header(NamedTuple):

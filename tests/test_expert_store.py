@@ -28,13 +28,13 @@ from moe_offload.store_fill import (
     fill_from_safetensors,
     open_checkpoint_experts,
 )
+from moe_offload.safetensors_file import checkpoint_files
 from moe_offload.store_layout import (
     ALIGN,
     COMPLETE_OFFSET,
     BankLayout,
     ExpertGeometry,
     StoreIdentity,
-    checkpoint_files,
     parse_header,
 )
 

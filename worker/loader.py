@@ -2,7 +2,6 @@
 dequantizing fp8 weights to the destination's dtype."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -13,22 +12,6 @@ import torch
 from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, dequantized, read_matrix, read_tensor
 from moe_offload.safetensors_file import SafetensorsFile, index_files
 from worker.errors import CheckpointError
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{model_dir}: safetensors index names missing files {missing}")
-    return files
 
 
 def open_checkpoint(files: list[Path]) -> dict[str, SafetensorsFile]:
