@@ -19,11 +19,8 @@ from safetensors.torch import save_file
 
 from moe_offload.expert_store import SHM_DIR, ExpertStore, list_segments
 from moe_offload.progress import ProgressBar
+from moe_offload.expert_names import FUSED_NAMES, MIXTRAL_NAMES, QWEN3_MOE_NAMES, ExpertNames
 from moe_offload.store_fill import (
-    FUSED_NAMES,
-    MIXTRAL_NAMES,
-    QWEN3_MOE_NAMES,
-    ExpertNames,
     fill_dummy,
     fill_from_safetensors,
     open_checkpoint_experts,

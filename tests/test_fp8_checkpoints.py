@@ -15,7 +15,8 @@ from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, deq
 from moe_offload.fp8_checkpoint import FP8Scheme
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
-from moe_offload.store_fill import FUSED_NAMES, QWEN3_MOE_NAMES, read_expert_layer
+from moe_offload.expert_names import FUSED_NAMES, QWEN3_MOE_NAMES
+from moe_offload.store_fill import read_expert_layer
 from moe_offload.store_layout import ExpertGeometry
 from tests.tiny_fp8 import LAYOUTS, write_tiny_fp8
 from worker.batch import SequenceChunk

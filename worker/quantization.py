@@ -23,7 +23,7 @@ import torch
 from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat
 from moe_offload.fp8_checkpoint import FP8Scheme
 from moe_offload.safetensors_file import checkpoint_files, index_files
-from moe_offload.store_fill import CHECKPOINT_STYLES, detect_names
+from moe_offload.expert_names import CHECKPOINT_STYLES, detect_names
 from worker.errors import CheckpointError
 from worker.loader import checkpoint_errors
 

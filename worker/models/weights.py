@@ -9,7 +9,8 @@ import torch
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import ExpertFormat, resolve_expert_format
 from moe_offload.safetensors_file import checkpoint_files
-from moe_offload.store_fill import ExpertLayer, detect_names, empty_expert_layer, load_expert_layer
+from moe_offload.expert_names import detect_names
+from moe_offload.store_fill import ExpertLayer, empty_expert_layer, load_expert_layer
 from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
 from worker.loader import checkpoint_errors, load_tensors, open_checkpoint
