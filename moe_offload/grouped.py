@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from moe_offload.fp8 import (ACTIVATION_BLOCK, FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, quantize,
                              w13_scale_shape)
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -40,7 +40,7 @@ def grouped_swiglu(
     CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``, or
     ``grouped_gemm_fp8`` for fp8 banks, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
-    ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
+    ``moe_offload.kernels.triton_support``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
     requires them in range.
     """

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 MAX_BLOCK = 1024
 PROGRAMS = 4096  # programs per launch over all layers: enough loads in flight to cover PCIe latency

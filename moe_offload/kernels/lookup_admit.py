@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
 
 # Per layer, summed over launches: distinct experts looked up, of which resident (hits) and admitted
 # (misses, each copied in by gather_missing), misses that displaced a resident expert, bytes copied.

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 from worker.attention.paged_checks import check_paged_inputs
 
 _LOG2E = 1.4426950408889634

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
