@@ -56,13 +56,25 @@ class ExpertBanks(NamedTuple):
 
 
 class Experts(Protocol):
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
+    def pipeline_from(self, top_k: int) -> int | None:
+        """The fewest tokens of a batch that streams its experts through a prefill pipeline (None:
+        no batch does). A shape rule, so the batch decides once (``ForwardBatch.pipelined``) and
+        the decode graphs' buckets stop below it."""
+        ...
+
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
         """A batch starts (before layer 0's attention): a chance to start moving experts early;
         ``flops`` is its estimated matmul work (``ModelConfig.forward_flops``)."""
         ...
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``."""
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                pipelined: bool | None = None) -> torch.Tensor:
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``;
+        ``pipelined`` is the batch's decision (None: from ``ids``' shape, for callers without one)."""
+        ...
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Counters for the scheduler's stats reply (none for resident experts); off the hot path."""
         ...
 
 
@@ -72,10 +84,16 @@ class ResidentExperts:
     def __init__(self, banks: ExpertBanks):
         self.banks = banks
 
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
+    def pipeline_from(self, top_k: int) -> int | None:
+        return None
+
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
         pass
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                pipelined: bool | None = None) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
                               scales=self.banks.scales(layer))
 
+    def stats(self) -> dict[str, int | float | str]:
+        return {}

@@ -87,19 +87,39 @@ class OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
                    lent_slots)
 
-    def pipelined(self, ids: torch.Tensor) -> bool:
-        """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
-        return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
+    def pipeline_from(self, top_k: int) -> int | None:
+        """The fewest tokens whose ``T * top_k`` routed pairs reach ``PIPELINE_PAIRS_PER_EXPERT`` per
+        expert (None without a pipeline)."""
+        if self.pipeline is None:
+            return None
+        return -(-PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts // top_k)
 
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
-        """A batch of ``num_tokens`` (``flops`` of matmul work) starts: a pipelined one begins
-        staging layer 0 now."""
-        if self.pipeline is not None and num_tokens * top_k >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts:
+    def pipelines(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of ``num_tokens`` routed to ``top_k`` experts each takes the pipeline."""
+        start = self.pipeline_from(top_k)
+        return start is not None and num_tokens >= start
+
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
+        """A batch (``flops`` of matmul work) starts: a pipelined one begins staging layer 0 now."""
+        if pipelined:
             self.pipeline.begin(flops)
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.pipelined(ids):
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                pipelined: bool | None = None) -> torch.Tensor:
+        if pipelined is None:
+            pipelined = self.pipelines(*ids.shape)
+        if pipelined:
             return self.pipeline.forward(layer, hidden, weights, ids)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
         return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)
+
+    def stats(self) -> dict[str, int | float | str]:
+        """The cache's totals (``moe_*``) and the pipeline's counters (``prefill_*``), flat, as the
+        scheduler reports them; reads the device, so call it off the hot path."""
+        cache = self.cache.stats()
+        stats = {f"moe_{k}": v for k, v in cache["total"].items()}
+        stats.update(moe_hit_rate=cache["hit_rate"], moe_cache_slots=cache["slots"], moe_policy=cache["policy"])
+        if self.pipeline is not None:
+            stats.update({f"prefill_{k}": v for k, v in self.pipeline.stats().items()})
+        return stats

@@ -123,15 +123,4 @@ class SchedulerServer:
         return None
 
     def stats(self) -> dict:
-        stats = dict(self.engine.stats())
-        stats["scheduler_pid"] = os.getpid()
-        experts = self.engine.runner.experts
-        pipeline = getattr(experts, "pipeline", None)
-        if pipeline is not None:
-            stats.update({f"prefill_{k}": v for k, v in pipeline.stats().items()})
-        cache = getattr(experts, "cache", None)
-        if cache is not None:
-            moe = cache.stats()
-            stats.update({f"moe_{k}": v for k, v in moe["total"].items()})
-            stats.update(moe_hit_rate=moe["hit_rate"], moe_cache_slots=moe["slots"], moe_policy=moe["policy"])
-        return stats
+        return {**self.engine.stats(), "scheduler_pid": os.getpid()}

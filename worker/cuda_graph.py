@@ -44,15 +44,12 @@ class _Captured(NamedTuple):
     next_tokens: torch.Tensor  # [bucket] int64
 
 
-def decode_buckets(max_batch: int, experts: object, top_k: int) -> tuple[int, ...]:
-    """Batch sizes that get a graph. Offloaded experts send batches of ``T * k >= 4E`` routed pairs
-    through the prefill pipeline (streams and events, not capturable, and not a decode path), so
-    the largest bucket stops just below that size and bigger batches run eagerly, as they would
-    anyway."""
-    pipelined = getattr(experts, "pipelined", None)
-    limit = max_batch
-    while limit > 0 and pipelined is not None and pipelined(torch.empty(limit, top_k, device="meta")):
-        limit -= 1
+def decode_buckets(max_batch: int, pipeline_from: int | None) -> tuple[int, ...]:
+    """Batch sizes that get a graph. A batch of ``pipeline_from`` tokens or more streams its
+    experts through the prefill pipeline (streams and events, not capturable, and not a decode
+    path), so the largest bucket stops just below that size and bigger batches run eagerly, as they
+    would anyway."""
+    limit = max_batch if pipeline_from is None else min(max_batch, pipeline_from - 1)
     return tuple(sorted({b for b in BUCKETS if b < limit} | {limit})) if limit > 0 else ()
 
 
@@ -71,7 +68,7 @@ class DecodeGraphs:
         self.page_size = kv_pool.page_size
         self.max_context = max_context
         self.max_pages = min(-(-max_context // self.page_size), kv_pool.num_pages)
-        self.buckets = decode_buckets(max_batch, model.experts, model.cfg.top_k)
+        self.buckets = decode_buckets(max_batch, model.experts.pipeline_from(model.cfg.top_k))
         self.use_graphs = use_graphs
         self.page_table = torch.zeros(max(self.buckets, default=0), self.max_pages, dtype=torch.int64,
                                       device=self.device)

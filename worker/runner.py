@@ -95,6 +95,7 @@ class ModelRunner:
         self.max_prefill_tokens = self._resolve_prefill_tokens()
         attention = create_backend(config.attention_backend, self.kv_pool, cfg.head_dim ** -0.5)
         self.experts = experts
+        self.pipeline_from = experts.pipeline_from(cfg.top_k)
         routing = make_routing(config.routing, cfg, self.device, config.experts.dummy_weights)
         self.model = MoETransformer(cfg, self.weights, attention, experts, routing)
         self.graphs = self._decode_graphs()
@@ -111,10 +112,14 @@ class ModelRunner:
         batches replayed from a CUDA graph return views that the next step overwrites."""
         if self.graphs is not None and self.graphs.supports(chunks):
             return ForwardOutput(*self.graphs.run(chunks, sampling, steps, token_buffer))
-        batch = build_batch(chunks, self.page_size, self.device, token_buffer)
+        batch = build_batch(chunks, self.page_size, self.device, token_buffer, self.pipeline_from)
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))
+
+    def stats(self) -> dict[str, int | float | str]:
+        """The experts' counters (cache and prefill pipeline, when offloaded); reads the device."""
+        return self.experts.stats()
 
     def save_routing_record(self) -> None:
         """With ``--record-routing FILE``: write the routing recorded so far to FILE (reads the
