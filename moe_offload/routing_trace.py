@@ -2,7 +2,7 @@
 
 A token is known by its sequence key (the sequence's first KV page) and its position, as in
 ``synthetic_routing``: a replay routes each request as recorded when the run hands out KV pages
-as the recorded one did (``worker.generate``, the benchmarks); a server with other arrivals gets
+as the recorded one did (``scheduler.generate``, the benchmarks); a server with other arrivals gets
 recorded routing of whichever request held that page. Recording writes, inside the step and on the device, one row per token into
 fixed buffers at a device-side cursor (so it also runs inside captured CUDA graphs, with no host
 read and no extra sync); ``trace()`` reads them at exit. Rows of sequence key 0 (the KV scratch

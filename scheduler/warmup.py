@@ -16,7 +16,7 @@ from scheduler.engine import Engine
 from worker.batch import SequenceChunk
 from worker.page_copy import build_plan, load_pages, write_pages
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 log = logging.getLogger("sluice.scheduler")
 

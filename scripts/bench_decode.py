@@ -29,7 +29,7 @@ from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 PCIE_BYTES_PER_S = 55e9
 HBM_BYTES_PER_S = 4.3e12

@@ -13,7 +13,7 @@ import torch
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12
 

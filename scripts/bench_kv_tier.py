@@ -27,7 +27,7 @@ from worker.host_kv_pool import HostKVPool
 from worker.kv_pool import KVPool
 from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 PCIE_BYTES_PER_S = 55.3e9
 MODES = {  # name -> (host tier on, mode, copy method)

@@ -35,7 +35,7 @@ from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 PCIE_BYTES_PER_S = 55e9
 FLOPS_PER_S = 7.9e14

@@ -26,7 +26,7 @@ from worker.batch import SequenceChunk, build_batch  # noqa: E402
 from worker.cuda_graph import BUCKETS, DecodeGraphs, decode_buckets  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 GREEDY = SamplingParams()

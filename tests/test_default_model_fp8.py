@@ -23,7 +23,7 @@ from moe_offload.fp8 import FP8_DTYPE, dequantize, dequantize_w13, quantize, qua
 from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 from worker.tokenizer import ChatTokenizer
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "def fibonacci(n):"]
@@ -92,7 +92,7 @@ def test_default_model_fp8_experts_stay_within_2e2_of_bf16_gpu():
 def test_default_model_in_fp8_knows_the_capital_of_france():
     from worker.default_model import default_model_dir
 
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(default_model_dir()), "--chat",
+    proc = subprocess.run([sys.executable, "-m", "scheduler.generate", "--model", str(default_model_dir()), "--chat",
                            "--prompt", "What is the capital of France?", "--max-tokens", "16", "--device", "cpu",
                            "--expert-dtype", "fp8", "--moe-cache-fraction", "0.25"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -8,9 +8,9 @@ import torch
 from moe_offload.expert_store import remove_segment
 from moe_offload.offloaded import OffloadedExperts
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 from worker.tokenizer import ChatTokenizer
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers."]

@@ -107,8 +107,8 @@ def test_the_allocator_stays_under_a_small_limit():
     """A real runner sized from free memory (expert cache auto, KV pool auto, prefill chunk auto)
     under a 4 GiB limit: torch's peak stays under it, and an allocation past it is refused. Without
     the limit the KV pool alone would take 80% of the card."""
-    from worker.generate import generate
-    from worker.sampling import SamplingParams
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
 
     limit = 4
     assert torch.cuda.mem_get_info()[1] > 4 * limit * GIB  # a card the limit makes a difference on

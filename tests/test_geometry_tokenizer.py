@@ -91,7 +91,7 @@ def test_serve_a_geometry_without_tokenizer(cache, tmp_path):
 
 @pytest.mark.slow
 def test_generate_a_geometry_offline(cache):
-    out = subprocess.run([sys.executable, "-m", "worker.generate", "--model", "tiny-geometry", "--dummy-weights",
+    out = subprocess.run([sys.executable, "-m", "scheduler.generate", "--model", "tiny-geometry", "--dummy-weights",
                           "--device", "cpu", "--kv-tokens", "256", "--prompt", "hello", "--max-tokens", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -19,7 +19,7 @@ from scheduler.request import Request  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.kv_pool import KVPool  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams()
 

@@ -6,9 +6,9 @@ import pytest
 from moe_offload.offloaded import OffloadedExperts
 from tests.tiny_models import write_tiny
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,9 @@ from tests.test_expert_cache import assert_consistent, make_banks, skewed_routin
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
-from worker.generate import generate  # noqa: E402
+from scheduler.generate import generate  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 4, 8, 16, 8, 2
 PREFILL, DECODE = 24, 2  # tokens: 24 * 2 >= 4E pairs takes the pipeline, 2 * 2 does not

@@ -30,7 +30,7 @@ from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch, SequenceChunk
 from worker.kv_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
-from worker.sampling import SamplingParams, SamplingTensors, sample
+from worker.sampling import Sampling, SamplingTensors, sample, seed32
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 INT_FIELDS = 8  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step; then one row of f32 pairs
@@ -82,7 +82,7 @@ class DecodeGraphs:
                 and max(c.prefix_len for c in chunks) < min(self.max_context, self.max_pages * self.page_size))
 
     @torch.inference_mode()
-    def run(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+    def run(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
             token_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, V], next_tokens [B])``: views of the graph's outputs, valid until the next
         ``run`` (use them, or copy them, before the next step is launched)."""
@@ -160,7 +160,7 @@ class DecodeGraphs:
 
     # ==== on the host ====
 
-    def _pack(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int], bucket: int,
+    def _pack(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int], bucket: int,
               has_buffer: bool) -> tuple[torch.Tensor, int, int]:
         """One host tensor: the input block, then the page table ``[bucket, width]``. Returns it, the
         width, and how many token-buffer rows the batch reads (0: none)."""
@@ -180,7 +180,7 @@ class DecodeGraphs:
         width = max(len(t) for t in table)
         rows = [t + [0] * (width - len(t)) for t in table]
         ints = [ids, slots, pos, loc, lens, [p.top_k or self.vocab for p in sampling],
-                [p.seed & _MASK32 for p in sampling], [s & _MASK32 for s in steps]]
+                [seed32(p) for p in sampling], [s & _MASK32 for s in steps]]
         flat = [v for field in ints for v in field + field[:1] * pad]
         flat[3 * bucket + len(chunks):4 * bucket] = [0] * pad  # padded rows write the scratch slot
         floats = [p.temperature for p in sampling] + [sampling[0].temperature] * pad

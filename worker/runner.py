@@ -20,7 +20,7 @@ from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
 from worker.quantization import checkpoint_expert_format
 from worker.routing_options import RoutingOptions, make_routing, save_record
-from worker.sampling import SamplingParams, SamplingTensors, sample
+from worker.sampling import Sampling, SamplingTensors, sample
 
 # --max-prefill-tokens 0 (auto): a multiple of AUTO_PREFILL_STEP up to AUTO_PREFILL_MAX on a GPU.
 AUTO_PREFILL_STEP = 1024
@@ -105,7 +105,7 @@ class ModelRunner:
         return self.config.page_size
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+    def forward(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
                 token_buffer: torch.Tensor | None = None) -> ForwardOutput:
         """Run one step. ``steps[b]`` is the index of the token sequence b draws next (seeded
         sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``. Decode

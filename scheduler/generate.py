@@ -1,7 +1,8 @@
-"""Offline generation for people and tests:
+"""Offline generation for people and tests: one request through the engine's loop (the one the
+server drives), without sockets.
 
-    python -m worker.generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N]
-                              [--temperature T] [--seed S]
+    python -m scheduler.generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N]
+                                 [--temperature T] [--seed S]
 
 Without ``--model`` it uses (and if needed prepares) the embedded default model.
 """
@@ -12,12 +13,14 @@ import sys
 import time
 from dataclasses import dataclass
 
-from worker.batch import SequenceChunk
-from worker.errors import CheckpointError
+from scheduler.engine import Engine, EngineConfig
+from scheduler.messages.from_scheduler import TokenUpdate
+from scheduler.messages.to_scheduler import SamplingParams
+from scheduler.request import Request
 from worker.cli_options import add_runner_args, resolve_model, runner_config
+from worker.errors import CheckpointError
 from worker.geometry_tokenizer import tokenizer_dir
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
 from worker.tokenizer import ChatTokenizer
 
 
@@ -31,32 +34,37 @@ class Generation:
 
 def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
              eos_ids: tuple[int, ...] = (), max_prefill_tokens: int | None = None) -> Generation:
-    """Prefill the prompt in chunks, then decode one token at a time (greedy or sampled)."""
-    pool, chunk = runner.kv_pool, max_prefill_tokens or runner.max_prefill_tokens
-    total = len(prompt_ids) + max_tokens
-    if total > runner.model_config.max_context:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the context "
-                         f"of {runner.model_config.max_context} tokens")
-    pages = pool.allocate(pool.pages_for(total))
-    try:
-        start = time.perf_counter()
-        for pos in range(0, len(prompt_ids), chunk):
-            out = runner.forward([SequenceChunk(prompt_ids[pos:pos + chunk], pos, pages)], [params], [0])
-        tokens = [int(out.next_tokens[0])]
-        mid = time.perf_counter()
-        while len(tokens) < max_tokens and tokens[-1] not in eos_ids:
-            step = len(tokens)
-            out = runner.forward([SequenceChunk([tokens[-1]], len(prompt_ids) + step - 1, pages)], [params], [step])
-            tokens.append(int(out.next_tokens[0]))
-        end = time.perf_counter()
-    finally:
-        pool.free(pages)
-    finish = "stop" if tokens[-1] in eos_ids else "length"
-    return Generation(tokens, finish, mid - start, end - mid)
+    """Prefill the prompt in chunks, then decode (greedy or sampled): an engine of one request on
+    ``runner``, without a prefix cache, so its pages go back to the pool when it ends."""
+    config = EngineConfig(max_prefill_tokens=max_prefill_tokens or runner.max_prefill_tokens, max_running=1,
+                          prefix_cache=False)
+    engine = Engine(runner, config)
+    error = engine.submit(Request("generate", list(prompt_ids), params, max_tokens, frozenset(eos_ids)))
+    if error:
+        raise ValueError(error)
+    tokens, finish, first = [], "length", None
+    start = time.perf_counter()
+    while engine.has_work:
+        for update in _step(engine):
+            first = first or time.perf_counter()
+            tokens += update.token_ids
+            finish = update.finish_reason or finish
+    return Generation(tokens, finish, first - start, time.perf_counter() - first)
+
+
+def _step(engine: Engine) -> list[TokenUpdate]:
+    """One engine step; a failed step or a request the pool cannot admit raises here."""
+    updates = engine.step()
+    failures = engine.take_failures()
+    if failures:
+        raise RuntimeError(failures[0].message)
+    if engine.waiting and not (engine.running or engine.in_flight):
+        raise MemoryError("the KV pool has no free pages for the request")
+    return updates
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.generate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scheduler.generate", description=__doc__.split("\n\n")[0])
     add_runner_args(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -76,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     params.validate()
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
