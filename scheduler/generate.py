@@ -1,15 +1,7 @@
-"""Offline generation for people and tests: one request through the engine's loop (the one the
-server drives), without sockets.
-
-    python -m scheduler.generate [--model DIR] --prompt TEXT [--chat] [--max-tokens N]
-                                 [--temperature T] [--seed S]
-
-Without ``--model`` it uses (and if needed prepares) the embedded default model.
-"""
+"""Offline generation for tests, benchmarks and ``scripts/generate.py``: one request through the
+engine's loop (the one the server drives), without sockets."""
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass
 
@@ -17,11 +9,7 @@ from scheduler.engine import Engine, EngineConfig
 from scheduler.messages.from_scheduler import TokenUpdate
 from scheduler.messages.to_scheduler import SamplingParams
 from scheduler.request import Request
-from worker.cli_options import add_runner_args, resolve_model, runner_config
-from worker.errors import CheckpointError
-from worker.geometry_tokenizer import tokenizer_dir
 from worker.runner import ModelRunner
-from worker.tokenizer import ChatTokenizer
 
 
 @dataclass
@@ -61,49 +49,3 @@ def _step(engine: Engine) -> list[TokenUpdate]:
     if engine.waiting and not (engine.running or engine.in_flight):
         raise MemoryError("the KV pool has no free pages for the request")
     return updates
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scheduler.generate", description=__doc__.split("\n\n")[0])
-    add_runner_args(parser)
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s to stderr")
-    args = parser.parse_args(argv)
-    try:
-        return _run(args)
-    except (CheckpointError, ValueError, MemoryError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
-    model_dir = resolve_model(args.model)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    params.validate()
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    tokenizer = ChatTokenizer(tokenizer_dir(model_dir))
-    runner = ModelRunner(runner_config(args, model_dir))
-    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    prompt_ids = tokenizer.encode(text)
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    gen = generate(runner, prompt_ids, params, args.max_tokens, runner.model_config.eos_token_ids)
-    runner.save_routing_record()
-    print(tokenizer.decode(gen.token_ids))
-    if args.stats:
-        print(f"prefill {len(prompt_ids)} tokens in {gen.prefill_seconds:.3f} s "
-              f"({len(prompt_ids) / gen.prefill_seconds:.1f} tok/s); decode {len(gen.token_ids)} tokens in "
-              f"{gen.decode_seconds:.3f} s ({(len(gen.token_ids) - 1) / max(gen.decode_seconds, 1e-9):.1f} tok/s)",
-              file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
