@@ -14,7 +14,6 @@ import torch
 
 from scheduler.engine import Engine
 from worker.batch import SequenceChunk
-from worker.page_copy import build_plan, load_pages, write_pages
 from worker.runner import ModelRunner
 from scheduler.messages.to_scheduler import SamplingParams
 
@@ -74,11 +73,8 @@ def _warm_kv_tier(engine: Engine) -> None:
     tier = engine.pages.tier
     if tier is None or tier.method == "memcpy":
         return
-    pool, host = tier.pool, tier.host
-    write_pages(build_plan([1], [0], 1, pool.num_pages, host.num_pages, engine.device),
-                pool.k, pool.v, host.kernel_k, host.kernel_v)
-    load_pages(build_plan([0], [1], 1, host.num_pages, pool.num_pages, engine.device),
-               host.kernel_k, host.kernel_v, pool.k, pool.v)
+    tier.host.write_from(tier.pool, [1], [0])
+    tier.host.load_into(tier.pool, [0], [1])
 
 
 def _reset_expert_counters(runner: ModelRunner) -> None:

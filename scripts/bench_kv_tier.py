@@ -19,13 +19,12 @@ import time
 
 import torch
 
-from scheduler import kv_tier
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.cli_options import add_runner_args, resolve_model, runner_config
-from worker.host_kv_pool import HostKVPool
-from worker.kv_pool import KVPool
-from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages
+from worker.kv.host_pool import HostKVPool
+from worker.kv.gpu_pool import KVPool
+from worker.kv.page_copy import COPY_METHODS
 from worker.runner import ModelRunner
 from scheduler.messages.to_scheduler import SamplingParams
 
@@ -69,14 +68,8 @@ def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
             random.Random(0).shuffle(src)
             random.Random(1).shuffle(dst)
 
-        def kernel():
-            kernel_move(pool, host, "load", src, dst)
-
-        def memcpy():
-            copy_page_runs(src, dst, host.k, host.v, pool.k, pool.v)
-
-        for method, fn in (("kernel", kernel), ("memcpy", memcpy)):
-            seconds = time_copy(runner.device, fn)
+        for method in COPY_METHODS:
+            seconds = time_copy(runner.device, lambda: host.load_into(pool, src, dst, method))
             gbps = num_pages * pool.page_bytes / seconds / 1e9
             rows.append(dict(layout=layout, method=method, pages=num_pages, ms=seconds * 1e3, gb_per_s=gbps,
                              bound_gb_per_s=PCIE_BYTES_PER_S / 1e9, ratio=gbps * 1e9 / PCIE_BYTES_PER_S))
@@ -85,14 +78,10 @@ def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
 
 def kernel_move(pool: KVPool, host: HostKVPool, direction: str, src: list[int], dst: list[int]) -> None:
     """Pages by the zero-copy kernels, as the tier moves them: ``write`` GPU -> host, ``load`` back."""
-    cap = kv_tier.PLAN_CAPACITY
-    for i in range(0, len(src), cap):
-        if direction == "write":
-            plan = build_plan(src[i:i + cap], dst[i:i + cap], cap, pool.num_pages, host.num_pages, pool.k.device)
-            write_pages(plan, pool.k, pool.v, host.kernel_k, host.kernel_v)
-        else:
-            plan = build_plan(src[i:i + cap], dst[i:i + cap], cap, host.num_pages, pool.num_pages, pool.k.device)
-            load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+    if direction == "write":
+        host.write_from(pool, src, dst)
+    else:
+        host.load_into(pool, src, dst)
 
 
 def first_touch_rows(runner: ModelRunner, num_pages: int) -> list[dict]:

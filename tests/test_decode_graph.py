@@ -120,7 +120,7 @@ def test_host_checks_raise():
 def test_triton_backend_matches_torch_backend():
     """Decode batches through the twin, prefill through the torch backend: both equal the torch
     backend's output over the same pool."""
-    from worker.kv_pool import KVPool
+    from worker.kv.gpu_pool import KVPool
 
     gen = torch.Generator().manual_seed(1)
     pool = KVPool(1, 40, 4, 2, 16, torch.float32, torch.device("cpu"))

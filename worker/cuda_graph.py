@@ -28,7 +28,7 @@ import torch
 
 from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch, SequenceChunk
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.sampling import Sampling, SamplingTensors, sample, seed32
 

@@ -15,7 +15,7 @@ from worker.config import ModelConfig
 from worker.cuda_graph import DecodeGraphs
 from worker.device_memory import DeviceMemory
 from worker.expert_placement import ExpertOptions, place_experts
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
 from worker.quantization import checkpoint_expert_format
