@@ -26,13 +26,12 @@ from moe_offload.store_fill import (
     open_checkpoint_experts,
 )
 from moe_offload.safetensors_file import checkpoint_files
+from moe_offload.store_header import COMPLETE_OFFSET, parse_header
 from moe_offload.store_layout import (
     ALIGN,
-    COMPLETE_OFFSET,
     BankLayout,
     ExpertGeometry,
     StoreIdentity,
-    parse_header,
 )
 
 REPO = Path(__file__).resolve().parents[1]
