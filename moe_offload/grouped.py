@@ -102,15 +102,9 @@ def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) ->
         raise ValueError("scales w13 and w2 must be on one device")
 
 
-def grouped_swiglu_eager(
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    scales: ExpertScales | None = None,
-    fp8_activations: bool = False,
-) -> torch.Tensor:
+def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, scales: ExpertScales | None = None,
+                         fp8_activations: bool = False) -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
     hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
 

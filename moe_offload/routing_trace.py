@@ -41,10 +41,6 @@ class RoutingTrace(NamedTuple):
     def num_layers(self) -> int:
         return self.ids.shape[1]
 
-    @property
-    def top_k(self) -> int:
-        return self.ids.shape[2]
-
     def save(self, path: str) -> None:
         torch.save({"format": TRACE_FORMAT, **self._asdict()}, path)
 
