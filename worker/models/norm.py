@@ -2,7 +2,7 @@
 
 A decode step is bound by kernel count, not bytes (a profile of qwen3-30b-geometry at batch 1 on
 the H200: ~1,450 kernels a step, most of them 1-2 µs elementwise glue). The eager norm is about
-seven launches (cast, square, mean, add, rsqrt, multiply, cast, scale) and the residual add one
+eight launches (cast, square, mean, add, rsqrt, multiply, cast, scale) and the residual add one
 more; the kernel does all of it in one pass over each row.
 
 Numerics follow the reference (Hugging Face's RMSNorm): the residual sum is rounded to the input
