@@ -77,6 +77,9 @@ class Experts(Protocol):
         """Counters for the scheduler's stats reply (none for resident experts); off the hot path."""
         ...
 
+    def reset_stats(self) -> None:
+        ...
+
 
 class ResidentExperts:
     """Every expert resident on the device: no lookups at all."""
@@ -97,3 +100,6 @@ class ResidentExperts:
 
     def stats(self) -> dict[str, int | float | str]:
         return {}
+
+    def reset_stats(self) -> None:
+        pass

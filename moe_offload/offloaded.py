@@ -123,3 +123,9 @@ class OffloadedExperts:
         if self.pipeline is not None:
             stats.update({f"prefill_{k}": v for k, v in self.pipeline.stats().items()})
         return stats
+
+    def reset_stats(self) -> None:
+        """Zero the cache's and the pipeline's counters (after a warm-up)."""
+        self.cache.reset_stats()
+        if self.pipeline is not None:
+            self.pipeline.reset_stats()

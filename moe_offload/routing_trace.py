@@ -41,6 +41,17 @@ class RoutingTrace(NamedTuple):
     def num_layers(self) -> int:
         return self.ids.shape[1]
 
+    def steps(self) -> list[list[torch.Tensor]]:
+        """Per forward pass, per layer, the distinct experts routed to (what one cache lookup sees)."""
+        order = torch.argsort(self.step, stable=True)
+        bounds = torch.unique_consecutive(self.step[order], return_counts=True)[1].tolist()
+        return [[torch.unique(rows[:, layer]) for layer in range(self.num_layers)]
+                for rows in torch.split(self.ids[order], bounds)]
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[2]
+
     def save(self, path: str) -> None:
         torch.save({"format": TRACE_FORMAT, **self._asdict()}, path)
 
@@ -50,13 +61,6 @@ class RoutingTrace(NamedTuple):
         if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
             raise ValueError(f"{path} is not a routing trace ({TRACE_FORMAT})")
         return cls(**{field: data[field] for field in cls._fields})
-
-    def steps(self) -> list[list[torch.Tensor]]:
-        """Per forward pass, per layer, the distinct experts routed to (what one cache lookup sees)."""
-        order = torch.argsort(self.step, stable=True)
-        bounds = torch.unique_consecutive(self.step[order], return_counts=True)[1].tolist()
-        return [[torch.unique(rows[:, layer]) for layer in range(self.num_layers)]
-                for rows in torch.split(self.ids[order], bounds)]
 
 
 class RecordingRouting:

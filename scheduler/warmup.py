@@ -33,7 +33,7 @@ def warm_up(engine: Engine) -> float:
     _warm_kv_tier(engine)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # start-up, not a step: wait so the time is true
-    _reset_expert_counters(runner)
+    runner.reset_stats()  # the experts' counters count served requests only
     runner.clear_routing_record()  # warm-up tokens sit on real pages: a replay would route requests by them
     seconds = time.perf_counter() - start
     log.info("warm-up: prefill chunks, decode, sampling and page copies compiled, %d decode graphs "
@@ -75,12 +75,3 @@ def _warm_kv_tier(engine: Engine) -> None:
         return
     tier.host.write_from(tier.pool, [1], [0])
     tier.host.load_into(tier.pool, [0], [1])
-
-
-def _reset_expert_counters(runner: ModelRunner) -> None:
-    cache = getattr(runner.experts, "cache", None)
-    if cache is not None:
-        cache.reset_stats()
-    pipeline = getattr(runner.experts, "pipeline", None)
-    if pipeline is not None:
-        pipeline.reset_stats()

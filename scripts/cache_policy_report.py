@@ -50,7 +50,7 @@ def trace_steps(trace: RoutingTrace) -> Steps:
     order = torch.argsort(trace.step, stable=True)
     counts = torch.unique_consecutive(trace.step[order], return_counts=True)[1].tolist()
     threshold = PIPELINE_PAIRS_PER_EXPERT * trace.num_experts
-    return [None if rows.shape[0] * trace.ids.shape[2] >= threshold else
+    return [None if rows.shape[0] * trace.top_k >= threshold else
             [torch.unique(rows[:, layer]) for layer in range(trace.num_layers)]
             for rows in torch.split(trace.ids[order], counts)]
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace:
         trace = RoutingTrace.load(args.trace)
         layers, experts, steps = trace.num_layers, trace.num_experts, trace_steps(trace)
-        title = f"trace {args.trace}: {trace.num_layers} layers, {experts} experts, top {trace.ids.shape[2]}"
+        title = f"trace {args.trace}: {trace.num_layers} layers, {experts} experts, top {trace.top_k}"
     else:
         layers, experts = args.layers, args.experts
         steps = synthetic_steps(layers, experts, args.top_k, args.batch, args.steps, args.seed, args.prefill_every)

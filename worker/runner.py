@@ -121,6 +121,9 @@ class ModelRunner:
         """The experts' counters (cache and prefill pipeline, when offloaded); reads the device."""
         return self.experts.stats()
 
+    def reset_stats(self) -> None:
+        self.experts.reset_stats()
+
     def save_routing_record(self) -> None:
         """With ``--record-routing FILE``: write the routing recorded so far to FILE (reads the
         device; the entry points call it when they finish)."""
