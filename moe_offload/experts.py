@@ -67,10 +67,18 @@ class Experts(Protocol):
         ``flops`` is its estimated matmul work (``ModelConfig.forward_flops``)."""
         ...
 
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of this size wants each next layer's guessed ids in ``forward`` (shapes
+        only): the model then asks its routing for the guess."""
+        ...
+
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                 pipelined: bool | None = None) -> torch.Tensor:
-        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``;
-        ``pipelined`` is the batch's decision (None: from ``ids``' shape, for callers without one)."""
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` (-1: none) -> ``[T, H]``
+        in ``out_dtype`` (default hidden's; see ``grouped_swiglu``); ``next_ids [T, k]``, when given,
+        guesses layer ``layer + 1``'s ids (a prefetch hint: it may be wrong, and never changes a result).
+        ``pipelined`` is the batch's decision (None: from ``ids``' shape, for callers without a batch)."""
         ...
 
     def stats(self) -> dict[str, int | float | str]:
@@ -93,13 +101,18 @@ class ResidentExperts:
     def begin(self, pipelined: bool, flops: float = 0.0) -> None:
         pass
 
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        return False
+
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                 pipelined: bool | None = None) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
-                              scales=self.banks.scales(layer))
+                              scales=self.banks.scales(layer), out_dtype=out_dtype)
 
     def stats(self) -> dict[str, int | float | str]:
         return {}
 
     def reset_stats(self) -> None:
         pass
+

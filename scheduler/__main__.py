@@ -17,6 +17,7 @@ from scheduler.messages.from_scheduler import ModelInfo
 from scheduler.server import SchedulerServer
 from scheduler.warmup import warm_up
 from worker.cli_options import add_runner_args, resolve_model, runner_config
+from worker.distributed.parallel_runner import start_runner
 from worker.errors import CheckpointError
 from worker.geometry_tokenizer import tokenizer_dir
 from worker.kv.host_pool import DEFAULT_FRACTION, default_host_bytes
@@ -77,16 +78,26 @@ def serve(args: argparse.Namespace) -> int:
     log.info("loading the model %s (device %s) ...", model_dir, args.device)
     started = time.monotonic()
     try:
-        runner = ModelRunner(runner_config(args, model_dir))
+        if args.gpus > 1 and args.kv_host_size:
+            raise ValueError("--kv-host-size needs --gpus 1: the host KV tier moves pages of rank 0's KV pool only, "
+                             "and every rank keeps its own")
+        runner = start_runner(runner_config(args, model_dir), args.gpus)
     except (CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     log.info("model loaded in %.1f s", time.monotonic() - started)
+    try:
+        return _serve(args, runner, model_dir, tokenizer_path)
+    finally:
+        runner.close()
+
+
+def _serve(args: argparse.Namespace, runner: ModelRunner, model_dir: str, tokenizer_path: str) -> int:
     atexit.register(runner.save_routing_record)  # at exit: after Shutdown, or SIGTERM (sys.exit)
     cfg = runner.model_config
     host_gib = args.kv_host_size
     if host_gib is None:  # on CPU the KV pool already lives in host RAM: a second copy buys nothing
-        host_gib = default_host_bytes() / 2**30 if runner.device.type == "cuda" else 0.0
+        host_gib = default_host_bytes() / 2**30 if runner.device.type == "cuda" and args.gpus == 1 else 0.0
     engine = Engine(runner, EngineConfig(runner.max_prefill_tokens, args.max_running, args.prefix_cache, args.overlap,
                                          kv_host_gib=host_gib, kv_tier_mode=args.kv_tier_mode),
                     FaultHooks.from_env())

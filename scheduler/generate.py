@@ -24,6 +24,9 @@ def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
              eos_ids: tuple[int, ...] = (), max_prefill_tokens: int | None = None) -> Generation:
     """Prefill the prompt in chunks, then decode (greedy or sampled): an engine of one request on
     ``runner``, without a prefix cache, so its pages go back to the pool when it ends."""
+    vocab = runner.model_config.vocab_size
+    if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:  # on the GPU: a device-side assert
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
     config = EngineConfig(max_prefill_tokens=max_prefill_tokens or runner.max_prefill_tokens, max_running=1,
                           prefix_cache=False)
     engine = Engine(runner, config)

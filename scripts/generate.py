@@ -19,6 +19,7 @@ from frontend.tokenizer import ChatTokenizer  # noqa: E402
 from scheduler.generate import generate  # noqa: E402
 from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 from worker.cli_options import add_runner_args, resolve_model, runner_config  # noqa: E402
+from worker.distributed.parallel_runner import start_runner  # noqa: E402
 from worker.errors import CheckpointError  # noqa: E402
 from worker.geometry_tokenizer import tokenizer_dir  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
@@ -61,7 +62,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     tokenizer = load_tokenizer(tokenizer_dir(model_dir))
-    runner = ModelRunner(runner_config(args, model_dir))
+    runner = start_runner(runner_config(args, model_dir), args.gpus)
+    try:
+        return _generate(args, runner, tokenizer, params)
+    finally:
+        runner.close()
+
+
+def _generate(args: argparse.Namespace, runner: ModelRunner, tokenizer: ChatTokenizer,
+              params: SamplingParams) -> int:
     prompt_ids = prompt_tokens(tokenizer, args.prompt, args.chat)
     if not prompt_ids:
         raise ValueError("the prompt is empty")

@@ -55,6 +55,10 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                    help="what decode does with the 2E cache slots the prefill pipeline borrows: reserve (default: "
                         "decode never admits there, so they idle between prefills) or decode (decode admits there "
                         "too, as the first victims, and a prefill wipes only those coldest entries)")
+    p.add_argument("--expert-prefetch", default="on" if ExpertOptions.prefetch else "off", choices=["on", "off"],
+                   help="under expert offload, guess each next layer's experts at decode (its router applied to "
+                        "this layer's hidden state) and copy the guessed misses over PCIe while this layer computes; "
+                        "a wrong guess costs bytes, never a result (default: %(default)s)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs "
                         "(graphs are on: %(default)s)")
@@ -63,6 +67,9 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
                    help="size the expert cache (--moe-cache-auto too), KV pool and prefill chunk as if the GPU had "
                         "this much memory, and cap torch's allocator there (e.g. 32 to run as on a 32 GB card)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs to run on by expert parallelism (expert e on GPU e %% N, attention replicated): "
+                        "this process drives rank 0 and starts one process per other GPU; on CPU, N gloo ranks")
     p.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     p.add_argument("--seed-weights", type=int, default=ExpertOptions.seed, help="seed of --dummy-weights")
@@ -88,7 +95,7 @@ def runner_config(args: argparse.Namespace, model_dir: str) -> RunnerConfig:
                             args.kv_reserve_tokens, args.dummy_weights, args.seed_weights,
                             prefill_pipeline=args.prefill_pipeline, prefill_invalidate=args.prefill_invalidate,
                             prefill_stage=args.prefill_stage, expert_dtype=args.expert_dtype,
-                            lent_slots=args.lent_slots)
+                            lent_slots=args.lent_slots, prefetch=args.expert_prefetch == "on")
     return RunnerConfig(model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
                         kv_tokens=args.kv_tokens, attention=args.attention, experts=experts,
                         max_prefill_tokens=args.max_prefill_tokens, cuda_graph=args.cuda_graph,

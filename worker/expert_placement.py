@@ -35,6 +35,8 @@ class ExpertOptions:
     prefill_stage: str = "auto"  # "kernel" | "memcpy" | "auto" (per chunk), see prefill_pipeline.STAGE_MODES
     expert_dtype: str = "auto"  # "auto" | "bf16" | "fp8", see fp8.resolve_expert_format
     lent_slots: str = "reserve"  # decode and the pipeline's lent slots: offloaded.LENT_SLOT_RULES
+    # cross-layer prefetch at decode (moe_offload.expert_prefetch); off until measured on the H200
+    prefetch: bool = False
 
     @property
     def uses_store(self) -> bool:
@@ -82,7 +84,7 @@ def place_experts(cfg: ModelConfig, model_dir: str, options: ExpertOptions, resi
     banks = store.device_banks() if device.type == "cuda" else host
     experts = OffloadedExperts.create(banks, slots, device, options.policy, pipeline=pipeline,
                                       invalidate=options.prefill_invalidate, stage=options.prefill_stage,
-                                      lent_slots=options.lent_slots)
+                                      lent_slots=options.lent_slots, prefetch=options.prefetch)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.experts import Experts
 from moe_offload.fp8 import ExpertFormat, resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
@@ -88,8 +89,9 @@ class ModelRunner:
         else:
             self.weights = ModelWeights.load(Path(config.model_dir), cfg, self.dtype, self.device, not in_store,
                                              self.expert_format)
-        experts = place_experts(cfg, config.model_dir, config.experts, self.weights.experts, self.dtype,
-                                self.device, self._activation_bytes(), self.memory, self.expert_format)
+        experts = self._this_rank(place_experts(cfg, config.model_dir, config.experts, self.weights.experts,
+                                                self.dtype, self.device, self._activation_bytes(), self.memory,
+                                                self.expert_format))
         self.kv_pool = KVPool(cfg.num_layers, self._num_pages(), config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         self.max_prefill_tokens = self._resolve_prefill_tokens()
@@ -134,6 +136,13 @@ class ModelRunner:
         """With ``--record-routing``: forget the steps recorded so far (the scheduler's warm-up)."""
         if self.config.routing.record is not None:
             self.model.routing.clear()
+
+    def close(self) -> None:
+        """Nothing to release in one process (an expert-parallel rank 0 stops the other ranks)."""
+
+    def _this_rank(self, experts: Experts) -> Experts:
+        """The experts this process runs: all of them (``worker.distributed`` runs a share per rank)."""
+        return experts
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not (self.config.cuda_graph and self.device.type == "cuda"):
