@@ -19,18 +19,9 @@ from moe_offload.kernels.triton_support import use_triton
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def grouped_swiglu(
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    scales: ExpertScales | None = None,
-    fp8_activations: bool | None = None,
-    backend: str | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, *, scales: ExpertScales | None = None, fp8_activations: bool | None = None,
+                   backend: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
     (default hidden's). The k outputs of a token are summed in float32 and rounded once to it:
     expert parallelism asks for float32 so that the ranks' partial sums, added by an all_reduce,

@@ -104,12 +104,12 @@ def test_owned_banks_take_every_nth_expert():
 
 def test_step_message_round_trip():
     chunks = [SequenceChunk([4, 5, 6], 8, [1, 2, 3]), SequenceChunk([0], 17, [7, 9, 11, 12, 13], buffer_slot=3)]
-    sampling = [SamplingParams(), SamplingParams(0.7, 20, 0.9, 2**40 + 5)]
+    sampling = [SamplingParams(seed=0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=2**40 + 5)]
     head, payload = step_message.encode(step_message.Step(chunks, sampling, [0, 6], 64))
     got = step_message.decode(head.tolist(), payload)
     assert got.chunks == chunks and got.steps == [0, 6] and got.buffer_len == 64
-    assert got.sampling[0] == sampling[0]
-    assert got.sampling[1] == SamplingParams(0.7, 20, 0.9, 5)  # sampling reads the seed's low 32 bits
+    assert got.sampling[0] == step_message.RankSampling(0.0, 0, 1.0, 0)  # the fields of sampling[0]
+    assert got.sampling[1] == step_message.RankSampling(0.7, 20, 0.9, 5)  # sampling reads the seed's low 32 bits
 
 
 def test_more_gpus_than_visible_is_refused(model_dir):
