@@ -87,7 +87,7 @@ def slot_bytes(w13_shape: tuple[int, int], w2_shape: tuple[int, int], dtype: tor
 class ExpertCache:
     """Slot pools ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` (fp8 ones with float32 scale pools
     ``w13_scale``, ``w2_scale`` per ``scale_block``) and the device tables that map expert ids
-    (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels._triton``)."""
+    (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels.triton_support``)."""
 
     def __init__(self, num_layers: int, num_experts: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
                  num_slots: int, dtype: torch.dtype, device: torch.device | str, policy: str = "lfru",

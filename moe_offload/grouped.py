@@ -14,23 +14,14 @@ import torch.nn.functional as F
 
 from moe_offload.fp8 import (ACTIVATION_BLOCK, FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, quantize,
                              w13_scale_shape)
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def grouped_swiglu(
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    scales: ExpertScales | None = None,
-    fp8_activations: bool | None = None,
-    backend: str | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, *, scales: ExpertScales | None = None, fp8_activations: bool | None = None,
+                   backend: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
     (default hidden's). The k outputs of a token are summed in float32 and rounded once to it:
     expert parallelism asks for float32 so that the ranks' partial sums, added by an all_reduce,
@@ -47,7 +38,7 @@ def grouped_swiglu(
     batches of float banks ``grouped_gemm_decode``, two or three launches instead of four; fp8 banks
     ``grouped_gemm_fp8``, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
-    ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
+    ``moe_offload.kernels.triton_support``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
     skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
     rest in range.
@@ -133,16 +124,9 @@ def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) ->
         raise ValueError("scales w13 and w2 must be on one device")
 
 
-def grouped_swiglu_eager(
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    scales: ExpertScales | None = None,
-    fp8_activations: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, scales: ExpertScales | None = None, fp8_activations: bool = False,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
     hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
 

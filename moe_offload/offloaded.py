@@ -103,33 +103,40 @@ class OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
                    lent_slots, prefetch)
 
-    def pipelined(self, ids: torch.Tensor) -> bool:
-        """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
-        return self._pipelines(ids.numel())
+    def pipeline_from(self, top_k: int) -> int | None:
+        """The fewest tokens whose ``T * top_k`` routed pairs reach ``PIPELINE_PAIRS_PER_EXPERT`` per
+        expert (None without a pipeline)."""
+        if self.pipeline is None:
+            return None
+        return -(-PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts // top_k)
 
-    def _pipelines(self, routed: int) -> bool:
-        return self.pipeline is not None and routed >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
+    def pipelines(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of ``num_tokens`` routed to ``top_k`` experts each takes the pipeline."""
+        start = self.pipeline_from(top_k)
+        return start is not None and num_tokens >= start
 
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
-        """A batch of ``num_tokens`` (``flops`` of matmul work) starts: a pipelined one begins
-        staging layer 0 now."""
-        if self._pipelines(num_tokens * top_k):
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
+        """A batch (``flops`` of matmul work) starts: a pipelined one begins staging layer 0 now."""
+        if pipelined:
             self.pipeline.begin(flops)
 
     def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
         """Whether a batch of ``num_tokens`` takes a guess of each next layer's experts (``forward``'s
         ``next_ids``): decode-sized batches under prefetch, when the cache's decode slots leave room
         for a guess beside the real lookup (shapes only)."""
-        routed = num_tokens * top_k
-        return (self.prefetch is not None and not self._pipelines(routed)
-                and self.prefetch.fits(routed, self.cache.num_slots - self.decode_start))
+        return (self.prefetch is not None and not self.pipelines(num_tokens, top_k)
+                and self.prefetch.fits(num_tokens * top_k, self.cache.num_slots - self.decode_start))
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
         """One MoE layer; ``next_ids [T, k]``, a guess of layer ``layer + 1``'s experts, starts their
         gather beside this layer's GEMM (only when ``fetches_ahead``: else the next real lookup
-        might find no victim, and the guess is ignored)."""
-        if self.pipelined(ids):
+        might find no victim, and the guess is ignored). ``pipelined``: the batch's decision (None:
+        from ``ids``' shape)."""
+        if pipelined is None:
+            pipelined = self.pipelines(*ids.shape)
+        if pipelined:
             return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
@@ -139,3 +146,21 @@ class OffloadedExperts:
                 self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
         return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
                               out_dtype=out_dtype)
+
+    def stats(self) -> dict[str, int | float | str]:
+        """The cache's totals (``moe_*``, ``moe_prefetch_*``) and the pipeline's counters
+        (``prefill_*``), flat, as the scheduler reports them; reads the device, so call it off the
+        hot path."""
+        cache = self.cache.stats()
+        stats = {f"moe_{k}": v for k, v in cache["total"].items()}
+        stats.update({f"moe_prefetch_{k}": v for k, v in cache["prefetch"].items()})
+        stats.update(moe_hit_rate=cache["hit_rate"], moe_cache_slots=cache["slots"], moe_policy=cache["policy"])
+        if self.pipeline is not None:
+            stats.update({f"prefill_{k}": v for k, v in self.pipeline.stats().items()})
+        return stats
+
+    def reset_stats(self) -> None:
+        """Zero the cache's and the pipeline's counters (after a warm-up)."""
+        self.cache.reset_stats()
+        if self.pipeline is not None:
+            self.pipeline.reset_stats()

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
 from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys
 

@@ -20,7 +20,7 @@ from worker.cli_options import add_runner_args, resolve_model, runner_config
 from worker.distributed.parallel_runner import start_runner
 from worker.errors import CheckpointError
 from worker.geometry_tokenizer import tokenizer_dir
-from worker.host_kv_pool import DEFAULT_FRACTION, default_host_bytes
+from worker.kv.host_pool import DEFAULT_FRACTION, default_host_bytes
 from worker.runner import ModelRunner
 
 log = logging.getLogger("sluice.scheduler")

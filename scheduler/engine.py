@@ -319,7 +319,7 @@ class Engine:
 
     # ==== stats ====
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         pool = self.pages.pool
         elapsed = max(time.monotonic() - self.started, 1e-9)
         radix = self.pages.radix
@@ -333,4 +333,5 @@ class Engine:
             "kv_pages_cached": radix.num_pages if radix else 0,
             "kv_usage": 1 - pool.num_free / pool.capacity,
             **self.pages.stats(),
+            **self.runner.stats(),
         }

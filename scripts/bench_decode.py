@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,8 @@ from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.distributed.parallel_runner import start_runner
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
+from report_table import print_table  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
 HBM_BYTES_PER_S = 4.3e12
@@ -105,15 +107,18 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
+def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
+               gpus: int) -> ModelRunner:
+    experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
+                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on")
+    return start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+                                     cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                     routing=RoutingOptions(args.routing), experts=experts), gpus)
+
+
 def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
                  gpus: int) -> list[dict]:
-    runner = start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                       cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                       routing=RoutingOptions(args.routing),
-                                       experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
-                                                             dummy_weights=args.model in GEOMETRIES,
-                                                             expert_dtype=expert_dtype, lent_slots=lent,
-                                                             prefetch=prefetch == "on")), gpus)
+    runner = runner_for(args, fraction, expert_dtype, lent, prefetch, gpus)
     cfg = runner.model_config
     w = runner.weights
     dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -148,6 +153,14 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     return rows
 
 
+COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
+           ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("batch", "batch", ">5"),
+           ("tok/s", "tok_s", ">8.1f"), ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
+           ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
+           ("bound tok/s", "bound_tok_s", ">11.1f"), ("bound", "bound", ">5"), ("ratio", "ratio", ">6.3f"),
+           ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-geometry")
@@ -179,19 +192,10 @@ def main() -> None:
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
-    print(f"{'gpus':>4} {'cache':>6} {'experts':>12} {'lent':>7} {'prefetch':>8} {'batch':>5} {'tok/s':>8} "
-          f"{'hit rate':>8} "
-          f"{'guessed':>7} {'MB moved/tok':>12} {'of which guesses':>16} {'bound tok/s':>11} {'bound':>5} {'ratio':>6} "
-          f"{'kernels/step':>12} {'GPU ms/step':>11}")
-    for r in rows:
-        print(f"{r['gpus']:>4} {r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['prefetch']:>8} "
-              f"{r['batch']:>5} "
-              f"{r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} {r['guessed']:>7.3f} {r['bytes_per_token'] / 1e6:>12.1f} "
-              f"{r['prefetch_bytes_per_token'] / 1e6:>16.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} "
-              f"{r['ratio']:>6.3f} {r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
+    print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
+                               guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12
 
@@ -74,8 +75,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f} {r['decode_hbm_bound_tok_s']:>16.0f} {r['ratio']:>6.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

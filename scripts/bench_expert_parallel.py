@@ -25,7 +25,7 @@ from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 PCIE_BYTES_PER_S = 55e9
 

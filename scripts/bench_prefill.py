@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,8 @@ from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
+from report_table import print_table  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
 FLOPS_PER_S = 7.9e14
@@ -205,12 +207,20 @@ def main() -> None:
     for fraction in args.fractions:
         for expert_dtype in args.expert_dtype:
             rows += bench_fraction(args, fraction, expert_dtype, stage_rows)
+    print_report(args, stage_rows, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"stage": stage_rows, "chunks": rows}, indent=1))
+
+
+STAGE_COLUMNS = [("experts", "experts", ">12"), ("staging one layer from the host", "method", "<32"),
+                 ("GB/s", "GB/s", ">6.1f")]
+
+
+def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[dict]) -> None:
     print(f"prefill, {args.model}, {torch.cuda.get_device_name()}, attention {args.attention}, "
           f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
     if stage_rows:
-        print(f"{'experts':>12} {'staging one layer from the host':<32} {'GB/s':>6}")
-        for r in stage_rows:
-            print(f"{r['experts']:>12} {r['method']:<32} {r['GB/s']:>6.1f}")
+        print_table(STAGE_COLUMNS, stage_rows)
     print(f"{'cache':>6} {'experts':>12} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} "
           f"{'hits':>5} {'PCIe GB':>8} {'HBM GB':>7} {'bound s':>8} {'bound':>5} {'ratio':>6}")
     for r in rows:
@@ -220,9 +230,6 @@ def main() -> None:
             continue
         print(f"{head} {r['seconds']:>8.3f} {r['tok_s']:>8.0f} {r['hit_rate']:>5.2f} {r['pcie_gb']:>8.1f} "
               f"{r['hbm_gb']:>7.1f} {r['bound_s']:>8.3f} {r['bound']:>5} {r['ratio']:>6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"stage": stage_rows, "chunks": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

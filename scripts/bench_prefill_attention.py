@@ -25,7 +25,7 @@ from worker.attention.torch_backend import TorchAttention
 from worker.attention.triton_backend import causal_self_attention
 from worker.attention.triton_prefill import PrefillTile, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import SequenceChunk, build_batch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 FLOPS_PER_S = 7.86e14
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16

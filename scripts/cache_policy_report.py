@@ -21,6 +21,7 @@ import argparse
 import heapq
 import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -160,8 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
                       f"lent slots {args.lent_slots}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ def test_the_allocator_stays_under_a_small_limit():
     """A real runner sized from free memory (expert cache auto, KV pool auto, prefill chunk auto)
     under a 4 GiB limit: torch's peak stays under it, and an allocation past it is refused. Without
     the limit the KV pool alone would take 80% of the card."""
-    from worker.generate import generate
-    from worker.sampling import SamplingParams
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
 
     limit = 4
     assert torch.cuda.mem_get_info()[1] > 4 * limit * GIB  # a card the limit makes a difference on
@@ -133,8 +133,8 @@ def test_the_allocator_stays_under_a_small_limit():
 def test_offline_generate_refuses_ids_outside_the_vocabulary():
     """On a GPU an out-of-vocabulary id is a device-side assert that poisons the context; the
     offline entry point refuses it on the host (the served path refuses it in the scheduler)."""
-    from worker.generate import generate
-    from worker.sampling import SamplingParams
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
 
     runner = ModelRunner(RunnerConfig("tiny-geometry", device="cpu", dtype="float32", page_size=4, kv_tokens=64,
                                       experts=ExpertOptions(dummy_weights=True)))

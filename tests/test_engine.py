@@ -7,9 +7,9 @@ import torch
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from tests.tiny_models import write_tiny
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 EOS = 127
 GREEDY = SamplingParams()
@@ -213,6 +213,6 @@ def test_seeded_sampling_is_reproducible_across_batches(model_dir):
     alone = run(make_engine(model_dir), [req("a", p[0], sampling=s)])["a"][0]
     batched = run(make_engine(model_dir), [req("x", p[1], sampling=s), req("a", p[0], sampling=s),
                                            req("y", p[2], sampling=s)])["a"][0]
-    other_seed = run(make_engine(model_dir), [req("a", p[0], sampling=SamplingParams(0.9, 20, 0.9, 99))])["a"][0]
+    other_seed = run(make_engine(model_dir), [req("a", p[0], sampling=SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=99))])["a"][0]
     assert alone == batched
     assert alone != other_seed

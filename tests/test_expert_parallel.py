@@ -21,11 +21,12 @@ from worker.distributed.parallel_runner import ParallelRunner, start_runner
 from worker.distributed.processes import RANK_DIED_EXIT
 from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
+GENERATE = str(REPO / "scripts" / "generate.py")
 PROMPTS = ([5, 9, 11, 3], list(range(1, 40)), [77] * 13)
 WAIT_S = 300  # an upper bound on waits, never a measured duration
 
@@ -103,12 +104,12 @@ def test_owned_banks_take_every_nth_expert():
 
 def test_step_message_round_trip():
     chunks = [SequenceChunk([4, 5, 6], 8, [1, 2, 3]), SequenceChunk([0], 17, [7, 9, 11, 12, 13], buffer_slot=3)]
-    sampling = [SamplingParams(), SamplingParams(0.7, 20, 0.9, 2**40 + 5)]
+    sampling = [SamplingParams(seed=0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=2**40 + 5)]
     head, payload = step_message.encode(step_message.Step(chunks, sampling, [0, 6], 64))
     got = step_message.decode(head.tolist(), payload)
     assert got.chunks == chunks and got.steps == [0, 6] and got.buffer_len == 64
-    assert got.sampling[0] == sampling[0]
-    assert got.sampling[1] == SamplingParams(0.7, 20, 0.9, 5)  # sampling reads the seed's low 32 bits
+    assert got.sampling[0] == step_message.RankSampling(0.0, 0, 1.0, 0)  # the fields of sampling[0]
+    assert got.sampling[1] == step_message.RankSampling(0.7, 20, 0.9, 5)  # sampling reads the seed's low 32 bits
 
 
 def test_more_gpus_than_visible_is_refused(model_dir):
@@ -132,7 +133,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_run_with_one_error_and_no_process_left(tmp_path):
     env = dict(os.environ, SLUICE_KILL_RANK="2:3", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-m", "worker.generate", "--model", "tiny-geometry", "--dummy-weights",
+    out = subprocess.run([sys.executable, GENERATE, "--model", "tiny-geometry", "--dummy-weights",
                           "--device", "cpu", "--gpus", "3", "--kv-tokens", "256", "--prompt", "hello there",
                           "--max-tokens", "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert out.returncode == RANK_DIED_EXIT, out.stderr[-3000:]
@@ -221,11 +222,11 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 
 def _chat_ids(model: str) -> list[list[int]]:
-    from worker.tokenizer import ChatTokenizer
+    from frontend.tokenizer import ChatTokenizer
 
-    tok = ChatTokenizer(model)
+    tok = ChatTokenizer.from_dir(model)
     prompts = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers."]
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
 
 
 @pytest.mark.cuda

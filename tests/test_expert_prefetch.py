@@ -20,10 +20,10 @@ from tests.test_cache_kernels import Config, empty_tables
 from tests.test_expert_cache import make_banks
 from tests.tiny_models import write_tiny
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 

@@ -29,9 +29,9 @@ from tests.test_expert_cache import make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
-from worker.generate import generate  # noqa: E402
+from scheduler.generate import generate  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 FP8 = ExpertFormat(FP8_DTYPE, BLOCK_128)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels run on the CPU")

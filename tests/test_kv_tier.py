@@ -12,14 +12,14 @@ import torch
 if not torch.cuda.is_available():  # the Triton variant of the tier test is interpreted on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from scheduler import kv_tier  # noqa: E402
 from scheduler.engine import Engine, EngineConfig  # noqa: E402
 from scheduler.page_manager import PageManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
-from worker.kv_pool import KVPool  # noqa: E402
+from worker.kv import page_copy  # noqa: E402
+from worker.kv.gpu_pool import KVPool  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams()
 
@@ -154,7 +154,7 @@ def test_random_sessions_keep_both_tiers_consistent(mode, method, kernels, monke
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setenv("SLUICE_KERNELS", kernels)
-    monkeypatch.setattr(kv_tier, "PLAN_CAPACITY", 8)  # moves of more pages take several launches
+    monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)  # moves of more pages take several launches
     random_sessions(manager(24, 20, mode, method), random.Random(f"{mode}{method}{kernels}"))
 
 
@@ -162,7 +162,7 @@ def test_random_sessions_keep_both_tiers_consistent(mode, method, kernels, monke
 @pytest.mark.parametrize("mode,method", [("writeback", "kernel"), ("writethrough", "kernel"), ("writeback", "memcpy")])
 def test_random_sessions_on_cuda_without_syncs(mode, method, monkeypatch):
     """The same on a GPU: copy stream, mapped host pool, and no host wait in admit or release."""
-    monkeypatch.setattr(kv_tier, "PLAN_CAPACITY", 8)
+    monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)
     random_sessions(manager(24, 20, mode, method, device="cuda"), random.Random(f"{mode}{method}"))
 
 

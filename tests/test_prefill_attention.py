@@ -27,7 +27,7 @@ from worker.attention.triton_prefill import (TILE, TILES, PrefillTile, block_tok
                                              prefill_block_table, prefill_blocks, tile_for)
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 

@@ -1,4 +1,4 @@
-"""Engine options shared by ``python -m worker.generate`` and the scheduler process."""
+"""Engine options shared by ``scripts/generate.py`` and the scheduler process."""
 from __future__ import annotations
 
 import argparse

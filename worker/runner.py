@@ -16,12 +16,12 @@ from worker.config import ModelConfig
 from worker.cuda_graph import DecodeGraphs
 from worker.device_memory import DeviceMemory
 from worker.expert_placement import ExpertOptions, place_experts
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
 from worker.quantization import checkpoint_expert_format
 from worker.routing_options import RoutingOptions, make_routing, save_record
-from worker.sampling import SamplingParams, SamplingTensors, sample
+from worker.sampling import Sampling, SamplingTensors, sample
 
 # --max-prefill-tokens 0 (auto): a multiple of AUTO_PREFILL_STEP up to AUTO_PREFILL_MAX on a GPU.
 AUTO_PREFILL_STEP = 1024
@@ -97,6 +97,7 @@ class ModelRunner:
         self.max_prefill_tokens = self._resolve_prefill_tokens()
         attention = create_backend(config.attention_backend, self.kv_pool, cfg.head_dim ** -0.5)
         self.experts = experts
+        self.pipeline_from = experts.pipeline_from(cfg.top_k)
         routing = make_routing(config.routing, cfg, self.device, config.experts.dummy_weights)
         self.model = MoETransformer(cfg, self.weights, attention, experts, routing)
         self.graphs = self._decode_graphs()
@@ -106,17 +107,24 @@ class ModelRunner:
         return self.config.page_size
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+    def forward(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
                 token_buffer: torch.Tensor | None = None) -> ForwardOutput:
         """Run one step. ``steps[b]`` is the index of the token sequence b draws next (seeded
         sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``. Decode
         batches replayed from a CUDA graph return views that the next step overwrites."""
         if self.graphs is not None and self.graphs.supports(chunks):
             return ForwardOutput(*self.graphs.run(chunks, sampling, steps, token_buffer))
-        batch = build_batch(chunks, self.page_size, self.device, token_buffer)
+        batch = build_batch(chunks, self.page_size, self.device, token_buffer, self.pipeline_from)
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
         return ForwardOutput(logits, sample(logits, tensors))
+
+    def stats(self) -> dict[str, int | float | str]:
+        """The experts' counters (cache and prefill pipeline, when offloaded); reads the device."""
+        return self.experts.stats()
+
+    def reset_stats(self) -> None:
+        self.experts.reset_stats()
 
     def save_routing_record(self) -> None:
         """With ``--record-routing FILE``: write the routing recorded so far to FILE (reads the

@@ -40,15 +40,21 @@ class BlockConfig(NamedTuple):
 def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
     """Bf16/fp16 tiles for H200 after vLLM's tuned table for E=128, N=768 (keyed on tokens, as
     there): small row blocks while the weights dominate, big tiles once compute does."""
+    return pick_config(num_tokens, dtype, _BF16_CONFIGS)
+
+
+FP32_CONFIG = BlockConfig(32, 64, 32, 8, 4, 2)  # fp32 activations (tests, CPU) in every table
+# (up to this many tokens, tiles), the last entry for any count
+_BF16_CONFIGS = ((32, BlockConfig(16, 64, 128, 1, 4, 3)), (128, BlockConfig(16, 128, 128, 1, 4, 2)),
+                 (512, BlockConfig(64, 128, 64, 8, 4, 3)), (None, BlockConfig(128, 256, 64, 8, 8, 3)))
+
+
+def pick_config(num_tokens: int, dtype: torch.dtype,
+                table: tuple[tuple[int | None, BlockConfig], ...]) -> BlockConfig:
+    """The first tiles of ``table`` whose token bound holds ``num_tokens``; fp32 takes its own."""
     if dtype == torch.float32:
-        return BlockConfig(32, 64, 32, 8, 4, 2)
-    if num_tokens <= 32:
-        return BlockConfig(16, 64, 128, 1, 4, 3)
-    if num_tokens <= 128:
-        return BlockConfig(16, 128, 128, 1, 4, 2)
-    if num_tokens <= 512:
-        return BlockConfig(64, 128, 64, 8, 4, 3)
-    return BlockConfig(128, 256, 64, 8, 8, 3)
+        return FP32_CONFIG
+    return next(config for limit, config in table if limit is None or num_tokens <= limit)
 
 
 class Alignment(NamedTuple):

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
 
 # Per layer, summed over launches: distinct experts looked up, of which resident (hits) and admitted
 # (misses, each copied in by gather_missing), misses that displaced a resident expert, bytes copied.
@@ -175,21 +175,9 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     cur = tables.slot_for_id[gid].long()
     hit, miss = present & (cur >= 0), present & (cur < 0)
     predicted = int((tables.last_use[cur[hit]] == step).sum())
-    if ahead:  # protected from this launch's victims, credited by the real lookup
-        tables.last_use[cur[hit]] = step
-    else:
-        _touch(tables, cur[hit], policy, step)
+    _use(tables, cur[hit], policy, step, ahead)
 
-    rng = torch.arange(num_slots, device=device)
-    occ = tables.id_of_slot[slot_start + rng]
-    last = tables.last_use[slot_start + rng]
-    used = (last >= step - int(ahead)) & (last > 0)  # ahead: the launch before may still be reading
-    cls = torch.where(used, 3, torch.where(occ < 0, 0, 1)).long()
-    num_layers = tables.stats.shape[0]
-    until_visit = (occ.long().clamp(min=0) // num_experts - layer - 1 + num_layers) % num_layers + 1
-    penalty = torch.where(slot_start + rng < low.end, low.penalty, 0) + policy.visit * until_visit
-    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1)) - penalty).clamp(0, (1 << REL_BITS) - 1)
-    keys = torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values
+    keys, cls = _victim_order(tables, layer, num_experts, slot_start, num_slots, policy, low, step, ahead)
     src = gid[miss]
     if ahead:  # a prediction never takes a slot in use: what does not fit is not prefetched
         src = src[:int((cls < 3).sum())]
@@ -199,24 +187,47 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     tables.slot_for_id[old[old >= 0]] = -1
     tables.slot_for_id[src] = dst.int()
     tables.id_of_slot[dst] = src.int()
-    if ahead:
-        tables.score[dst] = 0
-        tables.last_use[dst] = step
-    else:
-        tables.score[dst] = 0
-        _touch(tables, dst, policy, step)
+    tables.score[dst] = 0
+    _use(tables, dst, policy, step, ahead)
 
-    plan.src_id.fill_(-1)
-    plan.dst_slot.fill_(-1)
-    plan.src_id[:num_miss] = src.int()
-    plan.dst_slot[:num_miss] = dst.int()
-    plan.count.fill_(num_miss)
+    _write_plan(plan, src, dst)
     looked = tables.slot_for_id[layer * num_experts + flat.clamp(0, num_experts - 1)].long()
     slots.copy_(torch.where(valid, looked, -1).view_as(slots))
     counts = [int(present.sum()), int(hit.sum()), num_miss, int((old >= 0).sum()), num_miss * expert_bytes, predicted]
     tables.stats[layer].add_(torch.tensor(counts, dtype=torch.int64, device=device))
     if not ahead:
         tables.step.add_(1)
+
+
+def _use(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int, ahead: bool) -> None:
+    if ahead:  # protected from this launch's victims, credited by the real lookup
+        tables.last_use[slots] = step
+    else:
+        _touch(tables, slots, policy, step)
+
+
+def _victim_order(tables: CacheTables, layer: int, num_experts: int, slot_start: int, num_slots: int,
+                  policy: Policy, low: LowPriority, step: int, ahead: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's victim ranking: sorted keys (class, relative score, slot index) of the slots
+    ``[slot_start, slot_start + num_slots)``, and each slot's class (3: in use this step)."""
+    rng = torch.arange(num_slots, device=tables.id_of_slot.device)
+    occ = tables.id_of_slot[slot_start + rng]
+    last = tables.last_use[slot_start + rng]
+    used = (last >= step - int(ahead)) & (last > 0)  # ahead: the launch before may still be reading
+    cls = torch.where(used, 3, torch.where(occ < 0, 0, 1)).long()
+    num_layers = tables.stats.shape[0]
+    until_visit = (occ.long().clamp(min=0) // num_experts - layer - 1 + num_layers) % num_layers + 1
+    penalty = torch.where(slot_start + rng < low.end, low.penalty, 0) + policy.visit * until_visit
+    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1)) - penalty).clamp(0, (1 << REL_BITS) - 1)
+    return torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values, cls
+
+
+def _write_plan(plan: CopyPlan, src: torch.Tensor, dst: torch.Tensor) -> None:
+    plan.src_id.fill_(-1)
+    plan.dst_slot.fill_(-1)
+    plan.src_id[:src.numel()] = src.int()
+    plan.dst_slot[:src.numel()] = dst.int()
+    plan.count.fill_(src.numel())
 
 
 def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,

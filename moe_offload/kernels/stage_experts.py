@@ -17,7 +17,7 @@ loop over (expert, block) work items) so that the grouped GEMM on the compute st
 the SMs; it reads mapped host memory through its device address (about 51-55 GB/s measured for the
 decode gather). ``scripts/bench_prefill.py`` measures it against a whole-layer copy-engine copy.
 
-Like the gather it copies raw bytes (``_triton.raw_bytes``): fp8 banks and their float32 scale
+Like the gather it copies raw bytes (``triton_support.raw_bytes``): fp8 banks and their float32 scale
 banks are staged by the same kernel, one launch per bank.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, raw_bytes, use_triton
+from moe_offload.kernels.triton_support import next_pow2, raw_bytes, use_triton
 
 BLOCK = 8192  # elements per work item: 16 KB of bf16 in flight per CTA
 PROGRAMS = 32  # CTAs: 512 KB in flight covers PCIe latency; the other SMs stay with the GEMM

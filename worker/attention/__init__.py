@@ -6,7 +6,7 @@ from typing import Callable, Protocol
 import torch
 
 from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 
 class AttentionBackend(Protocol):

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 4  # a shorter split costs more in its partial write and merge than it saves

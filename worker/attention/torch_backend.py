@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from worker.attention import register
 from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 
 @register("torch")

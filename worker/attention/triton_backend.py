@@ -14,7 +14,7 @@ from worker.attention import register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 
 @register("triton")

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import interpreting, next_pow2, use_triton
+from moe_offload.kernels.triton_support import interpreting, next_pow2, use_triton
 from worker.attention.paged_checks import check_paged_inputs
 from worker.attention.split_kv import MAX_SPLITS, merge_splits, multiprocessors, partial_buffers, split_count
 

@@ -37,8 +37,8 @@ class ExpertParallel:
     """The ``Experts`` of one rank: ``inner`` runs this rank's experts, ``reduce`` sums in place
     over the ranks. Resident experts are indexed by local id (``owned_banks``); offloaded ones by
     global id, since the cache's tables and the shared store address every expert and only the
-    masking decides which this rank loads. Other attributes (``cache``, ``pipeline``, ``store``)
-    are the inner backend's."""
+    masking decides which this rank loads. Other attributes (``cache``, ``pipeline``, ``store``,
+    ``pipeline_from``, ``stats``) are the inner backend's."""
 
     def __init__(self, inner: Experts, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor],
                  local_ids: bool):
@@ -55,18 +55,20 @@ class ExpertParallel:
             experts.run_share(ExpertShare(rank, world))  # the pipeline streams this rank's experts only
         return cls(experts, rank, world, reduce, local_ids=False)
 
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
-        self.inner.begin(num_tokens, top_k, flops)
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
+        self.inner.begin(pipelined, flops)
 
     def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
         return self.inner.fetches_ahead(num_tokens, top_k)
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
         # a guess of the next layer is prefetched only where it is this rank's expert;
         # float32 partials: their sum rounds once, as one rank's sum over k would
         guess = None if next_ids is None else self.own_ids(next_ids)
-        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids), guess, out_dtype=torch.float32)
+        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids), guess, out_dtype=torch.float32,
+                                 pipelined=pipelined)
         return self.reduce(out).to(out_dtype or hidden.dtype)
 
     def own_ids(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Rank 0 of an expert-parallel run: the scheduler's (or ``worker.generate``'s) own runner, which
+"""Rank 0 of an expert-parallel run: the scheduler's (or ``scripts/generate.py``'s) own runner, which
 starts the other ranks, sends each of them every step before running it, and stops them.
 
 ```
@@ -21,7 +21,7 @@ from worker.distributed.group import RankGroup, free_address
 from worker.distributed.processes import RankProcesses
 from worker.distributed.rank_worker import SIZES_LEN, RankRunner, rank_device, rank_main
 from worker.runner import ForwardOutput, ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from worker.sampling import Sampling
 
 
 def start_runner(config: RunnerConfig, gpus: int = 1) -> ModelRunner:
@@ -57,7 +57,7 @@ class ParallelRunner(RankRunner):
             dist.barrier(group=group.control)  # every rank has loaded
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+    def forward(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
                 token_buffer: torch.Tensor | None = None) -> ForwardOutput:
         buffer_len = 0 if token_buffer is None else token_buffer.numel()
         head, payload = step_message.encode(step_message.Step(chunks, sampling, steps, buffer_len))

@@ -19,10 +19,9 @@ from typing import NamedTuple
 import torch
 
 from worker.batch import SequenceChunk
-from worker.sampling import SamplingParams
+from worker.sampling import Sampling, seed32
 
 HEADER_LEN = 4
-_SEED_BITS = (1 << 32) - 1  # sampling reads a seed's low 32 bits (worker.sampling); the rest may not fit int64
 
 
 class Op(IntEnum):
@@ -31,9 +30,19 @@ class Op(IntEnum):
     STOP = 3  # leave the loop: the run ends in order
 
 
+class RankSampling(NamedTuple):
+    """A request's sampling as a rank receives it: the fields the sampler reads (``Sampling``; the
+    scheduler's ``SamplingParams`` is a message, which the worker may not import)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
 class Step(NamedTuple):
     chunks: list[SequenceChunk]
-    sampling: list[SamplingParams]
+    sampling: list[Sampling]
     steps: list[int]
     buffer_len: int  # rows of the token buffer the step reads (0: it has none)
 
@@ -46,7 +55,7 @@ def encode(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header, payload)`` of a STEP."""
     chunks = step.chunks
     flat = [v for c in chunks for v in (len(c.token_ids), c.prefix_len, len(c.pages), c.buffer_slot)]
-    flat += [v for p in step.sampling for v in (_bits(p.temperature), p.top_k, _bits(p.top_p), p.seed & _SEED_BITS)]
+    flat += [v for p in step.sampling for v in (_bits(p.temperature), p.top_k, _bits(p.top_p), seed32(p))]  # the sampler reads a seed's low 32 bits
     flat += step.steps
     for c in chunks:
         flat += c.token_ids
@@ -62,7 +71,7 @@ def decode(head: list[int], payload: torch.Tensor) -> Step:
     flat = payload.tolist()
     shapes = [flat[4 * b:4 * b + 4] for b in range(num)]
     params = [flat[4 * num + 4 * b:4 * num + 4 * b + 4] for b in range(num)]
-    sampling = [SamplingParams(_float(t), k, _float(p), s) for t, k, p, s in params]
+    sampling = [RankSampling(_float(t), k, _float(p), s) for t, k, p, s in params]
     steps = flat[8 * num:9 * num]
     at, tokens = 9 * num, []
     for n, *_ in shapes:

@@ -31,7 +31,7 @@ class MoETransformer:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
         eps = self.cfg.rms_norm_eps
-        self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
+        self.experts.begin(batch.pipelined, self._flops(batch))
         self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
         ahead = self.experts.fetches_ahead(batch.num_tokens, self.cfg.top_k)
         x = w.embed[batch.input_ids]
@@ -41,7 +41,8 @@ class MoETransformer:
             h, x = add_rms_norm(x, self._attention(i, lw, h, batch), lw.post_norm, eps)
             weights, ids = self.routing(i, h, lw.router)
             guess = self.routing.predict(i + 1, h, w.layers[i + 1].router) if ahead and i + 1 < len(w.layers) else None
-            h, x = add_rms_norm(x, self.experts.forward(i, h, weights, ids, guess), next_norms[i], eps)
+            h, x = add_rms_norm(x, self.experts.forward(i, h, weights, ids, guess, pipelined=batch.pipelined),
+                                next_norms[i], eps)
         # the last residual add joins the final norm (of every token: prefill's extra rows cost nothing)
         return F.linear(h[batch.last_index], w.lm_head).float()
 

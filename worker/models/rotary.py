@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 from worker.models.norm import rms_norm_eager
 
 
