@@ -32,7 +32,7 @@ class Generation:
 def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
              eos_ids: tuple[int, ...] = (), max_prefill_tokens: int | None = None) -> Generation:
     """Prefill the prompt in chunks, then decode one token at a time (greedy or sampled)."""
-    pool, chunk = runner.kv_pool, max_prefill_tokens or runner.max_prefill_tokens
+    pool, chunk = runner.kv_pool, max_prefill_tokens or runner.plan.prefill_tokens
     total = len(prompt_ids) + max_tokens
     if total > runner.model_config.max_context:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the context "
