@@ -79,8 +79,21 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     kv = pages * config.page_size * inputs.kv_token_bytes
     context = min(model.max_context, (pages - 1) * config.page_size)
     tokens = _prefill_tokens(inputs, model, config, cache + kv, context)
-    return MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
+    plan = MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
                       cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention))
+    _check_fits(plan, model)
+    return plan
+
+
+def _check_fits(plan: MemoryPlan, model: ModelConfig) -> None:
+    """Refuse what cannot be allocated (the activations are an estimate: a chunk that may not fit is
+    the user's call, not refused)."""
+    if plan.gpu_free is None:
+        return
+    if plan.expert_bytes + plan.kv_bytes > plan.gpu_free or plan.kv_pages < 2:
+        raise ValueError(f"the expert cache and the KV pool do not fit in the GPU memory free once the weights "
+                         f"are loaded (give a smaller --moe-cache-*, --max-prefill-tokens or --kv-tokens):\n"
+                         f"{plan.table(model.num_layers * model.num_experts)}")
 
 
 def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool) -> int:
