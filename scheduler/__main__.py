@@ -8,7 +8,7 @@ import shutil
 import signal
 import sys
 
-from scheduler.cli_options import engine_parser
+from scheduler.cli_options import engine_parser, scheduler_config
 
 REMOVE_ON_EXIT_ENV = "SLUICE_REMOVE_ON_EXIT"  # set by frontend.launch: its socket dir and pid file
 
@@ -28,9 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend stops us with Shutdown or SIGTERM
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # also sent when the frontend dies
     try:
-        from scheduler.process import serve  # torch loads here, past the options: --help answers at once
+        try:
+            config = scheduler_config(args)
+        except ValueError as err:  # options that cannot go together: one line, before torch loads
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        from scheduler.process import serve  # torch loads here: --help and refused options answer at once
 
-        return serve(args)
+        return serve(config, args.frontend_to_scheduler, args.scheduler_to_frontend)
     finally:
         _remove_frontend_files()
 

@@ -1,14 +1,12 @@
-"""The scheduler process's life once its options are parsed: build the ``SchedulerConfig``, load
-the model (the runner makes and logs the memory plan), warm up, serve until shutdown."""
+"""The scheduler process's life once its ``SchedulerConfig`` is built: load the model (the runner
+makes and logs the memory plan), warm up, serve until shutdown."""
 from __future__ import annotations
 
-import argparse
 import atexit
 import logging
 import sys
 import time
 
-from scheduler.cli_options import scheduler_config
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.faults import FaultHooks
@@ -22,13 +20,9 @@ from worker.runner import ModelRunner
 log = logging.getLogger("sluice.scheduler")
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Serve the frontend at ``args``' endpoints; the exit code (2: the options or the model refused)."""
-    try:
-        config = scheduler_config(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def serve(config: SchedulerConfig, pull_endpoint: str, push_endpoint: str) -> int:
+    """Serve the frontend at its endpoints until it shuts us down; the exit code (2: the model
+    refused to load)."""
     runner = _load(config)
     if runner is None:
         return 2
@@ -39,8 +33,7 @@ def serve(args: argparse.Namespace) -> int:
     info = ModelInfo(name=model_dir, tokenizer_path=str(tokenizer_dir(model_dir)), max_context_tokens=cfg.max_context,
                      vocab_size=cfg.vocab_size, eos_token_ids=list(cfg.eos_token_ids))
     try:
-        SchedulerServer(engine, info, args.frontend_to_scheduler, args.scheduler_to_frontend,
-                        config.check_pages).serve_forever()
+        SchedulerServer(engine, info, pull_endpoint, push_endpoint, config.check_pages).serve_forever()
     finally:
         _note_expert_store(runner)
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -65,8 +66,8 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
 
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
                profile_steps: int = 0) -> dict:
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=prompt_tokens * batch, max_running=batch,
-                                         prefix_cache=False))
+    engine = Engine(runner, EngineConfig(max_running=batch, prefix_cache=False),
+                    plan=replace(runner.plan, prefill_tokens=prompt_tokens * batch))  # every prompt in one chunk
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
     reqs = [Request(str(i), torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), SamplingParams(),
