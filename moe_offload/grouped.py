@@ -27,7 +27,7 @@ def grouped_swiglu(
     w2: torch.Tensor,
     *,
     scales: ExpertScales | None = None,
-    fp8_activations: bool = False,
+    fp8_activations: bool | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
@@ -35,7 +35,9 @@ def grouped_swiglu(
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
     (``w13``'s is the gate's grid stacked on the up's). The activations stay in hidden's dtype
     (weight-only), or with ``fp8_activations`` each GEMM's input is quantized per token and 128
-    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8.
+    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8. ``None`` picks by
+    ``fp8_activations_for``: fp8 x fp8 for 16-bit batches of prefill size, where weight-only
+    dequantization makes the GEMM compute-bound (on the H200 2.5x slower than fp8 x fp8 at 2k tokens).
 
     CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``, or
     ``grouped_gemm_fp8`` for fp8 banks, which dequantizes inside the GEMM), anything
@@ -45,6 +47,8 @@ def grouped_swiglu(
     requires them in range.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
+    if fp8_activations is None:
+        fp8_activations = fp8_activations_for(hidden, scales)
     if fp8_activations and scales is None:
         raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
@@ -56,6 +60,22 @@ def grouped_swiglu(
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
+
+
+# From this batch size on fp8 experts multiply fp8 activations: on the H200 (bench_grouped_gemm.py,
+# qwen3-30b geometry) fp8 x fp8 took 189 us against weight-only 238 us at 64 tokens, 278 vs 639 at
+# 256 and 651 vs 1630 at 2048; at 1 token they tie (46 us), and weight-only is the more precise.
+FP8_ACTIVATION_TOKENS = 64
+
+
+def fp8_activations_for(hidden: torch.Tensor, scales: ExpertScales | None) -> bool:
+    """Whether a batch over fp8 experts quantizes its activations too: 16-bit activations (fp32 is
+    the reference and test precision: it stays weight-only), at least ``FP8_ACTIVATION_TOKENS``
+    tokens (small decode batches keep weight-only's extra precision), and weight scale blocks whose
+    columns are whole 128-column activation groups, so one pair of scales covers every K tile."""
+    if scales is None or hidden.dtype == torch.float32 or hidden.shape[0] < FP8_ACTIVATION_TOKENS:
+        return False
+    return scales.block.cols == 0 or scales.block.cols % ACTIVATION_BLOCK.cols == 0
 
 
 class ExpertScales(NamedTuple):

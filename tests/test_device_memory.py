@@ -77,7 +77,7 @@ def test_the_allocator_stays_under_a_small_limit():
                                           experts=ExpertOptions(cache_auto=True, dummy_weights=True,
                                                                 kv_reserve_tokens=4096)))
         assert runner.kv_pool.capacity * runner.kv_pool.page_bytes > GIB  # sized from the limit, not fixed
-        generate(runner, list(range(10, 5000)), SamplingParams(), 16)
+        generate(runner, [10 + i % 500 for i in range(4990)], SamplingParams(), 16)  # vocab 512
         torch.cuda.synchronize()
         assert 0 < torch.cuda.max_memory_reserved() <= limit * GIB
         with pytest.raises(torch.cuda.OutOfMemoryError):
@@ -86,3 +86,18 @@ def test_the_allocator_stays_under_a_small_limit():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_offline_generate_refuses_ids_outside_the_vocabulary():
+    """On a GPU an out-of-vocabulary id is a device-side assert that poisons the context; the
+    offline entry point refuses it on the host (the served path refuses it in the scheduler)."""
+    from worker.generate import generate
+    from worker.sampling import SamplingParams
+
+    runner = ModelRunner(RunnerConfig("tiny-geometry", device="cpu", dtype="float32", page_size=4, kv_tokens=64,
+                                      experts=ExpertOptions(dummy_weights=True)))
+    vocab = runner.model_config.vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            generate(runner, bad, SamplingParams(), 2)
+    assert runner.kv_pool.num_free == runner.kv_pool.capacity  # nothing allocated before the refusal

@@ -37,6 +37,9 @@ def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
     if total > runner.model_config.max_context:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the context "
                          f"of {runner.model_config.max_context} tokens")
+    vocab = runner.model_config.vocab_size
+    if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:  # on the GPU: a device-side assert
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
     pages = pool.allocate(pool.pages_for(total))
     try:
         start = time.perf_counter()
