@@ -17,8 +17,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__, parents=[engine_parser()],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     launch = p.add_argument_group("launch", "set by the frontend that spawns this process")
-    launch.add_argument("--frontend-to-scheduler", required=True, metavar="ENDPOINT", help="ZMQ endpoint to PULL requests from")
-    launch.add_argument("--scheduler-to-frontend", required=True, metavar="ENDPOINT", help="ZMQ endpoint to PUSH outputs to")
+    launch.add_argument("--frontend-to-scheduler", required=True, metavar="ENDPOINT",
+                        help="ZMQ endpoint to PULL requests from")
+    launch.add_argument("--scheduler-to-frontend", required=True, metavar="ENDPOINT",
+                        help="ZMQ endpoint to PUSH outputs to")
     return p.parse_args(argv)
 
 

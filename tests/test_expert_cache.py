@@ -173,7 +173,7 @@ def cuda_setup(layers=4, experts=16, hidden=128, inter=64):
     banks = ExpertBanks(banks.w13.bfloat16(), banks.w2.bfloat16())
     host = ExpertBanks(banks.w13.pin_memory(), banks.w2.pin_memory())
     device = ExpertBanks(banks.w13.cuda(), banks.w2.cuda())
-    num_slots = expert_slots(ExpertOptions(cache_fraction=0.25), layers * experts, 1, None)  # = E: the least one step needs
+    num_slots = expert_slots(ExpertOptions(cache_fraction=0.25), layers * experts, 1, None)  # = E: one step's least
     return OffloadedExperts.create(host, num_slots, "cuda"), ResidentExperts(device)
 
 

@@ -43,7 +43,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="largest decode batch replayed from a CUDA graph; larger ones run eagerly")
     g.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
-    g.add_argument("--seed-weights", type=int, default=X.seed, metavar="SEED", help="seed of --dummy-weights and --routing synthetic")
+    g.add_argument("--seed-weights", type=int, default=X.seed, metavar="SEED",
+                   help="seed of --dummy-weights and --routing synthetic")
 
 
 def _add_memory_args(g: argparse._ArgumentGroup) -> None:
