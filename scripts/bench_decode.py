@@ -22,11 +22,10 @@ from dataclasses import replace
 import torch
 
 from moe_offload.expert_cache import slot_bytes
-from moe_offload.fp8 import EXPERT_DTYPES
+from moe_offload.choices import EXPERT_DTYPES, LENT_SLOT_RULES, POLICIES
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
-from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
@@ -137,13 +136,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--policy", default="lfru")
+    p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
-    p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
+    p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
+                   help="run as on a card this size")
+    p.add_argument("--expert-dtype", nargs="+", default=[ExpertOptions.expert_dtype], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
-    p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
-    p.add_argument("--lent-slots", nargs="+", default=["reserve"], choices=list(LENT_SLOT_RULES),
+    p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
+    p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--json")
     args = p.parse_args()
