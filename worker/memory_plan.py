@@ -59,12 +59,12 @@ class MemoryPlan:
 
     def table(self, total_experts: int) -> str:
         """The plan as the start-up log shows it."""
-        gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
-        rows = [f"memory plan ({'CPU' if self.gpu_free is None else gib(self.gpu_free).strip() + ' GPU free'}):",
-                f"  expert cache   {gib(self.expert_bytes)}  {self.expert_slots} of {total_experts} experts",
-                f"  KV pool        {gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
-                f"  prefill chunk  {gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
-                f"  host KV tier   {gib(self.host_kv_bytes)}"]
+        free = "CPU" if self.gpu_free is None else f"{_gib(self.gpu_free).strip()} GPU free"
+        rows = [f"memory plan ({free}):",
+                f"  expert cache   {_gib(self.expert_bytes)}  {self.expert_slots} of {total_experts} experts",
+                f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
+                f"  prefill chunk  {_gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
+                f"  host KV tier   {_gib(self.host_kv_bytes)}"]
         return "\n".join(rows)
 
 
@@ -168,6 +168,10 @@ def _host_kv_bytes(inputs: PlanInputs, config: RunnerConfig) -> int:
         return int(config.kv_host_size * GIB)
     # on a CPU the KV pool already lives in host RAM: a second copy buys nothing
     return int(inputs.host_available * HOST_KV_SHARE) if inputs.gpu_free is not None else 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:9.2f} GiB"
 
 
 def host_available_bytes() -> int:
