@@ -141,21 +141,25 @@ def grouped_swiglu_eager(
     inter = w2.shape[-1]
     out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     flat_slots = slots.reshape(-1)
+    # fp8 x fp8 as the kernel does it: exact fp8 products summed in fp32, the intermediate
+    # activation stored in hidden's dtype and quantized from there
+    compute = torch.float32 if fp8_activations else hidden.dtype
     round_trip = _fp8_round_trip if fp8_activations else (lambda x: x)
     hidden_in = round_trip(hidden)
     for slot in torch.unique(flat_slots).tolist():
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
-        up_w, down_w = _expert_weights(w13, w2, scales, slot, hidden.dtype)
+        up_w, down_w = _expert_weights(w13, w2, scales, slot, compute)
         gate_up = F.linear(hidden_in[tokens], up_w)
-        act = round_trip(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        act = round_trip((F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype))
         expert_out = F.linear(act, down_w)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
     return out.to(hidden.dtype)
 
 
 def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    return dequantize(*quantize(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK, x.dtype)
+    """``x`` quantized per token-group and widened to float32 (each e4m3 value times its scale)."""
+    return dequantize(*quantize(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK, torch.float32)
 
 
 def _expert_weights(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None, slot: int,
