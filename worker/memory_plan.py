@@ -57,11 +57,11 @@ class MemoryPlan:
     kv_bytes: int
     activation_bytes: int  # of a prefill chunk of prefill_tokens
 
-    def table(self, total_experts: int) -> str:
-        """The plan as the start-up log shows it."""
+    def table(self, total_experts: int, experts: str = "experts") -> str:
+        """The plan as the start-up log shows it (``experts``: what the slots hold, e.g. "bf16 experts")."""
         free = "CPU" if self.gpu_free is None else f"{_gib(self.gpu_free).strip()} GPU free"
         rows = [f"memory plan ({free}):",
-                f"  expert cache   {_gib(self.expert_bytes)}  {self.expert_slots} of {total_experts} experts",
+                f"  expert cache   {_gib(self.expert_bytes)}  {self.expert_slots} of {total_experts} {experts}",
                 f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
                 f"  prefill chunk  {_gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
                 f"  host KV tier   {_gib(self.host_kv_bytes)}"]

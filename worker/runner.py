@@ -134,5 +134,6 @@ class ModelRunner:
             kv_token_bytes=2 * cfg.num_layers * cfg.kv_size * self.dtype.itemsize,
             torch_attention=attention_backend(self.config, self.device) == "torch")
         plan = plan_memory(inputs, cfg, self.config)
-        log.info("%s", plan.table(cfg.num_layers * cfg.num_experts))
+        log.info("%s", plan.table(cfg.num_layers * cfg.num_experts,
+                                  f"{self.expert_format.name} experts, policy {self.config.experts.policy}"))
         return plan
