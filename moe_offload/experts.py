@@ -61,8 +61,16 @@ class Experts(Protocol):
         ``flops`` is its estimated matmul work (``ModelConfig.forward_flops``)."""
         ...
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``."""
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of this size wants each next layer's guessed ids in ``forward`` (shapes
+        only): the model then asks its routing for the guess."""
+        ...
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``;
+        ``next_ids [T, k]``, when given, guesses layer ``layer + 1``'s ids (a prefetch hint: it may
+        be wrong, and never changes a result)."""
         ...
 
 
@@ -75,7 +83,11 @@ class ResidentExperts:
     def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
         pass
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        return False
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
                               scales=self.banks.scales(layer))
 

@@ -3,6 +3,8 @@
 Decode-sized batches take three device-side steps and never wait on the host: lookup/admit (one
 launch per layer: hits, victims, copy plan, routing rewritten to slots), gather of the planned
 experts from the host banks into their slots, then the grouped SwiGLU GEMM over the slot pools.
+With ``prefetch``, the model's guess of the next layer's experts is admitted and gathered on a
+copy stream while that GEMM runs (``expert_prefetch``).
 Prefill-sized batches route to nearly every expert of a layer; they run through the prefill
 pipeline instead, which streams each layer's experts into a double buffer while the layer before
 computes, and leaves the cache's contents for decode alone.
@@ -13,6 +15,7 @@ import torch
 
 from moe_offload.choices import LENT_SLOT_RULES
 from moe_offload.expert_cache import ExpertCache
+from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
 from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
@@ -49,11 +52,11 @@ class OffloadedExperts:
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
     pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
     ``choices.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
-    the slots it lends (``LENT_SLOT_RULES``).
+    the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode.
     """
 
     def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
-                 stage: str = "auto", lent_slots: str = "reserve"):
+                 stage: str = "auto", lent_slots: str = "reserve", prefetch: bool = False):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -76,27 +79,47 @@ class OffloadedExperts:
                                          host_scales=self.host_scales) if pipeline else None)
         lent = self.pipeline.lent if self.pipeline is not None else 0
         self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
+        self.prefetch = (ExpertPrefetch(cache, self.host_w13, self.host_w2, self.host_scales) if prefetch else None)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
-               stage: str = "auto", lent_slots: str = "reserve") -> OffloadedExperts:
+               stage: str = "auto", lent_slots: str = "reserve", prefetch: bool = False) -> OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
-                   lent_slots)
+                   lent_slots, prefetch)
 
     def pipelined(self, ids: torch.Tensor) -> bool:
         """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
-        return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
+        return self._pipelines(ids.numel())
+
+    def _pipelines(self, routed: int) -> bool:
+        return self.pipeline is not None and routed >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
 
     def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
         """A batch of ``num_tokens`` (``flops`` of matmul work) starts: a pipelined one begins
         staging layer 0 now."""
-        if self.pipeline is not None and num_tokens * top_k >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts:
+        if self._pipelines(num_tokens * top_k):
             self.pipeline.begin(flops)
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of ``num_tokens`` takes a guess of each next layer's experts (``forward``'s
+        ``next_ids``): decode-sized batches under prefetch, when the cache's decode slots leave room
+        for a guess beside the real lookup (shapes only)."""
+        routed = num_tokens * top_k
+        return (self.prefetch is not None and not self._pipelines(routed)
+                and self.prefetch.fits(routed, self.cache.num_slots - self.decode_start))
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One MoE layer; ``next_ids [T, k]``, a guess of layer ``layer + 1``'s experts, starts their
+        gather beside this layer's GEMM (only when ``fetches_ahead``: else the next real lookup
+        might find no victim, and the guess is ignored)."""
         if self.pipelined(ids):
             return self.pipeline.forward(layer, hidden, weights, ids)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
+        if self.prefetch is not None:
+            self.prefetch.join()  # this layer's guess has landed before the GEMM reads its slots
+            if next_ids is not None and self.fetches_ahead(*next_ids.shape):
+                self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
         return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)

@@ -64,10 +64,10 @@ class PipelineStreams(Protocol):
 class CudaStreams:
     """A dedicated copy stream; the compute stream is whatever stream is current at each call."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, events: tuple[str, ...] = EVENTS):
         self.device = device
         self.copy = torch.cuda.Stream(device)
-        self.events = {name: torch.cuda.Event() for name in EVENTS}
+        self.events = {name: torch.cuda.Event() for name in events}
 
     def _stream(self, name: str) -> torch.cuda.Stream:
         return self.copy if name == "copy" else torch.cuda.current_stream(self.device)

@@ -95,6 +95,9 @@ class RecordingRouting:
         self.weights[self.rows, layer] = weights.float()
         return weights, ids
 
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        return self.inner.predict(layer, hidden, router)  # a guess is not routing: not recorded
+
     def clear(self) -> None:
         """Forget what was recorded so far (e.g. warm-up steps)."""
         self.cursor.zero_()
@@ -144,3 +147,8 @@ class ReplayRouting:
         weights, ids = self.fallback(layer, hidden, router)
         return (torch.where(self.found, self.weights[self.index, layer], weights),
                 torch.where(self.found, self.ids[self.index, layer], ids))
+
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """The fallback's guess: a trace replayed on the model that recorded it sees the hidden
+        states of the recording, so the model's router guesses as it would have."""
+        return self.fallback.predict(layer, hidden, router)

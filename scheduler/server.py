@@ -133,5 +133,6 @@ class SchedulerServer:
         if cache is not None:
             moe = cache.stats()
             stats.update({f"moe_{k}": v for k, v in moe["total"].items()})
+            stats.update({f"moe_prefetch_{k}": v for k, v in moe["prefetch"].items()})
             stats.update(moe_hit_rate=moe["hit_rate"], moe_cache_slots=moe["slots"], moe_policy=moe["policy"])
         return stats

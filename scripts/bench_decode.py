@@ -2,7 +2,7 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
-        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
@@ -11,6 +11,9 @@ misses' bytes as the cache moved them.
 checkpoint directory. Dummy weights route nearly the same experts every step; ``--routing
 synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
 Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once).
+Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
+the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
+the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s.
 """
 from __future__ import annotations
 
@@ -35,9 +38,15 @@ PCIE_BYTES_PER_S = 55e9
 HBM_BYTES_PER_S = 4.3e12
 
 
+COUNTERS = ("lookups", "hits", "misses", "bytes_h2d", "predicted", "prefetch_bytes")
+
+
 def cache_totals(runner: ModelRunner) -> dict:
     cache = getattr(runner.experts, "cache", None)
-    return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes_h2d": 0}
+    if cache is None:
+        return dict.fromkeys(COUNTERS, 0)
+    stats = cache.stats()
+    return {**stats["total"], "prefetch_bytes": stats["prefetch"]["bytes_h2d"]}
 
 
 def expert_bytes(runner: ModelRunner) -> int:
@@ -89,17 +98,18 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     seconds, after = time.perf_counter() - start, cache_totals(runner)
     engine.check_pages()
     steps = decode_tokens - 1
-    delta = {k: after[k] - before[k] for k in ("lookups", "hits", "misses", "bytes_h2d")}
+    delta = {k: after[k] - before[k] for k in COUNTERS}
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
-def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str) -> list[dict]:
+def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str) -> list[dict]:
     runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
                                       cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
                                       routing=RoutingOptions(args.routing),
                                       experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
                                                             dummy_weights=args.model in GEOMETRIES,
-                                                            expert_dtype=expert_dtype, lent_slots=lent)))
+                                                            expert_dtype=expert_dtype, lent_slots=lent,
+                                                            prefetch=prefetch == "on")))
     cfg = runner.model_config
     w = runner.weights
     dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -116,12 +126,15 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
         distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
         if fraction >= 1.0:
             distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
-        step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
+        moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
+        step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
         step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
         bound = max(step_pcie, step_hbm)
-        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, batch=batch, tok_s=tok_s,
-                         hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
-                         bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
+        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
+                         batch=batch, tok_s=tok_s, hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
+                         guessed=r["predicted"] / r["lookups"] if r["lookups"] else 0.0,
+                         bytes_per_token=moved / max(r["tokens"], 1),
+                         prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                          bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                          ratio=tok_s / (batch / bound), **profiled))
     del runner
@@ -145,22 +158,27 @@ def main() -> None:
     p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
     p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
+    p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on"],
+                   help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
     for fraction in args.fractions:
         for expert_dtype in args.expert_dtype:
             for lent in args.lent_slots:
-                rows += bench_runner(args, fraction, expert_dtype, lent)
+                for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: nothing to fetch
+                    rows += bench_runner(args, fraction, expert_dtype, lent, prefetch)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
-    print(f"{'cache':>6} {'experts':>12} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} "
-          f"{'bound tok/s':>11} {'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
+    print(f"{'cache':>6} {'experts':>12} {'lent':>7} {'prefetch':>8} {'batch':>5} {'tok/s':>8} {'hit rate':>8} "
+          f"{'guessed':>7} {'MB moved/tok':>12} {'of which guesses':>16} {'bound tok/s':>11} {'bound':>5} {'ratio':>6} "
+          f"{'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
-        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
-              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
-              f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
+        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['prefetch']:>8} {r['batch']:>5} "
+              f"{r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} {r['guessed']:>7.3f} {r['bytes_per_token'] / 1e6:>12.1f} "
+              f"{r['prefetch_bytes_per_token'] / 1e6:>16.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} "
+              f"{r['ratio']:>6.3f} {r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

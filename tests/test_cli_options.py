@@ -25,6 +25,7 @@ EVERY_OPTION_CHANGED = [
     "--gpu-memory-limit", "20", "--moe-cache-size", "64", "--kv-reserve-tokens", "100", "--kv-tokens", "512",
     "--max-prefill-tokens", "256", "--kv-host-size", "2", "--moe-policy", "lru", "--no-prefill-pipeline",
     "--prefill-invalidate", "eager", "--prefill-stage", "memcpy", "--expert-dtype", "fp8", "--lent-slots", "decode",
+    "--expert-prefetch", "on",
     "--routing", "synthetic", "--record-routing", "t.pt", "--record-routing-tokens", "9",
     "--max-running", "4", "--no-prefix-cache", "--no-overlap", "--no-warm-up", "--check-pages",
     "--kv-tier-mode", "writeback", "--kv-tier-copy", "memcpy"]

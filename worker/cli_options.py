@@ -96,6 +96,16 @@ def _add_offload_args(g: argparse._ArgumentGroup) -> None:
                    help="what decode does with the 2E cache slots the prefill pipeline borrows: reserve (decode "
                         "never admits there, so they idle between prefills) or decode (decode admits there "
                         "too, as the first victims, and a prefill wipes only those coldest entries)")
+    g.add_argument("--expert-prefetch", dest="prefetch", type=_on_off, default=X.prefetch, metavar="on|off",
+                   help="under expert offload, guess each next layer's experts at decode (its router applied to "
+                        "this layer's hidden state) and copy the guessed misses over PCIe while this layer computes; "
+                        "a wrong guess costs bytes, never a result")
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not on or off")
+    return text == "on"
 
 
 def _add_routing_args(g: argparse._ArgumentGroup) -> None:

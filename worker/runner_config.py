@@ -35,6 +35,8 @@ class ExpertOptions:
     prefill_stage: str = "auto"  # moe_offload.choices.STAGE_MODES
     expert_dtype: str = "auto"  # moe_offload.choices.EXPERT_DTYPES
     lent_slots: str = "reserve"  # moe_offload.choices.LENT_SLOT_RULES
+    # cross-layer prefetch at decode (moe_offload.expert_prefetch); off until measured on the H200
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         """The one check of the cache size options (the command line and the plan rely on it)."""

@@ -33,12 +33,14 @@ class MoETransformer:
         eps = self.cfg.rms_norm_eps
         self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
         self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
+        ahead = self.experts.fetches_ahead(batch.num_tokens, self.cfg.top_k)
         x = w.embed[batch.input_ids]
         h = rms_norm(x, w.layers[0].input_norm, eps)
         for i, lw in enumerate(w.layers):  # each residual add is fused with the norm after it
             h, x = add_rms_norm(x, self._attention(i, lw, h, batch), lw.post_norm, eps)
             weights, ids = self.routing(i, h, lw.router)
-            out = self.experts.forward(i, h, weights, ids)
+            guess = self.routing.predict(i + 1, h, w.layers[i + 1].router) if ahead and i + 1 < len(w.layers) else None
+            out = self.experts.forward(i, h, weights, ids, guess)
             if i + 1 < len(w.layers):
                 h, x = add_rms_norm(x, out, w.layers[i + 1].input_norm, eps)
             else:
