@@ -29,8 +29,9 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory or a geometry name such as "
-                                                 "qwen3-30b-geometry; None: the embedded default model")
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="checkpoint directory or a geometry name such as qwen3-30b-geometry; None: the embedded "
+                        "default model")
     g.add_argument("--device", default=R.device, help="cuda, cpu or auto")
     g.add_argument("--dtype", default=R.dtype, choices=DTYPES, help="compute dtype; auto: bfloat16 on cuda")
     g.add_argument("--page-size", type=int, default=R.page_size, metavar="TOKENS", help="tokens per KV page")
