@@ -67,10 +67,10 @@ class Experts(Protocol):
         ...
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                next_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``;
-        ``next_ids [T, k]``, when given, guesses layer ``layer + 1``'s ids (a prefetch hint: it may
-        be wrong, and never changes a result)."""
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` (-1: none) -> ``[T, H]``
+        in ``out_dtype`` (default hidden's; see ``grouped_swiglu``); ``next_ids [T, k]``, when given,
+        guesses layer ``layer + 1``'s ids (a prefetch hint: it may be wrong, and never changes a result)."""
         ...
 
 
@@ -87,7 +87,7 @@ class ResidentExperts:
         return False
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                next_ids: torch.Tensor | None = None) -> torch.Tensor:
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
-                              scales=self.banks.scales(layer))
+                              scales=self.banks.scales(layer), out_dtype=out_dtype)
 

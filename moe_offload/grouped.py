@@ -29,8 +29,12 @@ def grouped_swiglu(
     scales: ExpertScales | None = None,
     fp8_activations: bool | None = None,
     backend: str | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
+    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
+    (default hidden's). The k outputs of a token are summed in float32 and rounded once to it:
+    expert parallelism asks for float32 so that the ranks' partial sums, added by an all_reduce,
+    round once as one rank's would.
 
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
     (``w13``'s is the gate's grid stacked on the up's). The activations stay in hidden's dtype
@@ -44,7 +48,8 @@ def grouped_swiglu(
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
     ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
-    requires them in range.
+    skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
+    rest in range.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
     if fp8_activations is None:
@@ -52,14 +57,15 @@ def grouped_swiglu(
     if fp8_activations and scales is None:
         raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
-        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations)
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype)
     if scales is not None:
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
-        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations)
+        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
+                                        out_dtype=out_dtype)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
-    return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
+    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
 
 
 # From this batch size on fp8 experts multiply fp8 activations: on the H200 (bench_grouped_gemm.py,
@@ -130,6 +136,7 @@ def grouped_swiglu_eager(
     w2: torch.Tensor,
     scales: ExpertScales | None = None,
     fp8_activations: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
     hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
@@ -147,6 +154,8 @@ def grouped_swiglu_eager(
     round_trip = _fp8_round_trip if fp8_activations else (lambda x: x)
     hidden_in = round_trip(hidden)
     for slot in torch.unique(flat_slots).tolist():
+        if slot < 0:  # another rank's expert, or an empty route: contributes zero as in the kernel
+            continue
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
         up_w, down_w = _expert_weights(w13, w2, scales, slot, compute)
@@ -154,7 +163,7 @@ def grouped_swiglu_eager(
         act = round_trip((F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype))
         expert_out = F.linear(act, down_w)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
-    return out.to(hidden.dtype)
+    return out.to(out_dtype or hidden.dtype)
 
 
 def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
 from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
-from moe_offload.prefill_pipeline import PrefillPipeline
+from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 
 # A batch with at least this many routed (token, expert) pairs per expert of the layer goes through
 # the pipeline: under uniform routing an expert then stays unused with probability ~e^-4, so
@@ -77,9 +77,21 @@ class OffloadedExperts:
                             ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
         self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage,
                                          host_scales=self.host_scales) if pipeline else None)
+        self.lent_slots = lent_slots
         lent = self.pipeline.lent if self.pipeline is not None else 0
         self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
         self.prefetch = (ExpertPrefetch(cache, self.host_w13, self.host_w2, self.host_scales) if prefetch else None)
+
+    def run_share(self, share: ExpertShare) -> None:
+        """Expert parallelism: this process runs only ``share``'s experts of each layer (routes to
+        the others come as -1, which lookups skip). The pipeline then stages only those, into
+        ``2 x`` that many lent slots, and decode gets the rest of the cache."""
+        old = self.pipeline
+        if old is None:
+            return
+        self.pipeline = PrefillPipeline(self.cache, self.host_w13, self.host_w2, old.invalidate, stage=old.stage,
+                                        host_scales=self.host_scales, share=share)
+        self.decode_start, self.low = decode_slots(self.lent_slots, self.pipeline.lent, self.cache.num_layers)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
@@ -110,16 +122,17 @@ class OffloadedExperts:
                 and self.prefetch.fits(routed, self.cache.num_slots - self.decode_start))
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                next_ids: torch.Tensor | None = None) -> torch.Tensor:
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """One MoE layer; ``next_ids [T, k]``, a guess of layer ``layer + 1``'s experts, starts their
         gather beside this layer's GEMM (only when ``fetches_ahead``: else the next real lookup
         might find no victim, and the guess is ignored)."""
         if self.pipelined(ids):
-            return self.pipeline.forward(layer, hidden, weights, ids)
+            return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
         if self.prefetch is not None:
             self.prefetch.join()  # this layer's guess has landed before the GEMM reads its slots
             if next_ids is not None and self.fetches_ahead(*next_ids.shape):
                 self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
-        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)
+        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
+                              out_dtype=out_dtype)

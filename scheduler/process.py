@@ -13,6 +13,7 @@ from scheduler.faults import FaultHooks
 from scheduler.messages.from_scheduler import ModelInfo
 from scheduler.server import SchedulerServer
 from scheduler.warmup import warm_up
+from worker.distributed.parallel_runner import start_runner
 from worker.errors import CheckpointError
 from worker.geometry_tokenizer import tokenizer_dir
 from worker.runner import ModelRunner
@@ -26,6 +27,13 @@ def serve(config: SchedulerConfig, pull_endpoint: str, push_endpoint: str) -> in
     runner = _load(config)
     if runner is None:
         return 2
+    try:
+        return _serve(config, runner, pull_endpoint, push_endpoint)
+    finally:
+        runner.close()  # an expert-parallel rank 0 stops the other ranks
+
+
+def _serve(config: SchedulerConfig, runner: ModelRunner, pull_endpoint: str, push_endpoint: str) -> int:
     engine = Engine(runner, config.engine, FaultHooks.from_env())
     if config.warm_up:
         warm_up(engine)
@@ -40,12 +48,12 @@ def serve(config: SchedulerConfig, pull_endpoint: str, push_endpoint: str) -> in
 
 
 def _load(config: SchedulerConfig) -> ModelRunner | None:
-    """The ModelRunner, or None after printing why it cannot load."""
+    """The ModelRunner (rank 0 of ``--gpus`` ranks), or None after printing why it cannot load."""
     tokenizer_dir(config.runner.model_dir)  # a geometry's is written once, before the long model load
     log.info("loading the model %s (device %s) ...", config.runner.model_dir, config.runner.device)
     started = time.monotonic()
     try:
-        runner = ModelRunner(config.runner)
+        runner = start_runner(config.runner)
     except (CheckpointError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

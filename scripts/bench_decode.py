@@ -2,7 +2,7 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
-        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on] [--gpus 1 2]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
@@ -14,6 +14,8 @@ Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the len
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
 the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s.
+Each ``--gpus`` count gets its own rows, at the same cache per GPU (expert parallelism: the
+aggregate cache grows with the GPUs); the hit rate and bytes are rank 0's, i.e. per link.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
+from worker.distributed.parallel_runner import start_runner
 from worker.runner import ModelRunner, RunnerConfig
 from worker.sampling import SamplingParams
 
@@ -102,14 +105,15 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
-def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str) -> list[dict]:
-    runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                      routing=RoutingOptions(args.routing),
-                                      experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
-                                                            dummy_weights=args.model in GEOMETRIES,
-                                                            expert_dtype=expert_dtype, lent_slots=lent,
-                                                            prefetch=prefetch == "on")))
+def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
+                 gpus: int) -> list[dict]:
+    runner = start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+                                       cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                       routing=RoutingOptions(args.routing),
+                                       experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
+                                                             dummy_weights=args.model in GEOMETRIES,
+                                                             expert_dtype=expert_dtype, lent_slots=lent,
+                                                             prefetch=prefetch == "on"), gpus=gpus))
     cfg = runner.model_config
     w = runner.weights
     dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -130,13 +134,15 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
         step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
         step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
         bound = max(step_pcie, step_hbm)
-        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
+        rows.append(dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent,
+                         prefetch=prefetch,
                          batch=batch, tok_s=tok_s, hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
                          guessed=r["predicted"] / r["lookups"] if r["lookups"] else 0.0,
                          bytes_per_token=moved / max(r["tokens"], 1),
                          prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                          bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                          ratio=tok_s / (batch / bound), **profiled))
+    runner.close()
     del runner
     torch.cuda.empty_cache()
     return rows
@@ -160,22 +166,27 @@ def main() -> None:
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on"],
                    help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")
+    p.add_argument("--gpus", type=int, nargs="+", default=[1],
+                   help="GPU counts to compare by expert parallelism, e.g. 1 2 (the cache fraction is per GPU)")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
-    for fraction in args.fractions:
-        for expert_dtype in args.expert_dtype:
-            for lent in args.lent_slots:
-                for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: nothing to fetch
-                    rows += bench_runner(args, fraction, expert_dtype, lent, prefetch)
+    for gpus in args.gpus:
+        for fraction in args.fractions:
+            for expert_dtype in args.expert_dtype:
+                for lent in args.lent_slots:
+                    for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: no fetch
+                        rows += bench_runner(args, fraction, expert_dtype, lent, prefetch, gpus)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
-    print(f"{'cache':>6} {'experts':>12} {'lent':>7} {'prefetch':>8} {'batch':>5} {'tok/s':>8} {'hit rate':>8} "
+    print(f"{'gpus':>4} {'cache':>6} {'experts':>12} {'lent':>7} {'prefetch':>8} {'batch':>5} {'tok/s':>8} "
+          f"{'hit rate':>8} "
           f"{'guessed':>7} {'MB moved/tok':>12} {'of which guesses':>16} {'bound tok/s':>11} {'bound':>5} {'ratio':>6} "
           f"{'kernels/step':>12} {'GPU ms/step':>11}")
     for r in rows:
-        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['prefetch']:>8} {r['batch']:>5} "
+        print(f"{r['gpus']:>4} {r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['prefetch']:>8} "
+              f"{r['batch']:>5} "
               f"{r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} {r['guessed']:>7.3f} {r['bytes_per_token'] / 1e6:>12.1f} "
               f"{r['prefetch_bytes_per_token'] / 1e6:>16.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} "
               f"{r['ratio']:>6.3f} {r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")

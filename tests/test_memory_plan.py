@@ -87,6 +87,7 @@ def test_each_option_changes_what_it_should():
     assert bigger.expert_slots == TOTAL // 2 and bigger.kv_pages < base.kv_pages
     host = plan(kv_host_size=2.5)
     assert host.host_kv_bytes == int(2.5 * GIB) and replace(host, host_kv_bytes=base.host_kv_bytes) == base
+    assert plan(gpus=2).host_kv_bytes == 0  # the tier would move rank 0's pages only
     limited = plan(gpu(free_gib=24))
     assert limited.kv_pages < base.kv_pages and limited.expert_slots == base.expert_slots
     auto = ExpertOptions(cache_auto=True, dummy_weights=True)

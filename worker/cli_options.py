@@ -42,6 +42,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "%(default)s)")
     g.add_argument("--cuda-graph-max-batch", type=int, default=R.cuda_graph_max_batch, metavar="N",
                    help="largest decode batch replayed from a CUDA graph; larger ones run eagerly")
+    g.add_argument("--gpus", type=int, default=R.gpus, metavar="N",
+                   help="GPUs to run on by expert parallelism (expert e on GPU e %% N, attention replicated): "
+                        "this process drives rank 0 and starts one process per other GPU; on CPU, N gloo ranks")
     g.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     g.add_argument("--seed-weights", type=int, default=X.seed, metavar="SEED",

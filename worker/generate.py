@@ -16,6 +16,7 @@ from worker.batch import SequenceChunk
 from worker.errors import CheckpointError
 from worker.cli_options import add_runner_args, resolve_model, runner_config
 from worker.geometry_tokenizer import tokenizer_dir
+from worker.distributed.parallel_runner import start_runner
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import ChatTokenizer
@@ -84,7 +85,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     tokenizer = ChatTokenizer(tokenizer_dir(model_dir))
-    runner = ModelRunner(runner_config(args, model_dir))
+    runner = start_runner(runner_config(args, model_dir))
+    try:
+        return _generate(args, runner, tokenizer, params)
+    finally:
+        runner.close()
+
+
+def _generate(args: argparse.Namespace, runner: ModelRunner, tokenizer: ChatTokenizer,
+              params: SamplingParams) -> int:
     text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tokenizer.encode(text)
     if not prompt_ids:

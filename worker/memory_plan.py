@@ -166,8 +166,9 @@ def _prefill_tokens(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig
 def _host_kv_bytes(inputs: PlanInputs, config: RunnerConfig) -> int:
     if config.kv_host_size is not None:
         return int(config.kv_host_size * GIB)
-    # on a CPU the KV pool already lives in host RAM: a second copy buys nothing
-    return int(inputs.host_available * HOST_KV_SHARE) if inputs.gpu_free is not None else 0
+    # on a CPU the KV pool already lives in host RAM: a second copy buys nothing; with several ranks
+    # the tier would move rank 0's pages only
+    return int(inputs.host_available * HOST_KV_SHARE) if inputs.gpu_free is not None and config.gpus == 1 else 0
 
 
 def _gib(nbytes: int) -> str:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.experts import Experts
 from moe_offload.fp8 import ExpertFormat, resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
@@ -64,8 +65,8 @@ class ModelRunner:
         self.weights = self._load_weights()
         store = open_store(cfg, config.model_dir, config.experts, self.expert_format, self.device)
         self.plan = self._plan()
-        self.experts = place_experts(cfg, config.experts, self.weights.experts, store, self.plan.expert_slots,
-                                     self.device)
+        self.experts = self._this_rank(place_experts(cfg, config.experts, self.weights.experts, store,
+                                                     self.plan.expert_slots, self.device))
         self.kv_pool = KVPool(cfg.num_layers, self.plan.kv_pages, config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         attention = create_backend(attention_backend(config, self.device), self.kv_pool, cfg.head_dim ** -0.5)
@@ -100,6 +101,13 @@ class ModelRunner:
         """With ``--record-routing``: forget the steps recorded so far (the scheduler's warm-up)."""
         if self.config.routing.record is not None:
             self.model.routing.clear()
+
+    def close(self) -> None:
+        """Nothing to release in one process (an expert-parallel rank 0 stops the other ranks)."""
+
+    def _this_rank(self, experts: Experts) -> Experts:
+        """The experts this process runs: all of them (``worker.distributed`` runs a share per rank)."""
+        return experts
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not (self.config.cuda_graph and self.device.type == "cuda"):

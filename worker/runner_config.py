@@ -71,11 +71,17 @@ class RunnerConfig:
     gpu_memory_limit: float | None = None  # GiB: plan and cap as if the card had this much (worker.device_memory)
     routing: RoutingOptions = RoutingOptions()
     kv_host_size: float | None = None  # memory plan: host KV tier GiB; None = 25% of available RAM (GPU), 0 (CPU)
+    gpus: int = 1  # expert-parallel ranks (worker.distributed.parallel_runner.start_runner)
 
     def __post_init__(self) -> None:
         for flag, value in (("--kv-tokens", self.kv_tokens), ("--max-prefill-tokens", self.max_prefill_tokens),
                             ("--kv-host-size", self.kv_host_size or 0)):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more, got {value:g}")
+        if self.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+        if self.gpus > 1 and self.kv_host_size:
+            raise ValueError("--kv-host-size needs --gpus 1: the host KV tier moves pages of rank 0's KV pool only, "
+                             "and every rank keeps its own")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be at least 1, got {self.page_size}")

@@ -239,12 +239,13 @@ def _sum_k_kernel(pair_out_ptr, slots_ptr, out_ptr, num_slots, hidden, top_k,
 
 
 def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-                         w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None) -> torch.Tensor:
+                         w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The Triton path of ``grouped_swiglu``; arguments are already checked."""
     num_tokens, top_k = slots.shape
     num_slots, inter, dim = w2.shape[0], w2.shape[2], hidden.shape[1]
     num_pairs = num_tokens * top_k
-    out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, dim, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_pairs == 0:
         return out
     cfg = config or default_config(num_tokens, hidden.dtype)

@@ -197,7 +197,8 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_pt
 
 def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                              w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
-                             config: BlockConfig | None = None, fp8_activations: bool = False) -> torch.Tensor:
+                             config: BlockConfig | None = None, fp8_activations: bool = False,
+                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The Triton path of ``grouped_swiglu`` for fp8 banks; arguments are already checked.
 
     ``fp8_activations`` quantizes each GEMM's input per token and 128 columns
@@ -208,7 +209,7 @@ def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots:
     block = scales.block
     cfg = config or fit_block_k(default_config(num_tokens, hidden.dtype), block)
     check_config(cfg, block, fp8_activations)
-    out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, dim, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_tokens * top_k == 0:
         return out
     slots = slots.reshape(-1).contiguous()

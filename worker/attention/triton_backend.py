@@ -37,7 +37,8 @@ class TritonAttention:
         if self._blocks is None or self._blocks[0] is not batch:
             group = q.shape[1] // k_cache.shape[2]
             prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile_for(q.dtype), prefixes)
+            tile = tile_for(q.dtype, q.shape[2])
+            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile, prefixes)
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=self._blocks[1])
 
