@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.choices import POLICIES
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, w13_scale_shape
 from moe_offload.grouped import ExpertScales
@@ -25,7 +26,6 @@ from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.invalidate_slots import invalidate_slots
 from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, LowPriority, Policy, lookup_admit
 
-POLICIES = ("lru", "lfru")
 # LFRU in model steps (one lookup per layer per step): each use banks two steps of credit against
 # the one that decays, so an expert used every step outlives up to 8 steps of one-off traffic; and
 # among equally old experts, those whose layer is looked up last go first (Policy.visit). Replayed

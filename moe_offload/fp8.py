@@ -24,9 +24,10 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.choices import EXPERT_DTYPES
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-EXPERT_DTYPES = ("auto", "bf16", "fp8")
 
 
 class ScaleBlock(NamedTuple):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.choices import LENT_SLOT_RULES
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
@@ -24,11 +25,7 @@ from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 # the pipeline: under uniform routing an expert then stays unused with probability ~e^-4, so
 # streaming all of them moves about what lookups would, but overlapped and without evicting.
 PIPELINE_PAIRS_PER_EXPERT = 4
-# What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
-# (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
-# lent slots ranked LENT_PENALTY_STEPS steps older than they are as victims, so that they hold the
-# coldest entries and a prefill wipes those.
-LENT_SLOT_RULES = ("reserve", "decode")
+# ranks the lent slots this many steps older than they are as victims (choices.LENT_SLOT_RULES)
 LENT_PENALTY_STEPS = 8
 
 
@@ -54,7 +51,7 @@ class OffloadedExperts:
     With a CUDA cache the banks must be addressable by kernels: pinned or registered host memory
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
     pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
-    ``prefill_pipeline.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
+    ``choices.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
     the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode.
     """
 

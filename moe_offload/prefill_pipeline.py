@@ -31,23 +31,12 @@ from typing import ContextManager, NamedTuple, Protocol
 
 import torch
 
+from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import STAGE_FIELDS, share_count, stage_experts
 
-# "fixed": one fixed-shape invalidate_slots launch per staged layer. "eager": the boolean-mask
-# twin (``slot_for_id[held[held >= 0]] = -1``), a hidden device->host sync on the copy stream that
-# blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
-INVALIDATE_MODES = ("fixed", "eager")
-# "kernel": hits device-to-device, misses zero-copy over PCIe (kernels.stage_experts). "memcpy": the
-# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used). "auto":
-# per chunk, "memcpy" once the chunk computes enough that the SMs the stage kernel holds cost more
-# than the PCIe bytes it saves. On an H200 at 25% cache (qwen3-30b-geometry, bench_prefill.py) the
-# kernel won for 8k and 16k-token chunks without a prefix (0.913 vs 1.094 s, 0.998 vs 1.102 s: about
-# 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
-# (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
-STAGE_MODES = ("kernel", "memcpy", "auto")
 # half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
 AUTO_MEMCPY_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")

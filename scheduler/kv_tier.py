@@ -24,22 +24,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scheduler.config import KV_TIER_COPIES, KV_TIER_MODES
 from scheduler.radix_cache import RadixCache
 from worker.kv.host_pool import HostKVPool
 from worker.kv.gpu_pool import KVPool
-from worker.kv.page_copy import COPY_METHODS
 
 if TYPE_CHECKING:
     from scheduler.radix_cache import _Node
-
-MODES = ("writeback", "writethrough")
 
 
 class KVTier:
     def __init__(self, pool: KVPool, host: HostKVPool, radix: RadixCache, mode: str, method: str,
                  in_flight: set[int]):
-        if mode not in MODES or method not in COPY_METHODS:
-            raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {MODES} / {COPY_METHODS}")
+        if mode not in KV_TIER_MODES or method not in KV_TIER_COPIES:
+            raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {KV_TIER_MODES} / "
+                             f"{KV_TIER_COPIES}")
         self.pool, self.host, self.radix, self.mode, self.method = pool, host, radix, mode, method
         self.device = pool.k.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

@@ -46,7 +46,7 @@ def _warm_runner(runner: ModelRunner) -> int:
     prefix, then decode steps (greedy and sampled); then every decode graph bucket."""
     room = min(runner.model_config.max_context, (runner.kv_pool.num_pages - 1) * runner.page_size) - 2
     on_gpu = runner.device.type == "cuda"
-    sizes = (runner.max_prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
+    sizes = (runner.plan.prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
     pages = list(range(1, runner.kv_pool.num_pages))  # page 0 is the scratch page
     done = 0
     for n in sizes:

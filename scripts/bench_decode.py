@@ -22,16 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from moe_offload.expert_cache import slot_bytes
-from moe_offload.fp8 import EXPERT_DTYPES
+from moe_offload.choices import EXPERT_DTYPES, LENT_SLOT_RULES, POLICIES
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
-from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.distributed.parallel_runner import start_runner
@@ -79,8 +79,8 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
 
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
                profile_steps: int = 0) -> dict:
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=prompt_tokens * batch, max_running=batch,
-                                         prefix_cache=False))
+    engine = Engine(runner, EngineConfig(max_running=batch, prefix_cache=False),
+                    plan=replace(runner.plan, prefill_tokens=prompt_tokens * batch))  # every prompt in one chunk
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
     reqs = [Request(str(i), torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), SamplingParams(),
@@ -113,7 +113,7 @@ def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, len
                             expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on")
     return start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                     routing=RoutingOptions(args.routing), experts=experts), gpus)
+                                     routing=RoutingOptions(args.routing), experts=experts, gpus=gpus))
 
 
 def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
@@ -168,13 +168,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--policy", default="lfru")
+    p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
-    p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
+    p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
+                   help="run as on a card this size")
+    p.add_argument("--expert-dtype", nargs="+", default=[ExpertOptions.expert_dtype], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
-    p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
-    p.add_argument("--lent-slots", nargs="+", default=["reserve"], choices=list(LENT_SLOT_RULES),
+    p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
+    p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on"],
                    help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,8 +55,8 @@ def main() -> None:
     expert = runner.weights.experts.w13[0, 0].numel() * 3 // 2 * runner.weights.experts.w13.element_size()
     rows = []
     for batch in [1] + args.batch:  # the first run warms up
-        engine = Engine(runner, EngineConfig(max_prefill_tokens=args.prompt_tokens * batch, max_running=max(batch, 1),
-                                             prefix_cache=False))
+        engine = Engine(runner, EngineConfig(max_running=max(batch, 1), prefix_cache=False),
+                        plan=replace(runner.plan, prefill_tokens=args.prompt_tokens * batch))
         gen = torch.Generator().manual_seed(batch)
         reqs = [Request(str(i), torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist(),
                         SamplingParams(), args.decode_tokens, frozenset(), ignore_eos=True) for i in range(batch)]

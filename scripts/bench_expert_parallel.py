@@ -46,7 +46,7 @@ def bench_gpus(args: argparse.Namespace, gpus: int) -> list[dict]:
     experts = ExpertOptions(cache_fraction=args.fraction, dummy_weights=args.model in GEOMETRIES)
     runner = start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16",
                                        kv_tokens=args.prefix + longest + 16, max_prefill_tokens=longest, experts=experts,
-                                       routing=RoutingOptions(args.routing)), gpus)
+                                       routing=RoutingOptions(args.routing), gpus=gpus))
     try:
         if getattr(runner.experts, "pipeline", None) is None:
             raise SystemExit(f"cache fraction {args.fraction}: no prefill pipeline (fully resident, or below 3E slots)")

@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -135,7 +136,7 @@ def drain(engine: Engine) -> None:
 def warm_up(runner: ModelRunner, args: argparse.Namespace) -> None:
     """Compile every kernel a turn uses before any is timed: a prompt, then a turn over its cached
     prefix (the paged prefill attention), each decoding, so no mode pays the first compilation."""
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=runner.max_prefill_tokens))
+    engine = Engine(runner, plan=replace(runner.plan, host_kv_bytes=0))
     prompt = random.Random(3).choices(range(runner.model_config.vocab_size), k=4 * runner.page_size)
     for rid, tokens in (("warm-up", prompt), ("warm-up 2", prompt + prompt[:args.new_tokens])):
         run_turn(engine, Request(rid, tokens, SamplingParams(), args.decode_tokens, frozenset(), ignore_eos=True))
@@ -154,9 +155,8 @@ def session_rows(runner: ModelRunner, args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.modes:
         tier_on, mode, method = MODES[name]
-        config = EngineConfig(max_prefill_tokens=runner.max_prefill_tokens, kv_host_gib=host_gib if tier_on else 0,
-                              kv_tier_mode=mode, kv_tier_copy=method)
-        engine = Engine(runner, config)
+        engine = Engine(runner, EngineConfig(kv_tier_mode=mode, kv_tier_copy=method),
+                        plan=replace(runner.plan, host_kv_bytes=int(host_gib * 2**30) if tier_on else 0))
         gen = random.Random(7)
         history = [[gen.randrange(vocab) for _ in range(context)] for _ in range(args.sessions)]
         ttft: list[float] = []

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.fp8 import EXPERT_DTYPES
+from moe_offload.choices import EXPERT_DTYPES, INVALIDATE_MODES
 from moe_offload.kernels.stage_experts import stage_experts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import PrefillPipeline
@@ -36,6 +36,7 @@ from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.runner import ModelRunner, RunnerConfig
+from worker.runner_config import ATTENTION_BACKENDS
 from scheduler.messages.to_scheduler import SamplingParams
 from report_table import print_table  # beside this script
 
@@ -190,8 +191,8 @@ def main() -> None:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     p.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--prefix", type=int, default=65536, help="cached prefix tokens (0: none)")
-    p.add_argument("--invalidate", nargs="+", default=["fixed", "eager"], choices=["fixed", "eager"])
-    p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--invalidate", nargs="+", default=list(INVALIDATE_MODES), choices=INVALIDATE_MODES)
+    p.add_argument("--attention", default=RunnerConfig.attention, choices=["auto", *ATTENTION_BACKENDS])
     p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
     p.add_argument("--auto", action="store_true", help="also the per-chunk choice serving uses (row 'auto')")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
@@ -199,7 +200,8 @@ def main() -> None:
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
     p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
+    p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
+                   help="run as on a card this size")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []

@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     tokenizer = load_tokenizer(tokenizer_dir(model_dir))
-    runner = start_runner(runner_config(args, model_dir), args.gpus)
+    runner = start_runner(runner_config(args, model_dir))
     try:
         return _generate(args, runner, tokenizer, params)
     finally:

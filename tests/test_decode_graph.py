@@ -296,8 +296,8 @@ def test_graph_decode_with_offloaded_experts(tmp_path):
 
 def engine_outputs(model_dir, graph):
     runner = ModelRunner(RunnerConfig(model_dir, device="cuda", dtype="float32", page_size=16, kv_tokens=4096,
-                                      cuda_graph=graph))
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=64, overlap=True))
+                                      cuda_graph=graph, max_prefill_tokens=64, kv_host_size=0))
+    engine = Engine(runner, EngineConfig(overlap=True))
     gen = torch.Generator().manual_seed(2)
     reqs = [Request(str(i), torch.randint(0, 127, (int(torch.randint(3, 50, (1,), generator=gen)),),
                                           generator=gen).tolist(),

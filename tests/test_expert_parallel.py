@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,15 +39,15 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def config(model_dir: str, **experts) -> RunnerConfig:
+def config(model_dir: str, gpus: int = 1, **experts) -> RunnerConfig:
     return RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=512,
-                        experts=ExpertOptions(**experts))
+                        experts=ExpertOptions(**experts), gpus=gpus)
 
 
 def greedy_runs(model_dir: str, **experts) -> tuple[list[list[int]], list[list[int]], ParallelRunner]:
     """Every prompt's greedy tokens from one rank and from two; the 2-rank runner is closed."""
-    one = start_runner(config(model_dir, **experts), 1)
-    two = start_runner(config(model_dir, **experts), 2)
+    one = start_runner(config(model_dir, **experts))
+    two = start_runner(config(model_dir, 2, **experts))
     try:
         want = [generate(one, p, SamplingParams(), 16).token_ids for p in PROMPTS]
         got = [generate(two, p, SamplingParams(), 16).token_ids for p in PROMPTS]
@@ -116,9 +117,9 @@ def test_more_gpus_than_visible_is_refused(model_dir):
     if torch.cuda.device_count() >= 64:
         pytest.skip("64 GPUs visible")
     with pytest.raises(ValueError, match="--gpus 64 needs 64 CUDA devices"):
-        start_runner(RunnerConfig(model_dir, device="cuda"), 64)
+        start_runner(RunnerConfig(model_dir, device="cuda", gpus=64))
     with pytest.raises(ValueError, match="--gpus must be >= 1"):
-        start_runner(config(model_dir), 0)
+        start_runner(config(model_dir, 0))
 
 
 def _gone(pid: int) -> bool:
@@ -237,10 +238,10 @@ def test_default_model_on_two_gpus_equals_one(experts):
 
     model = str(default_model_dir())
     cfg = RunnerConfig(model, device="cuda", dtype="bfloat16", kv_tokens=2048, experts=ExpertOptions(**experts))
-    one = start_runner(cfg, 1)
+    one = start_runner(cfg)
     want = [generate(one, ids, SamplingParams(), 32).token_ids for ids in _chat_ids(model)]
     del one
-    two = start_runner(cfg, 2)
+    two = start_runner(replace(cfg, gpus=2))
     try:
         got = [generate(two, ids, SamplingParams(), 32).token_ids for ids in _chat_ids(model)]
     finally:
@@ -255,7 +256,7 @@ def test_two_gpu_steps_have_no_hidden_sync(model_dir):
     captured on both ranks, the token buffer broadcast) never read the device on the host."""
     cfg = RunnerConfig(model_dir, device="cuda", dtype="bfloat16", page_size=4, kv_tokens=512,
                        experts=ExpertOptions(cache_size=28))
-    runner = start_runner(cfg, 2)
+    runner = start_runner(replace(cfg, gpus=2))
     try:
         pages = runner.kv_pool.allocate(runner.kv_pool.pages_for(64))
         greedy = SamplingParams()

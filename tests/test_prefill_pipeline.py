@@ -313,7 +313,7 @@ def test_cli_options_reach_the_pipeline():
 
 
 def test_auto_prefill_tokens_on_cpu(model_dir):
-    assert runner(model_dir).max_prefill_tokens == 2048
+    assert runner(model_dir).plan.prefill_tokens == 2048
 
 
 # ==== GPU ====

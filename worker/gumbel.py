@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 
 _MASK32 = 0xFFFFFFFF
 BLOCK = 1024

@@ -20,18 +20,17 @@ from worker.distributed import step_message
 from worker.distributed.group import RankGroup, free_address
 from worker.distributed.processes import RankProcesses
 from worker.distributed.rank_worker import SIZES_LEN, RankRunner, rank_device, rank_main
-from worker.runner import ForwardOutput, ModelRunner, RunnerConfig
+from worker.runner import ForwardOutput, ModelRunner, RunnerConfig, torch_device
 from worker.sampling import Sampling
 
 
-def start_runner(config: RunnerConfig, gpus: int = 1) -> ModelRunner:
-    """The runner of ``--gpus``: one process, or rank 0 of ``gpus`` expert-parallel ranks (call
-    ``close`` at the end: it stops the ranks)."""
-    if gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+def start_runner(config: RunnerConfig) -> ModelRunner:
+    """The runner of ``config.gpus``: one process, or rank 0 of that many expert-parallel ranks
+    (call ``close`` at the end: it stops the ranks)."""
+    gpus = config.gpus
     if gpus == 1:
         return ModelRunner(config)
-    device = config.torch_device
+    device = torch_device(config)
     if device.type == "cuda" and torch.cuda.device_count() < gpus:
         raise ValueError(f"--gpus {gpus} needs {gpus} CUDA devices; {torch.cuda.device_count()} are visible")
     return ParallelRunner(config, gpus)
@@ -51,7 +50,7 @@ class ParallelRunner(RankRunner):
             group.close()
             raise
         self.in_step = False
-        sizes = [1, (self.kv_pool.num_pages - 1) * self.page_size, self.max_prefill_tokens]
+        sizes = [1, (self.kv_pool.num_pages - 1) * self.page_size, self.plan.prefill_tokens]
         with self._collective():
             group.broadcast_host(torch.tensor(sizes, dtype=torch.int64))
             dist.barrier(group=group.control)  # every rank has loaded

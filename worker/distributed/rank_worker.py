@@ -23,7 +23,7 @@ from worker.distributed.group import RankGroup
 from worker.distributed.processes import die_with_parent
 from worker.distributed.step_message import HEADER_LEN, Op, decode
 from worker.errors import CheckpointError
-from worker.runner import ModelRunner, RunnerConfig
+from worker.runner import ModelRunner, RunnerConfig, torch_device
 
 log = logging.getLogger("sluice.worker")
 
@@ -44,7 +44,7 @@ class RankRunner(ModelRunner):
 
 def rank_device(config: RunnerConfig, rank: int) -> torch.device:
     """The device of ``rank``: GPU ``rank`` when the run is on CUDA, else the CPU."""
-    device = config.torch_device
+    device = torch_device(config)
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 

@@ -21,8 +21,6 @@ from moe_offload.host_register import host_register, host_unregister, mapped_dev
 from worker.kv import page_copy
 from worker.kv.gpu_pool import KVPool, PagedPool
 
-DEFAULT_FRACTION = 0.25  # of the host RAM available at start-up, for --kv-host-size's default
-
 
 class HostKVPool(PagedPool):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -106,13 +104,3 @@ def _batches(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]
 def _unregister(ptr: int, _buffer: torch.Tensor) -> None:
     host_unregister(ptr)
 
-
-def default_host_bytes(fraction: float = DEFAULT_FRACTION) -> int:
-    """``fraction`` of the host RAM the kernel reports available now (0 where it does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-    except OSError:
-        return 0
-    available_kib = int(info.get("MemAvailable", "0 kB").split()[0])
-    return int(available_kib * 1024 * fraction)
