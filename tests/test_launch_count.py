@@ -20,7 +20,7 @@ from worker.attention import create_backend  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.cuda_graph import DecodeGraphs  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
