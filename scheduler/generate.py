@@ -3,7 +3,7 @@ engine's loop (the one the server drives), without sockets."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.engine import Engine, EngineConfig
 from scheduler.messages.from_scheduler import TokenUpdate
@@ -27,9 +27,8 @@ def generate(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
     vocab = runner.model_config.vocab_size
     if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:  # on the GPU: a device-side assert
         raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
-    config = EngineConfig(max_prefill_tokens=max_prefill_tokens or runner.plan.prefill_tokens, max_running=1,
-                          prefix_cache=False)
-    engine = Engine(runner, config)
+    plan = replace(runner.plan, prefill_tokens=max_prefill_tokens or runner.plan.prefill_tokens)
+    engine = Engine(runner, EngineConfig(max_running=1, prefix_cache=False), plan=plan)
     error = engine.submit(Request("generate", list(prompt_ids), params, max_tokens, frozenset(eos_ids)))
     if error:
         raise ValueError(error)
