@@ -204,8 +204,8 @@ class Engine:
         (rows,) = to_device([[r.slot for r in reqs]], self.device)
         self.token_buffer.index_copy_(0, rows, out.next_tokens)
         self.counters["steps"] += 1
-        if self.device.type != "cuda":
-            return _Launched(reqs, samples, out.next_tokens, None)
+        if self.device.type != "cuda":  # a copy: a static decode step's outputs are views the next step overwrites
+            return _Launched(reqs, samples, out.next_tokens.clone(), None)
         host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
         host.copy_(out.next_tokens, non_blocking=True)
         event = torch.cuda.Event()

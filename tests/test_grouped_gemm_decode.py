@@ -28,16 +28,30 @@ def decode():
     return grouped_gemm_decode
 
 
-def check_trials(num_tokens, top_k, num_slots, dim, inter, dtype, device, config=None, trials=TRIALS):
-    """``trials`` routings (every case in turn) of random banks: the decode path against the twin."""
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+def trial_inputs(num_tokens, top_k, num_slots, dim, inter, dtype, device, trials):
+    """``trials`` routings (every case in turn) of random banks, each with the eager twin's output."""
     for trial in range(trials):
         w13, w2 = make_banks(num_slots, dim, inter, dtype, device, seed=trial)
         gen = torch.Generator(device=device).manual_seed(trial + 100)
         hidden = torch.randn(num_tokens, dim, generator=gen, device=device).to(dtype)
         weights, slots = make_routing(CASES[trial % len(CASES)], num_tokens, top_k, num_slots, device, trial)
-        ref = grouped_swiglu_eager(hidden, weights, slots, w13, w2)
-        out = decode().decode_grouped_swiglu(hidden, weights, slots, w13, w2, config)
+        yield (hidden, weights, slots, w13, w2), grouped_swiglu_eager(hidden, weights, slots, w13, w2)
+
+
+def check_trials(num_tokens, top_k, num_slots, dim, inter, dtype, device, config=None, trials=TRIALS,
+                 sync_free=False):
+    """The decode path against the twin over ``trials`` routings; with ``sync_free`` the decode path
+    runs under ``set_sync_debug_mode("error")`` (the inputs, the twin and the comparison outside it)."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    cases = list(trial_inputs(num_tokens, top_k, num_slots, dim, inter, dtype, device, trials))
+    if sync_free:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [decode().decode_grouped_swiglu(*args, config) for args, _ in cases]
+    finally:
+        if sync_free:
+            torch.cuda.set_sync_debug_mode("default")
+    for trial, (out, (_, ref)) in enumerate(zip(outs, cases)):
         assert rel_err(out, ref) < tol, (trial, CASES[trial % len(CASES)])
 
 
@@ -111,11 +125,7 @@ def test_decode_path_refuses_too_many_pairs():
 def test_decode_path_bf16_sync_free(shape):
     """qwen3-30b's shapes (batch 1, 4 and 8) and the default model's, without a sync."""
     check_trials(*shape, torch.bfloat16, "cuda", trials=1)  # compiles outside the sync check
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        check_trials(*shape, torch.bfloat16, "cuda", trials=TRIALS)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    check_trials(*shape, torch.bfloat16, "cuda", sync_free=True)
 
 
 @pytest.mark.cuda
