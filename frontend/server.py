@@ -199,7 +199,8 @@ class Frontend:
             )
             return
         try:
-            validate.check_request(request, self._model.vocab_size, self._max_prompt_chars)
+            validate.check_request(request, self._model.vocab_size, self._max_prompt_chars,
+                                   self._model.max_context_tokens)
         except validate.Rejected as exc:
             await self._error(envelope, request.rid, exc.code, str(exc))
             return
