@@ -21,8 +21,8 @@ from frontend.client import API_KEY_ENV
 from frontend.generation_defaults import SamplingDefaults
 from frontend.http.context import HttpContext
 from frontend.http.server import HttpServer
-from frontend.launch import (SCHEDULER_CMD_ENV, SchedulerProcess, SchedulerStartError, scheduler_command,
-                             spawn_scheduler, wait_ready)
+from frontend.launch import (SCHEDULER_CMD_ENV, SchedulerProcess, SchedulerStartError, engine_help,
+                             scheduler_command, spawn_scheduler, wait_ready)
 from frontend.server import Frontend
 from frontend.tokenizer import ChatTokenizer
 from frontend.validate import MAX_PROMPT_CHARS
@@ -52,62 +52,69 @@ class FrontendConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> FrontendConfig:
-    p = argparse.ArgumentParser(
-        prog="python -m frontend",
-        description=__doc__,
-        allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _add_server_args(p, FrontendConfig)
-    _add_http_args(p, FrontendConfig)
+    """The frontend's options; the ones it does not know are the engine's, passed to the scheduler.
+    ``--help`` lists both (the engine's from ``python -m scheduler.cli_options``) and exits."""
+    p = _parser()
     known, engine_args = p.parse_known_args(argv)
+    if getattr(known, "help", False):
+        print(p.format_help())
+        print(engine_help(), end="")
+        sys.exit(0)
     if known.no_http:
         known.http_port = None
     if known.api_key is None:
         known.api_key = os.environ.get(API_KEY_ENV) or None
-    values = {
-        f.name: getattr(known, f.name) for f in fields(FrontendConfig) if f.name != "engine_args"
-    }
+    values = {f.name: getattr(known, f.name) for f in fields(FrontendConfig) if f.name != "engine_args"}
     return FrontendConfig(**values, engine_args=tuple(engine_args))
 
 
-def _seconds(p: argparse.ArgumentParser, flag: str, field: str, help: str) -> None:
-    """A duration option, ``flag S``, stored in (and defaulting to) a ``FrontendConfig`` field."""
-    p.add_argument(flag, dest=field, metavar="S", type=float, default=getattr(FrontendConfig, field), help=help)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m frontend", usage="%(prog)s [-h] [server options] [engine options]",
+                                description=__doc__, add_help=False, allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-h", "--help", action="store_true", default=argparse.SUPPRESS,
+                   help="show every option, the engine's too, and exit")
+    server = p.add_argument_group("server", "the client endpoints, the scheduler process and its watchdog")
+    _add_server_args(server, FrontendConfig)
+    _add_http_args(server, FrontendConfig)
+    return p
 
 
-def _add_server_args(p: argparse.ArgumentParser, d: type[FrontendConfig]) -> None:
-    p.add_argument("--endpoint", default=d.endpoint, help="client ZMQ endpoint (tcp:// or ipc://)")
-    p.add_argument("--pid-file", default=d.pid_file, help="write the scheduler's pid here")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="directory with tokenizer.json, if not the model's")
-    p.add_argument("--scheduler-cmd", default=d.scheduler_cmd,
+def _add_server_args(g: argparse._ArgumentGroup, d: type[FrontendConfig]) -> None:
+    g.add_argument("--endpoint", default=d.endpoint, help="client ZMQ endpoint (tcp:// or ipc://)")
+    g.add_argument("--pid-file", default=d.pid_file, help="write the scheduler's pid here")
+    g.add_argument("--tokenizer", default=d.tokenizer, help="directory with tokenizer.json, if not the model's")
+    g.add_argument("--scheduler-cmd", default=d.scheduler_cmd,
                    help=f"command that starts the scheduler, if not ${SCHEDULER_CMD_ENV} or python -m scheduler")
-    _seconds(p, "--ready-timeout", "ready_timeout_s", "seconds the scheduler may take to load the model")
-    _seconds(p, "--heartbeat-timeout", "heartbeat_timeout_s",
-             "seconds of silence after which the scheduler is killed; it sends heartbeats from a thread of its "
-             "own, so a long step never counts, only a frozen process")
-    _seconds(p, "--shutdown-grace", "shutdown_grace_s",
-             "seconds the scheduler gets to exit after a shutdown request, then after SIGTERM")
-    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
-                   help="longest prompt (characters, all chat messages together) before tokenizing; the tokens "
-                   "must also fit the model's context")
-    p.add_argument("--max-message-mb", type=float, default=d.max_message_mb,
+    g.add_argument("--ready-timeout", dest="ready_timeout_s", metavar="S", type=float, default=d.ready_timeout_s,
+                   help="seconds the scheduler may take to load the model")
+    g.add_argument("--heartbeat-timeout", dest="heartbeat_timeout_s", metavar="S", type=float,
+                   default=d.heartbeat_timeout_s,
+                   help="seconds of silence after which the scheduler is killed; it sends heartbeats from a "
+                        "thread of its own, so a long step never counts, only a frozen process")
+    g.add_argument("--shutdown-grace", dest="shutdown_grace_s", metavar="S", type=float, default=d.shutdown_grace_s,
+                   help="seconds the scheduler gets to exit after a shutdown request, then after SIGTERM")
+    g.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="longest prompt (characters, all chat messages together) before tokenizing; the "
+                        "tokens must also fit the model's context")
+    g.add_argument("--max-message-mb", type=float, default=d.max_message_mb,
                    help="largest client frame (MB); ZMQ drops the connection of a client that sends more")
-    _seconds(p, "--client-keepalive", "client_keepalive_s",
-             "seconds between Pending replies to each live request; a client that went away is noticed when "
-             "one cannot be delivered, and its requests are aborted")
+    g.add_argument("--client-keepalive", dest="client_keepalive_s", metavar="S", type=float,
+                   default=d.client_keepalive_s,
+                   help="seconds between Pending replies to each live request; a client that went away is "
+                        "noticed when one cannot be delivered, and its requests are aborted")
 
 
-def _add_http_args(p: argparse.ArgumentParser, d: type[FrontendConfig]) -> None:
+def _add_http_args(p: argparse._ArgumentGroup, d: type[FrontendConfig]) -> None:
     p.add_argument("--http-host", default=d.http_host, help="address of the OpenAI HTTP API")
     p.add_argument("--http-port", type=int, default=d.http_port, help="0: any free port (printed)")
     p.add_argument("--no-http", action="store_true", help="serve ZMQ clients only")
     p.add_argument("--http-max-body", dest="http_max_body_bytes", type=int,
                    default=d.http_max_body_bytes, help="largest HTTP request body, in bytes")
     p.add_argument("--served-model-name", default=d.served_model_name,
-                   help="the model name HTTP clients send (default: the model's path)")
+                   help="the model name HTTP clients send; None: the model's path")
     p.add_argument("--api-key", default=d.api_key,
-                   help=f"require this key from every client (default: ${API_KEY_ENV})")
+                   help=f"require this key from every client; None: ${API_KEY_ENV}")
 
 
 def _is_loopback(host: str) -> bool:

@@ -102,6 +102,23 @@ class SchedulerProcess:
         return self.process.poll() is not None
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a scheduler-side child: ours, with the source root importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def engine_help() -> str:
+    """The help of the engine options the frontend passes through to the scheduler, in their groups
+    (``python -m scheduler.cli_options``: without torch, so it answers at once)."""
+    done = subprocess.run([sys.executable, "-m", "scheduler.cli_options"], env=_child_env(), stdout=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, text=True, timeout=120)
+    if done.returncode != 0:
+        return f"(the engine options could not be listed: python -m scheduler.cli_options exited {done.returncode})\n"
+    return done.stdout
+
+
 def spawn_scheduler(
     ctx: zmq.asyncio.Context,
     command: list[str],
@@ -125,8 +142,7 @@ def spawn_scheduler(
         pull_ep,
         *engine_args,
     ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+    env = _child_env()
     env[REMOVE_ON_EXIT_ENV] = os.pathsep.join(p for p in (ipc_dir, pid_file) if p)
     try:
         process = subprocess.Popen(

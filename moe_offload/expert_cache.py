@@ -6,7 +6,8 @@
          |  (invalidated before each prefill streams into them; decode may     |
          |   fill them again in between)                                       |
  tables  slot_for_id [L*E] int32 -> slot or -1      id_of_slot [S] int32 -> id or -1
-         score, last_use [S] int64 (policy)         step [1] int64          stats [L, 5] int64
+         score, last_use [S] int64 (policy)         step [1] int64          stats [L, 6] int64
+         prefetch_stats [L, 6] int64: the same counters for the ahead lookups of cross-layer prefetch
  fp8     w13_scale [S, R13, C13], w2_scale [S, R2, C2] float32 beside the fp8 w13 / w2 pools
 ```
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.choices import POLICIES
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, w13_scale_shape
 from moe_offload.grouped import ExpertScales
@@ -24,7 +26,6 @@ from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.invalidate_slots import invalidate_slots
 from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, LowPriority, Policy, lookup_admit
 
-POLICIES = ("lru", "lfru")
 # LFRU in model steps (one lookup per layer per step): each use banks two steps of credit against
 # the one that decays, so an expert used every step outlives up to 8 steps of one-off traffic; and
 # among equally old experts, those whose layer is looked up last go first (Policy.visit). Replayed
@@ -86,7 +87,7 @@ def slot_bytes(w13_shape: tuple[int, int], w2_shape: tuple[int, int], dtype: tor
 class ExpertCache:
     """Slot pools ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` (fp8 ones with float32 scale pools
     ``w13_scale``, ``w2_scale`` per ``scale_block``) and the device tables that map expert ids
-    (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels._triton``)."""
+    (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels.triton_support``)."""
 
     def __init__(self, num_layers: int, num_experts: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
                  num_slots: int, dtype: torch.dtype, device: torch.device | str, policy: str = "lfru",
@@ -118,6 +119,7 @@ class ExpertCache:
             step=torch.ones(1, dtype=torch.int64, device=device),
             stats=torch.zeros(num_layers, len(STAT_FIELDS), dtype=torch.int64, device=device),
         )
+        self.prefetch_stats = torch.zeros_like(self.tables.stats)
 
     @classmethod
     def for_banks(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
@@ -131,14 +133,16 @@ class ExpertCache:
         return self.w13.shape[0]
 
     def lookup(self, layer: int, ids: torch.Tensor, slot_start: int = 0, num_slots: int | None = None,
-               low: LowPriority = LowPriority()) -> tuple[CopyPlan, torch.Tensor]:
+               low: LowPriority = LowPriority(), ahead: bool = False) -> tuple[CopyPlan, torch.Tensor]:
         """Route ``ids [T, k]`` of ``layer`` to slots, admitting misses into ``[slot_start, +num_slots)``
         (default: every slot from ``slot_start`` on), slots below ``low.end`` ranking first as
-        victims. The plan still has to be gathered (``fill``)."""
+        victims. The plan still has to be gathered (``fill``). ``ahead``: ``ids`` is a prediction
+        for the next lookup (``kernels.lookup_admit``), counted in ``prefetch_stats``."""
         if num_slots is None:
             num_slots = self.num_slots - slot_start
-        return lookup_admit(ids, layer, self.num_experts, self.tables, slot_start, num_slots, self.policy,
-                            self.slot_bytes, self.backend, low)
+        tables = self.tables._replace(stats=self.prefetch_stats) if ahead else self.tables
+        return lookup_admit(ids, layer, self.num_experts, tables, slot_start, num_slots, self.policy,
+                            self.slot_bytes, self.backend, low, ahead)
 
     def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor,
              host_scales: ExpertScales | None = None) -> None:
@@ -155,12 +159,16 @@ class ExpertCache:
         invalidate_slots(slot_start, num_slots, self.tables, self.backend)
 
     def stats(self) -> dict:
-        """Per-layer and total counters; reads the device, so call it off the hot path."""
+        """Per-layer and total counters, and the prefetch's totals (``prefetch``: experts predicted,
+        already resident, admitted, evicted, bytes moved); reads the device, so call it off the hot
+        path."""
         layers = [dict(zip(STAT_FIELDS, row)) for row in self.tables.stats.cpu().tolist()]
         total = {field: sum(layer[field] for layer in layers) for field in STAT_FIELDS}
         hit_rate = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+        prefetch = dict(zip(STAT_FIELDS, self.prefetch_stats.sum(0).cpu().tolist()))
         return {"policy": self.policy_name, "slots": self.num_slots, "slot_bytes": self.slot_bytes,
-                "hit_rate": hit_rate, "total": total, "layers": layers}
+                "hit_rate": hit_rate, "total": total, "layers": layers, "prefetch": prefetch}
 
     def reset_stats(self) -> None:
         self.tables.stats.zero_()
+        self.prefetch_stats.zero_()

@@ -1,7 +1,7 @@
 """The expert store: every expert weight bank of a model in one POSIX shared-memory segment.
 
 A restarted scheduler, or a second rank, maps the segment instead of reading the checkpoint again.
-The segment is named from the model's identity; its header (``store_layout.py``) says whose weights
+The segment is named from the model's identity; its header (``store_header.py``) says whose weights
 it holds and whether the fill finished.
 
 Concurrency, with ``flock`` on the segment itself:
@@ -19,7 +19,6 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 import weakref
@@ -30,18 +29,8 @@ import torch
 
 from moe_offload.experts import ExpertBanks
 from moe_offload.host_register import host_register, host_unregister, mapped_device_bytes
-from moe_offload.store_layout import (
-    COMPLETE_OFFSET,
-    FILL_SECONDS_OFFSET,
-    HEADER_BYTES,
-    SEGMENT_PREFIX,
-    BankLayout,
-    BankSpec,
-    Header,
-    StoreIdentity,
-    pack_header,
-    parse_header,
-)
+from moe_offload.store_header import Header, mark_complete, parse_header, read_header, write_header
+from moe_offload.store_layout import HEADER_BYTES, SEGMENT_PREFIX, BankLayout, BankSpec, StoreIdentity
 
 log = logging.getLogger("sluice.expert_store")
 SHM_DIR = Path(os.environ.get("SLUICE_SHM_DIR", "/dev/shm"))  # where expert segments live
@@ -137,10 +126,7 @@ class ExpertStore:
         self.close()
 
     def _mark_complete(self, fill_seconds: float) -> None:
-        struct.pack_into("<d", self._mm, FILL_SECONDS_OFFSET, fill_seconds)
-        self._mm.flush()
-        struct.pack_into("<I", self._mm, COMPLETE_OFFSET, 1)  # last: only now may anyone use it
-        self._mm.flush(0, mmap.PAGESIZE)
+        mark_complete(self._mm, fill_seconds)
         self.fill_seconds = fill_seconds
 
     @classmethod
@@ -169,24 +155,6 @@ def _lock(fd: int, kind: int, path: Path) -> None:
         fcntl.flock(fd, kind)
 
 
-def _inspect(fd: int, identity: StoreIdentity, layout: BankLayout) -> tuple[Header | None, str | None]:
-    """The header, and why the segment cannot be used (None if it can)."""
-    size = os.fstat(fd).st_size
-    try:
-        header = parse_header(os.pread(fd, HEADER_BYTES, 0))
-    except ValueError as e:
-        return None, str(e)
-    if header.identity.key != identity.key:
-        return header, f"holds another model ({header.identity.label})"
-    if header.layout != layout:
-        return header, "bank layout differs"
-    if size != layout.total_bytes:
-        return header, f"size is {size} bytes, expected {layout.total_bytes}"
-    if not header.complete:
-        return header, "fill never completed"
-    return header, None
-
-
 def _open_existing(path: Path, identity: StoreIdentity, layout: BankLayout) -> ExpertStore | None:
     try:
         fd = os.open(path, os.O_RDWR)
@@ -194,7 +162,7 @@ def _open_existing(path: Path, identity: StoreIdentity, layout: BankLayout) -> E
         return None
     try:
         _lock(fd, fcntl.LOCK_SH, path)
-        header, problem = _inspect(fd, identity, layout)
+        header, problem = read_header(fd, identity, layout)
         if problem is None:
             store = ExpertStore(path, mmap.mmap(fd, layout.total_bytes), header)
             log.info(
@@ -245,9 +213,7 @@ def _create(path: Path, identity: StoreIdentity, layout: BankLayout, fill: Calla
             os.unlink(tmp)
         os.ftruncate(fd, layout.total_bytes)
         mm = mmap.mmap(fd, layout.total_bytes)
-        raw = pack_header(identity, layout)
-        mm[: len(raw)] = raw
-        store = ExpertStore(path, mm, parse_header(raw))
+        store = ExpertStore(path, mm, write_header(mm, identity, layout))
         log.info("filling expert store %s (%.1f GB) for %s", store.name, store.nbytes / 1e9, identity.label)
         started = time.monotonic()
         fill(store)

@@ -56,13 +56,36 @@ class ExpertBanks(NamedTuple):
 
 
 class Experts(Protocol):
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
+    def pipeline_from(self, top_k: int) -> int | None:
+        """The fewest tokens of a batch that streams its experts through a prefill pipeline (None:
+        no batch does). A shape rule, so the batch decides once (``ForwardBatch.pipelined``) and
+        the decode graphs' buckets stop below it."""
+        ...
+
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
         """A batch starts (before layer 0's attention): a chance to start moving experts early;
         ``flops`` is its estimated matmul work (``ModelConfig.forward_flops``)."""
         ...
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` -> ``[T, H]``."""
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of this size wants each next layer's guessed ids in ``forward`` (shapes
+        only): the model then asks its routing for the guess."""
+        ...
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
+        """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` (-1: none) -> ``[T, H]``
+        in ``out_dtype`` (default hidden's; see ``grouped_swiglu``); ``next_ids [T, k]``, when given,
+        guesses layer ``layer + 1``'s ids (a prefetch hint: it may be wrong, and never changes a result).
+        ``pipelined`` is the batch's decision (None: from ``ids``' shape, for callers without a batch)."""
+        ...
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Counters for the scheduler's stats reply (none for resident experts); off the hot path."""
+        ...
+
+    def reset_stats(self) -> None:
         ...
 
 
@@ -72,10 +95,24 @@ class ResidentExperts:
     def __init__(self, banks: ExpertBanks):
         self.banks = banks
 
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
+    def pipeline_from(self, top_k: int) -> int | None:
+        return None
+
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
         pass
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        return False
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
-                              scales=self.banks.scales(layer))
+                              scales=self.banks.scales(layer), out_dtype=out_dtype)
+
+    def stats(self) -> dict[str, int | float | str]:
+        return {}
+
+    def reset_stats(self) -> None:
+        pass
 

@@ -24,9 +24,10 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.choices import EXPERT_DTYPES
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-EXPERT_DTYPES = ("auto", "bf16", "fp8")
 
 
 class ScaleBlock(NamedTuple):
@@ -94,6 +95,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: ScaleBlock, dtype: t
     return (q.float() * expand_scale(scale, block, rows, cols)).to(dtype)
 
 
+def amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` correctly rounded on every device (1 where ``amax`` is 0). CUDA divides by a
+    Python scalar as a multiplication by its reciprocal, 1 ulp off now and then; a tensor divisor
+    keeps the true division that the Triton quantizer (``div_rn``) and the CPU perform."""
+    return torch.where(amax > 0, amax, FP8_MAX) / torch.full_like(amax, FP8_MAX)
+
+
 def quantize(w: torch.Tensor, block: ScaleBlock = BLOCK_128) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., N, K]`` -> ``(q fp8 [..., N, K], scale float32 [..., R, C])`` by amax per block.
 
@@ -106,7 +114,7 @@ def quantize(w: torch.Tensor, block: ScaleBlock = BLOCK_128) -> tuple[torch.Tens
     padded = torch.nn.functional.pad(w.float(), (0, pad_c, 0, pad_r))
     tiles = padded.reshape(*w.shape[:-2], grid_r, block.rows, grid_c, col_block)
     amax = tiles.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = amax_scale(amax)
     q = (w.float() / expand_scale(scale, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

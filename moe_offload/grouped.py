@@ -14,48 +14,70 @@ import torch.nn.functional as F
 
 from moe_offload.fp8 import (ACTIVATION_BLOCK, FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, quantize,
                              w13_scale_shape)
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def grouped_swiglu(
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    scales: ExpertScales | None = None,
-    fp8_activations: bool = False,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in hidden's dtype.
+def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, *, scales: ExpertScales | None = None, fp8_activations: bool | None = None,
+                   backend: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
+    (default hidden's). The k outputs of a token are summed in float32 and rounded once to it:
+    expert parallelism asks for float32 so that the ranks' partial sums, added by an all_reduce,
+    round once as one rank's would.
 
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
     (``w13``'s is the gate's grid stacked on the up's). The activations stay in hidden's dtype
     (weight-only), or with ``fp8_activations`` each GEMM's input is quantized per token and 128
-    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8.
+    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8. ``None`` picks by
+    ``fp8_activations_for``: fp8 x fp8 for 16-bit batches of prefill size, where weight-only
+    dequantization makes the GEMM compute-bound (on the H200 2.5x slower than fp8 x fp8 at 2k tokens).
 
-    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``, or
-    ``grouped_gemm_fp8`` for fp8 banks, which dequantizes inside the GEMM), anything
+    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``; decode
+    batches of float banks ``grouped_gemm_decode``, two or three launches instead of four; fp8 banks
+    ``grouped_gemm_fp8``, which dequantizes inside the GEMM), anything
     else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
-    ``moe_offload.kernels._triton``. Slot ids are not checked on the host (that would read the
+    ``moe_offload.kernels.triton_support``. Slot ids are not checked on the host (that would read the
     device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
-    requires them in range.
+    skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
+    rest in range.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
+    if fp8_activations is None:
+        fp8_activations = fp8_activations_for(hidden, scales)
     if fp8_activations and scales is None:
         raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
-        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations)
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype)
     if scales is not None:
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
-        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations)
+        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
+                                        out_dtype=out_dtype)
+    from moe_offload.kernels import grouped_gemm_decode
+
+    if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS:
+        return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
-    return fused_grouped_swiglu(hidden, weights, slots, w13, w2)
+    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
+
+
+# From this batch size on fp8 experts multiply fp8 activations: on the H200 (bench_grouped_gemm.py,
+# qwen3-30b geometry) fp8 x fp8 took 189 us against weight-only 238 us at 64 tokens, 278 vs 639 at
+# 256 and 651 vs 1630 at 2048; at 1 token they tie (46 us), and weight-only is the more precise.
+FP8_ACTIVATION_TOKENS = 64
+
+
+def fp8_activations_for(hidden: torch.Tensor, scales: ExpertScales | None) -> bool:
+    """Whether a batch over fp8 experts quantizes its activations too: 16-bit activations (fp32 is
+    the reference and test precision: it stays weight-only), at least ``FP8_ACTIVATION_TOKENS``
+    tokens (small decode batches keep weight-only's extra precision), and weight scale blocks whose
+    columns are whole 128-column activation groups, so one pair of scales covers every K tile."""
+    if scales is None or hidden.dtype == torch.float32 or hidden.shape[0] < FP8_ACTIVATION_TOKENS:
+        return False
+    return scales.block.cols == 0 or scales.block.cols % ACTIVATION_BLOCK.cols == 0
 
 
 class ExpertScales(NamedTuple):
@@ -102,15 +124,9 @@ def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) ->
         raise ValueError("scales w13 and w2 must be on one device")
 
 
-def grouped_swiglu_eager(
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    slots: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    scales: ExpertScales | None = None,
-    fp8_activations: bool = False,
-) -> torch.Tensor:
+def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, scales: ExpertScales | None = None, fp8_activations: bool = False,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
     hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
 
@@ -121,21 +137,27 @@ def grouped_swiglu_eager(
     inter = w2.shape[-1]
     out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     flat_slots = slots.reshape(-1)
+    # fp8 x fp8 as the kernel does it: exact fp8 products summed in fp32, the intermediate
+    # activation stored in hidden's dtype and quantized from there
+    compute = torch.float32 if fp8_activations else hidden.dtype
     round_trip = _fp8_round_trip if fp8_activations else (lambda x: x)
     hidden_in = round_trip(hidden)
     for slot in torch.unique(flat_slots).tolist():
+        if slot < 0:  # another rank's expert, or an empty route: contributes zero as in the kernel
+            continue
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
-        up_w, down_w = _expert_weights(w13, w2, scales, slot, hidden.dtype)
+        up_w, down_w = _expert_weights(w13, w2, scales, slot, compute)
         gate_up = F.linear(hidden_in[tokens], up_w)
-        act = round_trip(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        act = round_trip((F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype))
         expert_out = F.linear(act, down_w)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
-    return out.to(hidden.dtype)
+    return out.to(out_dtype or hidden.dtype)
 
 
 def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    return dequantize(*quantize(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK, x.dtype)
+    """``x`` quantized per token-group and widened to float32 (each e4m3 value times its scale)."""
+    return dequantize(*quantize(x, ACTIVATION_BLOCK), ACTIVATION_BLOCK, torch.float32)
 
 
 def _expert_weights(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None, slot: int,

@@ -3,6 +3,8 @@
 Decode-sized batches take three device-side steps and never wait on the host: lookup/admit (one
 launch per layer: hits, victims, copy plan, routing rewritten to slots), gather of the planned
 experts from the host banks into their slots, then the grouped SwiGLU GEMM over the slot pools.
+With ``prefetch``, the model's guess of the next layer's experts is admitted and gathered on a
+copy stream while that GEMM runs (``expert_prefetch``).
 Prefill-sized batches route to nearly every expert of a layer; they run through the prefill
 pipeline instead, which streams each layer's experts into a double buffer while the layer before
 computes, and leaves the cache's contents for decode alone.
@@ -11,21 +13,19 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.choices import LENT_SLOT_RULES
 from moe_offload.expert_cache import ExpertCache
+from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
 from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
-from moe_offload.prefill_pipeline import PrefillPipeline
+from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 
 # A batch with at least this many routed (token, expert) pairs per expert of the layer goes through
 # the pipeline: under uniform routing an expert then stays unused with probability ~e^-4, so
 # streaming all of them moves about what lookups would, but overlapped and without evicting.
 PIPELINE_PAIRS_PER_EXPERT = 4
-# What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
-# (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
-# lent slots ranked LENT_PENALTY_STEPS steps older than they are as victims, so that they hold the
-# coldest entries and a prefill wipes those.
-LENT_SLOT_RULES = ("reserve", "decode")
+# ranks the lent slots this many steps older than they are as victims (choices.LENT_SLOT_RULES)
 LENT_PENALTY_STEPS = 8
 
 
@@ -51,12 +51,12 @@ class OffloadedExperts:
     With a CUDA cache the banks must be addressable by kernels: pinned or registered host memory
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
     pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
-    ``prefill_pipeline.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
-    the slots it lends (``LENT_SLOT_RULES``).
+    ``choices.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
+    the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode.
     """
 
     def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
-                 stage: str = "auto", lent_slots: str = "reserve"):
+                 stage: str = "auto", lent_slots: str = "reserve", prefetch: bool = False):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -77,29 +77,87 @@ class OffloadedExperts:
                             ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
         self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage,
                                          host_scales=self.host_scales) if pipeline else None)
+        self.lent_slots = lent_slots
         lent = self.pipeline.lent if self.pipeline is not None else 0
         self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
+        self.prefetch = (ExpertPrefetch(cache, self.host_w13, self.host_w2, self.host_scales) if prefetch else None)
+
+    def run_share(self, share: ExpertShare) -> None:
+        """Expert parallelism: this process runs only ``share``'s experts of each layer (routes to
+        the others come as -1, which lookups skip). The pipeline then stages only those, into
+        ``2 x`` that many lent slots, and decode gets the rest of the cache."""
+        old = self.pipeline
+        if old is None:
+            return
+        self.pipeline = PrefillPipeline(self.cache, self.host_w13, self.host_w2, old.invalidate, stage=old.stage,
+                                        host_scales=self.host_scales, share=share)
+        self.decode_start, self.low = decode_slots(self.lent_slots, self.pipeline.lent, self.cache.num_layers)
 
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
-               stage: str = "auto", lent_slots: str = "reserve") -> OffloadedExperts:
+               stage: str = "auto", lent_slots: str = "reserve", prefetch: bool = False) -> OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
-                   lent_slots)
+                   lent_slots, prefetch)
 
-    def pipelined(self, ids: torch.Tensor) -> bool:
-        """Whether a batch routed to ``ids [T, k]`` runs through the prefill pipeline (shapes only)."""
-        return self.pipeline is not None and ids.numel() >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts
+    def pipeline_from(self, top_k: int) -> int | None:
+        """The fewest tokens whose ``T * top_k`` routed pairs reach ``PIPELINE_PAIRS_PER_EXPERT`` per
+        expert (None without a pipeline)."""
+        if self.pipeline is None:
+            return None
+        return -(-PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts // top_k)
 
-    def begin(self, num_tokens: int, top_k: int, flops: float = 0.0) -> None:
-        """A batch of ``num_tokens`` (``flops`` of matmul work) starts: a pipelined one begins
-        staging layer 0 now."""
-        if self.pipeline is not None and num_tokens * top_k >= PIPELINE_PAIRS_PER_EXPERT * self.cache.num_experts:
+    def pipelines(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of ``num_tokens`` routed to ``top_k`` experts each takes the pipeline."""
+        start = self.pipeline_from(top_k)
+        return start is not None and num_tokens >= start
+
+    def begin(self, pipelined: bool, flops: float = 0.0) -> None:
+        """A batch (``flops`` of matmul work) starts: a pipelined one begins staging layer 0 now."""
+        if pipelined:
             self.pipeline.begin(flops)
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.pipelined(ids):
-            return self.pipeline.forward(layer, hidden, weights, ids)
+    def fetches_ahead(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a batch of ``num_tokens`` takes a guess of each next layer's experts (``forward``'s
+        ``next_ids``): decode-sized batches under prefetch, when the cache's decode slots leave room
+        for a guess beside the real lookup (shapes only)."""
+        return (self.prefetch is not None and not self.pipelines(num_tokens, top_k)
+                and self.prefetch.fits(num_tokens * top_k, self.cache.num_slots - self.decode_start))
+
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
+        """One MoE layer; ``next_ids [T, k]``, a guess of layer ``layer + 1``'s experts, starts their
+        gather beside this layer's GEMM (only when ``fetches_ahead``: else the next real lookup
+        might find no victim, and the guess is ignored). ``pipelined``: the batch's decision (None:
+        from ``ids``' shape)."""
+        if pipelined is None:
+            pipelined = self.pipelines(*ids.shape)
+        if pipelined:
+            return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
-        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales)
+        if self.prefetch is not None:
+            self.prefetch.join()  # this layer's guess has landed before the GEMM reads its slots
+            if next_ids is not None and self.fetches_ahead(*next_ids.shape):
+                self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
+        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
+                              out_dtype=out_dtype)
+
+    def stats(self) -> dict[str, int | float | str]:
+        """The cache's totals (``moe_*``, ``moe_prefetch_*``) and the pipeline's counters
+        (``prefill_*``), flat, as the scheduler reports them; reads the device, so call it off the
+        hot path."""
+        cache = self.cache.stats()
+        stats = {f"moe_{k}": v for k, v in cache["total"].items()}
+        stats.update({f"moe_prefetch_{k}": v for k, v in cache["prefetch"].items()})
+        stats.update(moe_hit_rate=cache["hit_rate"], moe_cache_slots=cache["slots"], moe_policy=cache["policy"])
+        if self.pipeline is not None:
+            stats.update({f"prefill_{k}": v for k, v in self.pipeline.stats().items()})
+        return stats
+
+    def reset_stats(self) -> None:
+        """Zero the cache's and the pipeline's counters (after a warm-up)."""
+        self.cache.reset_stats()
+        if self.pipeline is not None:
+            self.pipeline.reset_stats()

@@ -27,30 +27,31 @@ lookup runs inside a pipelined chunk, and after a chunk of two layers or more no
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Protocol
+from typing import ContextManager, NamedTuple, Protocol
 
 import torch
 
+from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.grouped import ExpertScales, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
-from moe_offload.kernels.stage_experts import STAGE_FIELDS, stage_experts
+from moe_offload.kernels.stage_experts import STAGE_FIELDS, share_count, stage_experts
 
-# "fixed": one fixed-shape invalidate_slots launch per staged layer. "eager": the boolean-mask
-# twin (``slot_for_id[held[held >= 0]] = -1``), a hidden device->host sync on the copy stream that
-# blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
-INVALIDATE_MODES = ("fixed", "eager")
-# "kernel": hits device-to-device, misses zero-copy over PCIe (kernels.stage_experts). "memcpy": the
-# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used). "auto":
-# per chunk, "memcpy" once the chunk computes enough that the SMs the stage kernel holds cost more
-# than the PCIe bytes it saves. On an H200 at 25% cache (qwen3-30b-geometry, bench_prefill.py) the
-# kernel won for 8k and 16k-token chunks without a prefix (0.913 vs 1.094 s, 0.998 vs 1.102 s: about
-# 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
-# (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
-STAGE_MODES = ("kernel", "memcpy", "auto")
 # half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
 AUTO_MEMCPY_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
+
+
+class ExpertShare(NamedTuple):
+    """The experts of each layer a process runs: ``first, first + stride, ...`` (all by default;
+    rank r of N under expert parallelism runs ``(r, N)``). The pipeline stages only these, so each
+    rank streams its share over its own PCIe link; routes to other experts come as -1."""
+
+    first: int = 0
+    stride: int = 1
+
+    def count(self, num_experts: int) -> int:
+        return share_count(num_experts, self.first, self.stride)
 
 
 class PipelineStreams(Protocol):
@@ -75,10 +76,10 @@ class PipelineStreams(Protocol):
 class CudaStreams:
     """A dedicated copy stream; the compute stream is whatever stream is current at each call."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, events: tuple[str, ...] = EVENTS):
         self.device = device
         self.copy = torch.cuda.Stream(device)
-        self.events = {name: torch.cuda.Event() for name in EVENTS}
+        self.events = {name: torch.cuda.Event() for name in events}
 
     def _stream(self, name: str) -> torch.cuda.Stream:
         return self.copy if name == "copy" else torch.cuda.current_stream(self.device)
@@ -127,20 +128,20 @@ class HostStreams:
 class PrefillPipeline:
     """Runs prefill-sized MoE layers from a double buffer lent by ``cache``.
 
-    The cache must have at least ``3E`` slots (``2E`` lent, ``E`` for decode lookups, the least
-    one of them admits); a smaller one raises ``ValueError`` (``place_experts`` then runs without
-    the pipeline). ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are
-    read from (device-addressable on CUDA), with ``host_scales`` ``[L*E, R, C]`` for an fp8 cache.
+    The cache must have at least ``2n + E`` slots for the ``n`` experts of ``share`` per layer
+    (``2n`` lent, ``E`` for decode lookups, the least one of them admits; ``3E`` unshared); a
+    smaller one raises ``ValueError`` (``place_experts`` then runs without the pipeline).
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are read from (device-addressable on CUDA), with ``host_scales`` ``[L*E, R, C]`` for an fp8 cache.
     Layers must come in order ``0, 1, ..., L-1`` per chunk.
     """
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
                  invalidate: str = "fixed", streams: PipelineStreams | None = None, stage: str = "kernel",
-                 host_scales: ExpertScales | None = None):
-        num_experts = cache.num_experts
-        if cache.num_slots < 3 * num_experts:
-            raise ValueError(f"the prefill pipeline lends 2x{num_experts} slots and leaves {num_experts} to decode: "
-                             f"it needs a cache of {3 * num_experts} slots, this one has {cache.num_slots}")
+                 host_scales: ExpertScales | None = None, share: ExpertShare = ExpertShare()):
+        num_experts, count = cache.num_experts, share.count(cache.num_experts)
+        if cache.num_slots < 2 * count + num_experts:
+            raise ValueError(f"the prefill pipeline lends 2x{count} slots and leaves {num_experts} to decode: "
+                             f"it needs a cache of {2 * count + num_experts} slots, this one has {cache.num_slots}")
         if invalidate not in INVALIDATE_MODES:
             raise ValueError(f"invalidate mode {invalidate!r} is not one of {INVALIDATE_MODES}")
         if stage not in STAGE_MODES:
@@ -153,11 +154,12 @@ class PrefillPipeline:
         self.cache = cache
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.invalidate = invalidate
-        self.lent = 2 * num_experts
-        self.buf_w13 = cache.w13[:self.lent].view(2, num_experts, *cache.w13.shape[1:])
-        self.buf_w2 = cache.w2[:self.lent].view(2, num_experts, *cache.w2.shape[1:])
+        self.share, self.count = share, count  # experts staged per layer
+        self.lent = 2 * count
+        self.buf_w13 = cache.w13[:self.lent].view(2, count, *cache.w13.shape[1:])
+        self.buf_w2 = cache.w2[:self.lent].view(2, count, *cache.w2.shape[1:])
         # per buffer: the (pool, host, buffer) scale banks staging copies, and the GEMM's scales
-        self.buf_scales = [self._scale_banks(cache, host_scales, b) for b in range(2)]
+        self.buf_scales = [self._scale_banks(cache, host_scales, b, count) for b in range(2)]
         self.gemm_scales = [ExpertScales(banks[0][2], banks[1][2], host_scales.block) if banks else None
                             for banks in self.buf_scales]
         device = cache.w13.device
@@ -172,12 +174,13 @@ class PrefillPipeline:
         instead of waiting for the first MoE layer. ``flops``, the chunk's estimated matmul work,
         picks the stage mode under "auto"."""
         if self.stage == "auto":
-            expert_bytes = self.cache.num_layers * self.cache.num_experts * self.cache.slot_bytes
+            expert_bytes = self.cache.num_layers * self.count * self.cache.slot_bytes
             self.chunk_stage = "memcpy" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
         self._begin()
         self._begun = True
 
-    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """One layer of a chunk: stage the next layer, wait for this one, run the grouped GEMM."""
         if layer == 0 and not self._begun:
             self._begin()
@@ -188,12 +191,20 @@ class PrefillPipeline:
         buf = layer % 2
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
-            out = grouped_swiglu(hidden, weights, ids, self.buf_w13[buf], self.buf_w2[buf],
-                                 scales=self.gemm_scales[buf])
+            out = grouped_swiglu(hidden, weights, self._buffer_slots(ids), self.buf_w13[buf], self.buf_w2[buf],
+                                 scales=self.gemm_scales[buf], out_dtype=out_dtype)
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
         self._begun = False
         return out
+
+    def _buffer_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed expert ids -> buffer slots: the ids themselves unshared; under a share, expert
+        ``first + stride * j`` sits in slot ``j`` (routes to others' experts stay -1)."""
+        first, stride = self.share
+        if stride == 1 and first == 0:
+            return ids
+        return torch.where(ids >= 0, (ids - first) // stride, -1)
 
     def _begin(self) -> None:
         # fences every decode enqueued before this chunk: its lookups and gathers write the tables
@@ -205,35 +216,36 @@ class PrefillPipeline:
         self._next_layer = 0
 
     def _stage(self, layer: int) -> None:
-        buf, num_experts = layer % 2, self.cache.num_experts
+        buf, num_experts, count = layer % 2, self.cache.num_experts, self.count
         self.streams.wait("copy", f"release{buf}")  # the layer two back is done reading this buffer
         with self.streams.on_copy(f"layer {layer} to buffer {buf}"):
             if self.invalidate == "fixed":
-                invalidate_slots(buf * num_experts, num_experts, self.cache.tables, self.cache.backend)
+                invalidate_slots(buf * count, count, self.cache.tables, self.cache.backend)
             else:
-                invalidate_slots_eager(buf * num_experts, num_experts, self.cache.tables)
+                invalidate_slots_eager(buf * count, count, self.cache.tables)
             if self.chunk_stage == "memcpy":
-                experts = slice(layer * num_experts, (layer + 1) * num_experts)
+                # a share is strided in the host bank: then a copy kernel, not the copy engine, moves it
+                experts = slice(layer * num_experts + self.share.first, (layer + 1) * num_experts, self.share.stride)
                 self.buf_w13[buf].copy_(self.host_w13[experts], non_blocking=True)
                 self.buf_w2[buf].copy_(self.host_w2[experts], non_blocking=True)
                 for _, host, dst in self.buf_scales[buf]:
                     dst.copy_(host[experts], non_blocking=True)
-                self.staged[layer, 1] += num_experts
+                self.staged[layer, 1] += count
             else:
                 stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13,
                               self.cache.w2, self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf],
-                              self.staged, self.cache.backend, scales=self.buf_scales[buf])
+                              self.staged, self.cache.backend, scales=self.buf_scales[buf], first=self.share.first,
+                              stride=self.share.stride)
         self.streams.record(f"ready{buf}", "copy")
 
     @staticmethod
-    def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None,
-                     buf: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None, buf: int,
+                     count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(pool, host, buffer b's view)`` of each scale bank; empty for float experts."""
         if host_scales is None:
             return []
-        num_experts = cache.num_experts
         pools = cache.scales.w13, cache.scales.w2
-        return [(pool, host, pool[buf * num_experts:(buf + 1) * num_experts])
+        return [(pool, host, pool[buf * count:(buf + 1) * count])
                 for pool, host in zip(pools, (host_scales.w13, host_scales.w2))]
 
     def reset_stats(self) -> None:

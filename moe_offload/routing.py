@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
 from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys
 
@@ -42,6 +42,11 @@ class Routing(Protocol):
         """Float32 weights and int64 ids ``[T, k]`` of ``layer`` for ``hidden [T, H]`` (``router [E, H]``)."""
         ...
 
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """A guess of ``layer``'s int64 ids ``[T, k]`` from the layer before's ``hidden [T, H]`` and
+        ``layer``'s ``router [E, H]`` (cross-layer prefetch); fixed shapes, no host reads."""
+        ...
+
 
 class ModelRouting:
     """The model's own router."""
@@ -58,6 +63,10 @@ class ModelRouting:
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(F.linear(hidden, router), self.top_k, self.renormalize)
 
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s router applied to the layer before's hidden state (Pre-gated MoE, HOBBIT)."""
+        return self(layer, hidden, router)[1]
+
 
 class SyntheticRouting:
     """The synthetic router in place of the model's (whose weights are random anyway)."""
@@ -68,12 +77,14 @@ class SyntheticRouting:
         self.router = router
         self.keys: TokenKeys | None = None
         self.all_layers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.all_guesses: torch.Tensor | None = None
 
     def begin(self, keys: TokenKeys | None) -> None:
         r = self.router
         self.keys = keys
         small = keys.sequence.numel() * r.num_layers * r.num_experts <= ALL_LAYERS_MAX_SCORES
         self.all_layers = r.route(slice(None), keys) if small else None
+        self.all_guesses = None
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.all_layers is not None:
@@ -81,3 +92,12 @@ class SyntheticRouting:
             return weights[layer], ids[layer]
         weights, ids = self.router.route(slice(layer, layer + 1), self.keys)
         return weights[0], ids[0]
+
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """The synthetic stand-in for a predictor (``SyntheticRouter.guess``): every layer's guess
+        at the first call of a small batch (one set of launches a step, as for the routing)."""
+        if self.all_layers is None:
+            return self.router.guess(slice(layer, layer + 1), self.keys, self(layer, hidden, router)[1][None])[0]
+        if self.all_guesses is None:
+            self.all_guesses = self.router.guess(slice(None), self.keys, self.all_layers[1])
+        return self.all_guesses[layer]

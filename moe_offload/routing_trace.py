@@ -2,7 +2,7 @@
 
 A token is known by its sequence key (the sequence's first KV page) and its position, as in
 ``synthetic_routing``: a replay routes each request as recorded when the run hands out KV pages
-as the recorded one did (``worker.generate``, the benchmarks); a server with other arrivals gets
+as the recorded one did (``scheduler.generate``, the benchmarks); a server with other arrivals gets
 recorded routing of whichever request held that page. Recording writes, inside the step and on the device, one row per token into
 fixed buffers at a device-side cursor (so it also runs inside captured CUDA graphs, with no host
 read and no extra sync); ``trace()`` reads them at exit. Rows of sequence key 0 (the KV scratch
@@ -41,6 +41,13 @@ class RoutingTrace(NamedTuple):
     def num_layers(self) -> int:
         return self.ids.shape[1]
 
+    def steps(self) -> list[list[torch.Tensor]]:
+        """Per forward pass, per layer, the distinct experts routed to (what one cache lookup sees)."""
+        order = torch.argsort(self.step, stable=True)
+        bounds = torch.unique_consecutive(self.step[order], return_counts=True)[1].tolist()
+        return [[torch.unique(rows[:, layer]) for layer in range(self.num_layers)]
+                for rows in torch.split(self.ids[order], bounds)]
+
     @property
     def top_k(self) -> int:
         return self.ids.shape[2]
@@ -54,13 +61,6 @@ class RoutingTrace(NamedTuple):
         if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
             raise ValueError(f"{path} is not a routing trace ({TRACE_FORMAT})")
         return cls(**{field: data[field] for field in cls._fields})
-
-    def steps(self) -> list[list[torch.Tensor]]:
-        """Per forward pass, per layer, the distinct experts routed to (what one cache lookup sees)."""
-        order = torch.argsort(self.step, stable=True)
-        bounds = torch.unique_consecutive(self.step[order], return_counts=True)[1].tolist()
-        return [[torch.unique(rows[:, layer]) for layer in range(self.num_layers)]
-                for rows in torch.split(self.ids[order], bounds)]
 
 
 class RecordingRouting:
@@ -94,6 +94,9 @@ class RecordingRouting:
         self.ids[self.rows, layer] = ids.to(torch.int32)
         self.weights[self.rows, layer] = weights.float()
         return weights, ids
+
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        return self.inner.predict(layer, hidden, router)  # a guess is not routing: not recorded
 
     def clear(self) -> None:
         """Forget what was recorded so far (e.g. warm-up steps)."""
@@ -144,3 +147,8 @@ class ReplayRouting:
         weights, ids = self.fallback(layer, hidden, router)
         return (torch.where(self.found, self.weights[self.index, layer], weights),
                 torch.where(self.found, self.ids[self.index, layer], ids))
+
+    def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """The fallback's guess: a trace replayed on the model that recorded it sees the hidden
+        states of the recording, so the model's router guesses as it would have."""
+        return self.fallback.predict(layer, hidden, router)

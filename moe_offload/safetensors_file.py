@@ -57,3 +57,21 @@ def index_files(files: list[str | Path]) -> dict[str, SafetensorsFile]:
         f = SafetensorsFile(path)
         index.update(dict.fromkeys(f.names(), f))
     return index
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The shards named by a checkpoint directory's ``model.safetensors.index.json`` (some repos
+    also ship a consolidated copy, not to be read twice), else all its ``*.safetensors``; or the
+    one file given. Raises ``ValueError`` when there are none or the index names a missing file."""
+    resolved = Path(path).resolve()
+    index = resolved / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({resolved / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(resolved.glob("*.safetensors")) if resolved.is_dir() else [resolved]
+    if not files:
+        raise ValueError(f"{resolved}: no *.safetensors files")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{resolved}: safetensors index names missing files {missing}")
+    return files

@@ -6,53 +6,19 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Collection, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from moe_offload.expert_store import SHM_DIR, ExpertStore
+from moe_offload.expert_names import CHECKPOINT_STYLES, ExpertNames, detect_names
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import ExpertFormat, w13_scale_shape
 from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
-from moe_offload.safetensors_file import SafetensorsFile, index_files
-from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format, checkpoint_files
+from moe_offload.safetensors_file import SafetensorsFile, checkpoint_files, index_files
+from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format
 from moe_offload.store_quantize import fill_dummy_fp8
-
-
-class ExpertNames(NamedTuple):
-    """Tensor-name templates of one checkpoint style, with ``{layer}`` and ``{expert}`` to fill in.
-    A per-expert style names ``gate [I, H]``, ``up [I, H]`` and ``down [H, I]``; a fused style names
-    ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]`` once per layer."""
-
-    down: str
-    gate: str | None = None
-    up: str | None = None
-    gate_up: str | None = None
-
-    @property
-    def probe(self) -> str:
-        """The name whose presence identifies the style."""
-        return self.gate_up or self.gate
-
-
-_MIXTRAL = "model.layers.{layer}.block_sparse_moe.experts.{expert}."
-_QWEN3_MOE = "model.layers.{layer}.mlp.experts.{expert}."
-_FUSED = "model.layers.{layer}.mlp.experts."
-MIXTRAL_NAMES = ExpertNames(down=_MIXTRAL + "w2.weight", gate=_MIXTRAL + "w1.weight", up=_MIXTRAL + "w3.weight")
-QWEN3_MOE_NAMES = ExpertNames(
-    down=_QWEN3_MOE + "down_proj.weight", gate=_QWEN3_MOE + "gate_proj.weight", up=_QWEN3_MOE + "up_proj.weight"
-)
-FUSED_NAMES = ExpertNames(down=_FUSED + "down_proj", gate_up=_FUSED + "gate_up_proj")  # transformers 5
-CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, FUSED_NAMES)
-
-
-def detect_names(tensor_names: Collection[str], layer: int, styles: Sequence[ExpertNames] = CHECKPOINT_STYLES) -> ExpertNames:
-    for style in styles:
-        if style.probe.format(layer=layer, expert=0) in tensor_names:
-            return style
-    tried = [style.probe.format(layer=layer, expert=0) for style in styles]
-    raise ValueError(f"no expert weights for layer {layer} in the checkpoint; looked for {tried}")
 
 
 class ExpertLayer(NamedTuple):

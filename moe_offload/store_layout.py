@@ -1,5 +1,5 @@
-"""What an expert store holds and whose it is: the bank layout, the store identity and the header
-at the start of the shared-memory segment.
+"""What an expert store holds and whose it is: the bank layout and the store identity (the header
+that records both at the start of the segment is ``store_header.py``).
 
 ```
  0              HEADER_BYTES         (every offset a multiple of ALIGN)                total_bytes
@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -30,15 +28,12 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.fp8 import ExpertFormat, ScaleBlock, w13_scale_shape
+from moe_offload.safetensors_file import checkpoint_files
 
-MAGIC = b"SLUICEXS"
 FORMAT_VERSION = 1
 SEGMENT_PREFIX = "sluice-experts-"
-HEADER_BYTES = 1 << 16
+HEADER_BYTES = 1 << 16  # the banks start here (store_header.py writes what comes before)
 ALIGN = 4096
-_FIXED = struct.Struct("<8sIIQdd")
-COMPLETE_OFFSET = 12
-FILL_SECONDS_OFFSET = 32
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -183,56 +178,3 @@ class StoreIdentity:
         g = geometry
         label = f"dummy L={g.num_layers} E={g.num_experts} H={g.hidden} I={g.intermediate} seed={seed} {fmt.name}"
         return cls(label, json.dumps(key))
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The shards named by a checkpoint directory's ``model.safetensors.index.json`` (some repos
-    also ship a consolidated copy, not to be read twice), else all its ``*.safetensors``; or the
-    one file given."""
-    resolved = Path(path).resolve()
-    index = resolved / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({resolved / name for name in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(resolved.glob("*.safetensors")) if resolved.is_dir() else [resolved]
-    if not files:
-        raise ValueError(f"no *.safetensors files in {resolved}")
-    return files
-
-
-class Header(NamedTuple):
-    identity: StoreIdentity
-    layout: BankLayout
-    complete: bool
-    created: float
-    fill_seconds: float
-
-
-def pack_header(identity: StoreIdentity, layout: BankLayout) -> bytes:
-    """A header with ``complete`` unset; the creator sets it once the banks are filled."""
-    block = list(layout.scale_block) if layout.scale_block else None
-    meta = json.dumps({"label": identity.label, "key": identity.key, "banks": layout.to_json(),
-                       "scale_block": block}).encode()
-    if _FIXED.size + len(meta) > HEADER_BYTES:
-        raise ValueError(f"expert store header of {len(meta)} bytes does not fit in {HEADER_BYTES}")
-    return _FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(meta), time.time(), 0.0) + meta
-
-
-def parse_header(raw: bytes) -> Header:
-    """Raises ValueError saying what is wrong with a header that is not ours or not readable."""
-    if len(raw) < _FIXED.size:
-        raise ValueError(f"too short for a header ({len(raw)} bytes)")
-    magic, version, complete, meta_len, created, fill_seconds = _FIXED.unpack_from(raw)
-    if magic != MAGIC:
-        raise ValueError(f"foreign magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"format version {version}, expected {FORMAT_VERSION}")
-    if _FIXED.size + meta_len > min(len(raw), HEADER_BYTES):
-        raise ValueError(f"header metadata length {meta_len} out of range")
-    try:
-        meta = json.loads(raw[_FIXED.size : _FIXED.size + meta_len])
-        identity = StoreIdentity(meta["label"], meta["key"])
-        layout = BankLayout.from_json(meta["banks"], meta.get("scale_block"))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"unreadable header metadata ({e})") from None
-    return Header(identity, layout, complete == 1, created, fill_seconds)

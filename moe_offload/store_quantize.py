@@ -18,7 +18,7 @@ import torch
 
 from moe_offload.expert_store import ExpertStore
 from moe_offload.experts import ExpertBanks
-from moe_offload.fp8 import FP8_MAX, ScaleBlock, quantize
+from moe_offload.fp8 import FP8_MAX, ScaleBlock, amax_scale, quantize
 from moe_offload.progress import ProgressBar
 
 DUMMY_STD = 0.02  # as fill_dummy's bf16 experts
@@ -39,7 +39,7 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: 
         return
     tiles = w.view(rows // block.rows, block.rows, cols // col_block, col_block)
     amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_())
-    scale.copy_(torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
+    scale.copy_(amax_scale(amax))
     tiles.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
     q.copy_(w)
 

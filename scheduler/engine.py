@@ -21,33 +21,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from scheduler.config import EngineConfig
 from scheduler.faults import FaultHooks, poisons_device
 from scheduler.messages.from_scheduler import TokenUpdate
 from scheduler.page_manager import PageManager
 from scheduler.request import Request
 from worker.batch import SequenceChunk, to_device
+from worker.memory_plan import MemoryPlan
 from worker.runner import ModelRunner
 
 log = logging.getLogger("sluice.scheduler")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_prefill_tokens: int = 2048
-    max_running: int = 64
-    prefix_cache: bool = True
-    overlap: bool = True
-    kv_host_gib: float = 0.0  # host KV tier size; 0 disables it (evicted prefixes are recomputed)
-    # "writethrough" mirrors cached pages to the host as they enter (off the critical path); "writeback"
-    # writes them when evicted, inside the admission that needs the room: on an H200 (qwen3-30b-geometry,
-    # 25% experts, 6 sessions over 3x the pool) TTFT was 970 ms against 1401 ms (scripts/bench_kv_tier.py)
-    kv_tier_mode: str = "writethrough"
-    kv_tier_copy: str = "kernel"  # host<->GPU page moves: zero-copy kernel, or "memcpy" per run
 
 
 class _Launched(NamedTuple):
@@ -64,14 +51,18 @@ class Failure(NamedTuple):
 
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(),
-                 faults: FaultHooks = FaultHooks([])):
+                 faults: FaultHooks = FaultHooks([]), plan: MemoryPlan | None = None):
+        """``plan``: the memory plan the engine sizes its prefill chunk and host KV tier from; None:
+        the runner's (a benchmark's A/B passes it with the tier or the chunk changed)."""
         self.runner = runner
         self.config = config
         self.faults = faults
+        plan = plan or runner.plan
+        self.prefill_tokens = plan.prefill_tokens
         self.failures: list[Failure] = []  # requests a step failed since the caller last took them
         self._launching: list[Request] = []  # the batch being prepared or launched
-        self.pages = PageManager(runner.kv_pool, config.prefix_cache, int(config.kv_host_gib * 2**30),
-                                 config.kv_tier_mode, config.kv_tier_copy)
+        self.pages = PageManager(runner.kv_pool, config.prefix_cache, plan.host_kv_bytes, config.kv_tier_mode,
+                                 config.kv_tier_copy)
         self.device = runner.device
         self.token_buffer = torch.zeros(config.max_running, dtype=torch.int64, device=self.device)
         self.free_rows = list(range(config.max_running - 1, -1, -1))
@@ -183,7 +174,7 @@ class Engine:
     def _launch(self) -> _Launched | None:
         chunks, params, steps, samples = [], [], [], []
         reqs = self._launching = []
-        budget = self.config.max_prefill_tokens
+        budget = self.prefill_tokens
         for req in list(self.running):  # a preemption takes requests out
             if req.preempted:
                 continue
@@ -319,7 +310,7 @@ class Engine:
 
     # ==== stats ====
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         pool = self.pages.pool
         elapsed = max(time.monotonic() - self.started, 1e-9)
         radix = self.pages.radix
@@ -333,4 +324,5 @@ class Engine:
             "kv_pages_cached": radix.num_pages if radix else 0,
             "kv_usage": 1 - pool.num_free / pool.capacity,
             **self.pages.stats(),
+            **self.runner.stats(),
         }

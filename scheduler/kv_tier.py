@@ -1,4 +1,6 @@
-"""The host KV tier: moves radix-cache pages between the GPU pool and the host pool, and counts.
+"""The host KV tier's policy and streams: which radix-cache pages move between the GPU pool and the
+host pool, when, and on which stream; the pools move them (``HostKVPool.write_from`` /
+``load_into``, over ``worker/kv/page_copy.py``'s kernels).
 
     write-back   a GPU node evicted without a host copy is written to the host then (once)
     write-through  a node is mirrored to the host when it enters the cache; eviction writes nothing
@@ -22,24 +24,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scheduler.config import KV_TIER_COPIES, KV_TIER_MODES
 from scheduler.radix_cache import RadixCache
-from worker.host_kv_pool import HostKVPool
-from worker.kv_pool import KVPool
-from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages
+from worker.kv.host_pool import HostKVPool
+from worker.kv.gpu_pool import KVPool
 
 if TYPE_CHECKING:
     from scheduler.radix_cache import _Node
-
-MODES = ("writeback", "writethrough")
-COPY_METHODS = ("kernel", "memcpy")
-PLAN_CAPACITY = 512  # pairs per launch; longer moves take several launches of the same shape
 
 
 class KVTier:
     def __init__(self, pool: KVPool, host: HostKVPool, radix: RadixCache, mode: str, method: str,
                  in_flight: set[int]):
-        if mode not in MODES or method not in COPY_METHODS:
-            raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {MODES} / {COPY_METHODS}")
+        if mode not in KV_TIER_MODES or method not in KV_TIER_COPIES:
+            raise ValueError(f"KV tier mode {mode!r} / copy method {method!r}: use one of {KV_TIER_MODES} / "
+                             f"{KV_TIER_COPIES}")
         self.pool, self.host, self.radix, self.mode, self.method = pool, host, radix, mode, method
         self.device = pool.k.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -148,19 +147,10 @@ class KVTier:
             self._collect_timings()
 
     def _launch(self, kind: str, src: list[int], dst: list[int]) -> None:
-        pool, host = self.pool, self.host
-        if self.method == "memcpy":
-            pools = (pool.k, pool.v, host.k, host.v) if kind == "written" else (host.k, host.v, pool.k, pool.v)
-            copy_page_runs(src, dst, *pools)
-            return
-        for i in range(0, len(src), PLAN_CAPACITY):
-            s, d = src[i:i + PLAN_CAPACITY], dst[i:i + PLAN_CAPACITY]
-            if kind == "written":
-                plan = build_plan(s, d, PLAN_CAPACITY, pool.num_pages, host.num_pages, self.device)
-                write_pages(plan, pool.k, pool.v, host.kernel_k, host.kernel_v)
-            else:
-                plan = build_plan(s, d, PLAN_CAPACITY, host.num_pages, pool.num_pages, self.device)
-                load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+        if kind == "written":
+            self.host.write_from(self.pool, src, dst, self.method)
+        else:
+            self.host.load_into(self.pool, src, dst, self.method)
 
     def _collect_timings(self) -> None:
         """Fold in the timings of copies that have finished (``query`` never waits)."""

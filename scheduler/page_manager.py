@@ -7,8 +7,8 @@ or held by exactly one radix node.
 """
 from __future__ import annotations
 
-from worker.host_kv_pool import HostKVPool
-from worker.kv_pool import KVPool
+from worker.kv.host_pool import HostKVPool
+from worker.kv.gpu_pool import KVPool
 
 from scheduler.kv_tier import KVTier
 from scheduler.radix_cache import PrefixMatch, RadixCache

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.radix_cache import PrefixMatch
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 if TYPE_CHECKING:
     import torch

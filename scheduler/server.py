@@ -12,13 +12,13 @@ import os
 import sys
 import time
 
+import msgspec
 import zmq
 
 from scheduler.engine import Engine
 from scheduler.heartbeat import HeartbeatThread
 from scheduler.messages import ProtocolError, from_scheduler, to_scheduler
 from scheduler.request import Request
-from worker.sampling import SamplingParams
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -99,7 +99,7 @@ class SchedulerServer:
     def add_request(self, msg: to_scheduler.TokenizedRequest) -> None:
         s = msg.sampling
         seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(4), "little")
-        params = SamplingParams(s.temperature, s.top_k, s.top_p, seed)
+        params = msgspec.structs.replace(s, seed=seed)
         error = self.refusal(msg, params)
         if error is None:
             req = Request(msg.rid, list(msg.input_ids), params, msg.max_tokens, frozenset(msg.eos_token_ids),
@@ -108,7 +108,7 @@ class SchedulerServer:
         if error:
             self.send(from_scheduler.RequestError(rid=msg.rid, message=error))
 
-    def refusal(self, msg: to_scheduler.TokenizedRequest, params: SamplingParams) -> str | None:
+    def refusal(self, msg: to_scheduler.TokenizedRequest, params: to_scheduler.SamplingParams) -> str | None:
         """Why the engine cannot take ``msg`` (the frontend checked it already; this side must not
         crash on a frame that a client of its own makes)."""
         vocab = self.model_info.vocab_size
@@ -123,15 +123,4 @@ class SchedulerServer:
         return None
 
     def stats(self) -> dict:
-        stats = dict(self.engine.stats())
-        stats["scheduler_pid"] = os.getpid()
-        experts = self.engine.runner.experts
-        pipeline = getattr(experts, "pipeline", None)
-        if pipeline is not None:
-            stats.update({f"prefill_{k}": v for k, v in pipeline.stats().items()})
-        cache = getattr(experts, "cache", None)
-        if cache is not None:
-            moe = cache.stats()
-            stats.update({f"moe_{k}": v for k, v in moe["total"].items()})
-            stats.update(moe_hit_rate=moe["hit_rate"], moe_cache_slots=moe["slots"], moe_policy=moe["policy"])
-        return stats
+        return {**self.engine.stats(), "scheduler_pid": os.getpid()}

@@ -14,9 +14,8 @@ import torch
 
 from scheduler.engine import Engine
 from worker.batch import SequenceChunk
-from worker.page_copy import build_plan, load_pages, write_pages
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -34,7 +33,7 @@ def warm_up(engine: Engine) -> float:
     _warm_kv_tier(engine)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # start-up, not a step: wait so the time is true
-    _reset_expert_counters(runner)
+    runner.reset_stats()  # the experts' counters count served requests only
     runner.clear_routing_record()  # warm-up tokens sit on real pages: a replay would route requests by them
     seconds = time.perf_counter() - start
     log.info("warm-up: prefill chunks, decode, sampling and page copies compiled, %d decode graphs "
@@ -47,7 +46,7 @@ def _warm_runner(runner: ModelRunner) -> int:
     prefix, then decode steps (greedy and sampled); then every decode graph bucket."""
     room = min(runner.model_config.max_context, (runner.kv_pool.num_pages - 1) * runner.page_size) - 2
     on_gpu = runner.device.type == "cuda"
-    sizes = (runner.max_prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
+    sizes = (runner.plan.prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
     pages = list(range(1, runner.kv_pool.num_pages))  # page 0 is the scratch page
     done = 0
     for n in sizes:
@@ -74,17 +73,5 @@ def _warm_kv_tier(engine: Engine) -> None:
     tier = engine.pages.tier
     if tier is None or tier.method == "memcpy":
         return
-    pool, host = tier.pool, tier.host
-    write_pages(build_plan([1], [0], 1, pool.num_pages, host.num_pages, engine.device),
-                pool.k, pool.v, host.kernel_k, host.kernel_v)
-    load_pages(build_plan([0], [1], 1, host.num_pages, pool.num_pages, engine.device),
-               host.kernel_k, host.kernel_v, pool.k, pool.v)
-
-
-def _reset_expert_counters(runner: ModelRunner) -> None:
-    cache = getattr(runner.experts, "cache", None)
-    if cache is not None:
-        cache.reset_stats()
-    pipeline = getattr(runner.experts, "pipeline", None)
-    if pipeline is not None:
-        pipeline.reset_stats()
+    tier.host.write_from(tier.pool, [1], [0])
+    tier.host.load_into(tier.pool, [0], [1])

@@ -2,7 +2,7 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
-        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on] [--gpus 1 2]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
@@ -11,33 +11,47 @@ misses' bytes as the cache moved them.
 checkpoint directory. Dummy weights route nearly the same experts every step; ``--routing
 synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
 Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once).
+Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
+the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
+the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s.
+Each ``--gpus`` count gets its own rows, at the same cache per GPU (expert parallelism: the
+aggregate cache grows with the GPUs); the hit rate and bytes are rank 0's, i.e. per link.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from moe_offload.expert_cache import slot_bytes
-from moe_offload.fp8 import EXPERT_DTYPES
+from moe_offload.choices import EXPERT_DTYPES, LENT_SLOT_RULES, POLICIES
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
-from moe_offload.offloaded import LENT_SLOT_RULES
 from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
+from worker.distributed.parallel_runner import start_runner
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
+from report_table import print_table  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
 HBM_BYTES_PER_S = 4.3e12
 
 
+COUNTERS = ("lookups", "hits", "misses", "bytes_h2d", "predicted", "prefetch_bytes")
+
+
 def cache_totals(runner: ModelRunner) -> dict:
     cache = getattr(runner.experts, "cache", None)
-    return cache.stats()["total"] if cache is not None else {"lookups": 0, "hits": 0, "misses": 0, "bytes_h2d": 0}
+    if cache is None:
+        return dict.fromkeys(COUNTERS, 0)
+    stats = cache.stats()
+    return {**stats["total"], "prefetch_bytes": stats["prefetch"]["bytes_h2d"]}
 
 
 def expert_bytes(runner: ModelRunner) -> int:
@@ -65,8 +79,8 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
 
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
                profile_steps: int = 0) -> dict:
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=prompt_tokens * batch, max_running=batch,
-                                         prefix_cache=False))
+    engine = Engine(runner, EngineConfig(max_running=batch, prefix_cache=False),
+                    plan=replace(runner.plan, prefill_tokens=prompt_tokens * batch))  # every prompt in one chunk
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
     reqs = [Request(str(i), torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), SamplingParams(),
@@ -89,17 +103,22 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     seconds, after = time.perf_counter() - start, cache_totals(runner)
     engine.check_pages()
     steps = decode_tokens - 1
-    delta = {k: after[k] - before[k] for k in ("lookups", "hits", "misses", "bytes_h2d")}
+    delta = {k: after[k] - before[k] for k in COUNTERS}
     return dict(seconds=seconds, steps=steps, tokens=steps * batch, **delta)
 
 
-def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str) -> list[dict]:
-    runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
-                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                      routing=RoutingOptions(args.routing),
-                                      experts=ExpertOptions(cache_fraction=fraction, policy=args.policy,
-                                                            dummy_weights=args.model in GEOMETRIES,
-                                                            expert_dtype=expert_dtype, lent_slots=lent)))
+def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
+               gpus: int) -> ModelRunner:
+    experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
+                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on")
+    return start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+                                     cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                     routing=RoutingOptions(args.routing), experts=experts, gpus=gpus))
+
+
+def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
+                 gpus: int) -> list[dict]:
+    runner = runner_for(args, fraction, expert_dtype, lent, prefetch, gpus)
     cfg = runner.model_config
     w = runner.weights
     dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -116,17 +135,30 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
         distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
         if fraction >= 1.0:
             distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
-        step_pcie = r["bytes_h2d"] / max(r["steps"], 1) / PCIE_BYTES_PER_S
+        moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
+        step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
         step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
         bound = max(step_pcie, step_hbm)
-        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, batch=batch, tok_s=tok_s,
-                         hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
-                         bytes_per_token=r["bytes_h2d"] / max(r["tokens"], 1),
+        rows.append(dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent,
+                         prefetch=prefetch,
+                         batch=batch, tok_s=tok_s, hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
+                         guessed=r["predicted"] / r["lookups"] if r["lookups"] else 0.0,
+                         bytes_per_token=moved / max(r["tokens"], 1),
+                         prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                          bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                          ratio=tok_s / (batch / bound), **profiled))
+    runner.close()
     del runner
     torch.cuda.empty_cache()
     return rows
+
+
+COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
+           ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("batch", "batch", ">5"),
+           ("tok/s", "tok_s", ">8.1f"), ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
+           ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
+           ("bound tok/s", "bound_tok_s", ">11.1f"), ("bound", "bound", ">5"), ("ratio", "ratio", ">6.3f"),
+           ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f")]
 
 
 def main() -> None:
@@ -136,33 +168,35 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--policy", default="lfru")
+    p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
-    p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
+    p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
+                   help="run as on a card this size")
+    p.add_argument("--expert-dtype", nargs="+", default=[ExpertOptions.expert_dtype], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
-    p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
-    p.add_argument("--lent-slots", nargs="+", default=["reserve"], choices=list(LENT_SLOT_RULES),
+    p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
+    p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
+    p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on"],
+                   help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")
+    p.add_argument("--gpus", type=int, nargs="+", default=[1],
+                   help="GPU counts to compare by expert parallelism, e.g. 1 2 (the cache fraction is per GPU)")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
-    for fraction in args.fractions:
-        for expert_dtype in args.expert_dtype:
-            for lent in args.lent_slots:
-                rows += bench_runner(args, fraction, expert_dtype, lent)
+    for gpus in args.gpus:
+        for fraction in args.fractions:
+            for expert_dtype in args.expert_dtype:
+                for lent in args.lent_slots:
+                    for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: no fetch
+                        rows += bench_runner(args, fraction, expert_dtype, lent, prefetch, gpus)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
-    print(f"{'cache':>6} {'experts':>12} {'lent':>7} {'batch':>5} {'tok/s':>8} {'hit rate':>8} {'MB moved/tok':>12} "
-          f"{'bound tok/s':>11} {'bound':>5} {'ratio':>6} {'kernels/step':>12} {'GPU ms/step':>11}")
-    for r in rows:
-        print(f"{r['fraction']:>6.0%} {r['experts']:>12} {r['lent_slots']:>7} {r['batch']:>5} {r['tok_s']:>8.1f} {r['hit_rate']:>8.3f} "
-              f"{r['bytes_per_token'] / 1e6:>12.1f} {r['bound_tok_s']:>11.1f} {r['bound']:>5} {r['ratio']:>6.3f} "
-              f"{r['kernels']:>12.0f} {r['busy_ms']:>11.2f}")
+    print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
+                               guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 HBM_BYTES_PER_S = 4.3e12
 
@@ -53,8 +55,8 @@ def main() -> None:
     expert = runner.weights.experts.w13[0, 0].numel() * 3 // 2 * runner.weights.experts.w13.element_size()
     rows = []
     for batch in [1] + args.batch:  # the first run warms up
-        engine = Engine(runner, EngineConfig(max_prefill_tokens=args.prompt_tokens * batch, max_running=max(batch, 1),
-                                             prefix_cache=False))
+        engine = Engine(runner, EngineConfig(max_running=max(batch, 1), prefix_cache=False),
+                        plan=replace(runner.plan, prefill_tokens=args.prompt_tokens * batch))
         gen = torch.Generator().manual_seed(batch)
         reqs = [Request(str(i), torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist(),
                         SamplingParams(), args.decode_tokens, frozenset(), ignore_eos=True) for i in range(batch)]
@@ -74,8 +76,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f} {r['decode_hbm_bound_tok_s']:>16.0f} {r['ratio']:>6.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python scripts/bench_grouped_gemm.py [--tokens 1,8,64,2048] [--expert-dtype bf16|fp8|both]
                                          [--scale-block b128|channel] [--fp8-activations] [--sweep]
-                                         [--json out.json]
+                                         [--decode-sweep] [--json out.json]
 
 Each size is captured in a CUDA graph and the replay timed with ``triton.testing.do_bench`` (which
 flushes L2 between runs), so tiny decode launches are not measured as Python launch overhead; the
@@ -14,6 +14,12 @@ GEMM (weight-only); "fp8a8" rows (``--fp8-activations``) quantize activations pe
 and multiply fp8 x fp8. With ``both``, "vs bf16" is the bf16 time over the row's time at the same
 routing (above 1: faster than bf16). ``--sweep`` times fp8 tile configs (block_m, block_n,
 block_k, group_m, warps, stages) per size, for each fp8 variant asked for.
+
+Bf16 batches of up to ``DECODE_MAX_PAIRS`` (token, expert) pairs take the decode path
+(``grouped_gemm_decode``, two or three launches); rows "bf16-align" time the general four-launch
+path at the same sizes ("vs bf16" below 1: the decode path is faster). ``--decode-sweep`` times
+the decode path's tiles (gate_up n, gate_up k, down n, down k, warps, stages; the per-slot down's
+tiles stay at their defaults).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, quantize, quantize_w13  # noqa: E402
 from moe_offload.grouped import ExpertScales, grouped_swiglu  # noqa: E402
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DecodeConfig  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 7.86e14
@@ -36,6 +43,9 @@ SCALE_BLOCKS = {"b128": BLOCK_128, "channel": PER_CHANNEL}
 SWEEP = [(16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 128, 128, 16, 4, 5), (32, 128, 128, 8, 4, 4),
          (64, 64, 128, 1, 4, 3), (64, 128, 128, 16, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
          (128, 256, 64, 8, 8, 3)]
+DECODE_SWEEP = [(32, 128, 16, 256, 4, 3), (16, 128, 16, 256, 4, 3), (32, 256, 16, 256, 4, 3), (64, 128, 32, 256, 4, 3),
+                (32, 128, 8, 256, 4, 3), (32, 128, 16, 128, 4, 4), (16, 256, 16, 128, 4, 4), (32, 128, 32, 128, 8, 3),
+                (16, 128, 8, 256, 4, 4), (32, 64, 16, 256, 4, 5)]
 
 
 def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
@@ -90,8 +100,13 @@ def bench_one(num_tokens: int, args: argparse.Namespace, dtype: str, banks: tupl
     w13, w2, scales = banks
     hidden, weights, slots = routing(num_tokens, args)
     fp8_acts = dtype == "fp8a8"
-    graph_us, launched_us = time_us(lambda: grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales,
-                                                           fp8_activations=fp8_acts))
+    if dtype == "bf16-align":
+        from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
+
+        graph_us, launched_us = time_us(lambda: fused_grouped_swiglu(hidden, weights, slots, w13, w2))
+    else:
+        graph_us, launched_us = time_us(lambda: grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales,
+                                                               fp8_activations=fp8_acts))
     touched = len(torch.unique(slots))
     hbm_us = touched * expert_bytes(w13, w2, scales) / HBM_BYTES_PER_S * 1e6
     peak = BF16_FLOPS_PER_S * (2 if fp8_acts else 1)
@@ -118,18 +133,32 @@ def sweep(num_tokens: int, args: argparse.Namespace, banks: tuple, fp8_acts: boo
     return rows
 
 
+def decode_sweep(num_tokens: int, args: argparse.Namespace, banks: tuple) -> list[dict]:
+    from moe_offload.kernels.grouped_gemm_decode import decode_grouped_swiglu
+
+    w13, w2, _ = banks
+    hidden, weights, slots = routing(num_tokens, args)
+    rows = []
+    for tiles in DECODE_SWEEP:
+        config = DecodeConfig(*tiles)
+        graph_us, _ = time_us(lambda: decode_grouped_swiglu(hidden, weights, slots, w13, w2, config))
+        rows.append({"variant": "decode", "tokens": num_tokens, "config": list(tiles),
+                     "default": config == DecodeConfig(), "time_us": graph_us})
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     bf16 = {r["tokens"]: r["time_us"] for r in rows if r["dtype"] == "bf16"}
-    print(f"{'dtype':>5} {'tokens':>7} {'experts':>7} {'graph us':>9} {'launched us':>11} {'HBM us':>8} "
+    print(f"{'dtype':>10} {'tokens':>7} {'experts':>7} {'graph us':>9} {'launched us':>11} {'HBM us':>8} "
           f"{'compute us':>10} {'bound/time':>10} {'vs bf16':>8}")
     for r in sorted(rows, key=lambda r: (r["tokens"], r["dtype"])):
         speedup = f"{bf16[r['tokens']] / r['time_us']:8.2f}" if r["dtype"] != "bf16" and r["tokens"] in bf16 else ""
-        print(f"{r['dtype']:>5} {r['tokens']:7d} {r['experts_touched']:7d} {r['time_us']:9.1f} {r['launched_us']:11.1f} "
+        print(f"{r['dtype']:>10} {r['tokens']:7d} {r['experts_touched']:7d} {r['time_us']:9.1f} {r['launched_us']:11.1f} "
               f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f} {speedup:>8}")
 
 
-def print_sweep(rows: list[dict]) -> None:
-    print("\nfp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages); * = default, < = best")
+def print_sweep(rows: list[dict], title: str) -> None:
+    print(f"\n{title}; * = default, < = best")
     for key in sorted({(r["variant"], r["tokens"]) for r in rows}):
         mine = [r for r in rows if (r["variant"], r["tokens"]) == key]
         best = min(r["time_us"] for r in mine)
@@ -150,6 +179,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fp8-activations", action="store_true",
                         help="also time the fp8 x fp8 variant (activations quantized per token-group)")
     parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help=f"also time the bf16 decode path's tiles at sizes up to {DECODE_MAX_PAIRS} pairs")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
 
@@ -165,11 +196,17 @@ def main() -> int:
     banks = make_banks(args)
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = [bench_one(t, args, dtype, bank) for dtype, bank in banks.items() for t in tokens]
+    if "bf16" in banks:
+        rows += [bench_one(t, args, "bf16-align", banks["bf16"]) for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS]
     print_rows(rows)
     variants = [False, True] if args.fp8_activations else [False]
     sweep_rows = [r for a8 in variants for t in tokens for r in sweep(t, args, banks["fp8"], a8)] if args.sweep else []
     if sweep_rows:
-        print_sweep(sweep_rows)
+        print_sweep(sweep_rows, "fp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages)")
+    if args.decode_sweep and "bf16" in banks:
+        decode_rows = [r for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS for r in decode_sweep(t, args, banks["bf16"])]
+        print_sweep(decode_rows, "bf16 decode tile sweep (gate_up n, gate_up k, down n, down k, warps, stages)")
+        sweep_rows += decode_rows
     if args.json:
         geometry = {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k", "scale_block")}
         Path(args.json).write_text(json.dumps({"geometry": geometry, "rows": rows, "sweep": sweep_rows}, indent=2))

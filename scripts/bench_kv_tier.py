@@ -16,18 +16,20 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from scheduler import kv_tier
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.cli_options import add_runner_args, resolve_model, runner_config
-from worker.host_kv_pool import HostKVPool
-from worker.kv_pool import KVPool
-from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages
+from worker.kv.host_pool import HostKVPool
+from worker.kv.gpu_pool import KVPool
+from worker.kv.page_copy import COPY_METHODS
 from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
+from report_table import print_table  # beside this script
 
 PCIE_BYTES_PER_S = 55.3e9
 MODES = {  # name -> (host tier on, mode, copy method)
@@ -69,14 +71,8 @@ def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
             random.Random(0).shuffle(src)
             random.Random(1).shuffle(dst)
 
-        def kernel():
-            kernel_move(pool, host, "load", src, dst)
-
-        def memcpy():
-            copy_page_runs(src, dst, host.k, host.v, pool.k, pool.v)
-
-        for method, fn in (("kernel", kernel), ("memcpy", memcpy)):
-            seconds = time_copy(runner.device, fn)
+        for method in COPY_METHODS:
+            seconds = time_copy(runner.device, lambda: host.load_into(pool, src, dst, method))
             gbps = num_pages * pool.page_bytes / seconds / 1e9
             rows.append(dict(layout=layout, method=method, pages=num_pages, ms=seconds * 1e3, gb_per_s=gbps,
                              bound_gb_per_s=PCIE_BYTES_PER_S / 1e9, ratio=gbps * 1e9 / PCIE_BYTES_PER_S))
@@ -85,14 +81,10 @@ def copy_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
 
 def kernel_move(pool: KVPool, host: HostKVPool, direction: str, src: list[int], dst: list[int]) -> None:
     """Pages by the zero-copy kernels, as the tier moves them: ``write`` GPU -> host, ``load`` back."""
-    cap = kv_tier.PLAN_CAPACITY
-    for i in range(0, len(src), cap):
-        if direction == "write":
-            plan = build_plan(src[i:i + cap], dst[i:i + cap], cap, pool.num_pages, host.num_pages, pool.k.device)
-            write_pages(plan, pool.k, pool.v, host.kernel_k, host.kernel_v)
-        else:
-            plan = build_plan(src[i:i + cap], dst[i:i + cap], cap, host.num_pages, pool.num_pages, pool.k.device)
-            load_pages(plan, host.kernel_k, host.kernel_v, pool.k, pool.v)
+    if direction == "write":
+        host.write_from(pool, src, dst)
+    else:
+        host.load_into(pool, src, dst)
 
 
 def first_touch_rows(runner: ModelRunner, num_pages: int) -> list[dict]:
@@ -144,7 +136,7 @@ def drain(engine: Engine) -> None:
 def warm_up(runner: ModelRunner, args: argparse.Namespace) -> None:
     """Compile every kernel a turn uses before any is timed: a prompt, then a turn over its cached
     prefix (the paged prefill attention), each decoding, so no mode pays the first compilation."""
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=runner.max_prefill_tokens))
+    engine = Engine(runner, plan=replace(runner.plan, host_kv_bytes=0))
     prompt = random.Random(3).choices(range(runner.model_config.vocab_size), k=4 * runner.page_size)
     for rid, tokens in (("warm-up", prompt), ("warm-up 2", prompt + prompt[:args.new_tokens])):
         run_turn(engine, Request(rid, tokens, SamplingParams(), args.decode_tokens, frozenset(), ignore_eos=True))
@@ -163,9 +155,8 @@ def session_rows(runner: ModelRunner, args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.modes:
         tier_on, mode, method = MODES[name]
-        config = EngineConfig(max_prefill_tokens=runner.max_prefill_tokens, kv_host_gib=host_gib if tier_on else 0,
-                              kv_tier_mode=mode, kv_tier_copy=method)
-        engine = Engine(runner, config)
+        engine = Engine(runner, EngineConfig(kv_tier_mode=mode, kv_tier_copy=method),
+                        plan=replace(runner.plan, host_kv_bytes=int(host_gib * 2**30) if tier_on else 0))
         gen = random.Random(7)
         history = [[gen.randrange(vocab) for _ in range(context)] for _ in range(args.sessions)]
         ttft: list[float] = []
@@ -178,21 +169,35 @@ def session_rows(runner: ModelRunner, args: argparse.Namespace) -> list[dict]:
                     ttft.append(seconds)
                 history[s] = prompt + req.output
         engine.check_pages()
-        stats = engine.stats()
+        rows.append(session_row(name, ttft, engine.stats()))
         drain(engine)
-        restore = stats.get("kv_host_restore_gb_per_s", 0.0)
-        rows.append(dict(mode=name, turns=len(ttft), ttft_ms=statistics.mean(ttft) * 1e3,
-                         turn_ms=[round(t * 1e3, 1) for t in ttft],
-                         write_gb_per_s=stats.get("kv_host_write_gb_per_s", 0.0),
-                         cached_share=stats["cached_prompt_tokens"] / max(stats["prompt_tokens"], 1),
-                         pages_restored=stats.get("kv_host_pages_restored", 0),
-                         pages_written=stats.get("kv_host_pages_written", 0),
-                         restore_gb_per_s=restore, bound_gb_per_s=PCIE_BYTES_PER_S / 1e9,
-                         ratio=restore * 1e9 / PCIE_BYTES_PER_S))
     base = next((r["ttft_ms"] for r in rows if r["mode"] == "recompute"), None)
     for r in rows:
         r["speedup"] = base / r["ttft_ms"] if base else float("nan")
     return rows
+
+
+COPY_COLUMNS = [("layout", "layout", ">10"), ("method", "method", ">7"), ("pages", "pages", ">6"),
+                ("ms", "ms", ">8.2f"), ("GB/s", "gb_per_s", ">7.1f"), ("bound", "bound_gb_per_s", ">6.1f"),
+                ("ratio", "ratio", ">6.3f")]
+TOUCH_COLUMNS = [("kernel", "direction", ">10"), ("host pages", "touch", ">10"), ("pages", "pages", ">6"),
+                 ("GB/s", "gb_per_s", ">7.1f"), ("ratio", "ratio", ">6.3f")]
+SESSION_COLUMNS = [("mode", "mode", ">16"), ("TTFT ms", "ttft_ms", ">9.1f"), ("speedup", "speedup", ">8.2f"),
+                   ("cached", "cached_share", ">7.2f"), ("restored", "pages_restored", ">9"),
+                   ("written", "pages_written", ">8"), ("write GB/s", "write_gb_per_s", ">10.1f"),
+                   ("restore GB/s", "restore_gb_per_s", ">12.1f"), ("bound", "bound_gb_per_s", ">6.1f"),
+                   ("ratio", "ratio", ">6.3f")]
+
+
+def session_row(mode: str, ttft: list[float], stats: dict) -> dict:
+    """One mode's timed turns and what its KV tier moved (speedup is filled in against recompute)."""
+    restore = stats.get("kv_host_restore_gb_per_s", 0.0)
+    return dict(mode=mode, turns=len(ttft), ttft_ms=statistics.mean(ttft) * 1e3,
+                turn_ms=[round(t * 1e3, 1) for t in ttft], write_gb_per_s=stats.get("kv_host_write_gb_per_s", 0.0),
+                cached_share=stats["cached_prompt_tokens"] / max(stats["prompt_tokens"], 1),
+                pages_restored=stats.get("kv_host_pages_restored", 0),
+                pages_written=stats.get("kv_host_pages_written", 0), restore_gb_per_s=restore,
+                bound_gb_per_s=PCIE_BYTES_PER_S / 1e9, ratio=restore * 1e9 / PCIE_BYTES_PER_S)
 
 
 def main() -> None:
@@ -216,25 +221,14 @@ def main() -> None:
     pool = runner.kv_pool
     print(f"model {model_dir} on {device}, {runner.dtype}; GPU pool {pool.capacity} pages of {pool.page_size} tokens "
           f"({pool.page_bytes / 1e6:.2f} MB/page); {args.sessions} sessions x {args.rounds} rounds")
-    print(f"\n{'layout':>10} {'method':>7} {'pages':>6} {'ms':>8} {'GB/s':>7} {'bound':>6} {'ratio':>6}")
-    for r in copies:
-        print(f"{r['layout']:>10} {r['method']:>7} {r['pages']:>6} {r['ms']:>8.2f} {r['gb_per_s']:>7.1f} "
-              f"{r['bound_gb_per_s']:>6.1f} {r['ratio']:>6.3f}")
+    print_table(COPY_COLUMNS, copies, gap=True)
     if touches:
-        print(f"\n{'kernel':>10} {'host pages':>10} {'pages':>6} {'GB/s':>7} {'ratio':>6}")
-        for r in touches:
-            print(f"{r['direction']:>10} {r['touch']:>10} {r['pages']:>6} {r['gb_per_s']:>7.1f} {r['ratio']:>6.3f}")
-    print(f"\n{'mode':>16} {'TTFT ms':>9} {'speedup':>8} {'cached':>7} {'restored':>9} {'written':>8} "
-          f"{'write GB/s':>10} {'restore GB/s':>12} {'bound':>6} {'ratio':>6}")
-    for r in turns:
-        print(f"{r['mode']:>16} {r['ttft_ms']:>9.1f} {r['speedup']:>8.2f} {r['cached_share']:>7.2f} "
-              f"{r['pages_restored']:>9} {r['pages_written']:>8} {r['write_gb_per_s']:>10.1f} "
-              f"{r['restore_gb_per_s']:>12.1f} {r['bound_gb_per_s']:>6.1f} {r['ratio']:>6.3f}")
+        print_table(TOUCH_COLUMNS, touches, gap=True)
+    print_table(SESSION_COLUMNS, turns, gap=True)
     for r in turns:
         print(f"{r['mode']:>16} TTFT per timed turn (ms): {r['turn_ms']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(copy=copies, first_touch=touches, sessions=turns), f, indent=1)
+        Path(args.json).write_text(json.dumps(dict(copy=copies, first_touch=touches, sessions=turns), indent=1))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
-from moe_offload.fp8 import EXPERT_DTYPES
+from moe_offload.choices import EXPERT_DTYPES, INVALIDATE_MODES
 from moe_offload.kernels.stage_experts import stage_experts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import PrefillPipeline
@@ -35,7 +36,9 @@ from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from worker.runner_config import ATTENTION_BACKENDS
+from scheduler.messages.to_scheduler import SamplingParams
+from report_table import print_table  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
 FLOPS_PER_S = 7.9e14
@@ -188,8 +191,8 @@ def main() -> None:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     p.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--prefix", type=int, default=65536, help="cached prefix tokens (0: none)")
-    p.add_argument("--invalidate", nargs="+", default=["fixed", "eager"], choices=["fixed", "eager"])
-    p.add_argument("--attention", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--invalidate", nargs="+", default=list(INVALIDATE_MODES), choices=INVALIDATE_MODES)
+    p.add_argument("--attention", default=RunnerConfig.attention, choices=["auto", *ATTENTION_BACKENDS])
     p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
     p.add_argument("--auto", action="store_true", help="also the per-chunk choice serving uses (row 'auto')")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
@@ -197,7 +200,8 @@ def main() -> None:
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
     p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
-    p.add_argument("--gpu-memory-limit", type=float, default=None, metavar="GiB", help="run as on a card this size")
+    p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
+                   help="run as on a card this size")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []
@@ -205,12 +209,20 @@ def main() -> None:
     for fraction in args.fractions:
         for expert_dtype in args.expert_dtype:
             rows += bench_fraction(args, fraction, expert_dtype, stage_rows)
+    print_report(args, stage_rows, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"stage": stage_rows, "chunks": rows}, indent=1))
+
+
+STAGE_COLUMNS = [("experts", "experts", ">12"), ("staging one layer from the host", "method", "<32"),
+                 ("GB/s", "GB/s", ">6.1f")]
+
+
+def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[dict]) -> None:
     print(f"prefill, {args.model}, {torch.cuda.get_device_name()}, attention {args.attention}, "
           f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
     if stage_rows:
-        print(f"{'experts':>12} {'staging one layer from the host':<32} {'GB/s':>6}")
-        for r in stage_rows:
-            print(f"{r['experts']:>12} {r['method']:<32} {r['GB/s']:>6.1f}")
+        print_table(STAGE_COLUMNS, stage_rows)
     print(f"{'cache':>6} {'experts':>12} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} "
           f"{'hits':>5} {'PCIe GB':>8} {'HBM GB':>7} {'bound s':>8} {'bound':>5} {'ratio':>6}")
     for r in rows:
@@ -220,9 +232,6 @@ def main() -> None:
             continue
         print(f"{head} {r['seconds']:>8.3f} {r['tok_s']:>8.0f} {r['hit_rate']:>5.2f} {r['pcie_gb']:>8.1f} "
               f"{r['hbm_gb']:>7.1f} {r['bound_s']:>8.3f} {r['bound']:>5} {r['ratio']:>6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"stage": stage_rows, "chunks": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

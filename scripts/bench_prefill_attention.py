@@ -1,13 +1,15 @@
-"""Prefill attention of one layer over the paged KV pool: the Triton kernel (a few tiles), and
-without a cached prefix SDPA's causal kernel over the new K/V (what the "triton" backend runs
-then), against the torch reference backend (gather the pages, expand GQA heads, SDPA with a
-bottom-right causal mask), as TFLOP/s and the ratio to the bound FLOPs / 7.9e14 (the measured bf16
-matmul ceiling).
+"""Prefill attention of one layer over the paged KV pool: the Triton kernel (its table's tile with
+the launch's split-KV choice, or a sweep of tiles and split counts), SDPA's flash kernel beside it
+(causal over the chunk when there is no prefix; over the same keys laid out contiguously and
+unmasked when there is one: the dense ceiling), and optionally the torch reference backend (gather
+the pages, expand GQA heads, SDPA with a bottom-right causal mask); as TFLOP/s and the ratio to the
+bound FLOPs / 7.86e14 (the measured bf16 matmul ceiling).
 
-    python scripts/bench_prefill_attention.py [--chunks 8192 32768] [--prefixes 0 65536] [--sweep] [--json F]
+    python scripts/bench_prefill_attention.py [--quick] [--sweep] [--splits auto 1 4] [--reference] [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16,
-pages of 16 tokens in shuffled order, one sequence per step.
+pages of 16 tokens in shuffled order, one sequence per step. The default grid is chunks of
+1k/2k/8k/32k tokens over prefixes of 0/32k/64k/128k; ``--quick`` times 2k and 8k over 0 and 128k.
 """
 from __future__ import annotations
 
@@ -15,18 +17,31 @@ import argparse
 import json
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from worker.attention.split_kv import multiprocessors, split_count
 from worker.attention.torch_backend import TorchAttention
 from worker.attention.triton_backend import causal_self_attention
-from worker.attention.triton_prefill import TILE, PrefillTile, paged_prefill_attention, prefill_block_table
+from worker.attention.triton_prefill import PrefillTile, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import SequenceChunk, build_batch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
-FLOPS_PER_S = 7.9e14
+FLOPS_PER_S = 7.86e14
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
-SWEEP = [PrefillTile(128, 64, 8, 3), PrefillTile(128, 128, 8, 2), PrefillTile(256, 64, 8, 3),
-         PrefillTile(256, 64, 8, 2), PrefillTile(256, 32, 8, 3), PrefillTile(256, 128, 8, 2),
-         PrefillTile(256, 64, 16, 2), PrefillTile(256, 64, 16, 3), PrefillTile(512, 64, 16, 2)]
+CHUNKS, PREFIXES = [1024, 2048, 8192, 32768], [0, 32768, 65536, 131072]
+QUICK_CHUNKS, QUICK_PREFIXES = [2048, 8192], [0, 131072]
+SWEEP = [  # warp specialisation last: a setting Triton cannot build on this GPU may take the process down
+    PrefillTile(256, 64, 16, 2), PrefillTile(256, 64, 16, 3), PrefillTile(256, 64, 8, 2), PrefillTile(256, 128, 16, 2),
+    PrefillTile(256, 128, 8, 2), PrefillTile(128, 64, 8, 3), PrefillTile(128, 128, 8, 2), PrefillTile(128, 128, 8, 3),
+    PrefillTile(128, 128, 4, 2), PrefillTile(512, 64, 16, 2), PrefillTile(256, 64, 16, 2, qk_ahead=True),
+    PrefillTile(256, 64, 8, 2, qk_ahead=True), PrefillTile(128, 128, 8, 2, qk_ahead=True),
+    PrefillTile(256, 64, 16, 2, True), PrefillTile(128, 128, 8, 2, True), PrefillTile(128, 64, 4, 2, True)]
+
+
+def tile_name(tile: PrefillTile) -> str:
+    knobs = " ws" * tile.warp_specialize + " ahead" * tile.qk_ahead
+    return f"{tile.rows}x{tile.block_n} w{tile.num_warps} s{tile.num_stages}{knobs}"
 
 
 def attention_flops(tokens: int, prefix: int) -> float:
@@ -45,67 +60,123 @@ def timed(fn, reps: int = 5) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], reference: bool) -> list[dict]:
-    seq_len = prefix + tokens
-    pool = KVPool(1, seq_len // PAGE + 2, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
-    pool.k.normal_()
-    pool.v.normal_()
-    gen = torch.Generator().manual_seed(0)
-    pages = (torch.randperm(pool.capacity, generator=gen) + 1)[:-(-seq_len // PAGE)].tolist()
-    batch = build_batch([SequenceChunk([0] * tokens, prefix, pages)], PAGE, pool.k.device)
-    q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    k_cache, v_cache = pool.k[0], pool.v[0]
-    flops = attention_flops(tokens, prefix)
-    rows = []
+class Case:
+    """One sequence of ``prefix`` cached tokens and a chunk of ``tokens``, its pages shuffled."""
 
-    def row(method: str, seconds: float) -> dict:
-        bound = flops / FLOPS_PER_S
-        return dict(tokens=tokens, prefix=prefix, method=method, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                    bound_ms=bound * 1e3, ratio=bound / seconds)
+    def __init__(self, tokens: int, prefix: int):
+        self.tokens, self.prefix, seq_len = tokens, prefix, prefix + tokens
+        self.pool = KVPool(1, seq_len // PAGE + 2, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+        self.pool.k.normal_()
+        self.pool.v.normal_()
+        gen = torch.Generator().manual_seed(0)
+        pages = (torch.randperm(self.pool.capacity, generator=gen) + 1)[:-(-seq_len // PAGE)].tolist()
+        self.batch = build_batch([SequenceChunk([0] * tokens, prefix, pages)], PAGE, self.pool.k.device)
+        self.q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
 
-    for tile in tiles:
-        blocks = prefill_block_table(batch.q_lens, HEADS // KV_HEADS, q.device, tile, [prefix])
+    def row(self, method: str, seconds: float, flops: float | None = None) -> dict:
+        flops = flops or attention_flops(self.tokens, self.prefix)
+        bound = attention_flops(self.tokens, self.prefix) / FLOPS_PER_S
+        return dict(tokens=self.tokens, prefix=self.prefix, method=method, ms=seconds * 1e3,
+                    tflops=flops / seconds / 1e12, ratio=flops / seconds / FLOPS_PER_S, bound_ms=bound * 1e3)
+
+    def triton(self, tile: PrefillTile, splits: int | None) -> dict | None:
+        blocks = prefill_block_table(self.batch.q_lens, HEADS // KV_HEADS, self.q.device, tile, [self.prefix], splits)
+        chosen = splits or split_count(blocks.table.shape[0] * KV_HEADS, blocks.max_tiles,
+                                       multiprocessors(self.q.device))
+        k_cache, v_cache = self.pool.k[0], self.pool.v[0]
         try:
-            seconds = timed(lambda: paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens,
-                                                            batch.q_lens, HEAD_DIM ** -0.5, blocks=blocks,
-                                                            tile=tile))
-        except Exception as e:  # a tile that needs more shared memory than the SM has
+            seconds = timed(lambda: paged_prefill_attention(self.q, k_cache, v_cache, self.batch.page_table,
+                                                            self.batch.seq_lens, self.batch.q_lens, HEAD_DIM ** -0.5,
+                                                            blocks=blocks))
+        except Exception as e:  # a tile that needs more shared memory than the SM has, or fails to compile
             print(f"  tile {tuple(tile)}: {type(e).__name__}: {str(e)[:80]}")
-            continue
-        rows.append(row(f"triton {tuple(tile)}", seconds))
-    k_new = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    if prefix == 0:
-        seconds = timed(lambda: causal_self_attention(q, k_new, k_new, batch.q_lens, HEAD_DIM ** -0.5))
-        rows.append(row("sdpa causal (enable_gqa)", seconds))
-    if reference:
-        torch_attn = TorchAttention(pool, HEAD_DIM ** -0.5)
+            return None
+        return self.row(f"triton {tile_name(tile)} x{chosen}{'' if splits else ' auto'}", seconds)
+
+    def sdpa_flash(self) -> dict | None:
+        """Causal over the chunk without a prefix; else every key, contiguous, no mask (its own FLOPs)."""
+        seq_len = self.prefix + self.tokens
+        keys = [c[0][self.batch.page_table[0].long()].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+                for c in (self.pool.k, self.pool.v)]
+        q = self.q.transpose(0, 1)[None]
+        causal = self.prefix == 0
+        flops = None if causal else 4 * HEADS * HEAD_DIM * self.tokens * seq_len
         try:
-            seconds = timed(lambda: torch_attn.forward(0, q, k_new, k_new, batch))
-            rows.append(row("torch reference", seconds))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                seconds = timed(lambda: F.scaled_dot_product_attention(q, *keys, is_causal=causal,
+                                                                       scale=HEAD_DIM ** -0.5, enable_gqa=True))
+        except RuntimeError as e:
+            print(f"  sdpa flash: {str(e)[:80]}")
+            return None
+        return self.row("sdpa flash causal" if causal else "sdpa flash dense keys, no mask", seconds, flops)
+
+    def reference(self) -> dict | None:
+        k_new = torch.randn(self.tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        torch_attn = TorchAttention(self.pool, HEAD_DIM ** -0.5)
+        try:
+            return self.row("torch reference", timed(lambda: torch_attn.forward(0, self.q, k_new, k_new, self.batch)))
         except torch.OutOfMemoryError:
-            print(f"  torch reference: out of memory at {tokens} x {seq_len}")
-    return rows
+            print(f"  torch reference: out of memory at {self.tokens} x {self.prefix + self.tokens}")
+            return None
+
+
+def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], splits: list[int | None], reference: bool):
+    case = Case(tokens, prefix)
+    for tile in tiles:
+        for s in splits:
+            yield case.triton(tile, s)
+    if prefix == 0:  # the path the "triton" backend takes without a prefix
+        k = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        yield case.row("sdpa causal (backend path)",
+                       timed(lambda: causal_self_attention(case.q, k, k, [tokens], HEAD_DIM ** -0.5)))
+    yield case.sdpa_flash()
+    if reference:
+        yield case.reference()
+
+
+def print_best(rows: list[dict]) -> None:
+    """The fastest Triton setting of each case, and how often each setting was the fastest."""
+    best = {}
+    for r in rows:
+        key = (r["tokens"], r["prefix"])
+        if r["method"].startswith("triton") and r["ms"] < best.get(key, {"ms": float("inf")})["ms"]:
+            best[key] = r
+    print("\nfastest triton setting per case")
+    for (tokens, prefix), r in best.items():
+        print(f"{tokens:>6} {prefix:>6} {r['method']:<40} {r['tflops']:>8.1f} {r['ratio']:>6.3f}")
+    wins = {}
+    for r in best.values():
+        wins[r["method"]] = wins.get(r["method"], 0) + 1
+    print("wins:", ", ".join(f"{m}: {n}" for m, n in sorted(wins.items(), key=lambda x: -x[1])))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
-    ap.add_argument("--prefixes", type=int, nargs="+", default=[0, 65536])
-    ap.add_argument("--sweep", action="store_true", help="time several tiles, not just the default")
-    ap.add_argument("--no-reference", action="store_true", help="skip the torch reference backend")
+    ap.add_argument("--chunks", type=int, nargs="+", default=None)
+    ap.add_argument("--prefixes", type=int, nargs="+", default=None)
+    ap.add_argument("--quick", action="store_true", help=f"chunks {QUICK_CHUNKS} over prefixes {QUICK_PREFIXES}")
+    ap.add_argument("--sweep", action="store_true", help="time every tile of SWEEP, not just the table's")
+    ap.add_argument("--splits", nargs="+", default=["auto"], help="split-KV counts to time: auto and/or ints")
+    ap.add_argument("--reference", action="store_true", help="also time the torch reference backend")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    chunks = args.chunks or (QUICK_CHUNKS if args.quick else CHUNKS)
+    prefixes = args.prefixes or (QUICK_PREFIXES if args.quick else PREFIXES)
+    splits = [None if s == "auto" else int(s) for s in args.splits]
+    tiles = SWEEP if args.sweep else [tile_for(torch.bfloat16, HEAD_DIM)]
     print(f"prefill attention, one layer of qwen3-30b-geometry, {torch.cuda.get_device_name()}, "
-          f"bound = FLOPs / {FLOPS_PER_S:.1e}")
-    print(f"{'tokens':>6} {'prefix':>6} {'method':<32} {'ms':>8} {'TFLOP/s':>8} {'bound ms':>8} {'ratio':>6}")
+          f"ratio = TFLOP/s / {FLOPS_PER_S / 1e12:.0f}")
+    print(f"{'tokens':>6} {'prefix':>6} {'method':<40} {'ms':>8} {'TFLOP/s':>8} {'bound ms':>8} {'ratio':>6}")
     rows = []
-    for prefix in args.prefixes:
-        for tokens in args.chunks:
-            for r in run_case(tokens, prefix, SWEEP if args.sweep else [TILE], not args.no_reference):
+    for prefix in prefixes:
+        for tokens in chunks:
+            for r in filter(None, run_case(tokens, prefix, tiles, splits, args.reference)):
                 rows.append(r)
-                print(f"{r['tokens']:>6} {r['prefix']:>6} {r['method']:<32} {r['ms']:>8.2f} {r['tflops']:>8.1f} "
-                      f"{r['bound_ms']:>8.2f} {r['ratio']:>6.3f}")
+                print(f"{r['tokens']:>6} {r['prefix']:>6} {r['method']:<40} {r['ms']:>8.2f} {r['tflops']:>8.1f} "
+                      f"{r['bound_ms']:>8.2f} {r['ratio']:>6.3f}", flush=True)
             torch.cuda.empty_cache()
+    if args.sweep:
+        print_best(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -21,9 +21,11 @@ import argparse
 import heapq
 import json
 import math
+from pathlib import Path
 
 import torch
 
+from moe_offload.choices import LENT_SLOT_RULES
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.offloaded import PIPELINE_PAIRS_PER_EXPERT, decode_slots
 from moe_offload.routing_trace import RoutingTrace
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lent-slots", default="none", choices=["none", "reserve", "decode"],
+    p.add_argument("--lent-slots", default="none", choices=["none", *LENT_SLOT_RULES],
                    help="model a prefill pipeline lending 2E slots (see --lent-slots of the engine)")
     p.add_argument("--prefill-every", type=int, default=0, help="synthetic: a prefill chunk every N steps")
     p.add_argument("--json", help="write [{cache, policy, hit_rate}, ...] here")
@@ -160,8 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
                       f"lent slots {args.lent_slots}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

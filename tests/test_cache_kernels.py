@@ -98,23 +98,27 @@ def assert_same(got, want) -> None:
 
 
 def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext,
-                launches: int = 3) -> None:
-    """Consecutive launches on random layers from a random state, kernel (under ``guard``) vs twin."""
+                launches: int = 3, ahead: bool = False) -> None:
+    """Consecutive launches on random layers from a random state, kernel (under ``guard``) vs twin;
+    with ``ahead``, each followed by an ahead launch (a prefetch) for the next layer."""
     gen = torch.Generator().manual_seed(seed)
     want = random_tables(cfg, gen)
     got = clone(want, device)
     for _ in range(launches):
         layer = int(torch.randint(cfg.layers, (1,), generator=gen))
-        ids = random_ids(cfg, gen)
-        args = (layer, cfg.experts)
-        rest = (cfg.slot_start, cfg.num_slots, cfg.policy, 1000)
-        want_plan, want_slots = lookup_mod.lookup_admit(ids, *args, want, *rest, backend="eager", low=cfg.low)
-        dev_ids = ids.to(device)
-        with guard():
-            got_plan, got_slots = lookup_mod.lookup_admit(dev_ids, *args, got, *rest, backend=backend, low=cfg.low)
-        assert_same(got_plan, want_plan)
-        assert torch.equal(got_slots.cpu(), want_slots)
-        assert_same(got, want)
+        for lookup_layer, is_ahead in ((layer, False), ((layer + 1) % cfg.layers, True))[:1 + ahead]:
+            ids = random_ids(cfg, gen)
+            args = (lookup_layer, cfg.experts)
+            rest = (cfg.slot_start, cfg.num_slots, cfg.policy, 1000)
+            want_plan, want_slots = lookup_mod.lookup_admit(ids, *args, want, *rest, backend="eager", low=cfg.low,
+                                                            ahead=is_ahead)
+            dev_ids = ids.to(device)
+            with guard():
+                got_plan, got_slots = lookup_mod.lookup_admit(dev_ids, *args, got, *rest, backend=backend,
+                                                              low=cfg.low, ahead=is_ahead)
+            assert_same(got_plan, want_plan)
+            assert torch.equal(got_slots.cpu(), want_slots)
+            assert_same(got, want)
     check_consistent(want)
 
 
@@ -134,6 +138,13 @@ def test_lookup_admit_interpreted(name):
         run_lookups(CONFIGS[name], seed=trial, device="cpu", backend="triton")
 
 
+@interpreted
+@pytest.mark.parametrize("name", ["lru-small", "lfru-offset", "low-priority", "visit"])
+def test_lookup_admit_ahead_interpreted(name):
+    for trial in range(TRIALS):
+        run_lookups(CONFIGS[name], seed=trial, device="cpu", backend="triton", ahead=True)
+
+
 def test_lookup_admit_twin_semantics():
     """Hand-checked case: hits keep their slots, misses fill empty slots first, then the lowest
     score among slots not used by this launch; the step and the stats advance."""
@@ -150,7 +161,7 @@ def test_lookup_admit_twin_semantics():
     assert slots.tolist() == [[2, 3], [1, 3]]
     assert tables.id_of_slot.tolist() == [0, 6, 2, 5] and tables.slot_for_id.tolist() == [0, -1, 2, -1, -1, 3, 1, -1]
     assert tables.last_use.tolist() == [5, 10, 10, 10] and tables.step.tolist() == [11]
-    assert tables.stats[0].tolist() == [3, 1, 2, 1, 14]
+    assert tables.stats[0].tolist() == [3, 1, 2, 1, 14, 0]  # no prefetch marked any hit
 
 
 def test_lookup_admit_visit_ranks_the_layer_looked_up_last_first():
@@ -310,6 +321,13 @@ def test_kernels_really_interpret():
 def test_lookup_admit_cuda(name):
     for trial in range(TRIALS):
         run_lookups(CONFIGS[name], trial, "cuda", None, guard=sync_errors)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", CONFIGS)
+def test_lookup_admit_ahead_cuda(name):
+    for trial in range(TRIALS):
+        run_lookups(CONFIGS[name], trial, "cuda", None, guard=sync_errors, ahead=True)
 
 
 @pytest.mark.cuda

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -11,6 +12,8 @@ from safetensors.torch import load_file, save_file
 from tests.tiny_models import write_tiny
 from worker.errors import CheckpointError
 from worker.runner import ModelRunner, RunnerConfig
+
+GENERATE = str(Path(__file__).resolve().parents[1] / "scripts" / "generate.py")
 
 
 @pytest.fixture
@@ -54,7 +57,7 @@ def test_unsupported_architecture_names_supported_ones(tiny_dir):
 
 def test_cli_prints_one_line(tiny_dir):
     """No tokenizer.json: the CLI exits 2 with a single 'error:' line."""
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(tiny_dir), "--prompt", "hi",
+    proc = subprocess.run([sys.executable, GENERATE, "--model", str(tiny_dir), "--prompt", "hi",
                            "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {tiny_dir}: no tokenizer.json"]
@@ -64,7 +67,7 @@ def test_cli_missing_tensor_one_line(tiny_dir, tmp_path_factory):
     from tokenizers import Tokenizer, models
     Tokenizer(models.WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tiny_dir / "tokenizer.json"))
     rewrite_tensors(tiny_dir, lambda t: t.pop("model.norm.weight"))
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(tiny_dir), "--prompt", "hi",
+    proc = subprocess.run([sys.executable, GENERATE, "--model", str(tiny_dir), "--prompt", "hi",
                            "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: checkpoint is missing tensor model.norm.weight"]

@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from moe_offload.experts import ResidentExperts  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
 from scheduler.engine import Engine, EngineConfig  # noqa: E402
 from scheduler.request import Request  # noqa: E402
@@ -25,7 +26,7 @@ from worker.batch import SequenceChunk, build_batch  # noqa: E402
 from worker.cuda_graph import BUCKETS, DecodeGraphs, decode_buckets  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 GREEDY = SamplingParams()
@@ -119,7 +120,7 @@ def test_host_checks_raise():
 def test_triton_backend_matches_torch_backend():
     """Decode batches through the twin, prefill through the torch backend: both equal the torch
     backend's output over the same pool."""
-    from worker.kv_pool import KVPool
+    from worker.kv.gpu_pool import KVPool
 
     gen = torch.Generator().manual_seed(1)
     pool = KVPool(1, 40, 4, 2, 16, torch.float32, torch.device("cpu"))
@@ -133,6 +134,7 @@ def test_triton_backend_matches_torch_backend():
         batch = build_batch(chunks, 4, torch.device("cpu"))
         q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
         k, v = torch.randn(2, batch.num_tokens, 2, 16, generator=gen)
+        pool.store(0, batch.out_loc, k, v)
         want = torch_attn.forward(0, q, k, v, batch)
         torch.testing.assert_close(triton_attn.forward(0, q, k, v, batch), want, rtol=1e-5, atol=1e-5)
 
@@ -140,14 +142,20 @@ def test_triton_backend_matches_torch_backend():
 # ==== buckets ====
 
 def test_buckets_stop_below_the_prefill_pipeline():
-    resident = types.SimpleNamespace()
-    assert decode_buckets(64, resident, 8) == BUCKETS
-    assert decode_buckets(40, resident, 8) == (1, 2, 4, 8, 16, 24, 32, 40)
-    qwen3 = types.SimpleNamespace(pipelined=lambda ids: ids.numel() >= 4 * 128)  # k=8: 64 tokens pipeline
-    assert decode_buckets(64, qwen3, 8) == (1, 2, 4, 8, 16, 24, 32, 48, 63)
-    tiny = types.SimpleNamespace(pipelined=lambda ids: ids.numel() >= 4 * 8)
-    assert decode_buckets(64, tiny, 2) == (1, 2, 4, 8, 15)
-    assert decode_buckets(0, resident, 8) == ()
+    resident = ResidentExperts(None).pipeline_from(8)
+    assert decode_buckets(64, resident) == BUCKETS
+    assert decode_buckets(40, resident) == (1, 2, 4, 8, 16, 24, 32, 40)
+    qwen3 = offloaded_pipeline_from(num_experts=128, top_k=8)  # k=8: 64 tokens pipeline
+    assert decode_buckets(64, qwen3) == (1, 2, 4, 8, 16, 24, 32, 48, 63)
+    tiny = offloaded_pipeline_from(num_experts=8, top_k=2)
+    assert decode_buckets(64, tiny) == (1, 2, 4, 8, 15)
+    assert decode_buckets(0, resident) == ()
+
+
+def offloaded_pipeline_from(num_experts: int, top_k: int) -> int | None:
+    """``OffloadedExperts.pipeline_from`` of a cache of ``num_experts`` per layer, with a pipeline."""
+    fake = types.SimpleNamespace(pipeline=object(), cache=types.SimpleNamespace(num_experts=num_experts))
+    return OffloadedExperts.pipeline_from(fake, top_k)
 
 
 # ==== the static-buffer step, eagerly on the CPU ====
@@ -288,8 +296,8 @@ def test_graph_decode_with_offloaded_experts(tmp_path):
 
 def engine_outputs(model_dir, graph):
     runner = ModelRunner(RunnerConfig(model_dir, device="cuda", dtype="float32", page_size=16, kv_tokens=4096,
-                                      cuda_graph=graph))
-    engine = Engine(runner, EngineConfig(max_prefill_tokens=64, overlap=True))
+                                      cuda_graph=graph, max_prefill_tokens=64, kv_host_size=0))
+    engine = Engine(runner, EngineConfig(overlap=True))
     gen = torch.Generator().manual_seed(2)
     reqs = [Request(str(i), torch.randint(0, 127, (int(torch.randint(3, 50, (1,), generator=gen)),),
                                           generator=gen).tolist(),

@@ -20,6 +20,8 @@ import torch
 
 from worker import default_model as dm
 
+GENERATE = str(Path(__file__).resolve().parents[1] / "scripts" / "generate.py")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TEXTS = [
@@ -255,8 +257,8 @@ def test_exact_moe_matches_the_dense_gguf_model(exact_dir, one_thread):
     from transformers import AutoTokenizer
 
     from worker.batch import SequenceChunk
-    from worker.generate import generate
-    from worker.sampling import SamplingParams
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(exact_dir)
     runner = _sluice(exact_dir)
@@ -277,7 +279,7 @@ def test_exact_moe_matches_the_dense_gguf_model(exact_dir, one_thread):
 @pytest.mark.slow
 def test_default_model_knows_the_capital_of_france(moe_dir):
     """Through the offline entry point: chat template, greedy, Sluice's own engine."""
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(moe_dir), "--chat",
+    proc = subprocess.run([sys.executable, GENERATE, "--model", str(moe_dir), "--chat",
                            "--prompt", "What is the capital of France?", "--max-tokens", "16", "--device", "cpu"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr

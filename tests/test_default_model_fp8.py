@@ -13,6 +13,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,10 @@ from moe_offload.fp8 import FP8_DTYPE, dequantize, dequantize_w13, quantize, qua
 from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
-from worker.tokenizer import ChatTokenizer
+from scheduler.messages.to_scheduler import SamplingParams
+from frontend.tokenizer import ChatTokenizer
+
+GENERATE = str(Path(__file__).resolve().parents[1] / "scripts" / "generate.py")
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "def fibonacci(n):"]
 
@@ -51,7 +54,7 @@ def compare(device: str, dtype: str, same_math_tol: float) -> None:
     from worker.default_model import default_model_dir
 
     model = str(default_model_dir())
-    tok = ChatTokenizer(model)
+    tok = ChatTokenizer.from_dir(model)
     config = RunnerConfig(model, device=device, dtype=dtype, kv_tokens=2048)
     bf16 = ModelRunner(config)
     fp8 = ModelRunner(RunnerConfig(**{**config.__dict__,
@@ -61,7 +64,7 @@ def compare(device: str, dtype: str, same_math_tol: float) -> None:
     try:
         assert fp8.experts.cache.w13.dtype == FP8_DTYPE and "fp8-b128x128" in fp8.experts.store.identity.label
         for prompt in PROMPTS:
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+            ids = tok.encode_chat([{"role": "user", "content": prompt}])
             got = last_logits(fp8, ids)
             assert relative(got, last_logits(dequantized, ids)) < same_math_tol, prompt
             assert 0.01 < relative(got, last_logits(bf16, ids)) < 0.12, prompt  # e4m3's cost, see the docstring
@@ -92,7 +95,7 @@ def test_default_model_fp8_experts_stay_within_2e2_of_bf16_gpu():
 def test_default_model_in_fp8_knows_the_capital_of_france():
     from worker.default_model import default_model_dir
 
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(default_model_dir()), "--chat",
+    proc = subprocess.run([sys.executable, GENERATE, "--model", str(default_model_dir()), "--chat",
                            "--prompt", "What is the capital of France?", "--max-tokens", "16", "--device", "cpu",
                            "--expert-dtype", "fp8", "--moe-cache-fraction", "0.25"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -8,10 +8,10 @@ import torch
 from moe_offload.expert_store import remove_segment
 from moe_offload.offloaded import OffloadedExperts
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
-from worker.tokenizer import ChatTokenizer
+from scheduler.messages.to_scheduler import SamplingParams
+from frontend.tokenizer import ChatTokenizer
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers."]
 
@@ -20,7 +20,7 @@ def compare(device: str, dtype: str, max_tokens: int) -> None:
     from worker.default_model import default_model_dir
 
     model = str(default_model_dir())
-    tok = ChatTokenizer(model)
+    tok = ChatTokenizer.from_dir(model)
     config = RunnerConfig(model, device=device, dtype=dtype, kv_tokens=2048)
     resident = ModelRunner(config)
     offloaded = ModelRunner(RunnerConfig(**{**config.__dict__, "experts": ExpertOptions(cache_fraction=0.25)}))
@@ -28,7 +28,7 @@ def compare(device: str, dtype: str, max_tokens: int) -> None:
         assert isinstance(offloaded.experts, OffloadedExperts)
         assert offloaded.experts.cache.num_slots == 60  # 25% of 30 layers x 8 experts
         for prompt in PROMPTS:
-            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+            ids = tok.encode_chat([{"role": "user", "content": prompt}])
             want = generate(resident, ids, SamplingParams(), max_tokens).token_ids
             assert generate(offloaded, ids, SamplingParams(), max_tokens).token_ids == want, prompt
         stats = offloaded.experts.cache.stats()["total"]  # decode lookups; prefill goes through the pipeline

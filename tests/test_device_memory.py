@@ -1,19 +1,17 @@
 """--gpu-memory-limit: the engine sizes the expert cache, the KV pool and the prefill chunk as if the
-card had only the limit, and caps torch's allocator there. On CPU against a simulated H200; the
-real allocator's peak is checked by the cuda test at the end."""
+card had only the limit (the memory plan under it: tests/test_memory_plan.py), and caps torch's
+allocator there. On CPU against a simulated H200; the real allocator's peak is checked by the cuda
+test at the end."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_offload.expert_cache import resolve_cache_slots
-from worker.config import ModelConfig
 from worker.device_memory import GIB, DeviceMemory
-from worker.expert_placement import ExpertOptions, _sizing
-from worker.runner import AUTO_PREFILL_RESERVE, ModelRunner, RunnerConfig
+from worker.expert_placement import ExpertOptions
+from worker.runner import ModelRunner, RunnerConfig
 
 CUDA = torch.device("cuda")
-MODEL = "qwen3-30b-geometry"
 
 
 class FakeCard:
@@ -62,53 +60,13 @@ def test_bad_limits_are_refused(limit, device):
         DeviceMemory.of(device, limit)
 
 
-def _runner(limit: float | None) -> ModelRunner:
-    """A ModelRunner with its sizing state only: its methods size from the fake card."""
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.config = RunnerConfig(MODEL, device="cuda", gpu_memory_limit=limit,
-                                 experts=ExpertOptions(cache_auto=True, dummy_weights=True))
-    runner.device, runner.dtype = CUDA, torch.bfloat16
-    runner.model_config = ModelConfig.from_dir(MODEL)
-    runner.memory = DeviceMemory.of(CUDA, limit)
-    return runner
-
-
-@pytest.mark.parametrize("limit", [24, 32, 48])
-def test_cache_auto_kv_pool_and_prefill_chunk_fit_under_the_limit(card, limit):
-    """The runner's order: expert cache (--moe-cache-auto), then KV pool, then the prefill chunk."""
-    runner, cfg = _runner(limit), ModelConfig.from_dir(MODEL)
-    slot_bytes = 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
-    sizing = _sizing(runner.config.experts, cfg, torch.bfloat16, runner.memory, runner._activation_bytes())
-    slots = resolve_cache_slots(cfg.num_layers * cfg.num_experts, slot_bytes, **sizing)
-    card.reserve(slots * slot_bytes)
-    pages = runner._num_pages()
-    page_bytes = 2 * cfg.num_layers * cfg.kv_size * 2 * runner.config.page_size
-    card.reserve(pages * page_bytes)
-    runner.kv_pool = type("Pool", (), {"capacity": pages - 1})
-    tokens = runner._resolve_prefill_tokens()
-    context = min(cfg.max_context, (pages - 1) * runner.config.page_size)
-    # the chunk's activations reuse the blocks torch holds unused first, then reserve more
-    peak = card.reserved + max(runner._activation_bytes(tokens, context) - runner.memory.reusable(), 0)
-    assert peak <= limit * GIB
-    # and it is the limit that bounds it: the cache takes most of it, the KV pool its floor
-    assert slots * slot_bytes > (limit - 3 - 6) * GIB - runner._activation_bytes()
-    assert pages * runner.config.page_size >= runner.config.experts.kv_reserve_tokens
-    assert tokens >= AUTO_PREFILL_RESERVE  # the KV pool left the chunk the activations the cache left it
-
-
-def test_without_a_limit_the_whole_card_is_used(card):
-    runner, cfg = _runner(None), ModelConfig.from_dir(MODEL)
-    sizing = _sizing(runner.config.experts, cfg, torch.bfloat16, runner.memory, runner._activation_bytes())
-    assert sizing["auto_free_bytes"] > 100 * GIB
-
-
 @pytest.mark.cuda
 def test_the_allocator_stays_under_a_small_limit():
     """A real runner sized from free memory (expert cache auto, KV pool auto, prefill chunk auto)
     under a 4 GiB limit: torch's peak stays under it, and an allocation past it is refused. Without
     the limit the KV pool alone would take 80% of the card."""
-    from worker.generate import generate
-    from worker.sampling import SamplingParams
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
 
     limit = 4
     assert torch.cuda.mem_get_info()[1] > 4 * limit * GIB  # a card the limit makes a difference on
@@ -119,7 +77,7 @@ def test_the_allocator_stays_under_a_small_limit():
                                           experts=ExpertOptions(cache_auto=True, dummy_weights=True,
                                                                 kv_reserve_tokens=4096)))
         assert runner.kv_pool.capacity * runner.kv_pool.page_bytes > GIB  # sized from the limit, not fixed
-        generate(runner, list(range(10, 5000)), SamplingParams(), 16)
+        generate(runner, [10 + i % 500 for i in range(4990)], SamplingParams(), 16)  # vocab 512
         torch.cuda.synchronize()
         assert 0 < torch.cuda.max_memory_reserved() <= limit * GIB
         with pytest.raises(torch.cuda.OutOfMemoryError):
@@ -128,3 +86,18 @@ def test_the_allocator_stays_under_a_small_limit():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_offline_generate_refuses_ids_outside_the_vocabulary():
+    """On a GPU an out-of-vocabulary id is a device-side assert that poisons the context; the
+    offline entry point refuses it on the host (the served path refuses it in the scheduler)."""
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
+
+    runner = ModelRunner(RunnerConfig("tiny-geometry", device="cpu", dtype="float32", page_size=4, kv_tokens=64,
+                                      experts=ExpertOptions(dummy_weights=True)))
+    vocab = runner.model_config.vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            generate(runner, bad, SamplingParams(), 2)
+    assert runner.kv_pool.num_free == runner.kv_pool.capacity  # nothing allocated before the refusal

@@ -7,9 +7,9 @@ import torch
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from tests.tiny_models import write_tiny
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 EOS = 127
 GREEDY = SamplingParams()
@@ -22,8 +22,10 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_engine(model_dir, kv_tokens=1024, **kw) -> Engine:
-    runner = ModelRunner(RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=kv_tokens))
+def make_engine(model_dir, kv_tokens=1024, max_prefill_tokens=0, kv_host_size=None, **kw) -> Engine:
+    """An engine over a fresh runner: the sizes go to the runner's memory plan, the rest to the engine."""
+    runner = ModelRunner(RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=kv_tokens,
+                                      max_prefill_tokens=max_prefill_tokens, kv_host_size=kv_host_size))
     return Engine(runner, EngineConfig(**kw))
 
 
@@ -172,7 +174,7 @@ def test_preemption_with_a_host_tier_gives_the_same_tokens(model_dir, mode):
     """Two rounds of four sessions at once on a tight pool with a host KV tier: preempted pages go
     to the prefix cache and on to the host, second turns restore them; tokens equal a roomy pool's."""
     first = prompts(4, seed=8, lo=18, hi=24)
-    tight = make_engine(model_dir, kv_tokens=160, kv_host_gib=64 * 2048 / 2**30, kv_tier_mode=mode)
+    tight = make_engine(model_dir, kv_tokens=160, kv_host_size=64 * 2048 / 2**30, kv_tier_mode=mode)
     roomy = make_engine(model_dir)
     outputs = {}
     for engine in (tight, roomy):
@@ -213,6 +215,6 @@ def test_seeded_sampling_is_reproducible_across_batches(model_dir):
     alone = run(make_engine(model_dir), [req("a", p[0], sampling=s)])["a"][0]
     batched = run(make_engine(model_dir), [req("x", p[1], sampling=s), req("a", p[0], sampling=s),
                                            req("y", p[2], sampling=s)])["a"][0]
-    other_seed = run(make_engine(model_dir), [req("a", p[0], sampling=SamplingParams(0.9, 20, 0.9, 99))])["a"][0]
+    other_seed = run(make_engine(model_dir), [req("a", p[0], sampling=SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=99))])["a"][0]
     assert alone == batched
     assert alone != other_seed

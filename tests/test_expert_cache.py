@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 
-from moe_offload.expert_cache import ExpertCache, resolve_cache_slots
+from moe_offload.expert_cache import ExpertCache
 from moe_offload.experts import ExpertBanks, ResidentExperts
 from moe_offload.grouped import grouped_swiglu
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.routing import route
+from worker.memory_plan import expert_slots
+from worker.runner_config import ExpertOptions
 
 
 def make_banks(layers: int, experts: int, hidden: int, inter: int, seed: int = 0) -> ExpertBanks:
@@ -55,7 +57,7 @@ def test_offloaded_matches_resident(policy):
     layers, experts, hidden, inter, top_k = 4, 8, 16, 8, 2
     banks = make_banks(layers, experts, hidden, inter)
     slot_bytes = (banks.w13[0, 0].nbytes + banks.w2[0, 0].nbytes)
-    num_slots = resolve_cache_slots(layers * experts, slot_bytes, fraction=0.25)
+    num_slots = expert_slots(ExpertOptions(cache_fraction=0.25), layers * experts, slot_bytes, None)
     assert num_slots == 8
     offloaded = OffloadedExperts.create(banks, num_slots, "cpu", policy)
     resident = ResidentExperts(banks)
@@ -164,21 +166,6 @@ def test_lent_slots_are_invalidated_and_avoided():
     assert cache.stats()["total"]["lookups"] == 0
 
 
-def test_resolve_cache_slots():
-    assert resolve_cache_slots(100, 10, size=30) == 30
-    assert resolve_cache_slots(100, 10, size=300) == 100
-    assert resolve_cache_slots(100, 10, fraction=0.25) == 25
-    assert resolve_cache_slots(100, 10, auto_free_bytes=555) == 55
-    with pytest.raises(ValueError, match="size.*fraction"):
-        resolve_cache_slots(100, 10, size=3, fraction=0.5)
-    with pytest.raises(ValueError, match="exactly one"):
-        resolve_cache_slots(100, 10)
-    with pytest.raises(ValueError, match="no expert"):
-        resolve_cache_slots(100, 10, auto_free_bytes=9)
-    with pytest.raises(ValueError, match="fraction"):
-        resolve_cache_slots(100, 10, fraction=1.5)
-
-
 # ==== GPU ====
 
 def cuda_setup(layers=4, experts=16, hidden=128, inter=64):
@@ -186,7 +173,7 @@ def cuda_setup(layers=4, experts=16, hidden=128, inter=64):
     banks = ExpertBanks(banks.w13.bfloat16(), banks.w2.bfloat16())
     host = ExpertBanks(banks.w13.pin_memory(), banks.w2.pin_memory())
     device = ExpertBanks(banks.w13.cuda(), banks.w2.cuda())
-    num_slots = resolve_cache_slots(layers * experts, 1, fraction=0.25)  # = E: the least one step needs
+    num_slots = expert_slots(ExpertOptions(cache_fraction=0.25), layers * experts, 1, None)  # = E: one step's least
     return OffloadedExperts.create(host, num_slots, "cuda"), ResidentExperts(device)
 
 

@@ -19,23 +19,19 @@ from safetensors.torch import save_file
 
 from moe_offload.expert_store import SHM_DIR, ExpertStore, list_segments
 from moe_offload.progress import ProgressBar
+from moe_offload.expert_names import FUSED_NAMES, MIXTRAL_NAMES, QWEN3_MOE_NAMES, ExpertNames
 from moe_offload.store_fill import (
-    FUSED_NAMES,
-    MIXTRAL_NAMES,
-    QWEN3_MOE_NAMES,
-    ExpertNames,
     fill_dummy,
     fill_from_safetensors,
     open_checkpoint_experts,
 )
+from moe_offload.safetensors_file import checkpoint_files
+from moe_offload.store_header import COMPLETE_OFFSET, parse_header
 from moe_offload.store_layout import (
     ALIGN,
-    COMPLETE_OFFSET,
     BankLayout,
     ExpertGeometry,
     StoreIdentity,
-    checkpoint_files,
-    parse_header,
 )
 
 REPO = Path(__file__).resolve().parents[1]

@@ -62,7 +62,7 @@ def test_device_poisoning_errors_are_raised_not_contained(model_dir):
 def test_shutdown_says_the_expert_store_stays_in_shared_memory(caplog):
     from types import SimpleNamespace
 
-    from scheduler.__main__ import _note_expert_store
+    from scheduler.process import _note_expert_store
 
     store = SimpleNamespace(path="/dev/shm/sluice-experts-0123", nbytes=3_500_000_000, name="sluice-experts-0123")
     with caplog.at_level("INFO", logger="sluice.scheduler"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +16,19 @@ from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, deq
 from moe_offload.fp8_checkpoint import FP8Scheme
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
-from moe_offload.store_fill import FUSED_NAMES, QWEN3_MOE_NAMES, read_expert_layer
+from moe_offload.expert_names import FUSED_NAMES, QWEN3_MOE_NAMES
+from moe_offload.store_fill import read_expert_layer
 from moe_offload.store_layout import ExpertGeometry
 from tests.tiny_fp8 import LAYOUTS, write_tiny_fp8
 from worker.batch import SequenceChunk
 from worker.errors import CheckpointError
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.quantization import checkpoint_expert_format, parse_quantization
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
+
+GENERATE = str(Path(__file__).resolve().parents[1] / "scripts" / "generate.py")
 
 GREEDY = SamplingParams()
 # hidden 96 / 160 and expert FFN 80 / 144 are not multiples of the 128 block (ragged edges, and
@@ -235,7 +239,7 @@ def test_cli_refuses_gptq_with_exit_2(hf_block):
     _write_tokenizer(path)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": GPTQ}))
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(path), "--prompt", "hi",
+    proc = subprocess.run([sys.executable, GENERATE, "--model", str(path), "--prompt", "hi",
                            "--device", "cpu", "--max-tokens", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -244,7 +248,7 @@ def test_cli_refuses_gptq_with_exit_2(hf_block):
 
 def test_cli_runs_an_fp8_checkpoint(hf_block):
     _write_tokenizer(hf_block.fp8_dir)
-    proc = subprocess.run([sys.executable, "-m", "worker.generate", "--model", str(hf_block.fp8_dir), "--prompt", "hi",
+    proc = subprocess.run([sys.executable, GENERATE, "--model", str(hf_block.fp8_dir), "--prompt", "hi",
                            "--device", "cpu", "--max-tokens", "3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

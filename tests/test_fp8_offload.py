@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():  # interpreted kernels are chosen when first decorated, lazily
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moe_offload.expert_cache import ExpertCache, resolve_cache_slots, slot_bytes  # noqa: E402
+from moe_offload.expert_cache import ExpertCache, slot_bytes  # noqa: E402
 from moe_offload.expert_store import ExpertStore, remove_segment  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, quantize, quantize_w13  # noqa: E402
@@ -29,9 +29,10 @@ from tests.test_expert_cache import make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
-from worker.generate import generate  # noqa: E402
+from scheduler.generate import generate  # noqa: E402
+from worker.memory_plan import expert_slots  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 FP8 = ExpertFormat(FP8_DTYPE, BLOCK_128)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels run on the CPU")
@@ -216,8 +217,8 @@ def test_fp8_cache_slot_holds_weights_and_scales_and_doubles_the_slots():
     assert cache.slot_bytes == fp8 == sum(t[0].nbytes for t in (cache.w13, cache.w2, *cache.scales[:2]))
     assert bf16 == 2 * 3 * 2048 * 768
     budget = 10**10
-    ratio = resolve_cache_slots(10**6, fp8, auto_free_bytes=budget) / resolve_cache_slots(10**6, bf16,
-                                                                                        auto_free_bytes=budget)
+    auto = ExpertOptions(cache_auto=True)
+    ratio = expert_slots(auto, 10**6, fp8, budget) / expert_slots(auto, 10**6, bf16, budget)
     assert 1.99 < ratio <= 2.0
     with pytest.raises(ValueError, match="scale block"):
         ExpertCache(1, 4, w13, w2, 4, FP8_DTYPE, "cpu")

@@ -13,7 +13,7 @@ import torch
 
 from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
 from worker.models.norm import add_rms_norm, add_rms_norm_eager, rms_norm, rms_norm_eager
-from worker.models.rotary import Rotary, qk_rope, qk_rope_eager
+from worker.models.rotary import KVWrite, Rotary, qk_rope, qk_rope_eager
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                                  reason="needs triton and TRITON_INTERPRET=1")
@@ -68,20 +68,36 @@ def _norm_trial(shape: Shape, dtype: torch.dtype, device: str, gen: torch.Genera
     torch.testing.assert_close(normed, rms_norm_eager(x, w, 1e-6), **_tol(dtype))
 
 
-def _rope_trial(shape: Shape, dtype: torch.dtype, device: str, gen: torch.Generator, norm: bool) -> None:
+def _kv_write(v: torch.Tensor, slots: int, gen: torch.Generator) -> KVWrite:
+    """Random caches of ``slots`` token slots and distinct slots for v's tokens (the last slot
+    among them when there is room: the edge of the buffer)."""
+    T, KV, D = v.shape
+    caches = torch.randn(2, slots, KV, D, generator=gen).to(v.device, v.dtype)
+    loc = torch.randperm(slots - 1, generator=gen)[:T - 1].tolist() + [slots - 1]
+    return KVWrite(v, caches[0], caches[1], torch.tensor(loc, device=v.device))
+
+
+def _rope_trial(shape: Shape, dtype: torch.dtype, device: str, gen: torch.Generator, norm: bool,
+                write: bool) -> None:
     T, H, KV, D = shape.tokens, shape.heads, shape.kv_heads, shape.head_dim
     rotary = Rotary(D, 10000.0, 64, torch.device(device))
     qkv = torch.randn(T, (H + 2 * KV) * D, generator=gen).to(device, dtype)
-    q, k, _ = qkv.split([H * D, KV * D, KV * D], dim=-1)  # strided views, as the model passes them
-    q, k = q.view(T, H, D), k.view(T, KV, D)
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)  # strided views, as the model passes them
+    q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
     positions = torch.randint(0, 64, (T,), generator=gen).to(device)
     norms = ((torch.rand(D, generator=gen) + 0.5).to(device, dtype), (torch.rand(D, generator=gen) + 0.5).to(device, dtype)) if norm else (None, None)
+    kv = _kv_write(v, T + 3, gen) if write else None
+    kv_ref = kv._replace(k_cache=kv.k_cache.clone(), v_cache=kv.v_cache.clone()) if write else None
     with strict(device):
-        got = qk_rope(q, k, positions, rotary, *norms, 1e-6, backend="triton")
-    ref = qk_rope_eager(q, k, positions, rotary, *norms, 1e-6)
+        got = qk_rope(q, k, positions, rotary, *norms, 1e-6, write=kv, backend="triton")
+    ref = qk_rope_eager(q, k, positions, rotary, *norms, 1e-6, kv_ref)
     for a, b in zip(got, ref):
         assert a.is_contiguous()
         torch.testing.assert_close(a, b, **_tol(dtype))
+    if write:
+        assert torch.equal(kv.v_cache, kv_ref.v_cache)  # values are copied bit for bit
+        torch.testing.assert_close(kv.k_cache, kv_ref.k_cache, **_tol(dtype))
+        assert torch.equal(kv.k_cache[kv.out_loc], got[1])  # the cache holds exactly the returned keys
 
 
 def _route_trial(shape: Shape, dtype: torch.dtype, device: str, gen: torch.Generator, renorm: bool) -> None:
@@ -104,7 +120,7 @@ def _run_all(device: str, dtype: torch.dtype) -> None:
     for shape in CONFIGS:
         for trial in range(TRIALS):
             _norm_trial(shape, dtype, device, gen)
-            _rope_trial(shape, dtype, device, gen, norm=trial % 2 == 0)
+            _rope_trial(shape, dtype, device, gen, norm=trial % 2 == 0, write=trial % 4 < 2)
             _route_trial(shape, dtype, device, gen, renorm=trial % 3 != 0)
 
 
@@ -129,7 +145,21 @@ def test_route_ties_take_the_lower_id_first():
     torch.testing.assert_close(weights.cpu(), torch.full((1, 3), 1 / 3))
 
 
-@pytest.mark.parametrize("bad", ["weight", "residual", "positions", "norms", "top_k"])
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_rope_write_clamps_slots_to_the_cache():
+    """Slots are device data: one past the cache lands in its last slot, never outside it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = torch.randn(3, 2, 8, device=device), torch.randn(3, 1, 8, device=device), torch.randn(3, 1, 8, device=device)
+    write = KVWrite(v, torch.zeros(5, 1, 8, device=device), torch.zeros(5, 1, 8, device=device),
+                    torch.tensor([-4, 9, 2], device=device))
+    _, k_out = qk_rope(q, k, torch.zeros(3, dtype=torch.int64, device=device), Rotary(8, 1e4, 4, torch.device(device)),
+                       write=write, backend="triton")
+    assert torch.equal(write.k_cache[[0, 4, 2]], k_out) and torch.equal(write.v_cache[[0, 4, 2]], v)
+    assert not write.k_cache[[1, 3]].any() and not write.v_cache[[1, 3]].any()
+
+
+@pytest.mark.parametrize("bad", ["weight", "residual", "positions", "norms", "top_k", "cache"])
 def test_bad_shapes_are_refused_on_the_host(bad):
     x = torch.randn(3, 8)
     with pytest.raises(ValueError):
@@ -141,5 +171,9 @@ def test_bad_shapes_are_refused_on_the_host(bad):
             qk_rope(torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.zeros(4, dtype=torch.int64), Rotary(8, 1e4, 16, torch.device("cpu")))
         elif bad == "norms":
             qk_rope(torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.zeros(3, dtype=torch.int64), Rotary(8, 1e4, 16, torch.device("cpu")), torch.ones(8), None)
+        elif bad == "cache":
+            k = torch.randn(3, 1, 8)
+            write = KVWrite(k, torch.zeros(6, 2, 8), torch.zeros(6, 2, 8), torch.zeros(3, dtype=torch.int64))
+            qk_rope(torch.randn(3, 2, 8), k, torch.zeros(3, dtype=torch.int64), Rotary(8, 1e4, 16, torch.device("cpu")), write=write)
         else:
             topk_softmax(x, 9, True)

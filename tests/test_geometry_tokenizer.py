@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 
 from frontend.client import Client
+from frontend.api.requests import ChatMessage, Generate
 from frontend.tokenizer import ChatTokenizer
+from frontend.validate import prompt_ids
 from worker.geometry import GEOMETRIES
 from worker.geometry_tokenizer import SMOLLM2_VOCAB, tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[1]
+GENERATE = str(REPO / "scripts" / "generate.py")
 
 
 @pytest.fixture
@@ -35,6 +38,21 @@ def test_small_geometries_get_a_byte_level_tokenizer(cache, model):
     assert tok.decode(ids) == text
     assert tok.decode(ids + [300, GEOMETRIES[model]["vocab_size"] - 1]).startswith(text)
     assert max(tok.encode_chat([{"role": "user", "content": "hi"}])) < 256
+
+
+def test_offline_prompts_tokenize_as_the_server_does(cache):
+    """One tokenizer and chat template: scripts/generate.py makes the ids the frontend makes of the
+    same prompt, or the same message (BOS where tokenizer.json adds one, the template's own tokens)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from generate import load_tokenizer, prompt_tokens
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    tok = load_tokenizer(tokenizer_dir("qwen3-30b-geometry"))
+    text = "What is the capital of France?"
+    assert prompt_tokens(tok, text, chat=False) == prompt_ids(Generate(rid="p", prompt=text), tok)
+    chat = Generate(rid="c", messages=[ChatMessage(role="user", content=text)])
+    assert prompt_tokens(tok, text, chat=True) == prompt_ids(chat, tok) != prompt_tokens(tok, text, chat=False)
 
 
 def test_the_30b_geometry_gets_the_default_models_tokenizer(cache):
@@ -91,7 +109,7 @@ def test_serve_a_geometry_without_tokenizer(cache, tmp_path):
 
 @pytest.mark.slow
 def test_generate_a_geometry_offline(cache):
-    out = subprocess.run([sys.executable, "-m", "worker.generate", "--model", "tiny-geometry", "--dummy-weights",
+    out = subprocess.run([sys.executable, GENERATE, "--model", "tiny-geometry", "--dummy-weights",
                           "--device", "cpu", "--kv-tokens", "256", "--prompt", "hello", "--max-tokens", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

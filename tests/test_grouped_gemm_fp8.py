@@ -188,6 +188,27 @@ def test_activation_quantization_refuses_odd_groups():
                        torch.randn(1, 8, 8), torch.randn(1, 8, 4), fp8_activations=True)
 
 
+def test_prefill_sized_16bit_batches_multiply_fp8_activations():
+    """By default a batch of ``FP8_ACTIVATION_TOKENS`` or more 16-bit tokens over fp8 experts takes
+    the fp8 x fp8 path (the twin rounds its activations through fp8 as the kernel does); smaller
+    batches, fp32 activations and scale blocks that split an activation group stay weight-only."""
+    from moe_offload.grouped import FP8_ACTIVATION_TOKENS, fp8_activations_for
+
+    _, _, scales = make_fp8_banks(3, 128, 64, BLOCK_128)
+    big, small = torch.randn(FP8_ACTIVATION_TOKENS, 128), torch.randn(FP8_ACTIVATION_TOKENS - 1, 128)
+    assert fp8_activations_for(big.bfloat16(), scales) and fp8_activations_for(big.half(), scales)
+    assert not fp8_activations_for(small.bfloat16(), scales) and not fp8_activations_for(big, scales)
+    assert fp8_activations_for(big.bfloat16(), scales._replace(block=PER_CHANNEL))
+    assert not fp8_activations_for(big.bfloat16(), scales._replace(block=BLOCK_16))
+    assert not fp8_activations_for(big.bfloat16(), None)
+    q13, q2, scales = make_fp8_banks(3, 128, 64, BLOCK_128)
+    weights, slots = make_routing(torch.Generator().manual_seed(1), FP8_ACTIVATION_TOKENS, 2, 3)
+    hidden = big.bfloat16()
+    out = grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales, backend="eager")
+    assert torch.equal(out, grouped_swiglu_eager(hidden, weights, slots, q13, q2, scales, fp8_activations=True))
+    assert not torch.equal(out, grouped_swiglu_eager(hidden, weights, slots, q13, q2, scales))
+
+
 def test_block_k_must_divide_the_scale_columns():
     grouped_gemm_fp8 = kernels()
     config = grouped_gemm_fp8.BlockConfig(16, 64, 128, 1, 4, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,14 +13,15 @@ import torch
 if not torch.cuda.is_available():  # the Triton variant of the tier test is interpreted on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from scheduler import kv_tier  # noqa: E402
 from scheduler.engine import Engine, EngineConfig  # noqa: E402
 from scheduler.page_manager import PageManager  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
-from worker.kv_pool import KVPool  # noqa: E402
+from worker.kv import page_copy  # noqa: E402
+from worker.kv.gpu_pool import KVPool  # noqa: E402
+from worker.memory_plan import MemoryPlan  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams()
 
@@ -154,7 +156,7 @@ def test_random_sessions_keep_both_tiers_consistent(mode, method, kernels, monke
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setenv("SLUICE_KERNELS", kernels)
-    monkeypatch.setattr(kv_tier, "PLAN_CAPACITY", 8)  # moves of more pages take several launches
+    monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)  # moves of more pages take several launches
     random_sessions(manager(24, 20, mode, method), random.Random(f"{mode}{method}{kernels}"))
 
 
@@ -162,7 +164,7 @@ def test_random_sessions_keep_both_tiers_consistent(mode, method, kernels, monke
 @pytest.mark.parametrize("mode,method", [("writeback", "kernel"), ("writethrough", "kernel"), ("writeback", "memcpy")])
 def test_random_sessions_on_cuda_without_syncs(mode, method, monkeypatch):
     """The same on a GPU: copy stream, mapped host pool, and no host wait in admit or release."""
-    monkeypatch.setattr(kv_tier, "PLAN_CAPACITY", 8)
+    monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)
     random_sessions(manager(24, 20, mode, method, device="cuda"), random.Random(f"{mode}{method}"))
 
 
@@ -250,6 +252,13 @@ def sessions(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(1, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
 
 
+def planned(runner: ModelRunner, host_gib: float, prefill_tokens: int | None = None) -> MemoryPlan:
+    """The runner's memory plan with a host KV tier of ``host_gib`` (and a prefill chunk of
+    ``prefill_tokens``): one runner serves engines of several tiers."""
+    chunk = {"prefill_tokens": prefill_tokens} if prefill_tokens else {}
+    return replace(runner.plan, host_kv_bytes=int(host_gib * 2**30), **chunk)
+
+
 def check_restore_parity(runner: ModelRunner, lengths: list[int], host_gib: float, mode: str,
                          exact: bool = True) -> None:
     """Session 0's second turn after the other sessions pushed its KV to the host, against the same
@@ -258,16 +267,16 @@ def check_restore_parity(runner: ModelRunner, lengths: list[int], host_gib: floa
     vocab = runner.model_config.vocab_size
     first, *others = sessions(vocab, lengths, seed=3)
     follow = sessions(vocab, [5], seed=4)[0]
-    config = EngineConfig(max_prefill_tokens=64, kv_host_gib=host_gib, kv_tier_mode=mode)
+    config, plan = EngineConfig(kv_tier_mode=mode), planned(runner, host_gib, prefill_tokens=64)
 
-    engine = Engine(runner, config)
+    engine = Engine(runner, config, plan=plan)
     out1, _, _ = run_one(engine, req("s0", first, max_tokens=3))
     second = first + out1 + follow
     want_tokens, want_logits, want_cached = run_one(engine, req("s0b", second, max_tokens=3), record=True)
     assert engine.stats()["kv_host_pages_restored"] == 0
     drain(engine)
 
-    engine = Engine(runner, config)
+    engine = Engine(runner, config, plan=plan)
     assert run_one(engine, req("s0", first, max_tokens=3))[0] == out1
     for i, prompt in enumerate(others):
         run_one(engine, req(f"o{i}", prompt, max_tokens=3))
@@ -327,7 +336,7 @@ def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
     """The whole workload on a roomy pool (nothing evicted) against the small pool with a host tier."""
     write_tiny(tmp_path, "qwen3_moe", seed=5, layers=2, experts=8, top_k=2)
     roomy = Engine(ModelRunner(RunnerConfig(str(tmp_path), device="cpu", dtype="float32", page_size=4, kv_tokens=2048)))
-    tight = Engine(tiny_runner, EngineConfig(kv_host_gib=1 / 1024))
+    tight = Engine(tiny_runner, plan=planned(tiny_runner, 1 / 1024))
     prompts = sessions(tiny_runner.model_config.vocab_size, [30, 35, 38, 33], seed=9)
     outputs = {}
     for engine in (roomy, tight):
@@ -347,8 +356,8 @@ def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
 
 @pytest.mark.parametrize("mode", ["writeback", "writethrough"])
 def test_engine_aborts_with_host_tier_leak_nothing(tiny_runner, mode):
-    engine = Engine(tiny_runner, EngineConfig(max_prefill_tokens=8, kv_host_gib=16 * 2048 / 2**30,  # 16 pages
-                                              kv_tier_mode=mode))
+    engine = Engine(tiny_runner, EngineConfig(kv_tier_mode=mode),
+                    plan=planned(tiny_runner, 16 * 2048 / 2**30, prefill_tokens=8))  # 16 pages
     rng = random.Random(5)
     prompts = sessions(tiny_runner.model_config.vocab_size, [rng.randrange(20, 40) for _ in range(8)], seed=11)
     prompts += [p + [9, 9] for p in prompts[:4]]  # later turns of earlier sessions
@@ -393,7 +402,7 @@ def test_request_waits_for_its_page_copies_while_others_decode(tiny_runner, monk
     vocab = tiny_runner.model_config.vocab_size
     first, second = sessions(vocab, [21, 26], seed=4)
     want = alone(tiny_runner, req("b", second, max_tokens=4))
-    engine = Engine(tiny_runner, EngineConfig(kv_host_gib=1 / 1024))
+    engine = Engine(tiny_runner, plan=planned(tiny_runner, 1 / 1024))
     a = req("a", first, max_tokens=12)
     engine.submit(a)
     while not a.output:
@@ -418,7 +427,7 @@ def test_request_waits_for_its_page_copies_while_others_decode(tiny_runner, monk
 def test_lone_request_goes_behind_a_wait_for_its_page_copies(tiny_runner, monkeypatch):
     (prompt,) = sessions(tiny_runner.model_config.vocab_size, [23], seed=6)
     want = alone(tiny_runner, req("x", prompt, max_tokens=3))
-    engine = Engine(tiny_runner, EngineConfig(kv_host_gib=1 / 1024))
+    engine = Engine(tiny_runner, plan=planned(tiny_runner, 1 / 1024))
     copies = SlowCopies(polls=10**9)
     admitted_with(engine, copies, monkeypatch)
     assert run_one(engine, req("x", prompt, max_tokens=3))[0] == want

@@ -26,15 +26,17 @@ def points_into_lent(offloaded: OffloadedExperts) -> int:
 def run_rounds(offloaded: OffloadedExperts, resident: ResidentExperts, device: str, guard, rounds: int = 3,
                hidden: int = 16) -> list[int]:
     """Decode steps, then a prefill chunk, per round; returns the entries in the lent range before
-    each chunk, and checks that each chunk leaves none."""
+    each chunk, and checks that each chunk leaves none. Activations take the experts' dtype (the
+    grouped GEMM refuses bf16 banks under fp32 activations)."""
     gen = torch.Generator().manual_seed(0)
+    dtype = offloaded.cache.w13.dtype
     bias = torch.randn(LAYERS, EXPERTS, generator=gen)  # mild skew: decode misses often
     before = []
     for _ in range(rounds):
         for tokens in (DECODE,) * 6 + (PREFILL,):
             if tokens == PREFILL:
                 before.append(points_into_lent(offloaded))
-            inputs = [(torch.randn(tokens, hidden, generator=gen).to(device),
+            inputs = [(torch.randn(tokens, hidden, generator=gen).to(device, dtype),
                        *skewed_routing(gen, tokens, EXPERTS, TOP_K, bias[layer], device)) for layer in range(LAYERS)]
             with guard():
                 outs = [offloaded.forward(layer, *inputs[layer]) for layer in range(LAYERS)]

@@ -7,7 +7,7 @@ import torch
 from tests.tiny_models import write_tiny
 from worker.batch import SequenceChunk
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 SHAPES = [
     dict(family="mixtral", seed=0),

@@ -6,9 +6,9 @@ import pytest
 from moe_offload.offloaded import OffloadedExperts
 from tests.tiny_models import write_tiny
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,21 @@ def test_offloaded_generation_equals_resident(model_dir):
         assert generate(offloaded, prompt, SamplingParams(), 16).token_ids == want
     stats = offloaded.experts.cache.stats()
     assert stats["total"]["misses"] > 0 and stats["total"]["hits"] > 0
+
+
+def test_runner_stats_report_the_cache_and_the_pipeline(model_dir):
+    """What the scheduler's stats reply carries about the experts comes from the runner, flat."""
+    assert runner(model_dir).stats() == {}
+    piped = runner(model_dir, cache_fraction=0.8, prefill_pipeline=True)
+    assert piped.experts.pipeline is not None
+    generate(piped, list(range(1, 40)), SamplingParams(), 2)
+    stats, cache = piped.stats(), piped.experts.cache.stats()
+    assert stats["moe_lookups"] == cache["total"]["lookups"] > 0
+    assert (stats["moe_hit_rate"], stats["moe_cache_slots"], stats["moe_policy"]) == \
+        (cache["hit_rate"], cache["slots"], cache["policy"])
+    assert {k: stats[f"prefill_{k}"] for k in ("from_host", "bytes_h2d")} == \
+        {k: piped.experts.pipeline.stats()[k] for k in ("from_host", "bytes_h2d")}
+    assert stats["prefill_chunks_kernel"] + stats["prefill_chunks_memcpy"] > 0
 
 
 def test_whole_cache_runs_resident_without_lookups(model_dir):

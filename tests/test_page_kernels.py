@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from worker import page_copy  # noqa: E402
-from worker.host_kv_pool import HostKVPool  # noqa: E402
-from worker.page_copy import build_plan, copy_page_runs, load_pages, write_pages  # noqa: E402
+from worker.kv import page_copy  # noqa: E402
+from worker.kv.host_pool import HostKVPool  # noqa: E402
+from worker.kv.page_copy import build_plan, copy_page_runs, load_pages, write_pages  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 TRIALS = 20

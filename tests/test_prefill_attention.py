@@ -1,9 +1,11 @@
 """The paged Triton prefill attention against its eager twin (interpreted on the CPU, compiled on a
-GPU), the twin against SDPA with a bottom-right causal mask, the clamps of device data, the host
-checks, the block list, and the "triton" backend's prefill against the torch backend on a tiny model."""
+GPU), split-KV on and off, the merge by log-sum-exp and the split count, the twin against SDPA with a
+bottom-right causal mask, the clamps of device data, the host checks, the block list, the tile table,
+and the "triton" backend's prefill against the torch backend on a tiny model."""
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
@@ -18,12 +20,14 @@ if not torch.cuda.is_available():
 
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import triton_prefill  # noqa: E402
-from worker.attention.triton_prefill import (TILE, PrefillBlocks, PrefillTile, block_tokens,  # noqa: E402
+from worker.attention.split_kv import (MIN_TILES_PER_SPLIT, merge_splits, merge_splits_eager,  # noqa: E402
+                                       multiprocessors, split_count)
+from worker.attention.triton_prefill import (TILE, TILES, PrefillTile, block_tokens,  # noqa: E402
                                              paged_prefill_attention, paged_prefill_attention_eager,
                                              prefill_block_table, prefill_blocks, tile_for)
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -106,6 +110,117 @@ def test_kernel_matches_twin(config, tile, trials, max_q, max_prefix):
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rows {rows}: {m}")
 
 
+# ==== split-KV (CPU, interpreted) ====
+
+SPLIT_CONFIGS = [  # heads, kv_heads, D, page: GQA 1, 4 and 8
+    (2, 2, 16, 4),
+    (8, 2, 32, 8),
+    (8, 1, 16, 16),
+]
+SPLIT_ROWS = [(37, 5), (0, 19), (130, 1), (61, 40), (16, 3)]  # prefixes off the page, chunks off the block
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 2, 5], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: f"gqa{c[0] // c[1]}")
+def test_split_kernel_matches_twin(config, dtype, splits):
+    """Ragged rows through 16-key tiles, so that a row's keys span several splits (5 splits leave
+    some rows' splits empty); split-KV on and off give the twin's output."""
+    heads, kv_heads, D, page = config
+    gen = torch.Generator().manual_seed(splits + heads + D)
+    for trial in range(2):
+        rows = SPLIT_ROWS if trial == 0 else random_rows(gen, SMALL_TILE, 30, 100)
+        q, k, v, table, lens, q_lens = prefill_case(gen, heads, kv_heads, D, page, rows, dtype, spare_pages=trial + 1)
+        out = paged_prefill_attention(q, k, v, table, lens, q_lens, D ** -0.5, tile=SMALL_TILE, splits=splits,
+                                      backend="triton")
+        want = paged_prefill_attention_eager(q, k, v, table, lens, q_lens, D ** -0.5)
+        assert torch.isfinite(out).all() and out.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rows {rows}: {m}")
+        else:  # the kernel rounds probabilities to bf16 before the PV product, the twin does not
+            assert rel_err(out, want) < 1e-2, f"rows {rows}"
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [SPLIT_CONFIGS[0], SPLIT_CONFIGS[2]], ids=lambda c: f"gqa{c[0] // c[1]}")
+def test_split_kernel_matches_twin_qk_ahead(config, dtype, splits):
+    """The mask-free loop that scores the next tile first: ranges of one tile and of several, split
+    or not (its extra last score is discarded)."""
+    heads, kv_heads, D, page = config
+    gen = torch.Generator().manual_seed(splits + heads + D + 1)
+    q, k, v, table, lens, q_lens = prefill_case(gen, heads, kv_heads, D, page, SPLIT_ROWS, dtype, spare_pages=1)
+    tile = SMALL_TILE._replace(qk_ahead=True)
+    out = paged_prefill_attention(q, k, v, table, lens, q_lens, D ** -0.5, tile=tile, splits=splits, backend="triton")
+    want = paged_prefill_attention_eager(q, k, v, table, lens, q_lens, D ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    else:
+        assert rel_err(out, want) < 1e-2
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_merge_kernel_matches_twin(dtype):
+    """Empty splits (lse -1e30) weigh nothing; the output may be a strided view, written only there."""
+    gen = torch.Generator().manual_seed(11)
+    splits, T, heads, D = 3, 7, 5, 24  # 35 rows: not a multiple of the merge block; D not a power of two
+    part_o = torch.randn(splits, T, heads, D, generator=gen)
+    part_lse = torch.randn(splits, T, heads, generator=gen) * 20
+    part_lse[1, 2:4] = -1e30
+    part_lse[:2, 5, 1] = -1e30  # only split 2 saw keys
+    full = torch.zeros(T, heads + 3, D, dtype=dtype)
+    out = merge_splits(part_o, part_lse, full[:, 1:heads + 1], backend="triton")
+    want = merge_splits_eager(part_o, part_lse)
+    torch.testing.assert_close(out, want.to(dtype))
+    torch.testing.assert_close(out[5, 1], part_o[2, 5, 1].to(dtype))
+    assert not full[:, 0].any() and not full[:, heads + 1:].any()
+
+
+def test_split_merge_twin_is_attention_over_the_union():
+    """Partials of disjoint key sets (normalised output, base-2 log-sum-exp of the scaled scores)
+    merge into attention over all the keys: the convention the kernel writes them in."""
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(6, 4, 16, generator=gen)
+    keys, values = torch.randn(2, 50, 4, 16, generator=gen)
+    scores = torch.einsum("nhd,shd->hns", q, keys) * 0.3
+    parts = [(0, 7), (7, 31), (31, 50)]
+    part_o = torch.stack([torch.einsum("hns,shd->nhd", scores[..., a:b].softmax(-1), values[a:b]) for a, b in parts])
+    part_lse = torch.stack([scores[..., a:b].logsumexp(-1).T / math.log(2) for a, b in parts])
+    want = torch.einsum("hns,shd->nhd", scores.softmax(-1), values)
+    torch.testing.assert_close(merge_splits_eager(part_o, part_lse), want, rtol=1e-5, atol=1e-6)
+
+
+def test_split_count_fills_the_gpu():
+    assert split_count(106, 1000, 132) == 1  # 0.8 of a wave or more: left alone
+    assert split_count(64, 2048, 132) == 2  # half a wave doubles to 128 of 132 SMs
+    assert split_count(4, 1562, 132) == 29  # 4 programs over 100k keys: the fewest splits within 85 % of the
+    # best fill (4 x 33 = 132 SMs): 116 SMs
+    assert split_count(4, 2 * MIN_TILES_PER_SPLIT, 132) == 2  # no split shorter than MIN_TILES_PER_SPLIT
+    assert split_count(4, MIN_TILES_PER_SPLIT - 1, 132) == 1
+    assert 0.85 * 16 <= split_count(1, 10**6, 132, max_splits=16) <= 16
+    assert multiprocessors(torch.device("cpu")) == 1  # a CPU batch never splits by itself
+
+
+def test_split_block_table_sizes_the_longest_block():
+    q_lens, prefixes, cpu = [5, 40, 1], [100, 0, 37], torch.device("cpu")
+    blocks = prefill_block_table(q_lens, 2, cpu, SMALL_TILE, prefixes)  # group 2: 16-token blocks
+    longest = max(prefixes[b] + m0 + 1 for b, _, _, m0 in prefill_blocks(q_lens, blocks.block_m))
+    assert (blocks.max_tiles, blocks.splits, blocks.tile) == (longest // SMALL_TILE.block_n, None, SMALL_TILE)
+    assert prefill_block_table(q_lens, 2, cpu).max_tiles == 0  # no prefixes: unknown, never split
+    assert prefill_block_table(q_lens, 2, cpu, splits=3).splits == 3
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="splits must be"):
+            prefill_block_table(q_lens, 2, cpu, splits=bad)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, table, lens, q_lens = prefill_case(gen, 4, 2, 16, 4, [(3, 5)])
+    with pytest.raises(ValueError, match="pass splits"):
+        paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, splits=2,
+                                blocks=prefill_block_table(q_lens, 2, q.device), backend="triton")
+
+
 # ==== the twin against SDPA ====
 
 @pytest.mark.parametrize("config", KERNEL_CONFIGS + [(4, 4, 8, 1), (12, 4, 32, 16)],
@@ -124,8 +239,9 @@ def test_twin_matches_sdpa(config):
 # ==== clamps of device data ====
 
 @interpreted
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("table_dtype,huge", [(torch.int64, 2**40), (torch.int32, 2**31 - 1)])
-def test_kernel_clamps_device_data(table_dtype, huge):
+def test_kernel_clamps_device_data(table_dtype, huge, splits):
     """seq_lens past the table or below q_len, and page ids outside the pool (in padding and inside
     a row), are clamped alike in kernel and twin: the same output as the clamped values give."""
     gen = torch.Generator().manual_seed(7)
@@ -137,7 +253,9 @@ def test_kernel_clamps_device_data(table_dtype, huge):
     bad_table[3, 2:] = torch.tensor([huge, -huge, -1, num_pages, huge, 0])  # padding past seq_len
     bad_table[0, -2:] = torch.tensor([-huge, huge])  # row 0's seq_len clamps to the whole table: these are read
     bad_table, bad_lens = bad_table.to(table_dtype), bad_lens.to(lens.dtype)
-    out = paged_prefill_attention(q, k, v, bad_table, bad_lens, q_lens, 0.25, backend="triton")
+    tile = SMALL_TILE if splits > 1 else None  # 16-key tiles: rows long enough to split
+    out = paged_prefill_attention(q, k, v, bad_table, bad_lens, q_lens, 0.25, tile=tile, splits=splits,
+                                  backend="triton")
     assert torch.isfinite(out).all()
     want = paged_prefill_attention_eager(q, k, v, bad_table, bad_lens, q_lens, 0.25)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
@@ -181,11 +299,12 @@ def test_block_table_of_another_batch_raises():
     gen = torch.Generator().manual_seed(1)
     q, k, v, table, lens, q_lens = prefill_case(gen, 4, 2, 16, 4, [(3, 70), (0, 4)])  # group 2: 64-token blocks
     good = prefill_block_table(q_lens, 2, q.device)
-    for blocks in (prefill_block_table([q_lens[0] + q_lens[1] - 1, 1], 2, q.device),  # same tokens, other rows
-                   prefill_block_table(q_lens, 1, q.device), prefill_block_table(q_lens, 2, q.device, SMALL_TILE),
-                   PrefillBlocks(good.q_lens[::-1], good.block_m, good.table)):
+    for blocks, tile in ((prefill_block_table([q_lens[0] + q_lens[1] - 1, 1], 2, q.device), None),  # other rows
+                         (prefill_block_table(q_lens, 1, q.device), None),
+                         (prefill_block_table(q_lens, 2, q.device, SMALL_TILE), TILE),  # a call with another tile
+                         (good._replace(q_lens=good.q_lens[::-1]), None)):
         with pytest.raises(ValueError, match="blocks built for"):
-            paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, blocks=blocks, backend="triton")
+            paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, blocks=blocks, tile=tile, backend="triton")
 
 
 # ==== the block list ====
@@ -215,6 +334,21 @@ def test_float32_takes_the_tile_that_fits_in_shared_memory():
     assert tile_for(torch.float32).rows == 128 and tile_for(torch.bfloat16) == TILE
 
 
+def test_tile_table_covers_dtypes_and_head_dims():
+    """Every float dtype up to head dim 256 finds a line of the table; wider elements or head dims
+    never take more rows (shared memory grows with both); past the table the call is refused."""
+    assert tile_for(torch.bfloat16, 128) == TILE and tile_for(torch.float16, 64) == TILE
+    tiles = [tile for *_, tile in TILES]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for D in (32, 128, 129, 256):
+            assert tile_for(dtype, D) in tiles
+            assert tile_for(dtype, D).rows <= tile_for(dtype, min(D, 128)).rows
+            assert tile_for(torch.float32, D).rows <= tile_for(dtype, D).rows
+    assert tile_for(torch.float32, 256).rows < tile_for(torch.float32, 128).rows < TILE.rows
+    with pytest.raises(ValueError, match="no prefill tile"):
+        tile_for(torch.float32, 512)
+
+
 def test_block_table_matches_block_list():
     for group, tokens in ((1, 256), (2, 128), (3, 64), (7, 32), (8, 32), (128, 2), (256, 1), (512, 1)):
         assert block_tokens(group) == tokens
@@ -235,7 +369,7 @@ def test_given_blocks_give_the_same_output():
     built = paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, backend="triton")
     blocks = prefill_block_table(q_lens, 2, q.device, tile_for(q.dtype))
     shuffled = blocks.table[torch.randperm(blocks.table.shape[0], generator=gen)]
-    for order in (blocks, PrefillBlocks(blocks.q_lens, blocks.block_m, shuffled)):
+    for order in (blocks, blocks._replace(table=shuffled)):
         given = paged_prefill_attention(q, k, v, table, lens, q_lens, 0.25, blocks=order, backend="triton")
         assert torch.equal(given, built)
 
@@ -267,6 +401,84 @@ def test_kernel_matches_twin_on_gpu(case, dtype):
             torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
         else:
             assert rel_err(out, want) < 2e-2
+
+
+GPU_SPLIT_CASES = [  # heads, kv_heads, D, page, rows: GQA 1/4/8, few blocks over long prefixes, ragged
+    (8, 8, 128, 16, [(20003, 7), (3001, 1)]),
+    (32, 8, 128, 16, [(40000, 300), (17, 5)]),
+    (32, 4, 128, 16, [(100003, 64), (5000, 1), (0, 33)]),  # Qwen3-30B-A3B's geometry, a 100k prefix
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [None, 1, 4], ids=["split-auto", "split1", "split4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_SPLIT_CASES, ids=lambda c: f"gqa{c[0] // c[1]}")
+def test_split_kernel_matches_twin_on_gpu(case, dtype, splits):
+    """Split-KV chosen by the launch (these batches fill a few SMs unsplit), forced off and forced
+    to 4, against the twin and SDPA, with no sync inside the call."""
+    heads, kv_heads, D, page, rows = case
+    gen = torch.Generator().manual_seed(heads + D)
+    q, k, v, table, lens, q_lens = prefill_case(gen, heads, kv_heads, D, page, rows, dtype, "cuda")
+    blocks = prefill_block_table(q_lens, heads // kv_heads, q.device, tile_for(dtype, D), [p for p, _ in rows], splits)
+    if splits is None:
+        assert split_count(blocks.table.shape[0] * kv_heads, blocks.max_tiles, multiprocessors(q.device)) > 1
+    paged_prefill_attention(q, k, v, table, lens, q_lens, D ** -0.5, blocks=blocks)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = paged_prefill_attention(q, k, v, table, lens, q_lens, D ** -0.5, blocks=blocks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = paged_prefill_attention_eager(q, k, v, table, lens, q_lens, D ** -0.5)
+    sdpa = sdpa_reference(q, k, v, table, [p + n for p, n in rows], q_lens, D ** -0.5)
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(out, sdpa, rtol=1e-4, atol=2e-5)
+    else:
+        assert rel_err(out, want) < 2e-2 and rel_err(out, sdpa) < 2e-2
+
+
+KNOB_TILES = [PrefillTile(256, 64, 16, 2, qk_ahead=True), PrefillTile(128, 128, 8, 2, qk_ahead=True),
+              PrefillTile(256, 128, 8, 2), PrefillTile(256, 64, 16, 2, warp_specialize=True),
+              PrefillTile(128, 128, 8, 2, warp_specialize=True)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("tile", KNOB_TILES, ids=lambda t: "-".join(map(str, map(int, t))))
+def test_split_kernel_matches_twin_on_gpu_tiles(tile, splits):
+    """The settings ``bench_prefill_attention.py --sweep`` may pick, bf16 at Qwen3's geometry. A
+    Triton that cannot build warp specialisation here skips (the sweep reports it the same way)."""
+    gen = torch.Generator().manual_seed(5)
+    rows = [(3001, 700), (40, 1), (0, 95)]
+    q, k, v, table, lens, q_lens = prefill_case(gen, 32, 4, 128, 16, rows, torch.bfloat16, "cuda")
+    blocks = prefill_block_table(q_lens, 8, q.device, tile, [p for p, _ in rows], splits)
+    try:
+        paged_prefill_attention(q, k, v, table, lens, q_lens, 128 ** -0.5, blocks=blocks)
+    except Exception as e:  # noqa: BLE001 (the compiler's errors have no common base)
+        if not tile.warp_specialize:
+            raise
+        pytest.skip(f"warp specialisation: {type(e).__name__}: {str(e)[:100]}")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = paged_prefill_attention(q, k, v, table, lens, q_lens, 128 ** -0.5, blocks=blocks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(out, paged_prefill_attention_eager(q, k, v, table, lens, q_lens, 128 ** -0.5)) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_matches_twin_on_gpu_head_dim_256(dtype):
+    """The table's head-dim-256 tiles compile within shared memory and match the twin."""
+    gen = torch.Generator().manual_seed(256)
+    q, k, v, table, lens, q_lens = prefill_case(gen, 8, 2, 256, 16, [(3000, 200), (77, 1)], dtype, "cuda")
+    out = paged_prefill_attention(q, k, v, table, lens, q_lens, 256 ** -0.5)
+    want = paged_prefill_attention_eager(q, k, v, table, lens, q_lens, 256 ** -0.5)
+    assert rel_err(out, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 # ==== the "triton" backend in a model ====

@@ -23,9 +23,9 @@ from tests.test_expert_cache import assert_consistent, make_banks, skewed_routin
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
-from worker.generate import generate  # noqa: E402
+from scheduler.generate import generate  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker.sampling import SamplingParams  # noqa: E402
+from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 4, 8, 16, 8, 2
 PREFILL, DECODE = 24, 2  # tokens: 24 * 2 >= 4E pairs takes the pipeline, 2 * 2 does not
@@ -63,7 +63,7 @@ def test_pipeline_equals_resident_and_leaves_lent_slots_empty():
     for step in batches(0):
         for layer, (x, weights, ids) in enumerate(step):
             out, want = offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids)
-            if offloaded.pipelined(ids):  # experts indexed by id as in the resident banks: same arithmetic
+            if offloaded.pipelines(*ids.shape):  # experts indexed by id as in the resident banks: same arithmetic
                 assert torch.equal(out, want)
             else:
                 torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -96,7 +96,7 @@ def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
     cache = offloaded.cache
     flops = flops_per_byte * cache.num_layers * cache.num_experts * cache.slot_bytes
     for step in batches(3, rounds=3):
-        offloaded.begin(len(step[0][0]), TOP_K, flops)
+        offloaded.begin(offloaded.pipelines(len(step[0][0]), TOP_K), flops)
         for layer, args in enumerate(step):
             torch.testing.assert_close(offloaded.forward(layer, *args), resident.forward(layer, *args),
                                        rtol=1e-5, atol=1e-5)
@@ -186,7 +186,7 @@ def test_event_order_with_recording_streams(early_begin):
                     offloaded.forward(layer, *args)
             continue
         if early_begin:
-            offloaded.begin(len(step[0][0]), TOP_K)
+            offloaded.begin(offloaded.pipelines(len(step[0][0]), TOP_K))
             with streams.on_compute("attention"):  # overlaps staging of layer 0
                 pass
         for layer, args in enumerate(step):
@@ -313,7 +313,7 @@ def test_cli_options_reach_the_pipeline():
 
 
 def test_auto_prefill_tokens_on_cpu(model_dir):
-    assert runner(model_dir).max_prefill_tokens == 2048
+    assert runner(model_dir).plan.prefill_tokens == 2048
 
 
 # ==== GPU ====

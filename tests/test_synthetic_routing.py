@@ -9,10 +9,10 @@ import torch
 from moe_offload.routing_trace import RoutingTrace
 from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys, routing_statistics, synthetic_trace
 from worker.expert_placement import ExpertOptions
-from worker.generate import generate
+from scheduler.generate import generate
 from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
-from worker.sampling import SamplingParams
+from scheduler.messages.to_scheduler import SamplingParams
 
 # published Qwen3-30B-A3B decode statistics (E = 128, k = 8)
 TARGETS = {"repeat_next": 0.45, "repeat_within": 0.80, "head_mass": 0.90, "top_share": 0.05}

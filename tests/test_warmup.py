@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moe_offload.offloaded import OffloadedExperts
-from scheduler.engine import Engine, EngineConfig
+from scheduler.engine import Engine
 from scheduler.warmup import warm_up
 from tests.test_engine import prompts, req, run
 from tests.tiny_models import write_tiny
@@ -24,8 +24,9 @@ def make_engine(model_dir, device: str) -> Engine:
     # 75% of the experts cached: room for the prefill pipeline's 3E slots; a host KV tier too
     page_size = 16 if device == "cuda" else 4  # as the other CUDA runner tests
     runner = ModelRunner(RunnerConfig(model_dir, device=device, dtype="float32", page_size=page_size, kv_tokens=1024,
-                                      max_prefill_tokens=64, experts=ExpertOptions(cache_fraction=0.75)))
-    return Engine(runner, EngineConfig(kv_host_gib=0.001))
+                                      max_prefill_tokens=64, experts=ExpertOptions(cache_fraction=0.75),
+                                      kv_host_size=0.001))
+    return Engine(runner)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

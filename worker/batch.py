@@ -30,15 +30,19 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] tokens in KV after this step
     num_tokens: int
     is_decode: bool
+    # whether the experts stream through the prefill pipeline: decided once, from the token count
+    # (``Experts.pipeline_from``); the MoE layers read it
+    pipelined: bool = False
     # host copies of the lengths for per-sequence prefill loops (no device reads); decode needs none
     q_lens: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
 
 
 def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
-                token_buffer: torch.Tensor | None = None) -> ForwardBatch:
+                token_buffer: torch.Tensor | None = None, pipeline_from: int | None = None) -> ForwardBatch:
     """Chunks with a ``buffer_slot`` take their token from ``token_buffer`` on the device: the
-    token sampled by the previous step, which the host has not read yet (overlap scheduling)."""
+    token sampled by the previous step, which the host has not read yet (overlap scheduling). A
+    batch of ``pipeline_from`` tokens or more is ``pipelined`` (None: none is)."""
     ids, pos, loc, last, table, lens, src = [], [], [], [], [], [], []
     for b, c in enumerate(chunks):
         n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
@@ -60,7 +64,8 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     if token_buffer is not None:
         ids_t = torch.where(src_t >= 0, token_buffer[src_t.clamp(min=0)], ids_t)
     return ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
-                        T, is_decode=T == len(chunks), q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens)
+                        T, is_decode=T == len(chunks), pipelined=pipeline_from is not None and T >= pipeline_from,
+                        q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens)
 
 
 def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

@@ -28,9 +28,9 @@ import torch
 
 from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch, SequenceChunk
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
-from worker.sampling import SamplingParams, SamplingTensors, sample
+from worker.sampling import Sampling, SamplingTensors, sample, seed32
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 INT_FIELDS = 8  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step; then one row of f32 pairs
@@ -44,15 +44,12 @@ class _Captured(NamedTuple):
     next_tokens: torch.Tensor  # [bucket] int64
 
 
-def decode_buckets(max_batch: int, experts: object, top_k: int) -> tuple[int, ...]:
-    """Batch sizes that get a graph. Offloaded experts send batches of ``T * k >= 4E`` routed pairs
-    through the prefill pipeline (streams and events, not capturable, and not a decode path), so
-    the largest bucket stops just below that size and bigger batches run eagerly, as they would
-    anyway."""
-    pipelined = getattr(experts, "pipelined", None)
-    limit = max_batch
-    while limit > 0 and pipelined is not None and pipelined(torch.empty(limit, top_k, device="meta")):
-        limit -= 1
+def decode_buckets(max_batch: int, pipeline_from: int | None) -> tuple[int, ...]:
+    """Batch sizes that get a graph. A batch of ``pipeline_from`` tokens or more streams its
+    experts through the prefill pipeline (streams and events, not capturable, and not a decode
+    path), so the largest bucket stops just below that size and bigger batches run eagerly, as they
+    would anyway."""
+    limit = max_batch if pipeline_from is None else min(max_batch, pipeline_from - 1)
     return tuple(sorted({b for b in BUCKETS if b < limit} | {limit})) if limit > 0 else ()
 
 
@@ -71,7 +68,7 @@ class DecodeGraphs:
         self.page_size = kv_pool.page_size
         self.max_context = max_context
         self.max_pages = min(-(-max_context // self.page_size), kv_pool.num_pages)
-        self.buckets = decode_buckets(max_batch, model.experts, model.cfg.top_k)
+        self.buckets = decode_buckets(max_batch, model.experts.pipeline_from(model.cfg.top_k))
         self.use_graphs = use_graphs
         self.page_table = torch.zeros(max(self.buckets, default=0), self.max_pages, dtype=torch.int64,
                                       device=self.device)
@@ -85,7 +82,7 @@ class DecodeGraphs:
                 and max(c.prefix_len for c in chunks) < min(self.max_context, self.max_pages * self.page_size))
 
     @torch.inference_mode()
-    def run(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int],
+    def run(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
             token_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, V], next_tokens [B])``: views of the graph's outputs, valid until the next
         ``run`` (use them, or copy them, before the next step is launched)."""
@@ -163,7 +160,7 @@ class DecodeGraphs:
 
     # ==== on the host ====
 
-    def _pack(self, chunks: list[SequenceChunk], sampling: list[SamplingParams], steps: list[int], bucket: int,
+    def _pack(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int], bucket: int,
               has_buffer: bool) -> tuple[torch.Tensor, int, int]:
         """One host tensor: the input block, then the page table ``[bucket, width]``. Returns it, the
         width, and how many token-buffer rows the batch reads (0: none)."""
@@ -183,7 +180,7 @@ class DecodeGraphs:
         width = max(len(t) for t in table)
         rows = [t + [0] * (width - len(t)) for t in table]
         ints = [ids, slots, pos, loc, lens, [p.top_k or self.vocab for p in sampling],
-                [p.seed & _MASK32 for p in sampling], [s & _MASK32 for s in steps]]
+                [seed32(p) for p in sampling], [s & _MASK32 for s in steps]]
         flat = [v for field in ints for v in field + field[:1] * pad]
         flat[3 * bucket + len(chunks):4 * bucket] = [0] * pad  # padded rows write the scratch slot
         floats = [p.temperature for p in sampling] + [sampling[0].temperature] * pad

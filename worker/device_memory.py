@@ -1,10 +1,10 @@
 """The GPU memory the engine sizes itself from: the card's, or with ``--gpu-memory-limit GiB`` a
 card of that size (e.g. 32 to run as on an RTX 5090 from an H200).
 
-Under a limit the engine sizes the expert cache (``--moe-cache-auto`` included), the KV pool and the
-prefill chunk from the memory left under the limit, and torch's caching allocator is capped at the
-limit (``set_per_process_memory_fraction``), so an allocation past it raises out-of-memory instead of
-quietly using the bigger card. The limit covers what torch allocates; the CUDA context and loaded
+Under a limit the memory plan (``worker.memory_plan``) sizes the expert cache (``--moe-cache-auto``
+included), the KV pool and the prefill chunk from the memory left under the limit, and torch's
+caching allocator is capped at the limit (``set_per_process_memory_fraction``), so an allocation
+past it raises out-of-memory instead of quietly using the bigger card. The limit covers what torch allocates; the CUDA context and loaded
 kernels (a few hundred MB, outside torch's allocator) come on top, as they would on the real card.
 """
 from __future__ import annotations

@@ -2,33 +2,15 @@
 dequantizing fp8 weights to the destination's dtype."""
 from __future__ import annotations
 
-import json
-import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, dequantized, read_matrix, read_tensor
+from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, index_files
 from worker.errors import CheckpointError
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{model_dir}: safetensors index names missing files {missing}")
-    return files
 
 
 def open_checkpoint(files: list[Path]) -> dict[str, SafetensorsFile]:
@@ -49,12 +31,11 @@ def load_tensors(files: list[Path], targets: dict[str, torch.Tensor], label: str
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
-    progress = _Progress(label, sum(t.numel() * t.element_size() for t in targets.values()))
-    for name, dst in targets.items():
-        with checkpoint_errors():
-            dst.copy_(_read_float(index, name, dst, scheme))
-        progress.advance(dst.numel() * dst.element_size())
-    progress.close()
+    with ProgressBar(sum(t.numel() * t.element_size() for t in targets.values()), label) as progress:
+        for name, dst in targets.items():
+            with checkpoint_errors():
+                dst.copy_(_read_float(index, name, dst, scheme))
+            progress.advance(dst.numel() * dst.element_size())
 
 
 def _read_float(index: dict[str, SafetensorsFile], name: str, dst: torch.Tensor,
@@ -76,31 +57,3 @@ def checkpoint_errors():
         raise
     except ValueError as err:
         raise CheckpointError(str(err)) from None
-
-
-class _Progress:
-    """A one-line stderr progress bar by bytes (only drawn on a terminal)."""
-
-    def __init__(self, label: str, total: int):
-        self.label, self.total, self.done = label, max(total, 1), 0
-        self.start = self.last = time.monotonic()
-        self.tty = sys.stderr.isatty()
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.monotonic()
-        if self.tty and now - self.last > 0.1:
-            self.last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        frac = self.done / self.total
-        bar = "#" * int(30 * frac)
-        rate = self.done / max(now - self.start, 1e-9) / 1e9
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {self.done / 1e9:.2f} GB {rate:.2f} GB/s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self._draw(time.monotonic())
-            sys.stderr.write("\n")

@@ -22,10 +22,10 @@ import torch
 
 from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat
 from moe_offload.fp8_checkpoint import FP8Scheme
-from moe_offload.safetensors_file import index_files
-from moe_offload.store_fill import CHECKPOINT_STYLES, detect_names
+from moe_offload.safetensors_file import checkpoint_files, index_files
+from moe_offload.expert_names import CHECKPOINT_STYLES, detect_names
 from worker.errors import CheckpointError
-from worker.loader import checkpoint_files
+from worker.loader import checkpoint_errors
 
 SUPPORTED = ("Sluice runs fp8 e4m3 weights: quant_method 'fp8' with weight_block_size [128, 128] and dynamic "
              "activations, or 'compressed-tensors' float8 weights per channel, per tensor or in 128x128 blocks "
@@ -58,7 +58,8 @@ def checkpoint_expert_format(model_dir: str | Path) -> ExpertFormat:
     if str(model_dir) in GEOMETRIES:  # no checkpoint: dummy weights, bf16
         return ExpertFormat(torch.bfloat16)
     cfg = ModelConfig.from_dir(model_dir)
-    index = index_files(checkpoint_files(model_dir))
+    with checkpoint_errors():
+        index = index_files(checkpoint_files(model_dir))
     try:
         probe = detect_names(index.keys(), 0, CHECKPOINT_STYLES).probe.format(layer=0, expert=0)
     except ValueError as err:

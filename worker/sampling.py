@@ -7,28 +7,28 @@ gives the same tokens, and no generator state ever has to be read on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from worker.gumbel import gumbel_noise
+
 _MASK32 = 0xFFFFFFFF
-_INT64_MAX = 2**63 - 1
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = whole vocabulary
-    top_p: float = 1.0
-    seed: int = 0
+class Sampling(Protocol):
+    """What the sampler reads of a request (``scheduler.messages.to_scheduler.SamplingParams``,
+    which the worker may not import): the fields, with ``seed`` None read as 0."""
 
-    def validate(self) -> None:
-        """What ``SamplingTensors.build`` can hold: finite floats, ints that fit int64."""
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0 <= self.top_k <= _INT64_MAX:
-            raise ValueError(f"top_k must be in [0, 2**63 - 1], got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    temperature: float  # 0 = greedy
+    top_k: int  # 0 = whole vocabulary
+    top_p: float
+    seed: int | None
+
+
+def seed32(params: Sampling) -> int:
+    """The seed's low 32 bits, the hash's input (None: 0)."""
+    return (params.seed or 0) & _MASK32
 
 
 @dataclass
@@ -41,9 +41,9 @@ class SamplingTensors:
     all_greedy: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], steps: list[int], vocab: int, device: torch.device) -> SamplingTensors:
+    def build(cls, params: list[Sampling], steps: list[int], vocab: int, device: torch.device) -> SamplingTensors:
         floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor([[min(p.top_k or vocab, vocab), p.seed & _MASK32, s & _MASK32] for p, s in zip(params, steps)],
+        ints = torch.tensor([[min(p.top_k or vocab, vocab), seed32(p), s & _MASK32] for p, s in zip(params, steps)],
                             dtype=torch.int64)
         if device.type == "cuda":
             floats = floats.pin_memory().to(device, non_blocking=True)
@@ -66,22 +66,7 @@ def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     drop = (rank >= s.top_k[:, None]) | (mass_before > s.top_p[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     # Gumbel-max over the kept tokens, with noise hashed from (seed, step, token)
-    noise = _gumbel(s.seed[:, None], s.step[:, None], order)
+    noise = gumbel_noise(s.seed, s.step, order)
     sampled = order.gather(1, (sorted_logits + noise).argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(s.temperature == 0, greedy, sampled)
 
-
-def _gumbel(seed: torch.Tensor, step: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    h = _fmix32((seed * 0x9E3779B1 + step) & _MASK32)
-    h = _fmix32((h ^ (token * 0x85EBCA77)) & _MASK32)
-    uniform = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser on int64 tensors holding 32-bit values (products keep the low bits)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)

@@ -59,26 +59,21 @@ def open_gguf():
     return GGUFReader(gguf_path())
 
 
-def read_spec(reader) -> DenseSpec:
-    def field(key: str):
-        return reader.fields[key].contents()
+# DenseSpec field -> (GGUF metadata key, type); the vocabulary is counted from the token list
+_SPEC_FIELDS = {
+    "num_layers": ("llama.block_count", int), "hidden": ("llama.embedding_length", int),
+    "ffn": ("llama.feed_forward_length", int), "heads": ("llama.attention.head_count", int),
+    "kv_heads": ("llama.attention.head_count_kv", int), "rope_theta": ("llama.rope.freq_base", float),
+    "rms_eps": ("llama.attention.layer_norm_rms_epsilon", float), "context": ("llama.context_length", int),
+    "bos_id": ("tokenizer.ggml.bos_token_id", int), "eos_id": ("tokenizer.ggml.eos_token_id", int),
+    "pad_id": ("tokenizer.ggml.padding_token_id", int), "unk_id": ("tokenizer.ggml.unknown_token_id", int),
+    "chat_template": ("tokenizer.chat_template", str),
+}
 
-    return DenseSpec(
-        num_layers=int(field("llama.block_count")),
-        hidden=int(field("llama.embedding_length")),
-        ffn=int(field("llama.feed_forward_length")),
-        heads=int(field("llama.attention.head_count")),
-        kv_heads=int(field("llama.attention.head_count_kv")),
-        rope_theta=float(field("llama.rope.freq_base")),
-        rms_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
-        context=int(field("llama.context_length")),
-        bos_id=int(field("tokenizer.ggml.bos_token_id")),
-        eos_id=int(field("tokenizer.ggml.eos_token_id")),
-        pad_id=int(field("tokenizer.ggml.padding_token_id")),
-        unk_id=int(field("tokenizer.ggml.unknown_token_id")),
-        chat_template=str(field("tokenizer.chat_template")),
-    )
+
+def read_spec(reader) -> DenseSpec:
+    values = {name: kind(reader.fields[key].contents()) for name, (key, kind) in _SPEC_FIELDS.items()}
+    return DenseSpec(vocab=len(reader.fields["tokenizer.ggml.tokens"].data), **values)
 
 
 _GGUF_TO_HF = {

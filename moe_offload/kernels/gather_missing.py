@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import raw_bytes, use_triton
+from moe_offload.kernels.triton_support import raw_bytes, use_triton
 
 BLOCK = 4096
 

@@ -40,15 +40,21 @@ class BlockConfig(NamedTuple):
 def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
     """Bf16/fp16 tiles for H200 after vLLM's tuned table for E=128, N=768 (keyed on tokens, as
     there): small row blocks while the weights dominate, big tiles once compute does."""
+    return pick_config(num_tokens, dtype, _BF16_CONFIGS)
+
+
+FP32_CONFIG = BlockConfig(32, 64, 32, 8, 4, 2)  # fp32 activations (tests, CPU) in every table
+# (up to this many tokens, tiles), the last entry for any count
+_BF16_CONFIGS = ((32, BlockConfig(16, 64, 128, 1, 4, 3)), (128, BlockConfig(16, 128, 128, 1, 4, 2)),
+                 (512, BlockConfig(64, 128, 64, 8, 4, 3)), (None, BlockConfig(128, 256, 64, 8, 8, 3)))
+
+
+def pick_config(num_tokens: int, dtype: torch.dtype,
+                table: tuple[tuple[int | None, BlockConfig], ...]) -> BlockConfig:
+    """The first tiles of ``table`` whose token bound holds ``num_tokens``; fp32 takes its own."""
     if dtype == torch.float32:
-        return BlockConfig(32, 64, 32, 8, 4, 2)
-    if num_tokens <= 32:
-        return BlockConfig(16, 64, 128, 1, 4, 3)
-    if num_tokens <= 128:
-        return BlockConfig(16, 128, 128, 1, 4, 2)
-    if num_tokens <= 512:
-        return BlockConfig(64, 128, 64, 8, 4, 3)
-    return BlockConfig(128, 256, 64, 8, 8, 3)
+        return FP32_CONFIG
+    return next(config for limit, config in table if limit is None or num_tokens <= limit)
 
 
 class Alignment(NamedTuple):
@@ -239,12 +245,13 @@ def _sum_k_kernel(pair_out_ptr, slots_ptr, out_ptr, num_slots, hidden, top_k,
 
 
 def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-                         w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None) -> torch.Tensor:
+                         w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The Triton path of ``grouped_swiglu``; arguments are already checked."""
     num_tokens, top_k = slots.shape
     num_slots, inter, dim = w2.shape[0], w2.shape[2], hidden.shape[1]
     num_pairs = num_tokens * top_k
-    out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, dim, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_pairs == 0:
         return out
     cfg = config or default_config(num_tokens, hidden.dtype)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.fp8 import ScaleBlock
-from moe_offload.kernels.grouped_gemm import Alignment, BlockConfig, _tile, align_by_slot, sum_over_k
+from moe_offload.kernels.grouped_gemm import Alignment, BlockConfig, _tile, align_by_slot, pick_config, sum_over_k
 from moe_offload.kernels.quant_fp8 import ACT_GROUP, quantize_activations
 
 if TYPE_CHECKING:
@@ -47,13 +47,11 @@ def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
     M 16 up to 128 tokens, then M 64 with 4 stages. vLLM's M 64 for one token is dropped: our
     decode GEMMs dot in bf16, where M 16 is the smallest tile and wastes least. Fp32 activations
     (tests, CPU) keep the bf16 file's fp32 tile (BLOCK_K 32 divides 128)."""
-    if dtype == torch.float32:
-        return BlockConfig(32, 64, 32, 8, 4, 2)
-    if num_tokens <= 32:
-        return BlockConfig(16, 128, 128, 1, 4, 3)
-    if num_tokens <= 128:
-        return BlockConfig(16, 128, 128, 16, 4, 3)
-    return BlockConfig(64, 128, 128, 16, 4, 4)
+    return pick_config(num_tokens, dtype, _FP8_CONFIGS)
+
+
+_FP8_CONFIGS = ((32, BlockConfig(16, 128, 128, 1, 4, 3)), (128, BlockConfig(16, 128, 128, 16, 4, 3)),
+                (None, BlockConfig(64, 128, 128, 16, 4, 4)))
 
 
 def fit_block_k(config: BlockConfig, block: ScaleBlock) -> BlockConfig:
@@ -197,7 +195,8 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_pt
 
 def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                              w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
-                             config: BlockConfig | None = None, fp8_activations: bool = False) -> torch.Tensor:
+                             config: BlockConfig | None = None, fp8_activations: bool = False,
+                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The Triton path of ``grouped_swiglu`` for fp8 banks; arguments are already checked.
 
     ``fp8_activations`` quantizes each GEMM's input per token and 128 columns
@@ -208,7 +207,7 @@ def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots:
     block = scales.block
     cfg = config or fit_block_k(default_config(num_tokens, hidden.dtype), block)
     check_config(cfg, block, fp8_activations)
-    out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(num_tokens, dim, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_tokens * top_k == 0:
         return out
     slots = slots.reshape(-1).contiguous()

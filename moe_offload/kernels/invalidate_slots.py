@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 from moe_offload.kernels.lookup_admit import CacheTables, check_tables
 
 BLOCK = 1024

@@ -16,6 +16,13 @@ kernel extracts one min per miss: its cost follows the misses, each of which mov
 Slots below ``LowPriority.end`` (the prefill pipeline's lent slots, when decode may use them) rank
 as if ``penalty`` launches older than they are: a resident there goes before one elsewhere unless
 that one has been idle ``penalty`` launches longer, so the next prefill wipes the coldest entries.
+
+An ``ahead`` launch admits the experts predicted for the *next* lookup (cross-layer prefetch) while
+the experts of the launch before may still be read: it runs at the step that lookup will take (no
+advance), counts slots used by the launch before as used too, marks predicted hits used without
+crediting them, and gives its admissions the score 0: the real lookup raises a right guess to a
+fresh admission's score (``max(score, step) + credit``), a wrong one stays the first victim. It never
+takes a slot in use as a victim: predicted misses beyond the free victims are not admitted.
 """
 from __future__ import annotations
 
@@ -24,11 +31,12 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
 
 # Per layer, summed over launches: distinct experts looked up, of which resident (hits) and admitted
 # (misses, each copied in by gather_missing), misses that displaced a resident expert, bytes copied.
-STAT_FIELDS = ("lookups", "hits", "misses", "evictions", "bytes_h2d")
+# ``predicted``: of the hits, the experts an ahead launch had marked for this one (its prefetch hits).
+STAT_FIELDS = ("lookups", "hits", "misses", "evictions", "bytes_h2d", "predicted")
 IDX_BITS = 20
 REL_BITS = 40
 MAX_SLOTS = 1 << IDX_BITS
@@ -122,13 +130,15 @@ def _check(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables,
 
 def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
                  num_slots: int, policy: Policy, expert_bytes: int, backend: str | None = None,
-                 low: LowPriority = LowPriority()) -> tuple[CopyPlan, torch.Tensor]:
+                 low: LowPriority = LowPriority(), ahead: bool = False) -> tuple[CopyPlan, torch.Tensor]:
     """Look up ``ids [T, k]`` (experts of ``layer``) and admit the misses into victims of slots
     ``[slot_start, slot_start + num_slots)``. Returns the copy plan and the slot ids ``[T, k]``
     int64 (-1 for ids outside ``[0, E)``). Advances ``tables.step`` and the layer's stats.
 
     ``num_slots`` must be at least ``min(T*k, E)``, checked from shapes, so victims never run out.
-    ``low`` lowers the rank of the first slots as victims (see the module docstring).
+    ``low`` lowers the rank of the first slots as victims (see the module docstring). ``ahead``
+    admits a prediction for the next lookup instead (module docstring; the step stays); a
+    following real lookup then needs ``min(2*T*k, E)`` slots (its experts and the prediction's).
     """
     _check(ids, layer, num_experts, tables, slot_start, num_slots, policy, low)
     capacity = plan_capacity(ids.numel(), num_experts)
@@ -138,7 +148,7 @@ def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheT
                     torch.empty(1, dtype=torch.int32, device=device))
     slots = torch.empty(ids.shape, dtype=torch.int64, device=device)
     args = (ids.contiguous(), layer, num_experts, tables, slot_start, num_slots, policy, low, expert_bytes, plan,
-            slots)
+            slots, ahead)
     if use_triton(ids, backend):
         _launch(*args)
     else:
@@ -154,7 +164,7 @@ def _touch(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int) 
 
 def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
                        num_slots: int, policy: Policy, low: LowPriority, expert_bytes: int, plan: CopyPlan,
-                       slots: torch.Tensor) -> None:
+                       slots: torch.Tensor, ahead: bool = False) -> None:
     """Reference twin: reads the step and the miss count on the host (CPU path and oracle only)."""
     device, step = ids.device, int(tables.step[0])
     flat = ids.reshape(-1)
@@ -164,18 +174,13 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     gid = layer * num_experts + torch.arange(num_experts, device=device)
     cur = tables.slot_for_id[gid].long()
     hit, miss = present & (cur >= 0), present & (cur < 0)
-    _touch(tables, cur[hit], policy, step)
+    predicted = int((tables.last_use[cur[hit]] == step).sum())
+    _use(tables, cur[hit], policy, step, ahead)
 
-    rng = torch.arange(num_slots, device=device)
-    occ = tables.id_of_slot[slot_start + rng]
-    used = tables.last_use[slot_start + rng] == step
-    cls = torch.where(used, 3, torch.where(occ < 0, 0, 1)).long()
-    num_layers = tables.stats.shape[0]
-    until_visit = (occ.long().clamp(min=0) // num_experts - layer - 1 + num_layers) % num_layers + 1
-    penalty = torch.where(slot_start + rng < low.end, low.penalty, 0) + policy.visit * until_visit
-    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1)) - penalty).clamp(0, (1 << REL_BITS) - 1)
-    keys = torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values
+    keys, cls = _victim_order(tables, layer, num_experts, slot_start, num_slots, policy, low, step, ahead)
     src = gid[miss]
+    if ahead:  # a prediction never takes a slot in use: what does not fit is not prefetched
+        src = src[:int((cls < 3).sum())]
     num_miss = src.numel()
     dst = slot_start + (keys[:num_miss] & (MAX_SLOTS - 1))
     old = tables.id_of_slot[dst].long()
@@ -183,23 +188,51 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     tables.slot_for_id[src] = dst.int()
     tables.id_of_slot[dst] = src.int()
     tables.score[dst] = 0
-    _touch(tables, dst, policy, step)
+    _use(tables, dst, policy, step, ahead)
 
-    plan.src_id.fill_(-1)
-    plan.dst_slot.fill_(-1)
-    plan.src_id[:num_miss] = src.int()
-    plan.dst_slot[:num_miss] = dst.int()
-    plan.count.fill_(num_miss)
+    _write_plan(plan, src, dst)
     looked = tables.slot_for_id[layer * num_experts + flat.clamp(0, num_experts - 1)].long()
     slots.copy_(torch.where(valid, looked, -1).view_as(slots))
-    counts = [int(present.sum()), int(hit.sum()), num_miss, int((old >= 0).sum()), num_miss * expert_bytes]
+    counts = [int(present.sum()), int(hit.sum()), num_miss, int((old >= 0).sum()), num_miss * expert_bytes, predicted]
     tables.stats[layer].add_(torch.tensor(counts, dtype=torch.int64, device=device))
-    tables.step.add_(1)
+    if not ahead:
+        tables.step.add_(1)
+
+
+def _use(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int, ahead: bool) -> None:
+    if ahead:  # protected from this launch's victims, credited by the real lookup
+        tables.last_use[slots] = step
+    else:
+        _touch(tables, slots, policy, step)
+
+
+def _victim_order(tables: CacheTables, layer: int, num_experts: int, slot_start: int, num_slots: int,
+                  policy: Policy, low: LowPriority, step: int, ahead: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's victim ranking: sorted keys (class, relative score, slot index) of the slots
+    ``[slot_start, slot_start + num_slots)``, and each slot's class (3: in use this step)."""
+    rng = torch.arange(num_slots, device=tables.id_of_slot.device)
+    occ = tables.id_of_slot[slot_start + rng]
+    last = tables.last_use[slot_start + rng]
+    used = (last >= step - int(ahead)) & (last > 0)  # ahead: the launch before may still be reading
+    cls = torch.where(used, 3, torch.where(occ < 0, 0, 1)).long()
+    num_layers = tables.stats.shape[0]
+    until_visit = (occ.long().clamp(min=0) // num_experts - layer - 1 + num_layers) % num_layers + 1
+    penalty = torch.where(slot_start + rng < low.end, low.penalty, 0) + policy.visit * until_visit
+    rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1)) - penalty).clamp(0, (1 << REL_BITS) - 1)
+    return torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values, cls
+
+
+def _write_plan(plan: CopyPlan, src: torch.Tensor, dst: torch.Tensor) -> None:
+    plan.src_id.fill_(-1)
+    plan.dst_slot.fill_(-1)
+    plan.src_id[:src.numel()] = src.int()
+    plan.dst_slot[:src.numel()] = dst.int()
+    plan.count.fill_(src.numel())
 
 
 def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
             num_slots: int, policy: Policy, low: LowPriority, expert_bytes: int, plan: CopyPlan,
-            slots: torch.Tensor) -> None:
+            slots: torch.Tensor, ahead: bool) -> None:
     block_e = next_pow2(num_experts)
     block_s = next_pow2(num_slots)
     _kernel()[(1,)](
@@ -208,7 +241,7 @@ def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables
         ids.numel(), layer, num_experts, slot_start, num_slots, plan.src_id.numel(),
         policy.credit, policy.cap, policy.visit, tables.stats.shape[0], low.end, low.penalty, expert_bytes,
         BLOCK_N=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=next_pow2(plan.src_id.numel()),
-        NUM_STATS=len(STAT_FIELDS), num_warps=num_warps_for(max(block_s, block_e)),
+        NUM_STATS=len(STAT_FIELDS), AHEAD=int(ahead), num_warps=num_warps_for(max(block_s, block_e)),
     )
 
 
@@ -223,7 +256,7 @@ def _kernel():
                             num_routed, layer, num_experts, slot_start, num_slots, plan_cap,
                             credit, cap, visit, num_layers, low_end, low_penalty, expert_bytes,
                             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr):
+                            BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr, AHEAD: tl.constexpr):
         # Where a block is smaller than the CTA, threads hold replicas of one element; every
         # read-then-write of one address is split by a barrier so that no replica reads a value
         # its owner already replaced. Counters and the step are read up front for the same reason.
@@ -245,39 +278,48 @@ def _kernel():
         miss = present & (cur < 0)
         num_miss = tl.sum(miss.to(tl.int32), axis=0)
 
-        # 2. touch the hits; last_use == step then marks them as used by this launch
+        # 2. touch the hits; last_use == step then marks them as used by this launch (an ahead
+        #    launch only marks them: the real lookup credits them)
         old_score = tl.load(score_ptr + cur, mask=hit, other=0)
+        old_last = tl.load(last_use_ptr + cur, mask=hit, other=0)
         tl.debug_barrier()
-        tl.store(score_ptr + cur, tl.minimum(tl.maximum(old_score, step) + credit, step + cap), mask=hit)
+        if not AHEAD:
+            tl.store(score_ptr + cur, tl.minimum(tl.maximum(old_score, step) + credit, step + cap), mask=hit)
         tl.store(last_use_ptr + cur, step, mask=hit)
-        # 3. plan sources: misses in expert order; padding rows -1
-        rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-        tl.store(plan_src_ptr + rank, gid, mask=miss)
-        rows = tl.arange(0, BLOCK_P)
-        pad = (rows >= num_miss) & (rows < plan_cap)
-        tl.store(plan_src_ptr + rows, -1, mask=pad)
-        tl.store(plan_dst_ptr + rows, -1, mask=pad)
         tl.debug_barrier()
 
-        # 4. victims: the num_miss lowest keys of the range, in key order
+        # 3. victims' keys over the range, read after the touches
         s = tl.arange(0, BLOCK_S)
         in_range = s < num_slots
         occ = tl.load(id_of_slot_ptr + slot_start + s, mask=in_range, other=-1)
-        used = tl.load(last_use_ptr + slot_start + s, mask=in_range, other=0) == step
+        last = tl.load(last_use_ptr + slot_start + s, mask=in_range, other=0)
+        used = (last >= step - AHEAD) & (last > 0)  # ahead: the launch before may still be reading
         score = tl.load(score_ptr + slot_start + s, mask=in_range, other=0)
         cls = tl.where(used | ~in_range, 3, tl.where(occ < 0, 0, 1)).to(tl.int64)
         until_visit = (tl.maximum(occ, 0) // num_experts - layer - 1 + num_layers) % num_layers + 1
         penalty = tl.where(slot_start + s < low_end, low_penalty, 0).to(tl.int64) + visit * until_visit.to(tl.int64)
         rel = tl.minimum(tl.maximum(score - step + (1 << 39) - penalty, 0), (1 << 40) - 1)
         keys = (cls << 60) | (rel << 20) | s.to(tl.int64)  # the layout drawn in the module docstring
-        for j in range(0, num_miss):
+        num_admit = num_miss
+        if AHEAD:  # a prediction never takes a slot in use: what does not fit is not prefetched
+            num_admit = tl.minimum(num_miss, tl.sum((cls < 3).to(tl.int32), axis=0))
+
+        # 4. plan: sources are the first num_admit misses in expert order, victims the num_admit
+        #    lowest keys in key order; padding rows -1
+        rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        tl.store(plan_src_ptr + rank, gid, mask=miss & (rank < num_admit))
+        rows = tl.arange(0, BLOCK_P)
+        pad = (rows >= num_admit) & (rows < plan_cap)
+        tl.store(plan_src_ptr + rows, -1, mask=pad)
+        tl.store(plan_dst_ptr + rows, -1, mask=pad)
+        for j in range(0, num_admit):
             low = tl.min(keys, axis=0)
             tl.store(plan_dst_ptr + j, (slot_start + (low & ((1 << 20) - 1))).to(tl.int32))
             keys = tl.where(keys == low, 0x7FFFFFFFFFFFFFFF, keys)
         tl.debug_barrier()
 
         # 5. admit: the victim's old id leaves, the new one moves in with a fresh score
-        admit = rows < num_miss
+        admit = rows < num_admit
         src = tl.load(plan_src_ptr + rows, mask=admit, other=0)
         dst = tl.load(plan_dst_ptr + rows, mask=admit, other=0)
         old = tl.load(id_of_slot_ptr + dst, mask=admit, other=-1)
@@ -286,7 +328,8 @@ def _kernel():
         tl.store(slot_for_id_ptr + old, -1, mask=evicted)
         tl.store(slot_for_id_ptr + src, dst, mask=admit)
         tl.store(id_of_slot_ptr + dst, src, mask=admit)
-        tl.store(score_ptr + dst, tl.minimum(step + credit, step + cap), mask=admit)
+        fresh = tl.minimum(step + credit, step + cap) * (1 - AHEAD)  # ahead: 0 (module docstring)
+        tl.store(score_ptr + dst, fresh, mask=admit)
         tl.store(last_use_ptr + dst, step, mask=admit)
         tl.debug_barrier()
 
@@ -302,10 +345,13 @@ def _kernel():
         num_present = tl.sum(present.to(tl.int64), axis=0)
         num_hit = tl.sum(hit.to(tl.int64), axis=0)
         num_evicted = tl.sum(evicted.to(tl.int64), axis=0)
+        num_predicted = tl.sum((hit & (old_last == step)).to(tl.int64), axis=0)
         add = tl.where(fields == 0, num_present, tl.where(fields == 1, num_hit, tl.where(
-            fields == 2, num_miss.to(tl.int64), tl.where(fields == 3, num_evicted, num_miss.to(tl.int64) * expert_bytes))))
+            fields == 2, num_admit.to(tl.int64), tl.where(fields == 3, num_evicted, tl.where(
+                fields == 4, num_admit.to(tl.int64) * expert_bytes, num_predicted)))))
         tl.store(stat_ptrs, stats + add, mask=fields < NUM_STATS)
-        tl.store(count_ptr, num_miss)
-        tl.store(step_ptr, step + 1)
+        tl.store(count_ptr, num_admit)
+        if not AHEAD:
+            tl.store(step_ptr, step + 1)
 
     return lookup_admit_kernel

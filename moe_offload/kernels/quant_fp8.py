@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.fp8 import ACTIVATION_BLOCK, FP8_DTYPE, FP8_MAX, ScaleBlock, quantize
-from moe_offload.kernels._triton import use_triton
+from moe_offload.kernels.triton_support import use_triton
 
 ACT_GROUP = ACTIVATION_BLOCK.cols  # columns per activation scale; the GEMMs' BLOCK_K must divide it
 ROWS_PER_PROGRAM = 16

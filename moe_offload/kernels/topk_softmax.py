@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2
+from moe_offload.kernels.triton_support import next_pow2
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

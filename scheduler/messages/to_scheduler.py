@@ -11,13 +11,27 @@ from scheduler.messages.codec import Codec
 PROTOCOL_VERSION = 1
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+_INT64_MAX = 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0 means greedy (argmax)
+    """How a request samples: the one definition, read by the frontend (which fills every field
+    from the request and the model's generation defaults), the scheduler and the worker's sampler."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0 means greedy (argmax)
     top_k: NonNegInt = 0  # 0 means no top-k cut
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None  # None: the scheduler's own generator
+    seed: int | None = None  # None: the scheduler draws one (an engine driven directly uses 0)
+
+    def validate(self) -> None:
+        """What the sampler's tensors can hold (finite floats, ints that fit int64), checked again
+        on the scheduler's side: a frame built in Python skips the decoder's constraints."""
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 <= self.top_k <= _INT64_MAX:
+            raise ValueError(f"top_k must be in [0, 2**63 - 1], got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -6,14 +6,18 @@ from typing import Callable, Protocol
 import torch
 
 from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 
 class AttentionBackend(Protocol):
+    pool: KVPool
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        """Store the new ``k, v [T, kv_heads, D]`` in the pool, attend ``q [T, heads, D]`` over each
-        sequence's cached and new tokens (causal), return ``[T, heads, D]``."""
+        """Attend ``q [T, heads, D]`` over each sequence's cached and new tokens (causal), return
+        ``[T, heads, D]``. The new ``k, v [T, kv_heads, D]`` are in the pool already (the model
+        stores them in the same launch as its RoPE); a prefill without a cached prefix reads them
+        from ``k, v`` instead."""
         ...
 
 

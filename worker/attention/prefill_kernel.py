@@ -1,53 +1,113 @@
-"""The Triton kernel of ``worker.attention.triton_prefill`` (its layout, twin and checks are there).
-This module imports triton at the top; only the op imports it, when a kernel launches."""
+"""The Triton kernels of ``worker.attention.triton_prefill`` (layout, twin and checks are there) and
+of its split-KV merge (``worker.attention.split_kv``). This module imports triton at the top; only
+the ops import it, when a kernel launches."""
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``. UPCAST: Triton's interpreter multiplies bf16 tiles as their raw uint16
+    bits, so under it bf16 operands (already rounded) go to the dot as float32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE: tl.constexpr):
+    """Offsets of keys ``t`` of one KV head in the pool (K and V alike), page ids clamped into it."""
+    page = tl.load(table_row + t // PAGE, mask=t < hi, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    return page * stride_page + (t % PAGE) * stride_tok + kv_off
+
+
+@triton.jit
+def load_rows(ptr, row, d, d_live, EVEN_D: tl.constexpr):
+    """``[N, D]`` at the offsets ``row``."""
+    if EVEN_D:
+        tile = tl.load(ptr + row[:, None] + d[None, :])
+    else:
+        tile = tl.load(ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def softmax_step(acc, l, m, s, v, qk_scale, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of the online softmax: scores ``s`` (unscaled), values ``v``; ``m`` in the scaled
+    log2 domain."""
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = mma(p, v, acc, IEEE, UPCAST)
+    else:
+        acc = mma(p.to(v.dtype), v, acc, IEEE, UPCAST)
+    return acc, l, m_new
 
 
 @triton.jit
 def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, d, d_live,
            pos, seq_len, lo, hi, qk_scale,
            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-           IEEE: tl.constexpr):
-    """Online softmax over keys [lo, hi) in BLOCK_N tiles; ``m`` is kept in the log2 domain, scaled."""
-    for t0 in range(lo, hi, BLOCK_N):
+           IEEE: tl.constexpr, UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Online softmax over keys [lo, hi) in BLOCK_N tiles. MASKED: the causal (and seq_len) mask per
+    query; without it every key of [lo, hi) is visible."""
+    for t0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         t = t0 + tl.arange(0, BLOCK_N)
-        page = tl.load(table_row + t // PAGE, mask=t < hi, other=0).to(tl.int64)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        row = page * stride_page + (t % PAGE) * stride_tok + kv_off
-        if EVEN_D:
-            k = tl.load(k_ptr + row[:, None] + d[None, :])  # [N, D]
-            v = tl.load(v_ptr + row[:, None] + d[None, :])
-        else:
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE)
+        k = load_rows(k_ptr, row, d, d_live, EVEN_D)
+        v = load_rows(v_ptr, row, d, d_live, EVEN_D)
+        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
         if MASKED:
             s = tl.where((t[None, :] <= pos[:, None]) & (t < seq_len)[None, :], s, -1e30)
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m = m_new
+        acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
     return acc, l, m
 
 
 @triton.jit
-def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr, blocks_ptr,
+def attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, d, d_live,
+                 lo, hi, qk_scale,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """``attend`` over mask-free whole tiles [lo, hi), with the next tile's scores issued before this
+    tile's softmax, so that the exponentials can overlap an asynchronous QK^T (FlashAttention-3's
+    intra-warpgroup pipelining, by hand). The last step scores the last tile again, unused."""
+    if lo < hi:
+        r = tl.arange(0, BLOCK_N)
+        row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, lo + r, hi, PAGE)
+        s = mma(q, tl.trans(load_rows(k_ptr, row, d, d_live, EVEN_D)), tl.zeros([q.shape[0], BLOCK_N], tl.float32),
+                IEEE, UPCAST)
+        for t0 in tl.range(lo, hi, BLOCK_N):
+            v = load_rows(v_ptr, row, d, d_live, EVEN_D)  # this tile's values
+            row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok,
+                           tl.minimum(t0 + BLOCK_N, hi - BLOCK_N) + r, hi, PAGE)
+            k = load_rows(k_ptr, row, d, d_live, EVEN_D)
+            s_next = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
+            acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
+            s = s_next
+    return acc, l, m
+
+
+@triton.jit
+def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_ptr, lens_ptr, blocks_ptr,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                    stride_page, stride_tok, stride_head, table_stride_b, num_pages, max_tokens, qk_scale,
+                   tokens, heads, splits,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, QK_AHEAD: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """Program (block, kv head, split): split s of ``splits`` takes its share of the block's
+    mask-free key tiles; the last split also takes the diagonal. SPLIT: write the normalised partial
+    output and its log2-sum-exp for the merge, else the output itself (``splits`` is then 1)."""
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     b = tl.load(blocks_ptr + blk * 4)
     q_start = tl.load(blocks_ptr + blk * 4 + 1)
     q_len = tl.load(blocks_ptr + blk * 4 + 2)
@@ -72,11 +132,48 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, lens_ptr, blocks_ptr,
     kv_off = kv_head * stride_head
     full = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # keys every query of the block sees
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
+    tiles = (full // BLOCK_N).to(tl.int64)  # split bounds in whole tiles, from device lengths
+    lo = (split * tiles // splits * BLOCK_N).to(tl.int32)
+    mid = ((split + 1) * tiles // splits * BLOCK_N).to(tl.int32)
+    diag = tl.where(split == splits - 1, full, hi)  # the other splits' diagonal loop is empty
+    if QK_AHEAD:
+        acc, l, m = attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
+                                 d, d_live, lo, mid, qk_scale, PAGE, BLOCK_N, BLOCK_D == HEAD_DIM, IEEE, UPCAST)
+    else:
+        acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
+                           d, d_live, pos, seq_len, lo, mid, qk_scale, PAGE, BLOCK_N, False, BLOCK_D == HEAD_DIM,
+                           IEEE, UPCAST, WARP_SPECIALIZE)
     acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                       d, d_live, pos, seq_len, 0, full, qk_scale, PAGE, BLOCK_N, False, BLOCK_D == HEAD_DIM, IEEE)
-    acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                       d, d_live, pos, seq_len, full, hi, qk_scale, PAGE, BLOCK_N, True, BLOCK_D == HEAD_DIM, IEEE)
-    out = acc / l[:, None]
-    tl.store(o_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_live[:, None] & d_live[None, :])
+                       d, d_live, pos, seq_len, diag, hi, qk_scale, PAGE, BLOCK_N, True, BLOCK_D == HEAD_DIM, IEEE,
+                       UPCAST, WARP_SPECIALIZE)
+    live = row_live[:, None] & d_live[None, :]
+    if SPLIT:  # a split without keys (l = 0) stores zeros and weight exp2(-1e30): nothing in the merge
+        seen = l > 0
+        l = tl.where(seen, l, 1.0)
+        part = (split * tokens + q_rows) * heads + head
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l[:, None], mask=live)
+        tl.store(part_lse_ptr + part, tl.where(seen, m + tl.log2(l), -1e30), mask=row_live)
+    else:
+        tl.store(o_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
+                 (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=live)
 
+
+@triton.jit
+def merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, rows, heads, splits, o_stride_t, o_stride_h,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows (token, head) of ``part_o [splits, rows, D]`` weighted by ``exp2(lse - max lse)``."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < rows
+    d = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (d < HEAD_DIM)[None, :]
+    top = tl.full([BLOCK_R], -1e30, tl.float32)
+    for s in range(splits):
+        top = tl.maximum(top, tl.load(part_lse_ptr + s * rows + r, mask=live, other=-1e30))
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    weight = tl.zeros([BLOCK_R], tl.float32)  # >= 1 for a live row: its top split weighs exp2(0)
+    for s in range(splits):
+        w = tl.exp2(tl.load(part_lse_ptr + s * rows + r, mask=live, other=-1e30) - top)
+        acc += w[:, None] * tl.load(part_o_ptr + (s * rows + r)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        weight += w
+    tl.store(o_ptr + (r // heads)[:, None] * o_stride_t + (r % heads)[:, None] * o_stride_h + d[None, :],
+             (acc / weight[:, None]).to(o_ptr.dtype.element_ty), mask=mask)

@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from worker.attention import register
 from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 
 @register("torch")
@@ -24,7 +24,6 @@ class TorchAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, batch.out_loc, k, v)
         heads = q.shape[1]
         keys = self._gather(self.pool.k[layer], batch, heads)  # [B, heads, S, D]
         values = self._gather(self.pool.v[layer], batch, heads)

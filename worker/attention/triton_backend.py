@@ -14,7 +14,7 @@ from worker.attention import register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
-from worker.kv_pool import KVPool
+from worker.kv.gpu_pool import KVPool
 
 
 @register("triton")
@@ -28,7 +28,6 @@ class TritonAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        self.pool.store(layer, batch.out_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         if batch.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
@@ -37,7 +36,8 @@ class TritonAttention:
         if self._blocks is None or self._blocks[0] is not batch:
             group = q.shape[1] // k_cache.shape[2]
             prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile_for(q.dtype), prefixes)
+            tile = tile_for(q.dtype, q.shape[2])
+            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile, prefixes)
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=self._blocks[1])
 

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 from worker.attention.paged_checks import check_paged_inputs
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
@@ -46,7 +46,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer):
     row b attends to its first ``seq_lens[b]`` tokens through ``page_table [B, max_pages]``.
     Returns ``[B, heads, D]`` in q's dtype. CUDA tensors run the kernel, others the eager twin
-    (``backend`` forces one, see ``moe_offload.kernels._triton``)."""
+    (``backend`` forces one, see ``moe_offload.kernels.triton_support``)."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     if not use_triton(q, backend):
         return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale)

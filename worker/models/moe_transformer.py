@@ -13,7 +13,7 @@ from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
 from worker.models.norm import add_rms_norm, rms_norm
-from worker.models.rotary import Rotary, qk_rope
+from worker.models.rotary import KVWrite, Rotary, qk_rope
 from worker.models.weights import LayerWeights, ModelWeights
 
 
@@ -31,20 +31,20 @@ class MoETransformer:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
         w = self.weights
         eps = self.cfg.rms_norm_eps
-        self.experts.begin(batch.num_tokens, self.cfg.top_k, self._flops(batch))
+        self.experts.begin(batch.pipelined, self._flops(batch))
         self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
+        ahead = self.experts.fetches_ahead(batch.num_tokens, self.cfg.top_k)
         x = w.embed[batch.input_ids]
         h = rms_norm(x, w.layers[0].input_norm, eps)
+        next_norms = [lw.input_norm for lw in w.layers[1:]] + [w.final_norm]
         for i, lw in enumerate(w.layers):  # each residual add is fused with the norm after it
             h, x = add_rms_norm(x, self._attention(i, lw, h, batch), lw.post_norm, eps)
             weights, ids = self.routing(i, h, lw.router)
-            out = self.experts.forward(i, h, weights, ids)
-            if i + 1 < len(w.layers):
-                h, x = add_rms_norm(x, out, w.layers[i + 1].input_norm, eps)
-            else:
-                x = x + out
-        last = rms_norm(x[batch.last_index], w.final_norm, eps)
-        return F.linear(last, w.lm_head).float()
+            guess = self.routing.predict(i + 1, h, w.layers[i + 1].router) if ahead and i + 1 < len(w.layers) else None
+            h, x = add_rms_norm(x, self.experts.forward(i, h, weights, ids, guess, pipelined=batch.pipelined),
+                                next_norms[i], eps)
+        # the last residual add joins the final norm (of every token: prefill's extra rows cost nothing)
+        return F.linear(h[batch.last_index], w.lm_head).float()
 
     def _flops(self, batch: ForwardBatch) -> float:
         """The batch's matmul work, which picks how a pipelined chunk stages experts; a decode
@@ -62,7 +62,8 @@ class MoETransformer:
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm else (None, None)
-        q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps)
+        write = KVWrite(v, *self.attention.pool.layer_slots(layer), batch.out_loc)
+        q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
         out = self.attention.forward(layer, q, k, v, batch)
         return F.linear(out.reshape(T, cfg.q_size), lw.o)
 

@@ -2,7 +2,7 @@
 
 A decode step is bound by kernel count, not bytes (a profile of qwen3-30b-geometry at batch 1 on
 the H200: ~1,450 kernels a step, most of them 1-2 µs elementwise glue). The eager norm is about
-seven launches (cast, square, mean, add, rsqrt, multiply, cast, scale) and the residual add one
+eight launches (cast, square, mean, add, rsqrt, multiply, cast, scale) and the residual add one
 more; the kernel does all of it in one pass over each row.
 
 Numerics follow the reference (Hugging Face's RMSNorm): the residual sum is rounded to the input
@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:

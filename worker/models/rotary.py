@@ -7,16 +7,22 @@ rotations of ~9). The kernel rounds where the reference does (norm output, then 
 ``rotate_half(x) * sin`` in the input dtype, then their sum), so on bf16 it matches the eager twin
 up to the float32 sum order of the norm.
 
-Positions are device data, so the kernel clamps them to the table (``[0, max_positions)``) instead
-of trusting them for addressing; the twin indexes the table and would raise instead.
+With a ``KVWrite`` the same launch also stores the rotated k and the new v in one layer's KV
+cache at each token's slot (grid ``(T, heads + 2 kv_heads)``: the v programs only copy), which
+saves the pool's two ``index_copy_`` launches per layer.
+
+Positions and slots are device data, so the kernel clamps them (positions to the table's
+``[0, max_positions)``, slots to the cache's) instead of trusting them for addressing; the twin
+indexes and would raise instead.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 from worker.models.norm import rms_norm_eager
 
 
@@ -39,32 +45,60 @@ class Rotary:
         return x * cos + rotated * sin
 
 
+class KVWrite(NamedTuple):
+    """The new tokens' values and where ``qk_rope`` stores them with the rotated keys."""
+
+    v: torch.Tensor  # [T, kv_heads, D], any strides with a unit last one
+    k_cache: torch.Tensor  # [slots, kv_heads, D] contiguous: one layer of the pool (KVPool.layer_slots)
+    v_cache: torch.Tensor  # the same for values
+    out_loc: torch.Tensor  # [T] int32/int64 slot of each token
+
+
 def qk_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0, *,
-            backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            write: KVWrite | None = None, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [T, heads, D]``, ``k [T, kv_heads, D]`` (any strides with a unit last one, e.g. views
     of the QKV projection) -> rotated contiguous copies, each head RMSNormed first when the
-    norm weights ``[D]`` are given (both or neither)."""
+    norm weights ``[D]`` are given (both or neither); with ``write``, the rotated k and
+    ``write.v`` are also stored in the caches at ``write.out_loc``."""
     _check(q, k, positions, rotary, q_norm, k_norm)
+    if write is not None:
+        _check_write(write, k)
     if not use_triton(q, backend) or q.shape[0] == 0:
-        return qk_rope_eager(q, k, positions, rotary, q_norm, k_norm, eps)
-    tokens, heads, dim = q.shape
+        return qk_rope_eager(q, k, positions, rotary, q_norm, k_norm, eps, write)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    norm = q_norm is not None
-    _kernel()[(tokens, heads + k.shape[1])](
-        q, k, q_out, k_out, positions, rotary.cos, rotary.sin, q_norm if norm else q, k_norm if norm else k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), rotary.cos.shape[0], eps,
-        HEADS=heads, KV_HEADS=k.shape[1], DIM=dim, HAS_NORM=norm, num_warps=1 if dim <= 128 else 2)
+    _launch(q, k, q_out, k_out, positions, rotary, q_norm, k_norm, eps, write)
     return q_out, k_out
 
 
 def qk_rope_eager(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                  write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if q_norm is not None:
         q, k = rms_norm_eager(q, q_norm, eps), rms_norm_eager(k, k_norm, eps)
-    return rotary(q, positions), rotary(k, positions)
+    q, k = rotary(q, positions), rotary(k, positions)
+    if write is not None:
+        write.k_cache.index_copy_(0, write.out_loc, k)
+        write.v_cache.index_copy_(0, write.out_loc, write.v)
+    return q, k
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, positions: torch.Tensor,
+            rotary: Rotary, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+            write: KVWrite | None) -> None:
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    norm = q_norm is not None
+    # without a write the cache arguments are unused stand-ins (the kernel never reads them)
+    v, k_cache, v_cache, out_loc = write if write is not None else (k, k_out, k_out, positions)
+    _kernel()[(tokens, heads + kv_heads * (2 if write is not None else 1))](
+        q, k, v, q_out, k_out, k_cache, v_cache, out_loc, positions, rotary.cos, rotary.sin,
+        q_norm if norm else q, k_norm if norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.shape[0],
+        rotary.cos.shape[0], eps,
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HAS_NORM=norm, WRITE=write is not None,
+        num_warps=1 if dim <= 128 else 2)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
@@ -84,45 +118,73 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Ro
         raise ValueError(f"norm weights must be [{dim}] in {q.dtype}")
 
 
+def _check_write(write: KVWrite, k: torch.Tensor) -> None:
+    """The kernel stores through raw pointers: the caches' layout is checked here."""
+    v, k_cache, v_cache, out_loc = write
+    if v.shape != k.shape or v.stride(2) != 1 or v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"v {tuple(v.shape)} {v.dtype} must match k {tuple(k.shape)} {k.dtype} (unit last stride)")
+    if k_cache.dim() != 3 or k_cache.shape[1:] != k.shape[1:] or k_cache.shape[0] < 1:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} must be [slots >= 1, {k.shape[1]}, {k.shape[2]}]")
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    if k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or {k_cache.device, v_cache.device} != {k.device}:
+        raise ValueError(f"the caches must hold {k.dtype} on {k.device}")
+    if out_loc.shape != (k.shape[0],) or out_loc.dtype not in (torch.int32, torch.int64) or out_loc.device != k.device:
+        raise ValueError(f"out_loc must be [{k.shape[0]}] int32/int64 on {k.device}; got {tuple(out_loc.shape)}")
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def qk_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-                       q_stride_t, q_stride_h, k_stride_t, k_stride_h, max_positions, eps,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    def qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, pos_ptr,
+                       cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+                       v_stride_t, v_stride_h, num_slots, max_positions, eps,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+                       WRITE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        is_q = h < HEADS
-        if is_q:
-            src = q_ptr + t * q_stride_t + h * q_stride_h
-            dst = q_out_ptr + (t * HEADS + h) * DIM
-            w_ptr = qw_ptr
-        else:
-            src = k_ptr + t * k_stride_t + (h - HEADS) * k_stride_h
-            dst = k_out_ptr + (t * KV_HEADS + h - HEADS) * DIM
-            w_ptr = kw_ptr
         cols = tl.arange(0, DIM)
-        half: tl.constexpr = DIM // 2
-        partner = (cols + half) % DIM
-        x = tl.load(src + cols)
-        x_p = tl.load(src + partner)
-        dtype = x.dtype
-        if HAS_NORM:
-            xf = x.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / DIM + eps)
-            w = tl.load(w_ptr + cols).to(tl.float32)
-            w_p = tl.load(w_ptr + partner).to(tl.float32)
-            x = ((xf * inv).to(dtype).to(tl.float32) * w).to(dtype)
-            x_p = ((x_p.to(tl.float32) * inv).to(dtype).to(tl.float32) * w_p).to(dtype)
-        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_positions - 1)
-        cos = tl.load(cos_ptr + pos * DIM + cols).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * DIM + cols).to(dtype).to(tl.float32)
-        rotated = tl.where(cols < half, -x_p.to(tl.float32), x_p.to(tl.float32))
-        a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
-        b = (rotated * sin).to(dtype).to(tl.float32)
-        tl.store(dst + cols, (a + b).to(dtype))
+        slot = t  # unused without a write (the grid then has no value programs)
+        if WRITE:
+            slot = tl.minimum(tl.maximum(tl.load(loc_ptr + t).to(tl.int64), 0), num_slots - 1)
+        if h >= HEADS + KV_HEADS:  # a value head: copied into the cache as it is
+            kv = h - HEADS - KV_HEADS
+            x = tl.load(v_ptr + t * v_stride_t + kv * v_stride_h + cols)
+            tl.store(v_cache_ptr + (slot * KV_HEADS + kv) * DIM + cols, x)
+        else:
+            if h < HEADS:
+                src = q_ptr + t * q_stride_t + h * q_stride_h
+                dst = q_out_ptr + (t * HEADS + h) * DIM
+                w_ptr = qw_ptr
+            else:
+                src = k_ptr + t * k_stride_t + (h - HEADS) * k_stride_h
+                dst = k_out_ptr + (t * KV_HEADS + h - HEADS) * DIM
+                w_ptr = kw_ptr
+            half: tl.constexpr = DIM // 2
+            partner = (cols + half) % DIM
+            x = tl.load(src + cols)
+            x_p = tl.load(src + partner)
+            dtype = x.dtype
+            if HAS_NORM:
+                xf = x.to(tl.float32)
+                inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / DIM + eps)
+                w = tl.load(w_ptr + cols).to(tl.float32)
+                w_p = tl.load(w_ptr + partner).to(tl.float32)
+                x = ((xf * inv).to(dtype).to(tl.float32) * w).to(dtype)
+                x_p = ((x_p.to(tl.float32) * inv).to(dtype).to(tl.float32) * w_p).to(dtype)
+            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_positions - 1)
+            cos = tl.load(cos_ptr + pos * DIM + cols).to(dtype).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * DIM + cols).to(dtype).to(tl.float32)
+            rotated = tl.where(cols < half, -x_p.to(tl.float32), x_p.to(tl.float32))
+            a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+            b = (rotated * sin).to(dtype).to(tl.float32)
+            out = (a + b).to(dtype)
+            tl.store(dst + cols, out)
+            if WRITE:
+                if h >= HEADS:
+                    tl.store(k_cache_ptr + (slot * KV_HEADS + h - HEADS) * DIM + cols, out)
 
     return qk_rope_kernel

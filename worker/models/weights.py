@@ -8,10 +8,12 @@ import torch
 
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import ExpertFormat, resolve_expert_format
-from moe_offload.store_fill import ExpertLayer, detect_names, empty_expert_layer, load_expert_layer
+from moe_offload.safetensors_file import checkpoint_files
+from moe_offload.expert_names import detect_names
+from moe_offload.store_fill import ExpertLayer, empty_expert_layer, load_expert_layer
 from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
-from worker.loader import checkpoint_errors, checkpoint_files, load_tensors, open_checkpoint
+from worker.loader import checkpoint_errors, load_tensors, open_checkpoint
 from worker.models import checkpoint_names as names
 from worker.quantization import checkpoint_expert_format
 
@@ -76,7 +78,8 @@ class ModelWeights:
         as ``--expert-dtype auto``, the checkpoint's fp8 or else ``dtype``); with
         ``with_experts=False`` the banks are left empty (``[L, 0, ...]``): the experts then live in
         the expert store."""
-        files = checkpoint_files(model_dir)
+        with checkpoint_errors():
+            files = checkpoint_files(model_dir)
         if with_experts and expert_format is None:
             expert_format = resolve_expert_format("auto", checkpoint_expert_format(model_dir), dtype)
         weights = cls.allocate(cfg, dtype, device, with_experts, expert_format)

@@ -18,9 +18,8 @@ import weakref
 import torch
 
 from moe_offload.host_register import host_register, host_unregister, mapped_device_bytes
-from worker.kv_pool import KVPool, PagedPool
-
-DEFAULT_FRACTION = 0.25  # of the host RAM available at start-up, for --kv-host-size's default
+from worker.kv import page_copy
+from worker.kv.gpu_pool import KVPool, PagedPool
 
 
 class HostKVPool(PagedPool):
@@ -62,6 +61,28 @@ class HostKVPool(PagedPool):
     def page_bytes(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
+    # ==== page moves (on the caller's stream; ``method`` is one of page_copy.COPY_METHODS) ====
+
+    def write_from(self, pool: KVPool, pages: list[int], host_pages: list[int], method: str = "kernel") -> None:
+        """Copy GPU ``pages`` of ``pool`` into this pool's ``host_pages``."""
+        if method == "memcpy":
+            page_copy.copy_page_runs(pages, host_pages, pool.k, pool.v, self.k, self.v)
+            return
+        for src, dst in _batches(pages, host_pages):
+            plan = page_copy.build_plan(src, dst, page_copy.PLAN_CAPACITY, pool.num_pages,
+                                        self.num_pages, pool.k.device)
+            page_copy.write_pages(plan, pool.k, pool.v, self.kernel_k, self.kernel_v)
+
+    def load_into(self, pool: KVPool, host_pages: list[int], pages: list[int], method: str = "kernel") -> None:
+        """Copy this pool's ``host_pages`` into GPU ``pages`` of ``pool``."""
+        if method == "memcpy":
+            page_copy.copy_page_runs(host_pages, pages, self.k, self.v, pool.k, pool.v)
+            return
+        for src, dst in _batches(host_pages, pages):
+            plan = page_copy.build_plan(src, dst, page_copy.PLAN_CAPACITY, self.num_pages, pool.num_pages,
+                                        pool.k.device)
+            page_copy.load_pages(plan, self.kernel_k, self.kernel_v, pool.k, pool.v)
+
     def _map(self, device: torch.device) -> None:
         ptr, span = self._region.data_ptr(), self._region.numel()
         device_ptr = host_register(ptr, span, device)
@@ -74,16 +95,12 @@ class HostKVPool(PagedPool):
         self.kernel_k, self.kernel_v = mapped[0], mapped[1]
 
 
+def _batches(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pairs in plans of ``PLAN_CAPACITY``: every launch of a move has the same shape."""
+    cap = page_copy.PLAN_CAPACITY
+    return [(src[i:i + cap], dst[i:i + cap]) for i in range(0, len(src), cap)]
+
+
 def _unregister(ptr: int, _buffer: torch.Tensor) -> None:
     host_unregister(ptr)
 
-
-def default_host_bytes(fraction: float = DEFAULT_FRACTION) -> int:
-    """``fraction`` of the host RAM the kernel reports available now (0 where it does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-    except OSError:
-        return 0
-    available_kib = int(info.get("MemAvailable", "0 kB").split()[0])
-    return int(available_kib * 1024 * fraction)

@@ -17,10 +17,12 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels._triton import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 MAX_BLOCK = 1024
 PROGRAMS = 4096  # programs per launch over all layers: enough loads in flight to cover PCIe latency
+COPY_METHODS = ("kernel", "memcpy")  # the zero-copy kernel over a plan, or copy_page_runs
+PLAN_CAPACITY = 512  # pairs per launch; longer moves take several launches of the same shape
 
 
 class PagePlan(NamedTuple):

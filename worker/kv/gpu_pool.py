@@ -60,7 +60,13 @@ class KVPool(PagedPool):
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V caches by token slot: ``[num_pages * page_size, kv_heads, head_dim]``."""
+        return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
+
     def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' K/V ``[T, kv_heads, D]`` to their slots (device index, no host read)."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, out_loc, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, out_loc, v)
+        """Write new tokens' K/V ``[T, kv_heads, D]`` to their slots (device index, no host read).
+        The model's forward writes them with its RoPE instead (``worker.models.rotary.KVWrite``)."""
+        k_slots, v_slots = self.layer_slots(layer)
+        k_slots.index_copy_(0, out_loc, k)
+        v_slots.index_copy_(0, out_loc, v)

@@ -1,4 +1,5 @@
-"""Lazy Triton plumbing shared by the kernel files: which path an op takes, and small helpers.
+"""Lazy Triton plumbing shared by every kernel file, moe_offload's and the worker's (attention, norms,
+RoPE, KV page copies): which path an op takes, and small helpers. Public: the worker imports it.
 
 An op runs its Triton kernel on CUDA tensors and its eager twin elsewhere. ``backend="triton"``
 (or ``SLUICE_KERNELS=triton``) forces the kernel, which on CPU tensors needs the interpreter

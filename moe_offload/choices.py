@@ -1,0 +1,23 @@
+"""The names moe_offload's options choose among, in a module without torch: the command lines read
+their ``choices`` from here, so ``--help`` answers without importing torch (seconds)."""
+from __future__ import annotations
+
+POLICIES = ("lru", "lfru")  # expert cache eviction, see expert_cache.policy_for
+EXPERT_DTYPES = ("auto", "bf16", "fp8")  # see fp8.resolve_expert_format
+# "fixed": one fixed-shape invalidate_slots launch per staged layer. "eager": the boolean-mask
+# twin (``slot_for_id[held[held >= 0]] = -1``), a hidden device->host sync on the copy stream that
+# blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
+INVALIDATE_MODES = ("fixed", "eager")
+# "kernel": hits device-to-device, misses zero-copy over PCIe (kernels.stage_experts). "memcpy": the
+# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used). "auto":
+# per chunk, "memcpy" once the chunk computes enough that the SMs the stage kernel holds cost more
+# than the PCIe bytes it saves. On an H200 at 25% cache (qwen3-30b-geometry, bench_prefill.py) the
+# kernel won for 8k and 16k-token chunks without a prefix (0.913 vs 1.094 s, 0.998 vs 1.102 s: about
+# 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
+# (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
+STAGE_MODES = ("kernel", "memcpy", "auto")
+# What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
+# (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
+# lent slots ranked offloaded.LENT_PENALTY_STEPS steps older than they are as victims, so that they
+# hold the coldest entries and a prefill wipes those.
+LENT_SLOT_RULES = ("reserve", "decode")

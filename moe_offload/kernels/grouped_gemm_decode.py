@@ -1,0 +1,236 @@
+"""The grouped SwiGLU expert GEMM for decode batches (up to DECODE_MAX_PAIRS (token, slot)
+pairs): no align kernel, no sort.
+
+The general path (``grouped_gemm``) groups the T*k pairs by slot with an align kernel, then runs
+gate_up, down, and a sum of each token's k outputs: four launches. With few pairs a program can
+find its slot's pairs itself, and with a few tokens the sum fits in the down projection:
+
+```
+ gate_up    grid (T*k, I / BLOCK_N)  pair p runs only if it is its slot's first pair: one program
+                                     reads the slot's w13 tile once for every pair routed to it
+                                     (its pairs compacted into 16-row tl.dots; the other
+                                     programs exit at once)
+ T <= DECODE_MAX_TOKENS: 2 launches
+ down       grid (T, H / BLOCK_N)    token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
+                                     in one float32 accumulator, rounded once: the combine is
+                                     folded into the down projection
+ larger: 3 launches
+ down       grid (T*k, H / BLOCK_N)  as gate_up (a slot's first pair runs all its pairs), each row
+                                     times its combine weight
+ sum over k                          grouped_gemm.sum_over_k
+```
+
+The per-token down reads a slot's w2 once per token that uses it, so it pays for slots that
+several tokens share; DECODE_MAX_TOKENS keeps it to batches where few do. Slots outside ``[0, N)``
+contribute zero, as on the general path. Callers go through ``moe_offload.grouped.grouped_swiglu``,
+which checks the arguments and keeps the eager twin (``grouped_swiglu_eager``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.grouped_gemm import sum_over_k
+
+# Batches of up to this many pairs take this path: every program scans all pairs' slots, and
+# compacts its slot's pairs with a [16, T*k] selection.
+DECODE_MAX_PAIRS = 64
+# Up to this many tokens the down projection also sums over k. A duplicate (two tokens on one
+# slot) costs one more read of w2 (a third of an expert); uniform routing of 4 tokens x top-8 over
+# 128 experts expects about 3.7 of them (~12 MB at qwen3-30b's shapes), about what a launch costs.
+DECODE_MAX_TOKENS = 4
+
+
+class DecodeConfig(NamedTuple):
+    """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
+    columns and reduction step, warps, stages, and the per-slot down's columns and step."""
+
+    gate_up_n: int = 32
+    gate_up_k: int = 128
+    down_n: int = 16
+    down_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    slot_down_n: int = 64
+    slot_down_k: int = 128
+
+
+@triton.jit
+def _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P: tl.constexpr):
+    """This program's slot, which pairs are on it, their ranks among them and their count, and
+    whether the program skips (its pair is not the slot's first, or the slot is out of range)."""
+    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    ps = tl.arange(0, BLOCK_P)
+    on_slot = tl.load(slots_ptr + ps, mask=ps < num_pairs, other=-1).to(tl.int64) == slot
+    first = tl.min(tl.where(on_slot, ps, BLOCK_P), 0)
+    skip = (slot < 0) | (slot >= num_slots) | (first != tl.program_id(0))
+    ones = on_slot.to(tl.int32)
+    return slot, on_slot, tl.cumsum(ones, 0) - 1, tl.sum(ones, 0), skip
+
+
+@triton.jit
+def _round_pairs(on_slot, rank, count, r0, BLOCK_P: tl.constexpr):
+    """The pairs of ranks ``[r0, r0 + 16)`` on the slot (compacted into the 16 rows a tl.dot needs
+    at least) and which rows are live; a slot with more pairs takes several rounds."""
+    ps = tl.arange(0, BLOCK_P)
+    rs = r0 + tl.arange(0, 16)
+    pick = on_slot[None, :] & (rank[None, :] == rs[:, None])
+    return tl.sum(tl.where(pick, ps[None, :], 0), 1).to(tl.int64), rs < count
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
+                           stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
+                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s."""
+    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
+    if skip:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
+    u_ptrs = g_ptrs + inter * stride_wn
+    for r0 in range(0, count, 16):
+        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        a_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt
+        acc_g = tl.zeros((16, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((16, BLOCK_N), tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            a = tl.load(a_ptrs + ks[None, :] * stride_xh, mask=live[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+            u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, top_k, num_slots, hidden, inter,
+                        stride_ws, stride_wh, stride_wi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
+
+    A tl.dot with one live row (the other 15 masked, never loaded) rather than a vector product,
+    so the loads are software-pipelined as in the GEMMs; the k experts run as one flat loop."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    row0 = tl.arange(0, 16)[:, None] == 0
+    steps = tl.cdiv(inter, BLOCK_K)
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for step in range(0, top_k * steps):
+        pair = token * top_k + step // steps
+        ks = (step % steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        in_range = slot + 0 * ks  # a vector compare: the interpreter rejects a broadcast scalar mask
+        k_ok = (ks < inter) & (in_range >= 0) & (in_range < num_slots)  # an unwritten act row is never read
+        weight = tl.load(weights_ptr + pair).to(tl.float32)  # pair < T*k: in bounds
+        a = tl.load(act_ptr + pair * inter + ks[None, :] + 0 * row0, mask=row0 & k_ok[None, :], other=0.0)
+        a = (a.to(tl.float32) * weight).to(act_ptr.dtype.element_ty)
+        w = tl.load(w2_ptr + tl.where(slot < num_slots, tl.maximum(slot, 0), 0) * stride_ws
+                    + cols[None, :].to(tl.int64) * stride_wh + ks[:, None] * stride_wi,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    out = tl.sum(tl.where(row0, acc, 0.0), 0)
+    tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
+                             inter, stride_ws, stride_wh, stride_wi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
+    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
+    if skip:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+    for r0 in range(0, count, 16):
+        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        acc = tl.zeros((16, BLOCK_N), tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            a = tl.load(act_ptr + pairs[:, None] * inter + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
+        tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
+                 (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                          w2: torch.Tensor, config: DecodeConfig | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The decode path of ``grouped_swiglu`` (float banks, at most DECODE_MAX_PAIRS pairs), the
+    output in ``out_dtype`` (default hidden's; the per-slot path's k rows stay in hidden's dtype
+    until their sum, as on the align path); arguments are already checked."""
+    num_tokens, top_k = slots.shape
+    if num_tokens * top_k > DECODE_MAX_PAIRS:
+        raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
+                         f"got {num_tokens} x {top_k}")
+    cfg = config or DecodeConfig()
+    out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    slots, weights = slots.contiguous(), weights.contiguous()
+    act = _gate_up(hidden, slots, w13, cfg)
+    if num_tokens <= DECODE_MAX_TOKENS:
+        _down_per_token(act, weights, slots, w2, out, cfg)
+    else:
+        _down_per_slot(act, weights, slots, w2, out, cfg)
+    return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_p(num_pairs: int) -> int:
+    return max(16, triton.next_power_of_2(num_pairs))
+
+
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: DecodeConfig) -> torch.Tensor:
+    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    _decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
+        hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
+        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
+                    out: torch.Tensor, cfg: DecodeConfig) -> None:
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = w2.shape
+    _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
+        act, w2, weights, slots, out, top_k, num_slots, dim, inter, w2.stride(0), w2.stride(1), w2.stride(2),
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PRECISION=_precision(act.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
+def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
+                   out: torch.Tensor, cfg: DecodeConfig) -> None:
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = w2.shape
+    num_pairs = num_tokens * top_k
+    pair_out = torch.empty(num_pairs, dim, dtype=act.dtype, device=out.device)
+    _decode_slot_down_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
+        act, w2, weights, slots, pair_out, num_pairs, num_slots, dim, inter, w2.stride(0), w2.stride(1),
+        w2.stride(2), BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
+        PRECISION=_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)

@@ -1,0 +1,178 @@
+"""The memory plan (worker/memory_plan.py): one split of the GPU memory free after the weights and
+of the host RAM, made once. On CPU, from given numbers (qwen3-30b-geometry on a simulated H200)
+and from a tiny runner that allocates what its plan says."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_offload.expert_store import remove_segment
+from tests.test_device_memory import CUDA, card  # noqa: F401 (fixture)
+from worker.config import ModelConfig
+from worker.device_memory import GIB, DeviceMemory
+from worker.memory_plan import (AUTO_PREFILL_RESERVE, CPU_KV_TOKENS, CPU_PREFILL_TOKENS, PlanInputs,
+                                activation_bytes, expert_slots, plan_memory)
+from worker.runner import ModelRunner
+from worker.runner_config import ExpertOptions, RunnerConfig
+
+MODEL = "qwen3-30b-geometry"
+CFG = ModelConfig.from_dir(MODEL)
+TOTAL = CFG.num_layers * CFG.num_experts
+SLOT = 3 * CFG.hidden_size * CFG.expert_intermediate_size * 2  # one bf16 expert
+KV_TOKEN = 2 * CFG.num_layers * CFG.kv_size * 2  # bf16 K and V of a token, every layer
+PAGE = RunnerConfig.page_size
+QUARTER = ExpertOptions(cache_fraction=0.25, dummy_weights=True)
+
+
+def gpu(free_gib: float = 40, reusable: int = 0, host_gib: float = 400) -> PlanInputs:
+    return PlanInputs(int(free_gib * GIB), reusable, int(host_gib * GIB), SLOT, KV_TOKEN, torch_attention=False)
+
+
+def plan(inputs: PlanInputs | None = None, **config):
+    return plan_memory(inputs or gpu(), CFG, RunnerConfig(MODEL, **{"experts": QUARTER, **config}))
+
+
+@pytest.mark.parametrize("limit", [24, 32, 48])
+def test_cache_auto_kv_pool_and_prefill_chunk_fit_under_the_limit(card, limit):  # noqa: F811
+    """Allocated in the runner's order, expert cache then KV pool, the prefill chunk's activations
+    peak under the limit; and it is the limit that bounds them all."""
+    memory = DeviceMemory.of(CUDA, limit)
+    options = ExpertOptions(cache_auto=True, dummy_weights=True)
+    p = plan(PlanInputs(memory.free(), memory.reusable(), 0, SLOT, KV_TOKEN, False), experts=options)
+    card.reserve(p.expert_bytes)
+    card.reserve(p.kv_bytes)
+    # the chunk's activations reuse the blocks torch holds unused first, then reserve more
+    peak = card.reserved + max(p.activation_bytes - memory.reusable(), 0)
+    assert peak <= limit * GIB
+    reserve = activation_bytes(CFG, AUTO_PREFILL_RESERVE, CFG.max_context, False)
+    assert p.expert_bytes == p.expert_slots * SLOT > (limit - 3 - 6) * GIB - reserve  # the cache takes most
+    assert p.kv_pages * PAGE >= options.kv_reserve_tokens  # the KV pool its floor
+    assert p.prefill_tokens >= AUTO_PREFILL_RESERVE  # the KV pool left the chunk the activations the cache left it
+
+
+def test_without_a_limit_the_whole_card_is_used(card):  # noqa: F811
+    memory = DeviceMemory.of(CUDA, None)
+    p = plan(PlanInputs(memory.free(), memory.reusable(), 0, SLOT, KV_TOKEN, False),
+             experts=ExpertOptions(cache_auto=True, dummy_weights=True))
+    assert p.expert_slots == TOTAL  # 137 GiB free hold every expert (about 54 GiB) ...
+    assert p.kv_bytes > 40 * GIB  # ... and a KV pool of most of the rest
+
+
+@pytest.mark.parametrize("config", [{}, {"kv_tokens": 4096}, {"max_prefill_tokens": 4096}, {"kv_host_size": 3},
+                                    {"experts": ExpertOptions(cache_auto=True, dummy_weights=True)},
+                                    {"experts": ExpertOptions(cache_size=1000, dummy_weights=True)}])
+@pytest.mark.parametrize("free_gib", [24, 40, 120])
+def test_the_parts_add_up_to_what_was_free(config, free_gib):
+    p = plan(gpu(free_gib, reusable=GIB // 2), **config)
+    assert p.expert_bytes == p.expert_slots * SLOT and p.kv_bytes == p.kv_pages * PAGE * KV_TOKEN
+    assert p.activation_bytes == activation_bytes(CFG, p.prefill_tokens, min(CFG.max_context, (p.kv_pages - 1) * PAGE),
+                                                  False)
+    if "max_prefill_tokens" not in config:  # a chunk given by hand may not fit: the user's call
+        assert p.expert_bytes + p.kv_bytes + p.activation_bytes <= free_gib * GIB + GIB // 2
+    assert p.host_kv_bytes == (3 * GIB if "kv_host_size" in config else 100 * GIB)  # default: 25% of 400 GiB
+
+
+def test_each_option_changes_what_it_should():
+    base = plan()
+    assert base.expert_slots == TOTAL // 4 and base.host_kv_bytes == 100 * GIB
+    kv = plan(kv_tokens=4096)
+    assert kv.kv_pages == 1 + 4096 // PAGE and kv.expert_slots == base.expert_slots
+    assert kv.prefill_tokens > base.prefill_tokens  # a smaller pool leaves the chunk more
+    chunk = plan(max_prefill_tokens=4096)
+    assert chunk.prefill_tokens == 4096 and chunk.expert_slots == base.expert_slots
+    assert chunk.kv_pages > base.kv_pages  # the pool keeps back a 4096-token chunk's activations, not 8192's
+    bigger = plan(experts=replace(QUARTER, cache_fraction=0.5))
+    assert bigger.expert_slots == TOTAL // 2 and bigger.kv_pages < base.kv_pages
+    host = plan(kv_host_size=2.5)
+    assert host.host_kv_bytes == int(2.5 * GIB) and replace(host, host_kv_bytes=base.host_kv_bytes) == base
+    assert plan(gpus=2).host_kv_bytes == 0  # the tier would move rank 0's pages only
+    limited = plan(gpu(free_gib=24))
+    assert limited.kv_pages < base.kv_pages and limited.expert_slots == base.expert_slots
+    auto = ExpertOptions(cache_auto=True, dummy_weights=True)
+    floor = plan(experts=auto), plan(experts=replace(auto, kv_reserve_tokens=4 * 32768))
+    assert floor[1].expert_slots < floor[0].expert_slots  # a bigger KV floor leaves the cache less
+    assert abs((floor[0].expert_slots - floor[1].expert_slots) * SLOT - 3 * 32768 * KV_TOKEN) < SLOT
+
+
+def test_cpu_plan_and_its_refusals():
+    cpu = PlanInputs(None, 0, 400 * GIB, SLOT, KV_TOKEN, torch_attention=True)
+    p = plan(cpu)
+    assert (p.kv_pages, p.prefill_tokens, p.host_kv_bytes) == (1 + CPU_KV_TOKENS // PAGE, CPU_PREFILL_TOKENS, 0)
+    assert p.activation_bytes > activation_bytes(CFG, CPU_PREFILL_TOKENS, CPU_KV_TOKENS, False)  # the torch mask
+    with pytest.raises(ValueError, match="--moe-cache-auto sizes the cache from free GPU memory"):
+        plan(cpu, experts=ExpertOptions(cache_auto=True, dummy_weights=True))
+    with pytest.raises(ValueError, match="needs at least one layer's 128"):
+        plan(experts=ExpertOptions(cache_size=100, dummy_weights=True))
+    with pytest.raises(ValueError, match="at least one layer's"):  # 1 GiB free: auto fits no expert
+        plan(gpu(free_gib=1), experts=ExpertOptions(cache_auto=True, dummy_weights=True))
+    with pytest.raises(ValueError, match="do not fit in the GPU memory free"):  # 28 GB of experts in 24 GiB
+        plan(gpu(free_gib=24), experts=ExpertOptions(cache_size=3000, dummy_weights=True))
+    with pytest.raises(ValueError, match="do not fit in the GPU memory free"):
+        plan(gpu(free_gib=24), kv_tokens=200_000)
+    with pytest.raises(ValueError, match="--kv-tokens must be 0 or more"):
+        RunnerConfig(MODEL, kv_tokens=-1)
+
+
+def test_expert_slots_from_exactly_one_size():
+    """What resolve_cache_slots checked: one place for each rule."""
+    assert expert_slots(ExpertOptions(cache_size=30), 100, 10, None) == 30
+    assert expert_slots(ExpertOptions(cache_size=300), 100, 10, None) == 100  # never more than there are
+    assert expert_slots(ExpertOptions(cache_fraction=0.25), 100, 10, None) == 25
+    assert expert_slots(ExpertOptions(cache_auto=True), 100, 10, 555) == 55
+    assert expert_slots(ExpertOptions(cache_auto=True), 100, 10, 9) == 0  # the plan refuses it (above)
+    assert expert_slots(ExpertOptions(), 100, 10, None) == 100  # none given: resident, or dummy weights alone
+    with pytest.raises(ValueError, match="--moe-cache-size and --moe-cache-fraction are mutually exclusive"):
+        ExpertOptions(cache_size=3, cache_fraction=0.5)
+    with pytest.raises(ValueError, match="--moe-cache-fraction and --moe-cache-auto are mutually exclusive"):
+        ExpertOptions(cache_fraction=0.5, cache_auto=True)
+    with pytest.raises(ValueError, match="fraction must be in"):
+        ExpertOptions(cache_fraction=1.5)
+
+
+def test_the_table_shows_each_part():
+    p = plan()
+    table = p.table(TOTAL)
+    for part in (f"{p.expert_slots} of {TOTAL} experts", f"{p.kv_pages} pages of {PAGE} tokens",
+                 f"{p.prefill_tokens} tokens", f"{p.host_kv_bytes / GIB:.2f} GiB", "40.00 GiB GPU free"):
+        assert part in table
+
+
+def test_a_runner_allocates_what_its_plan_says():
+    r = ModelRunner(RunnerConfig("tiny-geometry", device="cpu", dtype="float32", page_size=4, kv_tokens=256,
+                                 experts=ExpertOptions(cache_fraction=0.5, dummy_weights=True)))
+    try:
+        cfg = r.model_config
+        assert r.plan.expert_slots == cfg.num_layers * cfg.num_experts // 2 == r.experts.cache.num_slots
+        assert r.plan.expert_bytes == r.plan.expert_slots * r.experts.cache.slot_bytes  # the plan's unit is a slot's
+        assert r.plan.kv_pages == r.kv_pool.num_pages == 1 + 256 // 4
+        assert r.plan.kv_bytes == r.kv_pool.num_pages * r.kv_pool.page_bytes
+    finally:
+        remove_segment(r.experts.store.name)
+
+
+def test_attention_choices_are_the_registered_backends():
+    from worker.attention import BACKENDS
+    from worker.runner_config import ATTENTION_BACKENDS
+
+    assert sorted(ATTENTION_BACKENDS) == sorted(BACKENDS)
+
+
+@pytest.mark.cuda
+def test_a_cuda_runner_reserves_what_its_plan_says():
+    """The plan is arithmetic on the memory free after the weights: on a real card the cache and the
+    KV pool must take what it counted (within allocator rounding), under a limit."""
+    torch.cuda.empty_cache()
+    limit = 6
+    try:
+        r = ModelRunner(RunnerConfig("small-geometry", device="cuda", gpu_memory_limit=limit, cuda_graph=False,
+                                     experts=ExpertOptions(cache_auto=True, dummy_weights=True,
+                                                           kv_reserve_tokens=4096)))
+        left = r.plan.gpu_free - r.plan.expert_bytes - r.plan.kv_bytes
+        assert r.plan.expert_slots > 0 and r.plan.kv_bytes > 0
+        assert abs(r.memory.free() - left) < 64 * 2**20  # the cache and the pool took what the plan counted
+        del r
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

@@ -1,0 +1,185 @@
+"""The memory plan: how the GPU memory free once the weights are loaded (under ``--gpu-memory-limit``
+when given) and the host RAM available are split. One function makes it, once, at start-up, before
+any of it is allocated; the runner sizes the expert cache and the KV pool from it, the engine its
+prefill chunk and host KV tier, and it is logged as a table.
+
+```
+ GPU free after weights | expert cache         | KV pool               | prefill chunk's activations | rest
+                        | --moe-cache-size,    | --kv-tokens, else 80% | --max-prefill-tokens, else  |
+                        | -fraction, or -auto: | of what the cache     | the largest multiple of     |
+                        | all but a chunk's    | left, never a chunk's | 1024 tokens up to 32768     |
+                        | activations and the  | activations           | that fits (reusing what the |
+                        | --kv-reserve-tokens  |                       | allocator holds unused)     |
+                        | floor                |                       |                             |
+ host RAM available     | host KV tier: --kv-host-size, else 25%                                     | rest
+```
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from worker.config import ModelConfig
+from worker.runner_config import ExpertOptions, RunnerConfig
+
+GIB = 1 << 30
+AUTO_PREFILL_STEP = 1024  # --max-prefill-tokens 0 on a GPU: a multiple of this ...
+AUTO_PREFILL_MAX = 32768  # ... up to this
+AUTO_PREFILL_RESERVE = 8192  # the chunk the cache and the KV pool leave activations for while the size is auto
+CPU_PREFILL_TOKENS = 2048
+CPU_KV_TOKENS = 16384
+MAX_KV_TOKENS = 1 << 20
+KV_SHARE = 0.8  # of the GPU memory the expert cache left
+HOST_KV_SHARE = 0.25  # of the host RAM available, for --kv-host-size's default on a GPU
+ACTIVATION_SLACK = 1 << 30  # allocator blocks, kernels' workspaces, small tables
+
+
+class PlanInputs(NamedTuple):
+    """What the plan is made from, measured once the weights are loaded and the expert store open."""
+
+    gpu_free: int | None  # bytes free for the engine (under --gpu-memory-limit); None: a CPU runner
+    gpu_reusable: int  # bytes torch's allocator holds unused: a chunk's activations reuse them first
+    host_available: int  # host RAM available (MemAvailable)
+    slot_bytes: int  # one expert in its format: what a cache slot holds
+    kv_token_bytes: int  # K and V of one token in every layer
+    torch_attention: bool  # the torch reference attention: its [q, k] mask counts among the activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    expert_slots: int  # GPU expert cache slots; every expert when none is offloaded
+    kv_pages: int  # GPU KV pool pages, the scratch page included
+    prefill_tokens: int  # prompt tokens per prefill chunk
+    host_kv_bytes: int  # host KV tier (0: none)
+    page_size: int
+    gpu_free: int | None  # what was split (None: a CPU runner)
+    expert_bytes: int  # of the cache (0 when the experts were loaded with the weights)
+    kv_bytes: int
+    activation_bytes: int  # of a prefill chunk of prefill_tokens
+
+    def table(self, total_experts: int, experts: str = "experts") -> str:
+        """The plan as the start-up log shows it (``experts``: what the slots hold, e.g. "bf16 experts")."""
+        free = "CPU" if self.gpu_free is None else f"{_gib(self.gpu_free).strip()} GPU free"
+        rows = [f"memory plan ({free}):",
+                f"  expert cache   {_gib(self.expert_bytes)}  {self.expert_slots} of {total_experts} {experts}",
+                f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
+                f"  prefill chunk  {_gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
+                f"  host KV tier   {_gib(self.host_kv_bytes)}"]
+        return "\n".join(rows)
+
+
+def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) -> MemoryPlan:
+    """Split ``inputs``' memory for ``model`` under ``config``'s options; ValueError when the options
+    cannot fit (an expert cache smaller than one layer's experts)."""
+    reserve = activation_bytes(model, config.max_prefill_tokens or AUTO_PREFILL_RESERVE, model.max_context,
+                               inputs.torch_attention)
+    slots = _checked_slots(inputs, model, config.experts, reserve)
+    cache = slots * inputs.slot_bytes if config.experts.uses_store else 0
+    pages = 1 + -(-_kv_tokens(inputs, config, cache, reserve) // config.page_size)
+    kv = pages * config.page_size * inputs.kv_token_bytes
+    context = min(model.max_context, (pages - 1) * config.page_size)
+    tokens = _prefill_tokens(inputs, model, config, cache + kv, context)
+    plan = MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
+                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention))
+    _check_fits(plan, model)
+    return plan
+
+
+def _check_fits(plan: MemoryPlan, model: ModelConfig) -> None:
+    """Refuse what cannot be allocated (the activations are an estimate: a chunk that may not fit is
+    the user's call, not refused)."""
+    if plan.gpu_free is None:
+        return
+    if plan.expert_bytes + plan.kv_bytes > plan.gpu_free or plan.kv_pages < 2:
+        raise ValueError(f"the expert cache and the KV pool do not fit in the GPU memory free once the weights "
+                         f"are loaded (give a smaller --moe-cache-*, --max-prefill-tokens or --kv-tokens):\n"
+                         f"{plan.table(model.num_layers * model.num_experts)}")
+
+
+def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool) -> int:
+    """A generous estimate of a prefill chunk's transient memory: per-token activations, the
+    logits, and with the torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA
+    makes of it, for ``tokens`` attending over up to ``context`` keys (the Triton kernel reads the
+    pages in place and needs none)."""
+    per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
+    logits = tokens * model.vocab_size
+    mask = 3 * tokens * context if torch_attention else 0
+    return 4 * (tokens * per_token + logits) + mask + ACTIVATION_SLACK
+
+
+def expert_slots(options: ExpertOptions, total: int, slot_bytes: int, auto_bytes: int | None) -> int:
+    """Cache slots: ``--moe-cache-size``, ``-fraction`` of the ``total`` experts, or (``-auto``) as
+    many as ``auto_bytes`` hold (None: no GPU to size from); every expert when none is given
+    (resident, or ``--dummy-weights`` alone). Never more than there are experts."""
+    if options.cache_size is not None:
+        slots = options.cache_size
+    elif options.cache_fraction is not None:
+        slots = max(1, int(options.cache_fraction * total))
+    elif options.cache_auto:
+        if auto_bytes is None:
+            raise ValueError("--moe-cache-auto sizes the cache from free GPU memory; give --moe-cache-size on CPU")
+        slots = max(auto_bytes, 0) // slot_bytes
+    else:
+        slots = total
+    return min(slots, total)
+
+
+def _checked_slots(inputs: PlanInputs, model: ModelConfig, options: ExpertOptions, reserve: int) -> int:
+    auto_bytes = None
+    if inputs.gpu_free is not None:
+        auto_bytes = inputs.gpu_free - reserve - options.kv_reserve_tokens * inputs.kv_token_bytes
+    slots = expert_slots(options, model.num_layers * model.num_experts, inputs.slot_bytes, auto_bytes)
+    if options.uses_store and slots < model.num_experts:
+        raise ValueError(f"the expert cache would hold {slots} experts; it needs at least one layer's "
+                         f"{model.num_experts} (a prefill chunk can route to all of them)")
+    return slots
+
+
+def _kv_tokens(inputs: PlanInputs, config: RunnerConfig, cache_bytes: int, reserve: int) -> int:
+    if config.kv_tokens:
+        return config.kv_tokens
+    if inputs.gpu_free is None:
+        return CPU_KV_TOKENS
+    # never the activations' share: the cache left that for the prefill chunk, and a pool that took
+    # it would shrink the chunk to the minimum
+    free = inputs.gpu_free - cache_bytes
+    usable = min(int(free * KV_SHARE), free - reserve)
+    return min(max(usable, 0) // inputs.kv_token_bytes, MAX_KV_TOKENS)
+
+
+def _prefill_tokens(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig, planned: int,
+                    context: int) -> int:
+    """``--max-prefill-tokens``, else on a GPU the largest multiple of 1024 up to 32768 whose
+    activations fit in what the cache and the KV pool left (at least 1024). Under expert offload a
+    chunk costs about the same at any size (every expert streams once per chunk), so the biggest
+    chunk that fits gives the most prefill tokens/s."""
+    if config.max_prefill_tokens:
+        return config.max_prefill_tokens
+    if inputs.gpu_free is None:
+        return CPU_PREFILL_TOKENS
+    left = inputs.gpu_free - planned + inputs.gpu_reusable
+    sizes = range(AUTO_PREFILL_MAX, AUTO_PREFILL_STEP - 1, -AUTO_PREFILL_STEP)
+    return next((t for t in sizes if activation_bytes(model, t, context, inputs.torch_attention) <= left),
+                AUTO_PREFILL_STEP)
+
+
+def _host_kv_bytes(inputs: PlanInputs, config: RunnerConfig) -> int:
+    if config.kv_host_size is not None:
+        return int(config.kv_host_size * GIB)
+    # on a CPU the KV pool already lives in host RAM: a second copy buys nothing; with several ranks
+    # the tier would move rank 0's pages only
+    return int(inputs.host_available * HOST_KV_SHARE) if inputs.gpu_free is not None and config.gpus == 1 else 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:9.2f} GiB"
+
+
+def host_available_bytes() -> int:
+    """The host RAM the kernel reports available now (0 where it does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return 0
+    return int(info.get("MemAvailable", "0 kB").split()[0]) * 1024
