@@ -21,11 +21,12 @@ from frontend.client import API_KEY_ENV
 from frontend.generation_defaults import SamplingDefaults
 from frontend.http.context import HttpContext
 from frontend.http.server import HttpServer
-from frontend.launch import (SCHEDULER_CMD_ENV, SchedulerStartError, engine_help, scheduler_command, spawn_scheduler,
-                             wait_ready)
+from frontend.launch import (SCHEDULER_CMD_ENV, SchedulerProcess, SchedulerStartError, engine_help,
+                             scheduler_command, spawn_scheduler, wait_ready)
 from frontend.server import Frontend
 from frontend.tokenizer import ChatTokenizer
 from frontend.validate import MAX_PROMPT_CHARS
+from scheduler.messages.from_scheduler import ModelInfo
 
 log = logging.getLogger("sluice.frontend")
 
@@ -203,57 +204,72 @@ async def _run_zmq(config: FrontendConfig, http: HttpServer | None) -> int:
     log.info("started the scheduler (pid %d); it loads the model now", scheduler.pid)
     code = 1
     try:
-        ready = asyncio.create_task(wait_ready(scheduler, config.ready_timeout_s))
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            ready.cancel()
-            code = 0
-            return code
-        stopped.cancel()
-        model = ready.result().model
-        tokenizer = _load_tokenizer(config.tokenizer or model.tokenizer_path)
-        defaults = SamplingDefaults.from_model_dir(model.name)  # a checkpoint dir (a geometry has none)
-        log.info("sampling defaults of the model: %s", defaults.describe())
-        endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        if config.pid_file:  # before the announcement, so a reader of stdout finds it
-            with open(config.pid_file, "w") as f:
-                f.write(f"{scheduler.pid}\n")
-        frontend = Frontend(
-            router,
-            scheduler,
-            tokenizer,
-            model,
-            config.heartbeat_timeout_s,
-            stop,
-            config.client_keepalive_s,
-            config.api_key,
-            http.ctx.metrics if http is not None else None,
-            max_prompt_chars=config.max_prompt_chars,
-            sampling_defaults=defaults,
-        )
-        print(f"frontend endpoint {endpoint}\nscheduler pid {scheduler.pid}", flush=True)
-        if http is not None:
-            http.ctx.frontend = frontend
-            print(f"http endpoint {http.url}", flush=True)
-        code = await frontend.serve()
-        if http is not None:  # its loops have stopped: new HTTP requests get 503 from here on
-            http.ctx.frontend, http.ctx.stopping = None, True
+        code = await _serve(config, http, router, scheduler, stop)
         return code
     except (SchedulerStartError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        if code == 0:
-            scheduler_code = await scheduler.shutdown(config.shutdown_grace_s)
-            if scheduler_code != 0:
-                log.warning("the scheduler exited with code %d at shutdown", scheduler_code)
-        else:
-            scheduler.kill()
-        if config.pid_file and os.path.exists(config.pid_file):
-            os.unlink(config.pid_file)  # a stale pid would point py-spy at another process
+        await _close(config, scheduler, code)
         router.close(linger=1000)  # let the last errors reach their clients
         ctx.term()
+
+
+async def _serve(config: FrontendConfig, http: HttpServer | None, router: zmq.asyncio.Socket,
+                 scheduler: SchedulerProcess, stop: asyncio.Event) -> int:
+    """Wait for the scheduler's model, then serve until stopped; 0 when stopped while it loaded."""
+    ready = asyncio.create_task(wait_ready(scheduler, config.ready_timeout_s))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        ready.cancel()
+        return 0
+    stopped.cancel()
+    frontend = _frontend(config, http, router, scheduler, ready.result().model, stop)
+    print(f"frontend endpoint {router.getsockopt(zmq.LAST_ENDPOINT).decode()}\n"
+          f"scheduler pid {scheduler.pid}", flush=True)
+    if http is not None:
+        http.ctx.frontend = frontend
+        print(f"http endpoint {http.url}", flush=True)
+    code = await frontend.serve()
+    if http is not None:  # its loops have stopped: new HTTP requests get 503 from here on
+        http.ctx.frontend, http.ctx.stopping = None, True
+    return code
+
+
+def _frontend(config: FrontendConfig, http: HttpServer | None, router: zmq.asyncio.Socket,
+              scheduler: SchedulerProcess, model: ModelInfo, stop: asyncio.Event) -> Frontend:
+    tokenizer = _load_tokenizer(config.tokenizer or model.tokenizer_path)
+    defaults = SamplingDefaults.from_model_dir(model.name)  # a checkpoint dir (a geometry has none)
+    log.info("sampling defaults of the model: %s", defaults.describe())
+    if config.pid_file:  # before the announcement, so a reader of stdout finds it
+        with open(config.pid_file, "w") as f:
+            f.write(f"{scheduler.pid}\n")
+    return Frontend(
+        router,
+        scheduler,
+        tokenizer,
+        model,
+        config.heartbeat_timeout_s,
+        stop,
+        config.client_keepalive_s,
+        config.api_key,
+        http.ctx.metrics if http is not None else None,
+        max_prompt_chars=config.max_prompt_chars,
+        sampling_defaults=defaults,
+    )
+
+
+async def _close(config: FrontendConfig, scheduler: SchedulerProcess, code: int) -> None:
+    """Shut the scheduler down (kill it after a failure) and remove the pid file."""
+    if code == 0:
+        scheduler_code = await scheduler.shutdown(config.shutdown_grace_s)
+        if scheduler_code != 0:
+            log.warning("the scheduler exited with code %d at shutdown", scheduler_code)
+    else:
+        scheduler.kill()
+    if config.pid_file and os.path.exists(config.pid_file):
+        os.unlink(config.pid_file)  # a stale pid would point py-spy at another process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,8 +112,10 @@ def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
-class Client:
-    """Blocking client. ``timeout`` bounds each wait for a reply (each chunk, when streaming)."""
+class _Connection:
+    """What both clients hold: the endpoint, the waits, the api key, a DEALER socket."""
+
+    _context_type: type[zmq.Context] = zmq.Context
 
     def __init__(
         self,
@@ -126,9 +128,14 @@ class Client:
         self.endpoint = endpoint
         self.first_contact = first_contact
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-        self._ctx = zmq.Context()
+        self._ctx = self._context_type()
         self._sock = _dealer(self._ctx, endpoint)
-        self._info: replies.Info | None = None
+
+
+class Client(_Connection):
+    """Blocking client. ``timeout`` bounds each wait for a reply (each chunk, when streaming)."""
+
+    _info: replies.Info | None = None  # asked once
 
     def info(self) -> replies.Info:
         """The served model (asked once); raises NoServer when nothing answers soon."""
@@ -237,25 +244,17 @@ class Stream:
         self.close()
 
 
-class AsyncClient:
-    """asyncio client; concurrent requests share one socket, a reader task routes replies."""
+class AsyncClient(_Connection):
+    """asyncio client (arguments as ``Client``); concurrent requests share one socket, a reader
+    task routes replies."""
 
-    def __init__(
-        self,
-        endpoint: str = DEFAULT_ENDPOINT,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        api_key: str | None = None,  # default: $SLUICE_API_KEY
-        first_contact: float = FIRST_CONTACT_S,
-    ) -> None:
-        self.timeout = timeout
-        self.endpoint = endpoint
-        self.first_contact = first_contact
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-        self._ctx = zmq.asyncio.Context()
-        self._sock = _dealer(self._ctx, endpoint)
+    _context_type = zmq.asyncio.Context
+    _info: asyncio.Task | None = None  # asks once
+    _reader: asyncio.Task | None = None  # started by the first request
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._queues: dict[str, asyncio.Queue] = {}
-        self._reader: asyncio.Task | None = None
-        self._info: asyncio.Task | None = None
 
     async def info(self) -> replies.Info:
         """The served model (asked once); raises NoServer when nothing answers soon."""

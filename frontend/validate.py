@@ -8,7 +8,9 @@ typed decoder already enforces some ranges, but a struct built in Python is not 
 the decoder accepts integers up to 2**64 - 1, more than the engine's int64 tensors hold.
 
 ``max_tokens`` is clamped to the room the prompt leaves rather than refused, so a client need not
-know the context size; a prompt that leaves no room for one generated token is refused."""
+count its prompt's tokens; a prompt that leaves no room for one generated token is refused, and so
+is a ``max_tokens`` past the model's whole context (no prompt leaves that much room: 2**63 - 1
+would otherwise run a request to the end of the context and answer only then)."""
 
 from __future__ import annotations
 
@@ -61,10 +63,15 @@ def check_sampling(temperature: float | None, top_p: float | None, top_k: int | 
     check_int("seed", seed, INT64_MIN)
 
 
-def check_request(request: Generate, vocab_size: int, max_prompt_chars: int = MAX_PROMPT_CHARS) -> None:
-    """Numbers and sizes of ``request``, before it is tokenized; raises ``Rejected``."""
+def check_request(request: Generate, vocab_size: int, max_prompt_chars: int = MAX_PROMPT_CHARS,
+                  context_tokens: int = INT64_MAX) -> None:
+    """Numbers and sizes of ``request``, before it is tokenized; raises ``Rejected``.
+    ``context_tokens``: the model's context, the most ``max_tokens`` that can ever be honoured."""
     check_sampling(request.temperature, request.top_p, request.top_k, request.seed)
     check_int("max_tokens", request.max_tokens, 1)
+    if request.max_tokens > context_tokens:
+        raise Rejected(CONTEXT_LENGTH, f"max_tokens {request.max_tokens} is more than the model's whole "
+                       f"context of {context_tokens} tokens")
     if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
         raise _refuse(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
     if request.input_ids is not None:

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import random
+import reprlib
 import signal
 import sys
 import time
@@ -123,28 +124,43 @@ def run_attack(endpoint: str, name: str, frames: Iterator[list[bytes]], seconds:
             with ctx.socket(zmq.DEALER) as sock:  # a fresh peer each time: a dropped one stays dropped
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(endpoint)
-                sock.send_multipart(next(frames))
+                frame = next(frames)
+                sock.send_multipart(frame)
                 row.sent += 1
-                _count_reply(sock, row)
+                if not _count_reply(sock, row):
+                    _say_unanswered(name, frame)
     return row
 
 
-def _count_reply(sock: zmq.Socket, row: Row) -> None:
+def _say_unanswered(attack: str, frame: list[bytes]) -> None:
+    """Which frame got no reply, decoded where it is msgpack (a fuzzed field shows by name)."""
+    short = reprlib.Repr()
+    short.maxdict, short.maxstring, short.maxother = 32, 60, 60
+    try:
+        shown = short.repr([msgspec.msgpack.decode(part) for part in frame])
+    except (msgspec.DecodeError, RecursionError):
+        shown = short.repr(frame)
+    print(f"no reply to a frame of {attack}: {shown}", file=sys.stderr)
+
+
+def _count_reply(sock: zmq.Socket, row: Row) -> bool:
+    """Count the reply to the frame just sent; False when none came within REPLY_S."""
     deadline = time.monotonic() + REPLY_S
     while sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
         try:
             reply = replies.decode(sock.recv_multipart()[-1])
         except ProtocolError:
             row.other += 1
-            return
+            return True
         if isinstance(reply, replies.Pending):
             continue
         if isinstance(reply, replies.Error):
             row.errors += 1
         else:
             row.other += 1
-        return
+        return True
     row.unanswered += 1  # e.g. a frame over --max-message-mb: ZMQ drops the connection
+    return False
 
 
 async def load(endpoint: str, clients: int, seconds: float, seed: int) -> Row:

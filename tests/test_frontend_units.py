@@ -156,6 +156,16 @@ def test_check_request_takes_the_edges_and_caps_prompt_and_stop_sizes():
         check_request(requests.Generate(rid="a", prompt="x", stop=["s"] * 17), 259)
 
 
+def test_check_request_refuses_max_tokens_past_the_whole_context():
+    """Clamped to the room the prompt leaves, up to the context; past it no prompt could ever leave
+    that room (stress.py's 2**63 - 1 ran a request to the end of the context, unanswered for minutes)."""
+    check_request(requests.Generate(rid="a", prompt="x", max_tokens=CONTEXT), 259, context_tokens=CONTEXT)
+    for too_many in (CONTEXT + 1, BIG - 1):
+        with pytest.raises(Rejected, match=f"max_tokens {too_many} is more than .* context of {CONTEXT}") as info:
+            check_request(requests.Generate(rid="a", prompt="x", max_tokens=too_many), 259, context_tokens=CONTEXT)
+        assert info.value.code == replies.CONTEXT_LENGTH
+
+
 def test_top_k_past_the_vocabulary_is_no_cut_and_unset_fields_take_the_defaults(tok):
     model = ModelInfo(name="m", tokenizer_path="", max_context_tokens=10, vocab_size=259, eos_token_ids=[])
     request = requests.Generate(rid="a", prompt="ab", top_k=BIG - 1)

@@ -15,7 +15,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 # Error.code values.
 BAD_REQUEST = "bad_request"  # malformed frame, wrong field, failed validation
-CONTEXT_LENGTH = "context_length"  # prompt leaves no room for one generated token
+CONTEXT_LENGTH = "context_length"  # no room for one generated token, or max_tokens past the context
 DUPLICATE_RID = "duplicate_rid"  # the client already has a live request with this rid
 SCHEDULER_ERROR = "scheduler_error"  # the scheduler rejected or failed the request
 SCHEDULER_DIED = "scheduler_died"  # the scheduler process exited or stopped answering

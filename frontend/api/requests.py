@@ -29,7 +29,7 @@ class Generate(_Message, tag="generate", kw_only=True):
     model's chat template, generation prompt added) or ``input_ids`` is given.
 
     ``max_tokens`` is clamped to the context left after the prompt; a prompt that leaves no room
-    for one token is an error. The reply is a ``Chunk`` per scheduler step when ``stream``, else
+    for one token is an error, and so is a ``max_tokens`` past the model's whole context. The reply is a ``Chunk`` per scheduler step when ``stream``, else
     one ``Chunk`` at the end; the last one has ``finish_reason`` and ``usage``."""
 
     rid: RequestId  # chosen by the client, unique among its own live requests
