@@ -23,25 +23,22 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
                    w2: torch.Tensor, *, scales: ExpertScales | None = None, fp8_activations: bool | None = None,
                    backend: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
-    (default hidden's). The k outputs of a token are summed in float32 and rounded once to it:
-    expert parallelism asks for float32 so that the ranks' partial sums, added by an all_reduce,
-    round once as one rank's would.
+    (default hidden's). A token's k outputs are summed in float32 and rounded once (expert
+    parallelism asks for float32, so that the ranks' partials, added by an all_reduce, round once).
 
     FP8 banks (``float8_e4m3fn``) need ``scales``: per slot, the scale grids of ``moe_offload.fp8``
     (``w13``'s is the gate's grid stacked on the up's). The activations stay in hidden's dtype
     (weight-only), or with ``fp8_activations`` each GEMM's input is quantized per token and 128
-    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8. ``None`` picks by
-    ``fp8_activations_for``: fp8 x fp8 for 16-bit batches of prefill size, where weight-only
-    dequantization makes the GEMM compute-bound (on the H200 2.5x slower than fp8 x fp8 at 2k tokens).
+    columns (``fp8.ACTIVATION_BLOCK``) and the GEMMs multiply fp8 by fp8; ``None`` picks by
+    ``fp8_activations_for`` (fp8 x fp8 for 16-bit batches of prefill size: on the H200 weight-only
+    was 2.5x slower at 2k tokens).
 
-    CUDA tensors take the sync-free Triton path (``moe_offload.kernels.grouped_gemm``; decode
-    batches of float banks ``grouped_gemm_decode``, two or three launches instead of four; fp8 banks
-    ``grouped_gemm_fp8``, which dequantizes inside the GEMM), anything
-    else the eager twin; ``backend`` (or ``SLUICE_KERNELS``) forces one, see
-    ``moe_offload.kernels.triton_support``. Slot ids are not checked on the host (that would read the
-    device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
-    skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
-    rest in range.
+    CUDA tensors take the sync-free Triton path (``kernels.grouped_gemm``; decode batches of float
+    banks ``grouped_gemm_decode``; fp8 banks ``grouped_gemm_fp8``), anything else the eager twin;
+    ``backend`` (or ``SLUICE_KERNELS``) forces one (``kernels.triton_support``). Slot ids are not
+    checked on the host (that would read the device): the Triton path treats ids outside ``[0, N)``
+    as contributing zero; the eager twin skips negative ids alike (expert parallelism masks other
+    ranks' experts to -1) and requires the rest in range.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
     if fp8_activations is None:
