@@ -2,10 +2,11 @@
 128x128 while the expert store is filled, behind a 25% cache.
 
 Its logits equal those of the float model run on the dequantized experts (the offload path adds no
-error of its own), and the offline entry point still knows the capital of France. Against the bf16
+error of its own). Against the bf16
 experts the logits move by what e4m3 costs this model: measured 7-9% (relative L2 of the last
 token's logits) on SmolLM2-135M's 30 layers, whose weights quantize with 2.7% relative error; one
-scale per 1x128 or per row gave 6% and 7%, so no block size reaches 2e-2 on this model.
+scale per 1x128 or per row gave 6% and 7%, so no block size reaches 2e-2 on this model. With
+128x128 blocks the offline entry point no longer answers the Paris prompt (a strict xfail below).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def compare(device: str, dtype: str, same_math_tol: float) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_fp8_experts_stay_within_2e2_of_bf16_cpu():
+def test_default_model_fp8_experts_equal_their_dequantized_twin_cpu():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 135M model gains nothing from more; shared CI cores spin otherwise
     try:
@@ -84,7 +85,7 @@ def test_default_model_fp8_experts_stay_within_2e2_of_bf16_cpu():
 
 
 @pytest.mark.cuda
-def test_default_model_fp8_experts_stay_within_2e2_of_bf16_gpu():
+def test_default_model_fp8_experts_equal_their_dequantized_twin_gpu():
     """Needs the Triton fp8 grouped GEMM (fp8-kernel)."""
     compare("cuda", "bfloat16", 2e-2)
 
