@@ -40,6 +40,7 @@ class FrontendConfig:
     ready_timeout_s: float = 900.0
     heartbeat_timeout_s: float = 30.0
     client_keepalive_s: float = 2.0  # a Pending reply per live request this often (finds vanished clients)
+    client_heartbeat_timeout_s: float = 30.0  # a client connection silent this long is dropped; 0: never
     shutdown_grace_s: float = 10.0
     max_prompt_chars: int = MAX_PROMPT_CHARS
     max_message_mb: float = 64.0  # a 50 MB prompt still arrives, and is refused with a reason
@@ -103,6 +104,11 @@ def _add_server_args(g: argparse._ArgumentGroup, d: type[FrontendConfig]) -> Non
                    default=d.client_keepalive_s,
                    help="seconds between Pending replies to each live request; a client that went away is "
                         "noticed when one cannot be delivered, and its requests are aborted")
+    g.add_argument("--client-heartbeat-timeout", dest="client_heartbeat_timeout_s", metavar="S", type=float,
+                   default=d.client_heartbeat_timeout_s,
+                   help="seconds a client connection may leave ZMTP pings (sent every third of it) unanswered "
+                        "before it is dropped and its requests aborted: a stopped client, or a host gone without "
+                        "closing its connection; 0: never")
 
 
 def _add_http_args(p: argparse._ArgumentGroup, d: type[FrontendConfig]) -> None:
@@ -152,6 +158,12 @@ def _bind_clients(ctx: zmq.asyncio.Context, config: FrontendConfig) -> zmq.async
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises EHOSTUNREACH
     router.setsockopt(zmq.SNDHWM, 0)  # never EAGAIN: one slow client must not stall the others
     router.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mb * 1e6))
+    if config.client_heartbeat_timeout_s > 0:
+        # A client that closes its connection is noticed at once; one that goes silent with the
+        # connection open (stopped, or its host gone) only once ZMTP pings go unanswered.
+        timeout_ms = max(3, int(config.client_heartbeat_timeout_s * 1000))
+        router.setsockopt(zmq.HEARTBEAT_IVL, timeout_ms // 3)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
     try:
         router.bind(config.endpoint)
     except zmq.ZMQError as exc:

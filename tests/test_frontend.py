@@ -363,6 +363,43 @@ def test_vanished_client_of_a_non_streaming_request_is_noticed(tmp_path, tok_dir
         assert stop_server(server) == 0
 
 
+# A client that streams a request that hangs, says so, then reads nothing (its ZMQ I/O thread still
+# answers pings) until the test ends it.
+IDLE_CLIENT = """
+import sys
+from frontend.client import Client
+stream = Client(sys.argv[1], timeout=30).stream(prompt="\\x01", max_tokens=10)
+next(stream)
+print("running", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_frozen_client_is_dropped_once_its_pings_go_unanswered(tmp_path, tok_dir):
+    """A stopped client keeps its connection open and its kernel takes every keep-alive: only the
+    ZMTP heartbeat finds it. A live client that reads nothing for longer is kept."""
+    timeout_s = 1.5
+    server = start_server(tmp_path, tok_dir, "--hang-id", str(HANG), "--client-keepalive", "0.1",
+                          "--client-heartbeat-timeout", str(timeout_s))
+    idle = subprocess.Popen([sys.executable, "-c", IDLE_CLIENT, server.endpoint], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert idle.stdout.readline() == "running\n"
+        with Client(server.endpoint, timeout=WAIT_S) as watcher:
+            time.sleep(2 * timeout_s)
+            assert watcher.stats()["aborts_total"] == 0  # idle, not frozen
+            os.kill(idle.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + WAIT_S
+            while (stats := watcher.stats())["aborts_total"] == 0:
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.05)
+            assert stats["frontend_client_disconnects_total"] == 1 and stats["frontend_active_requests"] == 0
+    finally:
+        idle.kill()
+        idle.wait()
+        assert stop_server(server) == 0
+
+
 def test_async_client_runs_requests_concurrently(server):
     async def main():
         async with AsyncClient(server.endpoint, timeout=WAIT_S) as c:
