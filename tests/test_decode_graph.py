@@ -327,7 +327,18 @@ def test_engine_with_overlap_same_outputs_through_the_static_step_on_cpu(tmp_pat
     static, runner = engine_outputs(str(tmp_path), True, "cpu")
     assert set(runner.graphs.captured) >= {1, 4}  # decode steps of several buckets went through it
     eager, _ = engine_outputs(str(tmp_path), False, "cpu")
-    assert static == eager
+    assert static == eager, first_difference(static, eager)
+
+
+def first_difference(got: dict[str, list[int]], want: dict[str, list[int]]) -> str:
+    """Where two runs' outputs part: the request, its sampling, the token index and both tokens."""
+    for rid in want:
+        a, b = got[rid], want[rid]
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a != b:
+            kind = "sampled" if int(rid) % 4 == 3 else "greedy"
+            return f"request {rid} ({kind}) parts at token {i}: {a[i:i + 3]} vs {b[i:i + 3]} ({len(a)} vs {len(b)})"
+    return "same"
 
 
 @pytest.mark.cuda
@@ -336,4 +347,4 @@ def test_engine_with_overlap_same_outputs_with_and_without_graphs(tmp_path):
     with_graphs, runner = engine_outputs(str(tmp_path), True)
     assert runner.graphs.captured  # decode steps went through graphs
     without, _ = engine_outputs(str(tmp_path), False)
-    assert with_graphs == without
+    assert with_graphs == without, first_difference(with_graphs, without)
