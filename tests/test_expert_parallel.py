@@ -277,3 +277,21 @@ def test_two_gpu_steps_have_no_hidden_sync(model_dir):
         assert runner.experts.pipeline.stats()["from_cache"] + runner.experts.pipeline.stats()["from_host"] > 0
     finally:
         runner.close()
+
+
+def test_stats_carry_every_ranks_counters(model_dir):
+    two = start_runner(config(model_dir, 2, cache_fraction=0.25))
+    try:
+        for p in PROMPTS:
+            generate(two, p, SamplingParams(), 8)
+        stats = two.stats()
+        two.reset_stats()
+        after_reset = two.stats()
+    finally:
+        two.close()
+    assert stats["ranks"] == 2 and stats["moe_lookups"] == stats["rank0.moe_lookups"]
+    for rank in (0, 1):
+        assert stats[f"rank{rank}.moe_lookups"] > 0 and stats[f"rank{rank}.moe_bytes_h2d"] > 0
+        assert 0 < stats[f"rank{rank}.moe_hit_rate"] <= 1 and isinstance(stats[f"rank{rank}.moe_hits"], int)
+        assert stats[f"rank{rank}.all_reduces"] > 0 and stats[f"rank{rank}.all_reduce_s"] > 0
+        assert after_reset[f"rank{rank}.moe_lookups"] == 0 and after_reset[f"rank{rank}.all_reduces"] == 0
