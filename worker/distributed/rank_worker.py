@@ -20,6 +20,7 @@ import torch.distributed as dist
 from moe_offload.experts import Experts
 from worker.distributed.expert_parallel import ExpertParallel
 from worker.distributed.group import RankGroup
+from worker.distributed.placement import make_placement
 from worker.distributed.processes import die_with_parent
 from worker.distributed.rank_stats import ReduceClock, send_stats
 from worker.distributed.step_message import HEADER_LEN, Op, decode
@@ -33,7 +34,7 @@ KILL_ENV = "SLUICE_KILL_RANK"  # tests: "RANK:STEP" makes that rank SIGKILL itse
 
 
 class RankRunner(ModelRunner):
-    """A runner of one rank of ``group``: its experts are ``e % world == rank``."""
+    """A runner of one rank of ``group``: its experts are the placement's (``--expert-placement``)."""
 
     def __init__(self, config: RunnerConfig, group: RankGroup):
         self.group = group
@@ -41,7 +42,9 @@ class RankRunner(ModelRunner):
         super().__init__(config)
 
     def _this_rank(self, experts: Experts) -> Experts:
-        return ExpertParallel.wrap(experts, self.group.rank, self.group.world, self.reduce_clock)
+        cfg = self.model_config
+        placement = make_placement(self.config.expert_placement, cfg.num_layers, cfg.num_experts, self.group.world)
+        return ExpertParallel.wrap(experts, self.group.rank, placement, self.reduce_clock, self.device)
 
     def rank_stats(self) -> dict[str, int | float | str]:
         """This rank's experts' counters and its all_reduce time (where timed); reads the device."""
