@@ -83,7 +83,10 @@ class RunnerConfig:
         if self.gpus < 1:
             raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
         if self.expert_placement != "round-robin" and not self.expert_placement.startswith("popularity:"):
-            raise ValueError(f"--expert-placement {self.expert_placement!r} is not one of {', '.join(EXPERT_PLACEMENTS)}")
+            raise ValueError(f"--expert-placement {self.expert_placement!r} is not one of "
+                             f"{', '.join(EXPERT_PLACEMENTS)}")
+        if self.expert_placement != "round-robin" and self.gpus == 1:
+            raise ValueError("--expert-placement places experts on several GPUs: it needs --gpus N > 1")
         if self.gpus > 1 and self.kv_host_size:
             raise ValueError("--kv-host-size needs --gpus 1: the host KV tier moves pages of rank 0's KV pool only, "
                              "and every rank keeps its own")
