@@ -47,9 +47,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                         "says otherwise, attention replicated): "
                         "this process drives rank 0 and starts one process per other GPU; on CPU, N gloo ranks")
     g.add_argument("--expert-placement", default=R.expert_placement, metavar="|".join(EXPERT_PLACEMENTS),
-                   help="which GPU runs which expert with --gpus N (default %(default)s): round-robin by id, or "
-                        "each layer's experts balanced over the GPUs by their routed counts in a --record-routing "
-                        "FILE of this model (E/N experts a GPU; needs --no-prefill-pipeline with an expert cache)")
+                   help="which GPU runs which expert with --gpus N: round-robin by id, or each layer's experts "
+                        "balanced over the GPUs by their routed counts in a --record-routing FILE of this model (E/N "
+                        "experts a GPU; needs --no-prefill-pipeline with an expert cache) (default: %(default)s)")
     g.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     g.add_argument("--seed-weights", type=int, default=X.seed, metavar="SEED",
