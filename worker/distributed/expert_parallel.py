@@ -31,7 +31,7 @@ from worker.distributed.placement import Placement
 def owned_banks(banks: ExpertBanks, owned: torch.Tensor) -> ExpertBanks:
     """A rank's experts ``owned [L, n]`` (global ids) of every layer, contiguous: local expert
     ``j`` of layer ``l`` is global ``owned[l, j]``."""
-    layers = torch.arange(owned.shape[0])[:, None]
+    layers = torch.arange(owned.shape[0], device=owned.device)[:, None]
     return banks._replace(**{name: getattr(banks, name)[layers, owned].contiguous()
                              for name in ("w13", "w2", "w13_scale", "w2_scale") if getattr(banks, name) is not None})
 
