@@ -338,6 +338,7 @@ def test_stats_carry_every_ranks_counters(model_dir):
         after_reset = two.stats()
     finally:
         two.close()
+    assert "ranks" not in two.stats()  # closed: rank 0's counters only, no rank asked
     assert stats["ranks"] == 2 and stats["moe_lookups"] == stats["rank0.moe_lookups"]
     for rank in (0, 1):
         assert stats[f"rank{rank}.moe_lookups"] > 0 and stats[f"rank{rank}.moe_bytes_h2d"] > 0

@@ -73,7 +73,10 @@ class ParallelRunner(RankRunner):
 
     def stats(self) -> dict[str, int | float | str]:
         """Rank 0's counters as one runner's (the totals as before), and every rank's as
-        ``rank{r}.{key}`` (rank_stats); asks the ranks between steps, reads their devices."""
+        ``rank{r}.{key}`` (rank_stats); asks the ranks between steps, reads their devices. After
+        ``close`` only rank 0's remain."""
+        if self.processes.stopping.is_set():
+            return super().stats()
         own = self.rank_stats()
         with self._collective():
             self.group.broadcast_host(step_message.header(step_message.Op.STATS, payload_len=len(numeric(own))))
