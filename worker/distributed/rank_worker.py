@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -61,6 +62,9 @@ def rank_device(config: RunnerConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
+PEER_DEATH_GRACE_S = 5.0  # a failed rank's wait for rank 0 to end the run, before it reports itself
+
+
 def rank_main(rank: int, world: int, address: str, config: RunnerConfig) -> None:
     """A spawned rank's whole life: join, load after rank 0, serve steps until STOP."""
     die_with_parent()
@@ -79,7 +83,10 @@ def rank_main(rank: int, world: int, address: str, config: RunnerConfig) -> None
     dist.barrier(group=group.control)
     try:
         serve_steps(runner, group, _kill_step(rank))
-    except Exception as err:  # one line: rank 0's watcher then says which rank ended the run
+    except Exception as err:
+        # A collective fails on every rank when one rank dies; rank 0's watcher then says which one
+        # and kills the rest within PEER_DEATH_GRACE_S. A rank still alive after it failed for itself.
+        time.sleep(PEER_DEATH_GRACE_S)
         print(f"error: rank {rank}: a step failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     group.close()
