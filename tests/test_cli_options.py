@@ -51,12 +51,16 @@ def test_defaults_are_the_config_classes():
 def test_every_field_is_set_by_its_option():
     default, changed = leaves(config("--model", "m")), leaves(config(*EVERY_OPTION_CHANGED))
     same = {path for path in default if default[path] == changed[path]}
-    # the other two cache sizes exclude --moe-cache-size, --gpus above 1 excludes --kv-host-size; model_dir is
-    # the one field both name "m"
-    assert same == {"runner.model_dir", "runner.experts.cache_fraction", "runner.experts.cache_auto", "runner.gpus"}
+    # the other two cache sizes exclude --moe-cache-size, --gpus above 1 excludes --kv-host-size (and so
+    # --expert-placement, which needs it); model_dir is the one field both name "m"
+    assert same == {"runner.model_dir", "runner.experts.cache_fraction", "runner.experts.cache_auto", "runner.gpus",
+                    "runner.expert_placement"}
     assert config("--moe-cache-fraction", "0.5").runner.experts.cache_fraction == 0.5
     assert config("--moe-cache-auto").runner.experts.cache_auto
     assert config("--gpus", "2").runner.gpus == 2
+    assert config("--gpus", "2", "--expert-placement", "popularity:f").runner.expert_placement == "popularity:f"
+    with pytest.raises(ValueError, match="--expert-placement 'hot' is not one of round-robin, popularity:FILE"):
+        config("--gpus", "2", "--expert-placement", "hot")
     with pytest.raises(ValueError, match="--kv-host-size needs --gpus 1"):
         config("--gpus", "2", "--kv-host-size", "1")
     assert changed["runner.experts.seed"] == changed["runner.routing.seed"] == 3  # --seed-weights seeds both

@@ -19,6 +19,8 @@ from tests.tiny_models import write_tiny
 from worker.distributed import step_message
 from worker.distributed.expert_parallel import ExpertParallel, owned_banks
 from worker.distributed.parallel_runner import ParallelRunner, start_runner
+from worker.distributed.placement import Placement, make_placement, round_robin
+from worker.routing_options import RoutingOptions
 from worker.distributed.processes import RANK_DIED_EXIT
 from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
@@ -39,15 +41,16 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def config(model_dir: str, gpus: int = 1, **experts) -> RunnerConfig:
+def config(model_dir: str, gpus: int = 1, placement: str = "round-robin", **experts) -> RunnerConfig:
     return RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=4, kv_tokens=512,
-                        experts=ExpertOptions(**experts), gpus=gpus)
+                        experts=ExpertOptions(**experts), gpus=gpus, expert_placement=placement)
 
 
-def greedy_runs(model_dir: str, **experts) -> tuple[list[list[int]], list[list[int]], ParallelRunner]:
+def greedy_runs(model_dir: str, placement: str = "round-robin",
+                **experts) -> tuple[list[list[int]], list[list[int]], ParallelRunner]:
     """Every prompt's greedy tokens from one rank and from two; the 2-rank runner is closed."""
     one = start_runner(config(model_dir, **experts))
-    two = start_runner(config(model_dir, 2, **experts))
+    two = start_runner(config(model_dir, 2, placement, **experts))
     try:
         want = [generate(one, p, SamplingParams(), 16).token_ids for p in PROMPTS]
         got = [generate(two, p, SamplingParams(), 16).token_ids for p in PROMPTS]
@@ -87,20 +90,65 @@ def test_two_ranks_equal_one_through_the_prefill_pipeline(model_dir):
     assert two.experts.pipeline.stats()["chunks_kernel"] + two.experts.pipeline.stats()["chunks_memcpy"] > 0
 
 
+@pytest.fixture(scope="module")
+def popularity(model_dir, tmp_path_factory) -> str:
+    """``popularity:FILE`` of a routing record of the prompts, whose balanced placement is no
+    round-robin one."""
+    path = str(tmp_path_factory.mktemp("record") / "routing.pt")
+    one = start_runner(replace(config(model_dir), routing=RoutingOptions(record=path)))
+    for p in PROMPTS:
+        generate(one, p, SamplingParams(), 16)
+    one.save_routing_record()
+    cfg = one.model_config
+    assert make_placement(f"popularity:{path}", cfg.num_layers, cfg.num_experts, 2).strided(0) is None
+    return f"popularity:{path}"
+
+
+@pytest.mark.parametrize("experts", [{}, {"cache_fraction": 0.25, "prefetch": True}], ids=["resident", "offloaded"])
+def test_two_ranks_with_popularity_placement_equal_one(model_dir, popularity, experts):
+    want, got, two = greedy_runs(model_dir, popularity, **experts)
+    assert got == want
+    owned = make_placement(popularity, 4, 8, 2).owned(0)
+    if "cache_fraction" in experts:  # rank 0's cache admitted only its own experts
+        held = two.experts.cache.tables.id_of_slot
+        held = held[held >= 0].long()
+        assert held.numel() > 0 and all(int(e % 8) in owned[int(e // 8)].tolist() for e in held)
+    else:
+        assert torch.equal(two.experts.banks.w13[0, 0], two.weights.experts.w13[0, owned[0, 0]])
+
+
+def test_popularity_placement_with_the_prefill_pipeline_is_refused(model_dir, popularity):
+    with pytest.raises(ValueError, match="popularity:FILE needs --no-prefill-pipeline"):
+        start_runner(config(model_dir, 2, popularity, cache_size=28))
+    assert not multiprocessing.active_children()
+
+
 def test_own_ids_mask_other_ranks_experts():
     ids = torch.tensor([[0, 3], [5, 2], [7, 6]])
-    resident = ExpertParallel(None, 1, 2, lambda t: t, local_ids=True)
-    assert resident.own_ids(ids).tolist() == [[-1, 1], [2, -1], [3, -1]]
-    offloaded = ExpertParallel(None, 1, 2, lambda t: t, local_ids=False)
-    assert offloaded.own_ids(ids).tolist() == [[-1, 3], [5, -1], [7, -1]]
+    resident = ExpertParallel(None, 1, round_robin(1, 8, 2), lambda t: t, local_ids=True)
+    assert resident.own_ids(0, ids).tolist() == [[-1, 1], [2, -1], [3, -1]]
+    offloaded = ExpertParallel(None, 1, round_robin(1, 8, 2), lambda t: t, local_ids=False)
+    assert offloaded.own_ids(0, ids).tolist() == [[-1, 3], [5, -1], [7, -1]]
+
+
+def test_own_ids_follow_each_layers_placement():
+    placement = Placement(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0]]), 2)
+    ids = torch.tensor([[0, 7], [3, -1]])
+    resident = ExpertParallel(None, 1, placement, lambda t: t, local_ids=True)
+    assert resident.own_ids(0, ids).tolist() == [[-1, -1], [0, -1]]
+    assert resident.own_ids(1, ids).tolist() == [[0, -1], [3, -1]]
+    offloaded = ExpertParallel(None, 0, placement, lambda t: t, local_ids=False)
+    assert offloaded.own_ids(1, ids).tolist() == [[-1, 7], [-1, -1]]
 
 
 def test_owned_banks_take_every_nth_expert():
     from moe_offload.experts import ExpertBanks
 
     w13 = torch.arange(2 * 6).float().view(2, 6, 1, 1).expand(2, 6, 2, 1).contiguous()
-    banks = owned_banks(ExpertBanks(w13, w13[:, :, :1, :1].contiguous()), 2, 3)
+    banks = owned_banks(ExpertBanks(w13, w13[:, :, :1, :1].contiguous()), round_robin(2, 6, 3).owned(2))
     assert banks.w13[:, :, 0, 0].tolist() == [[2, 5], [8, 11]] and banks.w13.is_contiguous()
+    banks = owned_banks(ExpertBanks(w13, w13[:, :, :1, :1].contiguous()), torch.tensor([[0, 4], [1, 5]]))
+    assert banks.w13[:, :, 0, 0].tolist() == [[0, 4], [7, 11]]
 
 
 def test_step_message_round_trip():
@@ -210,8 +258,9 @@ def test_ranks_float32_partials_sum_to_one_ranks_bf16_output(backend):
     ids = torch.rand(6, 8, generator=gen).topk(2, dim=-1).indices.to(device)
     weights = torch.rand(6, 2, generator=gen).to(device)
     want = grouped_swiglu(hidden, weights, ids, w13, w2, backend=backend)
-    ranks = [ExpertParallel(None, r, 2, lambda t: t, local_ids=False) for r in range(2)]
-    parts = [grouped_swiglu(hidden, weights, r.own_ids(ids), w13, w2, backend=backend, out_dtype=torch.float32)
+    ranks = [ExpertParallel(None, r, round_robin(1, 8, 2), lambda t: t, local_ids=False, device=device)
+             for r in range(2)]
+    parts = [grouped_swiglu(hidden, weights, r.own_ids(0, ids), w13, w2, backend=backend, out_dtype=torch.float32)
              for r in ranks]
     assert parts[0].dtype == torch.float32 and not torch.equal(parts[0], parts[1])
     assert torch.equal((parts[0] + parts[1]).bfloat16(), want)
@@ -277,3 +326,22 @@ def test_two_gpu_steps_have_no_hidden_sync(model_dir):
         assert runner.experts.pipeline.stats()["from_cache"] + runner.experts.pipeline.stats()["from_host"] > 0
     finally:
         runner.close()
+
+
+def test_stats_carry_every_ranks_counters(model_dir):
+    two = start_runner(config(model_dir, 2, cache_fraction=0.25))
+    try:
+        for p in PROMPTS:
+            generate(two, p, SamplingParams(), 8)
+        stats = two.stats()
+        two.reset_stats()
+        after_reset = two.stats()
+    finally:
+        two.close()
+    assert "ranks" not in two.stats()  # closed: rank 0's counters only, no rank asked
+    assert stats["ranks"] == 2 and stats["moe_lookups"] == stats["rank0.moe_lookups"]
+    for rank in (0, 1):
+        assert stats[f"rank{rank}.moe_lookups"] > 0 and stats[f"rank{rank}.moe_bytes_h2d"] > 0
+        assert 0 < stats[f"rank{rank}.moe_hit_rate"] <= 1 and isinstance(stats[f"rank{rank}.moe_hits"], int)
+        assert stats[f"rank{rank}.all_reduces"] > 0 and stats[f"rank{rank}.all_reduce_s"] > 0
+        assert after_reset[f"rank{rank}.moe_lookups"] == 0 and after_reset[f"rank{rank}.all_reduces"] == 0

@@ -1,6 +1,6 @@
 """The serving path with ``--gpus 2`` on CPU (frontend, scheduler = rank 0, one gloo rank process):
-greedy completions equal a one-rank server's, and a killed rank ends the server with one clear
-error and no rank process left."""
+greedy completions equal a one-rank server's, a killed rank ends the server with one clear error
+and no rank process left, and the stats and /metrics show each rank's expert counters."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,9 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.client import Client
 from tests.test_expert_parallel import _gone
@@ -61,3 +63,26 @@ def test_two_rank_server_equals_one_and_a_killed_rank_ends_it(model_dir, tmp_pat
     log = two.log.read_text()
     assert f"error: rank 1 (pid {ranks[0]}) was killed by SIGKILL" in log, log[-3000:]
     assert _gone(two.scheduler_pid) and all(_gone(p) for p in ranks)
+
+
+@pytest.mark.slow
+def test_stats_and_metrics_show_each_rank(model_dir, tmp_path):  # noqa: F811
+    server = start(tmp_path, model_dir, "--gpus", "2", "--moe-cache-size", "10")
+    url = server.proc.stdout.readline().split()[-1]
+    try:
+        with Client(server.endpoint, timeout=WAIT_S) as c:
+            for prompt in PROMPTS[:3]:
+                greedy(c, prompt)
+            stats = c.stats()
+            text = httpx.get(url + "/metrics").text
+    finally:
+        assert stop(server) == 0, server.log.read_text()[-3000:]
+    assert stats["ranks"] == 2
+    assert all(stats[f"rank{r}.moe_lookups"] > 0 and f"rank{r}.moe_hit_rate" in stats for r in (0, 1))
+    series = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    for r in ("0", "1"):
+        assert series[("sluice_rank_expert_cache_hit_rate", (("rank", r),))] == stats[f"rank{r}.moe_hit_rate"]
+        assert series[("sluice_rank_pcie_bytes_total", (("kind", "expert_miss_h2d"), ("rank", r)))] == \
+            stats[f"rank{r}.moe_bytes_h2d"]
+    assert series[("sluice_expert_cache_hit_rate", ())] == stats["moe_hit_rate"]  # the total, as before

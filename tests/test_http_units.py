@@ -112,6 +112,20 @@ def test_metrics_expose_the_scheduler_stats_and_latencies():
     assert ("sluice_expert_cache_hit_rate", ()) in got
     assert not any(name.startswith("sluice_pcie") for name, _ in got)  # not reported: left out
     assert json.dumps(stats)  # the snapshot stays plain data
+    assert not any(name.startswith("sluice_rank_") for name, _ in got)  # one GPU: no rank series
+
+
+def test_metrics_show_each_rank_of_an_expert_parallel_run():
+    stats = {"ranks": 2, "moe_hit_rate": 0.5, "moe_bytes_h2d": 10, "rank0.moe_hit_rate": 0.5,
+             "rank0.moe_bytes_h2d": 10, "rank1.moe_hit_rate": 0.75, "rank1.moe_bytes_h2d": 30,
+             "rank1.all_reduce_s": 0.25}
+    got = _samples(Metrics().render(stats)[0].decode())
+    assert got[("sluice_expert_cache_hit_rate", ())] == 0.5  # the total as with one GPU
+    assert got[("sluice_rank_expert_cache_hit_rate", (("rank", "1"),))] == 0.75
+    assert got[("sluice_rank_pcie_bytes_total", (("kind", "expert_miss_h2d"), ("rank", "0")))] == 10
+    assert got[("sluice_rank_pcie_bytes_total", (("kind", "expert_miss_h2d"), ("rank", "1")))] == 30
+    assert got[("sluice_rank_all_reduce_seconds_total", (("rank", "1"),))] == 0.25
+    assert ("sluice_rank_all_reduce_seconds_total", (("rank", "0"),)) not in got  # not reported: left out
 
 
 @pytest.mark.parametrize("endpoint, http_host, api_key, warnings", [

@@ -12,7 +12,7 @@ from dataclasses import fields, is_dataclass
 
 from moe_offload.choices import EXPERT_DTYPES, INVALIDATE_MODES, LENT_SLOT_RULES, POLICIES, STAGE_MODES
 from worker.routing_options import RoutingOptions
-from worker.runner_config import ATTENTION_BACKENDS, DTYPES, ExpertOptions, RunnerConfig
+from worker.runner_config import ATTENTION_BACKENDS, DTYPES, EXPERT_PLACEMENTS, ExpertOptions, RunnerConfig
 
 R, X = RunnerConfig, ExpertOptions
 
@@ -43,8 +43,13 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cuda-graph-max-batch", type=int, default=R.cuda_graph_max_batch, metavar="N",
                    help="largest decode batch replayed from a CUDA graph; larger ones run eagerly")
     g.add_argument("--gpus", type=int, default=R.gpus, metavar="N",
-                   help="GPUs to run on by expert parallelism (expert e on GPU e %% N, attention replicated): "
+                   help="GPUs to run on by expert parallelism (expert e on GPU e %% N unless --expert-placement "
+                        "says otherwise, attention replicated): "
                         "this process drives rank 0 and starts one process per other GPU; on CPU, N gloo ranks")
+    g.add_argument("--expert-placement", default=R.expert_placement, metavar="|".join(EXPERT_PLACEMENTS),
+                   help="which GPU runs which expert with --gpus N: round-robin by id, or each layer's experts "
+                        "balanced over the GPUs by their routed counts in a --record-routing FILE of this model (E/N "
+                        "experts a GPU; needs --no-prefill-pipeline with an expert cache) (default: %(default)s)")
     g.add_argument("--dummy-weights", action="store_true",
                    help="seeded random weights, experts written straight into the expert store (benchmarks)")
     g.add_argument("--seed-weights", type=int, default=X.seed, metavar="SEED",

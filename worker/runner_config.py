@@ -15,6 +15,7 @@ from worker.routing_options import RoutingOptions
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on cuda, float32 on cpu
 ATTENTION_BACKENDS = ("torch", "triton")  # the names worker.attention registers (a test checks)
+EXPERT_PLACEMENTS = ("round-robin", "popularity:FILE")  # worker.distributed.placement
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class RunnerConfig:
     routing: RoutingOptions = RoutingOptions()
     kv_host_size: float | None = None  # memory plan: host KV tier GiB; None = 25% of available RAM (GPU), 0 (CPU)
     gpus: int = 1  # expert-parallel ranks (worker.distributed.parallel_runner.start_runner)
+    expert_placement: str = "round-robin"  # EXPERT_PLACEMENTS: which rank runs which expert
 
     def __post_init__(self) -> None:
         for flag, value in (("--kv-tokens", self.kv_tokens), ("--max-prefill-tokens", self.max_prefill_tokens),
@@ -80,6 +82,11 @@ class RunnerConfig:
                 raise ValueError(f"{flag} must be 0 or more, got {value:g}")
         if self.gpus < 1:
             raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+        if self.expert_placement != "round-robin" and not self.expert_placement.startswith("popularity:"):
+            raise ValueError(f"--expert-placement {self.expert_placement!r} is not one of "
+                             f"{', '.join(EXPERT_PLACEMENTS)}")
+        if self.expert_placement != "round-robin" and self.gpus == 1:
+            raise ValueError("--expert-placement places experts on several GPUs: it needs --gpus N > 1")
         if self.gpus > 1 and self.kv_host_size:
             raise ValueError("--kv-host-size needs --gpus 1: the host KV tier moves pages of rank 0's KV pool only, "
                              "and every rank keeps its own")

@@ -49,6 +49,18 @@ STATS = (
         ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy")), "stage"),
 )
 
+# One series per rank of an expert-parallel run (``--gpus N``), from the scheduler's
+# ``rank{r}.{key}`` stats; the totals above stay rank 0's counters, as with one GPU.
+RANK_STATS = (
+    Stat("rank_expert_cache_hit_rate", False, "GPU expert-cache hit rate of one rank since start",
+         (("", "moe_hit_rate"),)),
+    Stat("rank_expert_lookups", True, "Routed experts one rank looked up in its cache", (("", "moe_lookups"),)),
+    Stat("rank_pcie_bytes", True, "Bytes one rank moved over PCIe for its experts", (
+        ("expert_miss_h2d", "moe_bytes_h2d"), ("prefill_stream_h2d", "prefill_bytes_h2d")), "kind"),
+    Stat("rank_all_reduce_seconds", True, "Host time of one rank's expert all_reduces (CPU runs only)",
+         (("", "all_reduce_s"),)),
+)
+
 
 class _SchedulerStats:
     """A collector over the latest stats snapshot; a stat the scheduler does not report (no
@@ -59,15 +71,24 @@ class _SchedulerStats:
 
     def collect(self) -> Iterator[Metric]:
         for stat in STATS:
-            found = [(label, self.stats[key]) for label, key in stat.keys
-                     if isinstance(self.stats.get(key), (int, float))]
-            if not found:
-                continue
-            kind = CounterMetricFamily if stat.counter else GaugeMetricFamily
-            family = kind(f"sluice_{stat.name}", stat.doc, labels=[stat.label] if stat.label else [])
-            for label, value in found:
-                family.add_metric([label] if stat.label else [], float(value))
-            yield family
+            yield from self._family(stat)
+        for stat in RANK_STATS:
+            yield from self._family(stat, "rank", [str(r) for r in range(int(self.stats.get("ranks", 0)))])
+
+    def _family(self, stat: Stat, group_label: str = "", groups: tuple | list = ("",)) -> Iterator[Metric]:
+        """``stat``'s family: a series per key and per group (a rank: its keys ``rank{r}.{key}``),
+        none at all if the scheduler reports none of its keys."""
+        found = [([group] * bool(group_label) + [label] * bool(stat.label), self.stats[name])
+                 for group in groups for label, key in stat.keys
+                 for name in [f"{group_label}{group}.{key}" if group_label else key]
+                 if isinstance(self.stats.get(name), (int, float))]
+        if not found:
+            return
+        kind = CounterMetricFamily if stat.counter else GaugeMetricFamily
+        family = kind(f"sluice_{stat.name}", stat.doc, labels=[n for n in (group_label, stat.label) if n])
+        for labels, value in found:
+            family.add_metric(labels, float(value))
+        yield family
 
 
 class Metrics:

@@ -1,5 +1,6 @@
-"""Expert parallelism: expert ``e`` of every layer belongs to rank ``e % N``; each rank runs only
-its own experts and the ranks' partial outputs are summed.
+"""Expert parallelism: each expert of every layer belongs to one rank (``placement``: ``e % N`` by
+default, or balanced by measured popularity); each rank runs only its own experts and the ranks'
+partial outputs are summed.
 
 Every rank holds every token (attention and dense layers are replicated), so a rank computes its
 experts' contribution for all tokens, the routed pairs of other ranks' experts masked to id -1
@@ -11,7 +12,7 @@ all_reduce traffic of ``T x H`` per layer instead of the routed rows only, which
 microseconds over NVLink and at prefill sizes is small beside streaming the layer's experts.
 
 ```
- rank r:  ids [T, k] --(ids % N == r ? ids : -1)--> own experts --> out_r [T, H]
+ rank r:  ids [T, k] --(rank_of[layer, ids] == r ? ids : -1)--> own experts --> out_r [T, H]
  all:     out = sum_r out_r   (all_reduce, in place)
 ```
 """
@@ -24,12 +25,14 @@ import torch
 from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import ExpertShare
+from worker.distributed.placement import Placement
 
 
-def owned_banks(banks: ExpertBanks, rank: int, world: int) -> ExpertBanks:
-    """Rank ``rank``'s experts ``rank, rank + N, ...`` of every layer, contiguous: local expert
-    ``j`` is global ``rank + N * j``."""
-    return banks._replace(**{name: getattr(banks, name)[:, rank::world].contiguous()
+def owned_banks(banks: ExpertBanks, owned: torch.Tensor) -> ExpertBanks:
+    """A rank's experts ``owned [L, n]`` (global ids) of every layer, contiguous: local expert
+    ``j`` of layer ``l`` is global ``owned[l, j]``."""
+    layers = torch.arange(owned.shape[0], device=owned.device)[:, None]
+    return banks._replace(**{name: getattr(banks, name)[layers, owned].contiguous()
                              for name in ("w13", "w2", "w13_scale", "w2_scale") if getattr(banks, name) is not None})
 
 
@@ -40,20 +43,31 @@ class ExpertParallel:
     masking decides which this rank loads. Other attributes (``cache``, ``pipeline``, ``store``,
     ``pipeline_from``, ``stats``) are the inner backend's."""
 
-    def __init__(self, inner: Experts, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 local_ids: bool):
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside a world of {world}")
-        self.inner, self.rank, self.world, self.reduce, self.local_ids = inner, rank, world, reduce, local_ids
+    def __init__(self, inner: Experts, rank: int, placement: Placement, reduce: Callable[[torch.Tensor], torch.Tensor],
+                 local_ids: bool, device: torch.device | str = "cpu"):
+        if not 0 <= rank < placement.world:
+            raise ValueError(f"rank {rank} is outside a world of {placement.world}")
+        self.inner, self.rank, self.world, self.reduce, self.local_ids = inner, rank, placement.world, reduce, local_ids
+        # [L, E] device maps, read by the step's masking on the device
+        self.rank_of, self.local_of = placement.rank_of.to(device), placement.local_of().to(device)
 
     @classmethod
-    def wrap(cls, experts: Experts, rank: int, world: int,
-             reduce: Callable[[torch.Tensor], torch.Tensor]) -> ExpertParallel:
+    def wrap(cls, experts: Experts, rank: int, placement: Placement,
+             reduce: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str) -> ExpertParallel:
         if isinstance(experts, ResidentExperts):
-            return cls(ResidentExperts(owned_banks(experts.banks, rank, world)), rank, world, reduce, local_ids=True)
-        if isinstance(experts, OffloadedExperts):
-            experts.run_share(ExpertShare(rank, world))  # the pipeline streams this rank's experts only
-        return cls(experts, rank, world, reduce, local_ids=False)
+            banks = owned_banks(experts.banks, placement.owned(rank).to(experts.banks.w13.device))
+            return cls(ResidentExperts(banks), rank, placement, reduce, local_ids=True, device=device)
+        if isinstance(experts, OffloadedExperts) and experts.pipeline is not None:
+            experts.run_share(cls._share(placement, rank))  # the pipeline streams this rank's experts only
+        return cls(experts, rank, placement, reduce, local_ids=False, device=device)
+
+    @staticmethod
+    def _share(placement: Placement, rank: int) -> ExpertShare:
+        share = placement.strided(rank)
+        if share is None:
+            raise ValueError("--expert-placement popularity:FILE needs --no-prefill-pipeline with an expert cache: "
+                             "the prefill pipeline stages a round-robin share (experts r, r+N, ...) only")
+        return ExpertShare(*share)
 
     def begin(self, pipelined: bool, flops: float = 0.0) -> None:
         self.inner.begin(pipelined, flops)
@@ -66,15 +80,17 @@ class ExpertParallel:
                 pipelined: bool | None = None) -> torch.Tensor:
         # a guess of the next layer is prefetched only where it is this rank's expert;
         # float32 partials: their sum rounds once, as one rank's sum over k would
-        guess = None if next_ids is None else self.own_ids(next_ids)
-        out = self.inner.forward(layer, hidden, weights, self.own_ids(ids), guess, out_dtype=torch.float32,
+        guess = None if next_ids is None else self.own_ids(layer + 1, next_ids)
+        out = self.inner.forward(layer, hidden, weights, self.own_ids(layer, ids), guess, out_dtype=torch.float32,
                                  pipelined=pipelined)
         return self.reduce(out).to(out_dtype or hidden.dtype)
 
-    def own_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids`` with other ranks' experts as -1 (and this rank's as local ids if resident)."""
-        mine = ids if not self.local_ids else ids // self.world
-        return torch.where(ids % self.world == self.rank, mine, -1)
+    def own_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """``layer``'s routed ``ids`` with other ranks' experts as -1 (and this rank's as local ids
+        if resident); gathers from the device maps, no host read."""
+        known = ids.clamp(min=0)
+        mine = (self.rank_of[layer][known] == self.rank) & (ids >= 0)
+        return torch.where(mine, self.local_of[layer][known] if self.local_ids else ids, -1)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not set yet (copy, unpickling): no recursion

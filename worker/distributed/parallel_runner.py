@@ -19,6 +19,7 @@ from worker.cuda_graph import DecodeGraphs
 from worker.distributed import step_message
 from worker.distributed.group import RankGroup, free_address
 from worker.distributed.processes import RankProcesses
+from worker.distributed.rank_stats import gather_stats, numeric
 from worker.distributed.rank_worker import SIZES_LEN, RankRunner, rank_device, rank_main
 from worker.runner import ForwardOutput, ModelRunner, RunnerConfig, torch_device
 from worker.sampling import Sampling
@@ -69,6 +70,23 @@ class ParallelRunner(RankRunner):
             out = super().forward(chunks, sampling, steps, token_buffer)
         self.in_step = False
         return out
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Rank 0's counters as one runner's (the totals as before), and every rank's as
+        ``rank{r}.{key}`` (rank_stats); asks the ranks between steps, reads their devices. After
+        ``close`` only rank 0's remain."""
+        if self.processes.stopping.is_set():
+            return super().stats()
+        own = self.rank_stats()
+        with self._collective():
+            self.group.broadcast_host(step_message.header(step_message.Op.STATS, payload_len=len(numeric(own))))
+            ranks = gather_stats(self.group, own)
+        return {**super().stats(), **ranks}
+
+    def reset_stats(self) -> None:
+        with self._collective():
+            self.group.broadcast_host(step_message.header(step_message.Op.RESET_STATS))
+        super().reset_stats()
 
     def close(self) -> None:
         """Stop the other ranks (after the last step) and leave the process group."""

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -20,7 +21,9 @@ import torch.distributed as dist
 from moe_offload.experts import Experts
 from worker.distributed.expert_parallel import ExpertParallel
 from worker.distributed.group import RankGroup
+from worker.distributed.placement import make_placement
 from worker.distributed.processes import die_with_parent
+from worker.distributed.rank_stats import ReduceClock, send_stats
 from worker.distributed.step_message import HEADER_LEN, Op, decode
 from worker.errors import CheckpointError
 from worker.runner import ModelRunner, RunnerConfig, torch_device
@@ -32,20 +35,34 @@ KILL_ENV = "SLUICE_KILL_RANK"  # tests: "RANK:STEP" makes that rank SIGKILL itse
 
 
 class RankRunner(ModelRunner):
-    """A runner of one rank of ``group``: its experts are ``e % world == rank``."""
+    """A runner of one rank of ``group``: its experts are the placement's (``--expert-placement``)."""
 
     def __init__(self, config: RunnerConfig, group: RankGroup):
         self.group = group
+        self.reduce_clock = ReduceClock(group.all_reduce, timed=group.device.type != "cuda")
         super().__init__(config)
 
     def _this_rank(self, experts: Experts) -> Experts:
-        return ExpertParallel.wrap(experts, self.group.rank, self.group.world, self.group.all_reduce)
+        cfg = self.model_config
+        placement = make_placement(self.config.expert_placement, cfg.num_layers, cfg.num_experts, self.group.world)
+        return ExpertParallel.wrap(experts, self.group.rank, placement, self.reduce_clock, self.device)
+
+    def rank_stats(self) -> dict[str, int | float | str]:
+        """This rank's experts' counters and its all_reduce time (where timed); reads the device."""
+        return {**ModelRunner.stats(self), **self.reduce_clock.stats()}
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.reduce_clock.reset_stats()
 
 
 def rank_device(config: RunnerConfig, rank: int) -> torch.device:
     """The device of ``rank``: GPU ``rank`` when the run is on CUDA, else the CPU."""
     device = torch_device(config)
     return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+PEER_DEATH_GRACE_S = 5.0  # a failed rank's wait for rank 0 to end the run, before it reports itself
 
 
 def rank_main(rank: int, world: int, address: str, config: RunnerConfig) -> None:
@@ -66,13 +83,16 @@ def rank_main(rank: int, world: int, address: str, config: RunnerConfig) -> None
     dist.barrier(group=group.control)
     try:
         serve_steps(runner, group, _kill_step(rank))
-    except Exception as err:  # one line: rank 0's watcher then says which rank ended the run
+    except Exception as err:
+        # A collective fails on every rank when one rank dies; rank 0's watcher then says which one
+        # and kills the rest within PEER_DEATH_GRACE_S. A rank still alive after it failed for itself.
+        time.sleep(PEER_DEATH_GRACE_S)
         print(f"error: rank {rank}: a step failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     group.close()
 
 
-def serve_steps(runner: ModelRunner, group: RankGroup, kill_at: int = -1) -> None:
+def serve_steps(runner: RankRunner, group: RankGroup, kill_at: int = -1) -> None:
     """Run what rank 0 sends until STOP. A failed step ends this rank (and so the run): rank 0
     cannot know where in the step the ranks fell out of step with each other."""
     token_buffer = None
@@ -82,8 +102,8 @@ def serve_steps(runner: ModelRunner, group: RankGroup, kill_at: int = -1) -> Non
         op = Op(head[0])
         if op is Op.STOP:
             return
-        if op is Op.CAPTURE_GRAPHS:
-            runner.graphs.capture_all()
+        if op is not Op.STEP:
+            control(runner, group, op, head)
             continue
         message = decode(head, group.broadcast_host(torch.empty(head[2], dtype=torch.int64)))
         if message.buffer_len:
@@ -94,6 +114,16 @@ def serve_steps(runner: ModelRunner, group: RankGroup, kill_at: int = -1) -> Non
             os.kill(os.getpid(), signal.SIGKILL)
         runner.forward(message.chunks, message.sampling, message.steps, token_buffer if message.buffer_len else None)
         step += 1
+
+
+def control(runner: RankRunner, group: RankGroup, op: Op, head: list[int]) -> None:
+    """Between steps: what rank 0 asks besides a step (its header is ``head``)."""
+    if op is Op.CAPTURE_GRAPHS:
+        runner.graphs.capture_all()
+    elif op is Op.STATS:
+        send_stats(group, runner.rank_stats(), expected=head[2])
+    elif op is Op.RESET_STATS:
+        runner.reset_stats()
 
 
 def _kill_step(rank: int) -> int:

@@ -28,6 +28,8 @@ class Op(IntEnum):
     STEP = 1  # run ModelRunner.forward on the payload
     CAPTURE_GRAPHS = 2  # capture every decode graph bucket (the warm-up's DecodeGraphs.capture_all)
     STOP = 3  # leave the loop: the run ends in order
+    STATS = 4  # answer with the experts' counters (rank_stats; payload length = how many)
+    RESET_STATS = 5  # zero them (after the warm-up)
 
 
 class RankSampling(NamedTuple):
