@@ -159,37 +159,73 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_start(num_blocks, num_cols, total_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """This program's row block, its ``BLOCK_N`` columns of ``num_cols`` and which are in range, and
+    whether the block lies past the aligned pairs (the program has nothing to do)."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(num_cols, BLOCK_N), GROUP_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_m, cols, cols < num_cols, pid_m * BLOCK_M >= tl.load(total_ptr)
+
+
+@triton.jit
+def _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """Rows of a block, their pair ids, and the block's slot (its first row is always a real pair)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
+    return rows, pairs, slot
+
+
+@triton.jit
+def swiglu_rows(a_ptrs, row_ok, g_ptrs, u_ptrs, col_ok, hidden, stride_xh, stride_wh,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """silu(a . g) * (a . u) of ``BLOCK_M`` rows (``a_ptrs [M, 1]``, rows not ``row_ok`` read as 0)
+    and ``BLOCK_N`` columns of one slot's gate and up weights (``g_ptrs``, ``u_ptrs`` ``[1, N]``)."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(a_ptrs + ks[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+    return acc_g * tl.sigmoid(acc_g) * acc_u
+
+
+@triton.jit
+def down_rows(a_ptrs, a_mask, w_ptrs, col_ok, inter, stride_wi,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``act . w2`` of ``BLOCK_M`` activation rows (``a_ptrs [M, 1]``, contiguous over ``inter``;
+    ``a_mask [M, 1]`` rows to read) and ``BLOCK_N`` columns of one slot's down weights."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(a_ptrs + ks[None, :], mask=a_mask & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
                     num_pairs, top_k, hidden, inter, num_blocks,
                     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n])."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    pid_m, cols, col_ok, done = _block_start(num_blocks, inter, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if done:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
+    rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
-    # The first row of a block is always a real pair, so it names the block's slot.
-    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
-    u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        a = tl.load(a_ptrs + ks[None, :] * stride_xh, mask=(pairs < num_pairs)[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = swiglu_rows(x_ptr + tokens[:, None] * stride_xt, pairs < num_pairs, g_ptrs, g_ptrs + inter * stride_wn,
+                      col_ok, hidden, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     # Padding rows are stored too (as zeros) so the down GEMM reads no uninitialised memory.
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
@@ -202,24 +238,15 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_pt
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), one row per (token, k) pair."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    pid_m, cols, col_ok, done = _block_start(num_blocks, hidden, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if done:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
+    rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     row_ok = pairs < num_pairs
-    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < inter
-        a = tl.load(a_ptrs + ks[None, :], mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    # padding rows' activations are zeros (stored by the gate-up kernel), so every row is read
+    acc = down_rows(act_ptr + rows[:, None].to(tl.int64) * inter, rows[:, None] >= 0, w_ptrs, col_ok, inter,
+                    stride_wi, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :]

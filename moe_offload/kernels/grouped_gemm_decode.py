@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.grouped_gemm import sum_over_k
+from moe_offload.kernels.grouped_gemm import down_rows, sum_over_k, swiglu_rows
 
 # Batches of up to this many pairs take this path: every program scans all pairs' slots, and
 # compacts its slot's pairs with a [16, T*k] selection.
@@ -93,22 +93,10 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
-    u_ptrs = g_ptrs + inter * stride_wn
     for r0 in range(0, count, 16):
         pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
-        a_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt
-        acc_g = tl.zeros((16, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((16, BLOCK_N), tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < hidden
-            a = tl.load(a_ptrs + ks[None, :] * stride_xh, mask=live[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            g = tl.load(g_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-            u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        act = swiglu_rows(x_ptr + (pairs // top_k)[:, None] * stride_xt, live, g_ptrs, g_ptrs + inter * stride_wn,
+                          col_ok, hidden, stride_xh, stride_wh, 16, BLOCK_N, BLOCK_K, PRECISION)
         tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
@@ -157,13 +145,8 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
     for r0 in range(0, count, 16):
         pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
-        acc = tl.zeros((16, BLOCK_N), tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < inter
-            a = tl.load(act_ptr + pairs[:, None] * inter + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = down_rows(act_ptr + pairs[:, None] * inter, live[:, None], w_ptrs, col_ok, inter, stride_wi,
+                        16, BLOCK_N, BLOCK_K, PRECISION)
         weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
         tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
                  (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from moe_offload.fp8 import ScaleBlock
-from moe_offload.kernels.grouped_gemm import Alignment, BlockConfig, _tile, align_by_slot, pick_config, sum_over_k
+from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _block_start, _row_block, align_by_slot,
+                                              pick_config, sum_over_k)
 from moe_offload.kernels.quant_fp8 import ACT_GROUP, quantize_activations
 
 if TYPE_CHECKING:
@@ -72,15 +73,6 @@ def check_config(config: BlockConfig, block: ScaleBlock, fp8_activations: bool =
         raise ValueError(f"tiles {config} are below tl.dot's 16 (block_n counts gate and up columns)")
     if fp8_activations and (ACT_GROUP % config.block_k or config.block_k < 32):
         raise ValueError(f"fp8 activations need BLOCK_K >= 32 (fp8 dots) dividing {ACT_GROUP}; got {config.block_k}")
-
-
-@triton.jit
-def _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M: tl.constexpr):
-    """Rows of a block, their pair ids, and the block's slot (its first row is always a real pair)."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
-    return rows, pairs, slot
 
 
 @triton.jit
@@ -125,13 +117,11 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, w13_ptr, s13_ptr, act_ptr, sorted_pairs_p
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         K_BLOCKED: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
     """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n]), w13 dequantized."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    pid_m, cols, col_ok, done = _block_start(num_blocks, inter, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if done:
         return
     rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     a_ptrs = x_ptr + tokens[:, None] * stride_xt
     as_ptrs = xs_ptr + tokens * stride_xst
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
@@ -166,13 +156,11 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_pt
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      K_BLOCKED: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), w2 dequantized."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
+    pid_m, cols, col_ok, done = _block_start(num_blocks, hidden, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if done:
         return
     rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     row_ok = pairs < num_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter
     as_ptrs = acts_ptr + rows.to(tl.int64) * stride_ast
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
