@@ -93,6 +93,14 @@ def turn(pm: PageManager, r: Request, live: list[Request], abort_at: int | None 
     return True
 
 
+def test_the_tiers_copy_methods_are_the_page_copies():
+    """``scheduler.config`` keeps its own tuple (it imports no torch for ``--help``); it must name
+    the methods ``worker.kv.page_copy`` has."""
+    from scheduler.config import KV_TIER_COPIES
+
+    assert KV_TIER_COPIES == page_copy.COPY_METHODS
+
+
 def test_evicted_prefix_is_restored_and_written_back_once():
     pm = manager(device_pages=8, host_pages=16)
     first = list(range(1, 22))  # 5 full pages cached, 6 pages needed

@@ -244,8 +244,7 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_pt
     rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     row_ok = pairs < num_pairs
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-    # padding rows' activations are zeros (stored by the gate-up kernel), so every row is read
-    acc = down_rows(act_ptr + rows[:, None].to(tl.int64) * inter, rows[:, None] >= 0, w_ptrs, col_ok, inter,
+    acc = down_rows(act_ptr + rows[:, None].to(tl.int64) * inter, row_ok[:, None], w_ptrs, col_ok, inter,
                     stride_wi, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
