@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -77,6 +78,11 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
     return len(kernels) / steps, busy_us / 1e3 / steps
 
 
+def progress(what: str, since: float) -> None:
+    """One line to stderr as each part finishes, so a run cut short still says how far it got."""
+    print(f"[{time.perf_counter() - since:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
                profile_steps: int = 0) -> dict:
     engine = Engine(runner, EngineConfig(max_running=batch, prefix_cache=False),
@@ -118,7 +124,9 @@ def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, len
 
 def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
                  gpus: int) -> list[dict]:
+    start = time.perf_counter()
     runner = runner_for(args, fraction, expert_dtype, lent, prefetch, gpus)
+    progress(f"runner for {fraction:.0%} cache, {expert_dtype}, lent {lent}, prefetch {prefetch}", start)
     cfg = runner.model_config
     w = runner.weights
     dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
@@ -127,6 +135,7 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
     if runner.graphs is not None:
         runner.graphs.capture_all()  # capture outside the timed loop
+    progress("warm-up and graph capture", start)
     rows = []
     for batch in args.batch:
         r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
@@ -147,6 +156,8 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
                          prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                          bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                          ratio=tok_s / (batch / bound), **profiled))
+        progress(f"batch {batch}: {tok_s:.1f} tok/s, hit rate {rows[-1]['hit_rate']:.3f}, "
+                 f"ratio {rows[-1]['ratio']:.3f} of the {rows[-1]['bound']} bound", start)
     runner.close()
     del runner
     torch.cuda.empty_cache()
@@ -190,6 +201,8 @@ def main() -> None:
                 for lent in args.lent_slots:
                     for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: no fetch
                         rows += bench_runner(args, fraction, expert_dtype, lent, prefetch, gpus)
+                        if args.json:  # after every runner: a run cut short keeps its rows
+                            Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")

@@ -294,9 +294,9 @@ def test_graph_decode_with_offloaded_experts(tmp_path):
         assert graphed.graphs.supports([SequenceChunk([1], 0, [1])] * 16) != pipelined
 
 
-def engine_outputs(model_dir, graph, device="cuda"):
-    """Outputs of 12 overlapped requests (prefill and decode mixed, some sampled). On the CPU
-    ``graph`` runs decode steps through the graphs' static buffers without capturing them."""
+def engine_outputs(model_dir, graph, device="cuda", overlap=True):
+    """Outputs of 12 requests (prefill and decode mixed, some sampled), overlapped unless told. On
+    the CPU ``graph`` runs decode steps through the graphs' static buffers without capturing them."""
     runner = ModelRunner(RunnerConfig(model_dir, device=device, dtype="float32", page_size=16, kv_tokens=4096,
                                       cuda_graph=graph, max_prefill_tokens=64, kv_host_size=0))
     if graph and device == "cpu":
@@ -304,7 +304,7 @@ def engine_outputs(model_dir, graph, device="cuda"):
         runner.graphs = DecodeGraphs(runner.model, create_backend("triton", runner.kv_pool, cfg.head_dim ** -0.5),
                                      runner.kv_pool, cfg.max_context, runner.config.cuda_graph_max_batch,
                                      use_graphs=False)
-    engine = Engine(runner, EngineConfig(overlap=True))
+    engine = Engine(runner, EngineConfig(overlap=overlap))
     gen = torch.Generator().manual_seed(2)
     reqs = [Request(str(i), torch.randint(0, 127, (int(torch.randint(3, 50, (1,), generator=gen)),),
                                           generator=gen).tolist(),
@@ -342,9 +342,20 @@ def first_difference(got: dict[str, list[int]], want: dict[str, list[int]]) -> s
 
 
 @pytest.mark.cuda
-def test_engine_with_overlap_same_outputs_with_and_without_graphs(tmp_path):
+def test_engine_with_overlap_same_outputs_as_without_through_graphs_and_eagerly(tmp_path):
+    """Overlap reads a step's tokens after launching the next one; through the graphs and eagerly
+    its outputs equal those of runs that wait for every step. Across the two paths only the greedy
+    requests must agree: on the GPU the graphs' decode kernels differ from the eager path's in the
+    last fp32 bits (logits within 1e-4, ``test_graph_decode_matches_eager``), and a sampled draw of
+    this near-uniform tiny model moves when a token sits on the top-k/top-p boundary (measured on an
+    H200: request 3 at token 4, with and without overlap alike)."""
     write_tiny(tmp_path, "qwen3_moe", seed=8, layers=2, experts=8, top_k=2)
-    with_graphs, runner = engine_outputs(str(tmp_path), True)
+    graphs, runner = engine_outputs(str(tmp_path), True)
     assert runner.graphs.captured  # decode steps went through graphs
-    without, _ = engine_outputs(str(tmp_path), False)
-    assert with_graphs == without, first_difference(with_graphs, without)
+    waited, _ = engine_outputs(str(tmp_path), True, overlap=False)
+    assert graphs == waited, first_difference(graphs, waited)
+    eager, _ = engine_outputs(str(tmp_path), False)
+    eager_waited, _ = engine_outputs(str(tmp_path), False, overlap=False)
+    assert eager == eager_waited, first_difference(eager, eager_waited)
+    greedy = [rid for rid in eager if int(rid) % 4 != 3]
+    assert [graphs[r] for r in greedy] == [eager[r] for r in greedy]

@@ -85,7 +85,7 @@ def test_default_model_fp8_experts_equal_their_dequantized_twin_cpu():
 
 
 @pytest.mark.cuda
-def test_default_model_fp8_experts_equal_their_dequantized_twin_gpu():
+def test_default_model_fp8_experts_equal_their_dequantized_twin_gpu(default_model_package):
     """Needs the Triton fp8 grouped GEMM (fp8-kernel)."""
     compare("cuda", "bfloat16", 2e-2)
 

@@ -48,5 +48,5 @@ def test_default_model_offloaded_equals_resident_cpu():
 
 
 @pytest.mark.cuda
-def test_default_model_offloaded_equals_resident_gpu():
+def test_default_model_offloaded_equals_resident_gpu(default_model_package):
     compare("cuda", "bfloat16", 32)

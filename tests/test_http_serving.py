@@ -5,7 +5,6 @@ test) and the tiny byte-level model of test_serving.py. One server for the modul
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import httpx
