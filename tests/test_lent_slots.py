@@ -53,7 +53,7 @@ def test_decode_uses_lent_slots_and_a_prefill_clears_them():
     resident = ResidentExperts(banks)
     decode = OffloadedExperts.create(banks, 3 * EXPERTS, "cpu", "lfru", pipeline=True, lent_slots="decode")
     assert all(n > 0 for n in run_rounds(decode, resident, "cpu", contextlib.nullcontext))
-    reserve = OffloadedExperts.create(banks, 3 * EXPERTS, "cpu", "lfru", pipeline=True)
+    reserve = OffloadedExperts.create(banks, 3 * EXPERTS, "cpu", "lfru", pipeline=True, lent_slots="reserve")
     assert run_rounds(reserve, resident, "cpu", contextlib.nullcontext) == [0, 0, 0]
 
 
