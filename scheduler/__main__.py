@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _remove_frontend_files() -> None:
     """The frontend removes its socket dir and pid file when it stops; when it died instead, this
-    is the process left to do it (a stale pid file would point py-spy at a dead process)."""
+    is the process left to do it (a stale pid file would point py-spy at a dead process). The
+    SIGTERM that the kernel sends when the frontend dies may land while this runs: ignored from
+    here, so its SystemExit cannot cut the removal short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for path in filter(None, os.environ.get(REMOVE_ON_EXIT_ENV, "").split(os.pathsep)):
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
