@@ -294,6 +294,11 @@ def test_graph_decode_with_offloaded_experts(tmp_path):
         assert graphed.graphs.supports([SequenceChunk([1], 0, [1])] * 16) != pipelined
 
 
+def sampling_of(i: int) -> SamplingParams:
+    """Request ``i`` of ``engine_outputs``: every fourth one samples."""
+    return SAMPLED if i % 4 == 3 else GREEDY
+
+
 def engine_outputs(model_dir, graph, device="cuda", overlap=True):
     """Outputs of 12 requests (prefill and decode mixed, some sampled), overlapped unless told. On
     the CPU ``graph`` runs decode steps through the graphs' static buffers without capturing them."""
@@ -308,7 +313,7 @@ def engine_outputs(model_dir, graph, device="cuda", overlap=True):
     gen = torch.Generator().manual_seed(2)
     reqs = [Request(str(i), torch.randint(0, 127, (int(torch.randint(3, 50, (1,), generator=gen)),),
                                           generator=gen).tolist(),
-                    SAMPLED if i % 4 == 3 else GREEDY, int(torch.randint(4, 30, (1,), generator=gen)),
+                    sampling_of(i), int(torch.randint(4, 30, (1,), generator=gen)),
                     frozenset({127})) for i in range(12)]
     out = {r.rid: [] for r in reqs}
     for r in reqs:
@@ -357,5 +362,5 @@ def test_engine_with_overlap_same_outputs_as_without_through_graphs_and_eagerly(
     eager, _ = engine_outputs(str(tmp_path), False)
     eager_waited, _ = engine_outputs(str(tmp_path), False, overlap=False)
     assert eager == eager_waited, first_difference(eager, eager_waited)
-    greedy = [rid for rid in eager if int(rid) % 4 != 3]
+    greedy = [rid for rid in eager if sampling_of(int(rid)) is GREEDY]
     assert [graphs[r] for r in greedy] == [eager[r] for r in greedy]

@@ -62,11 +62,12 @@ def balanced(counts: torch.Tensor, world: int) -> Placement:
     rank_of = torch.empty(layers, num_experts, dtype=torch.int64)
     for layer in range(layers):
         sizes, loads = [0] * world, [0] * world
-        for e in torch.argsort(counts[layer], descending=True, stable=True).tolist():
+        row = counts[layer].tolist()
+        for e in sorted(range(num_experts), key=lambda e: -row[e]):  # stable: ties keep id order
             rank = min((r for r in range(world) if sizes[r] < num_experts // world), key=loads.__getitem__)
             rank_of[layer, e] = rank
             sizes[rank] += 1
-            loads[rank] += int(counts[layer, e])
+            loads[rank] += row[e]
     return Placement(rank_of, world)
 
 
