@@ -114,7 +114,8 @@ def run_build(build: Build, rnd: int, args: argparse.Namespace, workload: Worklo
         warmup = dataclasses.replace(workload, sessions=1, turns=args.warmup_turns, content="fresh")
         warm = asyncio.run(_warmup(server.endpoint, warmup, args.turn_timeout))
         before = asyncio.run(server_stats(server.endpoint, args.turn_timeout))
-        turns = asyncio.run(run_sessions(server.endpoint, workload, args.turn_timeout))
+        turns = asyncio.run(run_sessions(server.endpoint, workload, args.turn_timeout,
+                                         on_turn=lambda row: _print_turn(build.label, rnd, row)))
         after = asyncio.run(server_stats(server.endpoint, args.turn_timeout))
     except BaseException:
         stop_server(server)
@@ -125,6 +126,13 @@ def run_build(build: Build, rnd: int, args: argparse.Namespace, workload: Worklo
         raise RuntimeError(f"the server of build {build.label} exited with code {code}; see {log}")
     return dict(build=build.label, round=rnd, command=command, ready_s=ready_s, warmup=warm, turns=turns,
                 stats_before=before, stats_after=after, log=str(log))
+
+
+def _print_turn(label: str, rnd: int, row: dict) -> None:
+    """One line a turn on stderr: a run cut short (a time limit) still leaves what it measured."""
+    print(f"[{label} round {rnd}] session {row['session']} turn {row['turn']}: prompt {row['prompt_tokens']}, "
+          f"cached {row['cached_tokens']}, TTFT {row['ttft_s']:.3f} s, turn {row['seconds']:.3f} s",
+          file=sys.stderr, flush=True)
 
 
 async def _warmup(endpoint: str, warmup: Workload, timeout: float) -> list[dict]:

@@ -23,6 +23,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from frontend.client import DEFAULT_ENDPOINT, AsyncClient
@@ -87,7 +88,9 @@ async def timed_turn(client: AsyncClient, prompt: list[int], max_tokens: int) ->
     return row, output
 
 
-async def session(client: AsyncClient, sid: int, workload: Workload, t0: float) -> list[dict]:
+async def session(client: AsyncClient, sid: int, workload: Workload, t0: float,
+                  on_turn: Callable[[dict], None] | None = None) -> list[dict]:
+    """One session's turns; ``on_turn`` sees each turn's row as it ends (progress of a long run)."""
     gen = workload.generator(f"tools/{sid}")
     history = workload.first_prompt(sid)
     turns = []
@@ -96,15 +99,19 @@ async def session(client: AsyncClient, sid: int, workload: Workload, t0: float) 
         started = time.perf_counter() - t0
         row, output = await timed_turn(client, prompt, workload.max_tokens)
         turns.append(dict(session=sid, turn=turn, started_s=started, ideal_cached=len(history) if turn else 0, **row))
+        if on_turn is not None:
+            on_turn(turns[-1])
         history = prompt + output
     return turns
 
 
-async def run_sessions(endpoint: str, workload: Workload, timeout: float) -> list[dict]:
+async def run_sessions(endpoint: str, workload: Workload, timeout: float,
+                       on_turn: Callable[[dict], None] | None = None) -> list[dict]:
     """Every turn of every session, session by session; ``started_s`` counts from the first send."""
     t0 = time.perf_counter()
     async with AsyncClient(endpoint, timeout=timeout) as client:
-        per_session = await asyncio.gather(*(session(client, s, workload, t0) for s in range(workload.sessions)))
+        per_session = await asyncio.gather(*(session(client, s, workload, t0, on_turn)
+                                             for s in range(workload.sessions)))
     return [t for turns in per_session for t in turns]
 
 
