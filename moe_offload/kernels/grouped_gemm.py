@@ -159,22 +159,22 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_start(num_blocks, num_cols, total_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 GROUP_M: tl.constexpr):
-    """This program's row block, its ``BLOCK_N`` columns of ``num_cols`` and which are in range, and
-    whether the block lies past the aligned pairs (the program has nothing to do)."""
+def _pair_tile(num_blocks, num_cols, total_ptr, sorted_pairs_ptr, slots_ptr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile: its row block's rows, their pair ids and the block's slot, its
+    ``BLOCK_N`` columns of ``num_cols`` and which are in range, and ``done``, whether the block lies
+    past the aligned pairs (the caller returns). A live block's first row is a real pair; a dead
+    block's may be the padding id ``T*k``, one past the end of ``slots``, so the slot load is masked
+    to live blocks. The pair loads need no mask: rows stay below ``num_blocks * BLOCK_M``, the
+    length of ``sorted_pairs``, which the align kernel fills in full."""
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(num_cols, BLOCK_N), GROUP_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return pid_m, cols, cols < num_cols, pid_m * BLOCK_M >= tl.load(total_ptr)
-
-
-@triton.jit
-def _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M: tl.constexpr):
-    """Rows of a block, their pair ids, and the block's slot (its first row is always a real pair)."""
+    total = tl.load(total_ptr)
+    live = pid_m * BLOCK_M < total
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
-    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M)).to(tl.int64)
-    return rows, pairs, slot
+    slot = tl.load(slots_ptr + tl.load(sorted_pairs_ptr + pid_m * BLOCK_M), mask=live, other=0).to(tl.int64)
+    return rows, pairs, slot, cols, cols < num_cols, pid_m * BLOCK_M >= total
 
 
 @triton.jit
@@ -218,10 +218,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n])."""
-    pid_m, cols, col_ok, done = _block_start(num_blocks, inter, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, inter, total_ptr, sorted_pairs_ptr, slots_ptr,
+                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     act = swiglu_rows(x_ptr + tokens[:, None] * stride_xt, pairs < num_pairs, g_ptrs, g_ptrs + inter * stride_wn,
@@ -238,10 +238,10 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_pt
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), one row per (token, k) pair."""
-    pid_m, cols, col_ok, done = _block_start(num_blocks, hidden, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, hidden, total_ptr, sorted_pairs_ptr, slots_ptr,
+                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     row_ok = pairs < num_pairs
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
     acc = down_rows(act_ptr + rows[:, None].to(tl.int64) * inter, row_ok[:, None], w_ptrs, col_ok, inter,

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from moe_offload.fp8 import ScaleBlock
-from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _block_start, _row_block, align_by_slot,
-                                              pick_config, sum_over_k)
+from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _pair_tile, align_by_slot, pick_config,
+                                              sum_over_k)
 from moe_offload.kernels.quant_fp8 import ACT_GROUP, quantize_activations
 
 if TYPE_CHECKING:
@@ -117,10 +117,10 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, w13_ptr, s13_ptr, act_ptr, sorted_pairs_p
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         K_BLOCKED: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
     """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n]), w13 dequantized."""
-    pid_m, cols, col_ok, done = _block_start(num_blocks, inter, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, inter, total_ptr, sorted_pairs_ptr, slots_ptr,
+                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt
     as_ptrs = xs_ptr + tokens * stride_xst
@@ -156,10 +156,10 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_pt
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      K_BLOCKED: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), w2 dequantized."""
-    pid_m, cols, col_ok, done = _block_start(num_blocks, hidden, total_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, hidden, total_ptr, sorted_pairs_ptr, slots_ptr,
+                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    rows, pairs, slot = _row_block(pid_m, sorted_pairs_ptr, slots_ptr, BLOCK_M)
     row_ok = pairs < num_pairs
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter
     as_ptrs = acts_ptr + rows.to(tl.int64) * stride_ast
