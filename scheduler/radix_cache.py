@@ -71,8 +71,9 @@ class RadixCache:
         return self.num_pages - self.num_locked_pages
 
     def match(self, tokens: list[int]) -> PrefixMatch:
-        """The longest cached page-aligned prefix of ``tokens``: GPU part, then host part."""
-        node, pages, host_nodes, pos = self.root, [], [], 0
+        """The longest cached page-aligned prefix of ``tokens``: GPU part, then host part (the walk
+        goes on below the last GPU node through host-only nodes, however many turns they hold)."""
+        node, gpu_node, pages, host_nodes, pos = self.root, self.root, [], [], 0
         while True:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
@@ -83,11 +84,11 @@ class RadixCache:
             child.last_use = next(_clock)
             if child.pages is not None:
                 pages += child.pages
-                node = child
+                gpu_node = child
             else:
                 host_nodes.append(child)
-            pos += len(child.key)
-        return PrefixMatch(pages, node, tuple(host_nodes))
+            node, pos = child, pos + len(child.key)
+        return PrefixMatch(pages, gpu_node, tuple(host_nodes))
 
     def attach(self, nodes: tuple[_Node, ...], pages: list[int]) -> None:
         """Give host-only ``nodes`` (a matched host continuation) GPU ``pages``, being restored."""

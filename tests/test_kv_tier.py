@@ -146,6 +146,24 @@ def test_writethrough_mirrors_at_insert_and_evicts_without_writing():
     assert again.cached_tokens == 20 and pm.stats()["kv_host_pages_restored"] == 5
 
 
+def test_a_session_of_many_turns_comes_back_whole_from_the_host():
+    """Each turn of a session is a radix node below the last one: a match must walk the whole chain
+    of host-only nodes, not stop after the first (it did: a 4-session agent run on the H200 lost one
+    turn of every session's history per turn once the sessions outgrew the GPU pool)."""
+    pm = manager(device_pages=8, host_pages=32)
+    history = list(range(1, 5))
+    for t in range(3):  # three turns: three nodes, one below the other
+        history += [50 + t] * 4
+        assert turn(pm, req(f"a{t}", history, max_tokens=1), [])
+    for i in range(2):  # two other sessions push the whole chain out of the GPU
+        assert turn(pm, req(f"o{i}", [100 + i] * 32, max_tokens=1), [])
+    match = pm.radix.match(history)
+    assert match.num_pages == 0 and len(match.host_nodes) == 3 and match.num_host_pages == 4
+    again = req("a3", history + [7, 8, 9], max_tokens=1)
+    assert turn(pm, again, [])
+    assert again.cached_tokens == 16 and pm.stats()["kv_host_pages_restored"] == 4
+
+
 def test_tiny_host_pool_drops_what_it_cannot_hold():
     pm = manager(device_pages=8, host_pages=2)
     first = list(range(1, 22))
@@ -360,6 +378,39 @@ def test_big_pool_gives_the_same_tokens(tiny_runner, tmp_path):
     drain(tight)
     assert stats["kv_host_pages_restored"] > 0 and stats["kv_host_pages_written"] > 0
     assert outputs[True] == outputs[False]
+
+
+def concurrent_turns(engine: Engine, history: list[list[int]], turn_no: int, new: int, rng: random.Random,
+                     vocab: int) -> list[int]:
+    """One turn of every session at once (a tool result of ``new`` tokens each); their cached tokens."""
+    prompts = [h + [rng.randrange(1, vocab - 1) for _ in range(new)] for h in history]
+    reqs = [req(f"{i}.{turn_no}", p, max_tokens=2) for i, p in enumerate(prompts)]
+    for r in reqs:
+        assert engine.submit(r) is None
+    out, cached = {r.rid: [] for r in reqs}, {}
+    while engine.has_work:
+        for u in engine.step():
+            out[u.rid] += u.token_ids
+            cached[u.rid] = u.cached_prompt_tokens if u.cached_prompt_tokens is not None else cached.get(u.rid)
+    history[:] = [p + out[r.rid] for p, r in zip(prompts, reqs)]
+    return [cached[r.rid] for r in reqs]
+
+
+@pytest.mark.parametrize("mode", ["writeback", "writethrough"])
+def test_concurrent_sessions_beyond_the_gpu_pool_keep_their_whole_history(tiny_runner, mode):
+    """Four agent sessions that together outgrow the GPU pool (160 tokens) several times over: with
+    the host tier every later turn finds all of its history's whole pages cached, as on a roomy pool."""
+    engine = Engine(tiny_runner, EngineConfig(kv_tier_mode=mode), plan=planned(tiny_runner, 1 / 1024))
+    vocab, rng = tiny_runner.model_config.vocab_size, random.Random(7)
+    history = [[rng.randrange(1, vocab - 1) for _ in range(24)] for _ in range(4)]
+    concurrent_turns(engine, history, 0, 0, rng, vocab)
+    for turn_no in range(1, 7):  # to 4 x 86 tokens
+        ideal = [(len(h) - 1) // P * P for h in history]  # whole pages; the last sampled token has no KV
+        assert concurrent_turns(engine, history, turn_no, 8, rng, vocab) == ideal, f"turn {turn_no}"
+    stats = engine.stats()
+    engine.check_pages()
+    drain(engine)
+    assert sum(map(len, history)) > 2 * 160 and stats["kv_host_pages_restored"] > 0
 
 
 @pytest.mark.parametrize("mode", ["writeback", "writethrough"])
