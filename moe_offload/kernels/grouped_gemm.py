@@ -237,7 +237,8 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_pt
                  stride_ws, stride_wh, stride_wi,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), one row per (token, k) pair."""
+    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), one row per (token, k) pair;
+    ``sum_over_k`` adds up a token's k rows afterwards."""
     rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, hidden, total_ptr, sorted_pairs_ptr, slots_ptr,
                                                        BLOCK_M, BLOCK_N, GROUP_M)
     if done:

@@ -155,7 +155,8 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_pt
                      stride_ws, stride_wh, stride_wi, stride_ss, stride_sr, stride_sc,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      K_BLOCKED: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
-    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), w2 dequantized."""
+    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), w2 (and act, with A_FP8) dequantized by
+    their block scales; ``sum_over_k`` adds up a token's k rows afterwards."""
     rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, hidden, total_ptr, sorted_pairs_ptr, slots_ptr,
                                                        BLOCK_M, BLOCK_N, GROUP_M)
     if done:
