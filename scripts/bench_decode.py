@@ -127,43 +127,51 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     start = time.perf_counter()
     runner = runner_for(args, fraction, expert_dtype, lent, prefetch, gpus)
     progress(f"runner for {fraction:.0%} cache, {expert_dtype}, lent {lent}, prefetch {prefetch}", start)
-    cfg = runner.model_config
-    w = runner.weights
-    dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
-    dense += w.lm_head.numel() * w.lm_head.element_size()
-    one_expert = expert_bytes(runner)
     decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
     if runner.graphs is not None:
         runner.graphs.capture_all()  # capture outside the timed loop
     progress("warm-up and graph capture", start)
+    setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch)
     rows = []
     for batch in args.batch:
-        r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
-        profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
-        tok_s = r["tokens"] / r["seconds"]
-        distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
-        if fraction >= 1.0:
-            distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
-        moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
-        step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
-        step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
-        bound = max(step_pcie, step_hbm)
-        rows.append(dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent,
-                         prefetch=prefetch,
-                         batch=batch, tok_s=tok_s, hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
-                         guessed=r["predicted"] / r["lookups"] if r["lookups"] else 0.0,
-                         bytes_per_token=moved / max(r["tokens"], 1),
-                         prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
-                         bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
-                         ratio=tok_s / (batch / bound), experts_per_layer=distinct / cfg.num_layers,
-                         distinct="assumed" if fraction >= 1.0 else "looked up", dense_bytes=dense,
-                         expert_bytes=one_expert, layers=cfg.num_layers, step_pcie=step_pcie, **profiled))
-        progress(f"batch {batch}: {tok_s:.1f} tok/s, hit rate {rows[-1]['hit_rate']:.3f}, "
+        rows.append(bench_batch(runner, args, batch, setup))
+        progress(f"batch {batch}: {rows[-1]['tok_s']:.1f} tok/s, hit rate {rows[-1]['hit_rate']:.3f}, "
                  f"ratio {rows[-1]['ratio']:.3f} of the {rows[-1]['bound']} bound", start)
     runner.close()
     del runner
     torch.cuda.empty_cache()
     return rows
+
+
+def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> dict:
+    """One row: tokens/s of ``batch`` requests decoding, beside the PCIe / HBM bound of its step."""
+    cfg, fraction = runner.model_config, setup["fraction"]
+    dense, one_expert = dense_bytes(runner), expert_bytes(runner)
+    r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
+    profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
+    tok_s = r["tokens"] / r["seconds"]
+    distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
+    if fraction >= 1.0:
+        distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
+    moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
+    step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
+    step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
+    bound = max(step_pcie, step_hbm)
+    return dict(**setup, batch=batch, tok_s=tok_s, hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
+                guessed=r["predicted"] / r["lookups"] if r["lookups"] else 0.0,
+                bytes_per_token=moved / max(r["tokens"], 1),
+                prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
+                bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
+                ratio=tok_s / (batch / bound), experts_per_layer=distinct / cfg.num_layers,
+                distinct="assumed" if fraction >= 1.0 else "looked up", dense_bytes=dense,
+                expert_bytes=one_expert, layers=cfg.num_layers, step_pcie=step_pcie, **profiled)
+
+
+def dense_bytes(runner) -> int:
+    """Bytes of every weight a decode step reads besides the routed experts."""
+    w = runner.weights
+    dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
+    return dense + w.lm_head.numel() * w.lm_head.element_size()
 
 
 def resident_bounds_from_lookups(rows: list[dict]) -> None:
