@@ -3,6 +3,7 @@ side-by-side table, and the plot of turn time and TTFT against the context lengt
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 
@@ -104,7 +105,7 @@ def plot(path: str, builds: list[dict], runs: list[dict], slow_s: float, title: 
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="upper left", fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=10)  # a long serve line wraps instead of leaving the figure
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
