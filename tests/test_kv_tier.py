@@ -403,13 +403,15 @@ def test_concurrent_sessions_beyond_the_gpu_pool_keep_their_whole_history(tiny_r
     engine = Engine(tiny_runner, EngineConfig(kv_tier_mode=mode), plan=planned(tiny_runner, 1 / 1024))
     vocab, rng = tiny_runner.model_config.vocab_size, random.Random(7)
     history = [[rng.randrange(1, vocab - 1) for _ in range(24)] for _ in range(4)]
-    concurrent_turns(engine, history, 0, 0, rng, vocab)
-    for turn_no in range(1, 7):  # to 4 x 86 tokens
-        ideal = [(len(h) - 1) // P * P for h in history]  # whole pages; the last sampled token has no KV
-        assert concurrent_turns(engine, history, turn_no, 8, rng, vocab) == ideal, f"turn {turn_no}"
-    stats = engine.stats()
-    engine.check_pages()
-    drain(engine)
+    try:  # the runner is shared: its pool goes back whole even when a turn fails
+        concurrent_turns(engine, history, 0, 0, rng, vocab)
+        for turn_no in range(1, 7):  # to 4 x 86 tokens
+            ideal = [(len(h) - 1) // P * P for h in history]  # whole pages; the last sampled token has no KV
+            assert concurrent_turns(engine, history, turn_no, 8, rng, vocab) == ideal, f"turn {turn_no}"
+        stats = engine.stats()
+        engine.check_pages()
+    finally:
+        drain(engine)
     assert sum(map(len, history)) > 2 * 160 and stats["kv_host_pages_restored"] > 0
 
 
