@@ -111,26 +111,36 @@ def test_evicts_least_recent_among_equals(policy):
     assert resident_ids(cache) == {0, 3, 8, 9}
 
 
-def run_burst(policy: str) -> int:
-    """A hot set used for ten steps, five steps of one-off experts, then the hot set again;
-    returns the misses of that last step."""
-    cache = ExpertCache(1, 32, (2, 2), (2, 1), num_slots=8, dtype=torch.float32, device="cpu", policy=policy)
+def run_burst(policy: str, burst_steps: int) -> int:
+    """Four layers, 8 slots each: a hot set of 4 experts a layer used for ten steps, ``burst_steps``
+    steps of one-off experts, then the hot set again; returns the misses of that last step."""
+    layers = 4
+    cache = ExpertCache(layers, 32, (2, 2), (2, 1), num_slots=8 * layers, dtype=torch.float32, device="cpu",
+                        policy=policy)
     hot = [0, 1, 2, 3]
     for _ in range(10):
-        lookup(cache, hot)
-    for step in range(5):
-        lookup(cache, [4 + 4 * step + i for i in range(4)])
-    misses, _ = lookup(cache, hot)
+        for layer in range(layers):
+            cache.lookup(layer, torch.tensor([hot]))
+    for step in range(burst_steps):
+        for layer in range(layers):
+            cache.lookup(layer, torch.tensor([[4 + 4 * step + i for i in range(4)]]))
+    misses = 0
+    for layer in range(layers):
+        plan, _ = cache.lookup(layer, torch.tensor([hot]))
+        misses += int(plan.count[0])
     assert_stats_consistent(cache)
     return misses
 
 
 def test_lfru_keeps_hot_set_through_burst():
-    assert run_burst("lfru") == 0
+    """Ten steps of use bank 10 x 1/4 step of credit over one-off experts: a 2-step burst (which
+    fills the 8 slots of a layer) leaves the hot set; LRU gives it up."""
+    assert run_burst("lfru", burst_steps=2) == 0
+    assert run_burst("lru", burst_steps=2) == 4 * 4
 
 
-def test_lru_loses_hot_set_to_burst():
-    assert run_burst("lru") == 4
+def test_a_burst_longer_than_the_banked_credit_takes_the_hot_set():
+    assert run_burst("lfru", burst_steps=4) == 4 * 4
 
 
 # ==== lent slots, stats, sizing ====
