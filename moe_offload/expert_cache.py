@@ -31,20 +31,23 @@ from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan,
 # each step, up to 8; and among equally old experts, those whose layer is looked up last go first
 # (Policy.visit). Replayed with synthetic Qwen3-30B-A3B routing (scripts/cache_policy_report.py,
 # 48 layers), as a fraction of Belady's MIN at 10% / 25% cache: batch 1 (256 steps) 0.80 / 0.92,
-# batch 8 (128 steps) 0.84 / 0.80. Two steps of credit (before) gave 0.76 / 0.92 and 0.80 / 0.78; a
-# whole step or less is plain recency, which at batch 8 lets the experts that many sequences share go.
+# batch 8 (128 steps) 0.84 / 0.80. Two steps of credit (before; --lfru-credit 8) gave 0.76 / 0.92 and
+# 0.80 / 0.78; a whole step or less is plain recency, which at batch 8 lets go of the experts that
+# many sequences share.
 LFRU_CREDIT_QUARTER_STEPS = 5
 LFRU_CAP_STEPS = 8
 LFRU_VISIT = 2
 
 
-def policy_for(name: str, num_layers: int) -> Policy:
-    """Policy parameters in launches; every layer's lookup advances the step counter."""
+def policy_for(name: str, num_layers: int, credit_quarter_steps: int = LFRU_CREDIT_QUARTER_STEPS,
+               cap_steps: int = LFRU_CAP_STEPS) -> Policy:
+    """Policy parameters in launches; every layer's lookup advances the step counter. The lfru
+    parameters are the engine's unless a replay (scripts/cache_policy_report.py) tries others."""
     if name == "lru":
         return Policy(credit=0, cap=0)
     if name == "lfru":
-        credit = -(-LFRU_CREDIT_QUARTER_STEPS * num_layers // 4)  # rounded up: over a step at any L
-        return Policy(credit=credit, cap=LFRU_CAP_STEPS * num_layers, visit=LFRU_VISIT)
+        credit = -(-credit_quarter_steps * num_layers // 4)  # rounded up: over a step at any L
+        return Policy(credit=credit, cap=cap_steps * num_layers, visit=LFRU_VISIT)
     raise ValueError(f"cache policy {name!r} is not one of {POLICIES}")
 
 

@@ -2,7 +2,7 @@
 
     python scripts/cache_policy_report.py [--trace FILE] [--fractions 0.1 0.25 0.5] [--json OUT]
         [--batch 1] [--steps 256] [--layers 48 --experts 128 --top-k 8]   (synthetic, without --trace)
-        [--lent-slots none|reserve|decode] [--prefill-every N]
+        [--lent-slots none|reserve|decode] [--prefill-every N] [--lfru-credit QUARTER_STEPS --lfru-cap STEPS]
 
 Replays the decode lookups of a routing trace (``--record-routing``; steps big enough for the
 prefill pipeline are chunks, which do not look up) or, without one, of the synthetic router
@@ -14,6 +14,7 @@ among those the step's layer does not use, and admits every miss (as the engine 
 ``--lent-slots`` models a prefill pipeline lending ``2E`` slots: reserve (decode never uses them),
 decode (decode uses them as first victims); each chunk (a trace's, or one every ``--prefill-every``
 synthetic steps) wipes them. MIN always has the whole cache: it is the bound either way.
+``--lfru-credit`` / ``--lfru-cap`` replay lfru with other parameters than the engine's.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moe_offload.choices import LENT_SLOT_RULES
-from moe_offload.expert_cache import ExpertCache
+from moe_offload.expert_cache import LFRU_CAP_STEPS, LFRU_CREDIT_QUARTER_STEPS, ExpertCache, policy_for
 from moe_offload.offloaded import PIPELINE_PAIRS_PER_EXPERT, decode_slots
 from moe_offload.routing_trace import RoutingTrace
 from moe_offload.synthetic_routing import synthetic_trace
@@ -57,9 +58,12 @@ def trace_steps(trace: RoutingTrace) -> Steps:
 
 
 def engine_hit_rate(steps: Steps, num_layers: int, num_experts: int, slots: int, policy: str,
-                    lent_slots: str = "none") -> float:
-    """Hit rate of the engine's cache code over ``steps`` (CPU tables, eager twin)."""
+                    lent_slots: str = "none", lfru: dict | None = None) -> float:
+    """Hit rate of the engine's cache code over ``steps`` (CPU tables, eager twin); ``lfru``: other
+    parameters of ``policy_for`` to replay (credit_quarter_steps, cap_steps)."""
     cache = ExpertCache(num_layers, num_experts, (1, 1), (1, 1), slots, torch.float32, "cpu", policy)
+    if policy == "lfru" and lfru:
+        cache.policy = policy_for(policy, num_layers, **lfru)
     lent = 0 if lent_slots == "none" else 2 * num_experts
     if lent and slots < 3 * num_experts:
         raise ValueError(f"a pipeline lends 2x{num_experts} slots and needs {3 * num_experts}; the cache has {slots}")
@@ -108,7 +112,7 @@ def min_hit_rate(steps: Steps, num_experts: int, slots: int) -> float:
 
 
 def report(steps: Steps, num_layers: int, num_experts: int, fractions: list[float],
-           lent_slots: str = "none") -> list[dict]:
+           lent_slots: str = "none", lfru: dict | None = None) -> list[dict]:
     """Rows of hit rates; a cache too small for one lookup's experts is skipped with a note."""
     rows = []
     largest = max((ids.numel() for step in steps if step is not None for ids in step), default=0)
@@ -119,7 +123,7 @@ def report(steps: Steps, num_layers: int, num_experts: int, fractions: list[floa
             continue
         for policy in POLICIES:
             rate = (min_hit_rate(steps, num_experts, slots) if policy == "min" else
-                    engine_hit_rate(steps, num_layers, num_experts, slots, policy, lent_slots))
+                    engine_hit_rate(steps, num_layers, num_experts, slots, policy, lent_slots, lfru))
             rows.append({"cache": fraction, "policy": policy, "hit_rate": rate})
     return rows
 
@@ -146,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lent-slots", default="none", choices=["none", *LENT_SLOT_RULES],
                    help="model a prefill pipeline lending 2E slots (see --lent-slots of the engine)")
     p.add_argument("--prefill-every", type=int, default=0, help="synthetic: a prefill chunk every N steps")
+    p.add_argument("--lfru-credit", type=int, default=LFRU_CREDIT_QUARTER_STEPS, metavar="QUARTER_STEPS",
+                   help="lfru's credit a use, in quarter steps (default: the engine's)")
+    p.add_argument("--lfru-cap", type=int, default=LFRU_CAP_STEPS, metavar="STEPS",
+                   help="lfru's cap on banked credit, in steps (default: the engine's)")
     p.add_argument("--json", help="write [{cache, policy, hit_rate}, ...] here")
     args = p.parse_args(argv)
     if args.trace:
@@ -158,9 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         title = (f"synthetic routing: {layers} layers, {experts} experts, top {args.top_k}, batch {args.batch}, "
                  f"{args.steps} steps")
     chunks = sum(step is None for step in steps)
-    rows = report(steps, layers, experts, args.fractions, args.lent_slots)
+    lfru = dict(credit_quarter_steps=args.lfru_credit, cap_steps=args.lfru_cap)
+    rows = report(steps, layers, experts, args.fractions, args.lent_slots, lfru)
     print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
-                      f"lent slots {args.lent_slots}")
+                      f"lent slots {args.lent_slots}, lfru credit {args.lfru_credit}/4 cap {args.lfru_cap} steps")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -66,6 +66,18 @@ def test_engine_lru_is_textbook_lru():
     assert engine_hit_rate(single(sequence), 1, 12, 5, "lru") == pytest.approx(hits / len(sequence))
 
 
+def test_lfru_replayed_with_a_credit_of_one_step_and_no_bank_is_lru():
+    """``--lfru-credit 4 --lfru-cap 1`` (one layer): every use scores its step plus one, as LRU does;
+    the engine's own lfru banks credit and hits differently on the same sequence."""
+    gen = torch.Generator().manual_seed(0)
+    hot = torch.randint(0, 4, (200,), generator=gen)
+    sequence = torch.where(torch.rand(200, generator=gen) < 0.5, hot, torch.randint(4, 40, (200,), generator=gen))
+    steps = single(sequence.tolist())
+    lru = engine_hit_rate(steps, 1, 40, 5, "lru")
+    assert engine_hit_rate(steps, 1, 40, 5, "lfru", lfru=dict(credit_quarter_steps=4, cap_steps=1)) == lru
+    assert engine_hit_rate(steps, 1, 40, 5, "lfru") != lru
+
+
 def test_pipelined_steps_of_a_trace_are_chunks():
     # a 12-token step routes 12 * 2 >= 4 * 4 pairs (the pipeline); 1-token steps look up
     step = torch.tensor([0] + [1] * 12 + [2])

@@ -89,8 +89,8 @@ def test_cache_smaller_than_one_step_raises():
 
 # ==== policies ====
 
-def lookup(cache: ExpertCache, experts: list[int]):
-    plan, slots = cache.lookup(0, torch.tensor([experts]))
+def lookup(cache: ExpertCache, experts: list[int], layer: int = 0):
+    plan, slots = cache.lookup(layer, torch.tensor([experts]))
     return int(plan.count[0]), slots
 
 
@@ -120,14 +120,11 @@ def run_burst(policy: str, burst_steps: int) -> int:
     hot = [0, 1, 2, 3]
     for _ in range(10):
         for layer in range(layers):
-            cache.lookup(layer, torch.tensor([hot]))
+            lookup(cache, hot, layer)
     for step in range(burst_steps):
         for layer in range(layers):
-            cache.lookup(layer, torch.tensor([[4 + 4 * step + i for i in range(4)]]))
-    misses = 0
-    for layer in range(layers):
-        plan, _ = cache.lookup(layer, torch.tensor([hot]))
-        misses += int(plan.count[0])
+            lookup(cache, [4 + 4 * step + i for i in range(4)], layer)
+    misses = sum(lookup(cache, hot, layer)[0] for layer in range(layers))
     assert_stats_consistent(cache)
     return misses
 

@@ -391,14 +391,15 @@ def concurrent_turns(engine: Engine, history: list[list[int]], turn_no: int, new
     while engine.has_work:
         for u in engine.step():
             out[u.rid] += u.token_ids
-            cached[u.rid] = u.cached_prompt_tokens if u.cached_prompt_tokens is not None else cached.get(u.rid)
+            if u.cached_prompt_tokens is not None:
+                cached[u.rid] = u.cached_prompt_tokens
     history[:] = [p + out[r.rid] for p, r in zip(prompts, reqs)]
     return [cached[r.rid] for r in reqs]
 
 
 @pytest.mark.parametrize("mode", ["writeback", "writethrough"])
 def test_concurrent_sessions_beyond_the_gpu_pool_keep_their_whole_history(tiny_runner, mode):
-    """Four agent sessions that together outgrow the GPU pool (160 tokens) several times over: with
+    """Four agent sessions that together outgrow the GPU pool (160 tokens) twice over: with
     the host tier every later turn finds all of its history's whole pages cached, as on a roomy pool."""
     engine = Engine(tiny_runner, EngineConfig(kv_tier_mode=mode), plan=planned(tiny_runner, 1 / 1024))
     vocab, rng = tiny_runner.model_config.vocab_size, random.Random(7)
