@@ -7,10 +7,12 @@ the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
 runner and rows; the bounds count an expert's bytes in its format (fp8: weights plus scales), the
-misses' bytes as the cache moved them.
-checkpoint directory. Dummy weights route nearly the same experts every step; ``--routing
+misses' bytes as the cache moved them. Dummy weights route nearly the same experts every step; ``--routing
 synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
-Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once).
+Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once;
+``--prefill-every STEPS`` puts another request's prefill of ``--prefill-tokens`` between decode
+steps that often, as other sessions' turns would: the timed steps then include those prefills).
+``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
 the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s.
@@ -64,9 +66,10 @@ def expert_bytes(runner: ModelRunner) -> int:
     return slot_bytes(tuple(banks.w13.shape[2:]), tuple(banks.w2.shape[2:]), banks.w13.dtype, banks.scale_block)
 
 
-def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
+def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
     """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (torch.profiler sees
-    the kernels inside replayed graphs too); the busy time sums kernel durations."""
+    the kernels inside replayed graphs too); the busy time sums kernel durations. ``top``: also the
+    ``top`` kernels by time, as ``[name, launches per step, microseconds per step]``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -74,8 +77,14 @@ def kernel_profile(engine: Engine, steps: int) -> tuple[float, float]:
             engine.step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(e.device_time for e in kernels)
-    return len(kernels) / steps, busy_us / 1e3 / steps
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        count_us = by_name.setdefault(e.name, [0, 0.0])
+        count_us[0] += 1
+        count_us[1] += e.device_time
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(kernels=len(kernels) / steps, busy_ms=sum(e.device_time for e in kernels) / 1e3 / steps,
+                top_kernels=[[name, n / steps, us / steps] for name, (n, us) in ranked])
 
 
 def progress(what: str, since: float) -> None:
@@ -84,27 +93,38 @@ def progress(what: str, since: float) -> None:
 
 
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
-               profile_steps: int = 0) -> dict:
-    engine = Engine(runner, EngineConfig(max_running=batch, prefix_cache=False),
-                    plan=replace(runner.plan, prefill_tokens=prompt_tokens * batch))  # every prompt in one chunk
+               profile_steps: int = 0, top_kernels: int = 0, prefill_every: int = 0, prefill_tokens: int = 0) -> dict:
+    """``batch`` requests decode ``decode_tokens`` each after one prefill of their prompts.
+    ``prefill_every``: every that many decode steps, one more request of ``prefill_tokens`` prompt
+    tokens and a single output token joins, so its prefill chunk (the expert pipeline's, when
+    it is long enough) runs between decode steps as another session's turn would."""
+    engine = Engine(runner, EngineConfig(max_running=batch + bool(prefill_every), prefix_cache=False),
+                    plan=replace(runner.plan, prefill_tokens=max(prompt_tokens * batch, prefill_tokens)))
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
-    reqs = [Request(str(i), torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), SamplingParams(),
-                    decode_tokens, frozenset(), ignore_eos=True) for i in range(batch)]
+
+    def request(rid: str, tokens: int, max_tokens: int) -> Request:
+        prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+        return Request(rid, prompt, SamplingParams(), max_tokens, frozenset(), ignore_eos=True)
+
+    reqs = [request(str(i), prompt_tokens, decode_tokens) for i in range(batch)]
     for r in reqs:
         engine.submit(r)
     while not all(r.output for r in reqs):  # prefill (and the first token)
         engine.step()
     torch.cuda.synchronize()
     if profile_steps:
-        profiled = dict(zip(("kernels", "busy_ms"), kernel_profile(engine, profile_steps)))
+        profiled = kernel_profile(engine, profile_steps, top_kernels)
         while engine.has_work:  # finish, so the next run finds every page free
             engine.step()
         engine.check_pages()
         return profiled
-    before, start = cache_totals(runner), time.perf_counter()
+    before, start, n = cache_totals(runner), time.perf_counter(), 0
     while engine.has_work:
+        if prefill_every and n % prefill_every == prefill_every - 1 and not all(r.finished for r in reqs):
+            engine.submit(request(f"prefill{n}", prefill_tokens, 1))
         engine.step()
+        n += 1
     torch.cuda.synchronize()
     seconds, after = time.perf_counter() - start, cache_totals(runner)
     engine.check_pages()
@@ -131,7 +151,8 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     if runner.graphs is not None:
         runner.graphs.capture_all()  # capture outside the timed loop
     progress("warm-up and graph capture", start)
-    setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch)
+    setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
+                 prefill_every=args.prefill_every)
     rows = []
     for batch in args.batch:
         rows.append(bench_batch(runner, args, batch, setup))
@@ -147,8 +168,10 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     """One row: tokens/s of ``batch`` requests decoding, beside the PCIe / HBM bound of its step."""
     cfg, fraction = runner.model_config, setup["fraction"]
     dense, one_expert = dense_bytes(runner), expert_bytes(runner)
-    r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch)
-    profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8)
+    r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch,
+                   prefill_every=args.prefill_every, prefill_tokens=args.prefill_tokens)
+    profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8,
+                          top_kernels=args.top_kernels)
     tok_s = r["tokens"] / r["seconds"]
     distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
     if fraction >= 1.0:
@@ -220,6 +243,11 @@ def main() -> None:
                    help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")
     p.add_argument("--gpus", type=int, nargs="+", default=[1],
                    help="GPU counts to compare by expert parallelism, e.g. 1 2 (the cache fraction is per GPU)")
+    p.add_argument("--prefill-every", type=int, default=0, metavar="STEPS",
+                   help="every STEPS decode steps another request's prompt is prefilled between them (0: never)")
+    p.add_argument("--prefill-tokens", type=int, default=1024, help="that prompt's tokens")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                   help="print the N kernels that take the most GPU time per decode step, per row")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
@@ -237,6 +265,11 @@ def main() -> None:
           f"routing {args.routing}")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
                                guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
+    for r in rows if args.top_kernels else []:
+        print(f"\n{r['fraction']:.0%} cache, {r['experts']}, batch {r['batch']}: {r['kernels']:.0f} kernels, "
+              f"{r['busy_ms']:.2f} ms GPU-busy per step")
+        for name, launches, us in r["top_kernels"]:
+            print(f"  {us:9.1f} us {launches:6.1f}x  {name[:110]}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

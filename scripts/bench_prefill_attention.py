@@ -1,5 +1,7 @@
 """Prefill attention of one layer over the paged KV pool: the Triton kernel (its table's tile with
-the launch's split-KV choice, or a sweep of tiles and split counts), SDPA's flash kernel beside it
+the launch's split-KV choice, or a sweep of tiles and split counts), the cuDNN path (gather the
+prefix's pages, cuDNN's fused kernel over prefix and chunk, merge: everything the backend launches,
+timed together; "first ms" is its first call at a new length, which builds cuDNN's plans), SDPA's flash kernel beside it
 (causal over the chunk when there is no prefix; over the same keys laid out contiguously and
 unmasked when there is one: the dense ceiling), and optionally the torch reference backend (gather
 the pages, expand GQA heads, SDPA with a bottom-right causal mask); as TFLOP/s and the ratio to the
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from worker.attention.cudnn_prefill import cached_prefix_attention
 from worker.attention.split_kv import multiprocessors, split_count
 from worker.attention.torch_backend import TorchAttention
 from worker.attention.triton_backend import causal_self_attention
@@ -46,6 +50,15 @@ def tile_name(tile: PrefillTile) -> str:
 
 def attention_flops(tokens: int, prefix: int) -> float:
     return 4 * HEADS * HEAD_DIM * (tokens * prefix + tokens * (tokens + 1) / 2)
+
+
+def first_call(fn) -> float:
+    """Seconds of ``fn``'s first call, synchronised (plan building and compilation included)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def timed(fn, reps: int = 5) -> float:
@@ -93,6 +106,21 @@ class Case:
             return None
         return self.row(f"triton {tile_name(tile)} x{chosen}{'' if splits else ' auto'}", seconds)
 
+    def cudnn(self) -> dict | None:
+        """The backend's cuDNN path as the engine calls it (the chunk's own K/V from the pool)."""
+        page_ids = self.batch.page_table[0].long()
+        k_new, v_new = (c[0][page_ids].flatten(0, 1)[self.prefix:self.prefix + self.tokens].contiguous()
+                        for c in (self.pool.k, self.pool.v))
+        run = lambda: cached_prefix_attention(self.q, k_new, v_new, self.pool.k[0], self.pool.v[0],  # noqa: E731
+                                              self.batch.page_table, [self.tokens], [self.prefix], HEAD_DIM ** -0.5)
+        try:
+            first = first_call(run)
+            row = self.row("cudnn (gather + cuDNN x2 + merge)", timed(run))
+        except RuntimeError as e:
+            print(f"  cudnn: {str(e)[:120]}")
+            return None
+        return dict(row, first_ms=first * 1e3)
+
     def sdpa_flash(self) -> dict | None:
         """Causal over the chunk without a prefix; else every key, contiguous, no mask (its own FLOPs)."""
         seq_len = self.prefix + self.tokens
@@ -125,6 +153,8 @@ def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], splits: list[in
     for tile in tiles:
         for s in splits:
             yield case.triton(tile, s)
+    if prefix > 0:
+        yield case.cudnn()
     if prefix == 0:  # the path the "triton" backend takes without a prefix
         k = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         yield case.row("sdpa causal (backend path)",
@@ -166,14 +196,16 @@ def main() -> None:
     tiles = SWEEP if args.sweep else [tile_for(torch.bfloat16, HEAD_DIM)]
     print(f"prefill attention, one layer of qwen3-30b-geometry, {torch.cuda.get_device_name()}, "
           f"ratio = TFLOP/s / {FLOPS_PER_S / 1e12:.0f}")
-    print(f"{'tokens':>6} {'prefix':>6} {'method':<40} {'ms':>8} {'TFLOP/s':>8} {'bound ms':>8} {'ratio':>6}")
+    print(f"{'tokens':>6} {'prefix':>6} {'method':<40} {'ms':>8} {'TFLOP/s':>8} {'bound ms':>8} {'ratio':>6} "
+          f"{'first ms':>8}")
     rows = []
     for prefix in prefixes:
         for tokens in chunks:
             for r in filter(None, run_case(tokens, prefix, tiles, splits, args.reference)):
                 rows.append(r)
+                first = f"{r['first_ms']:>8.1f}" if "first_ms" in r else ""
                 print(f"{r['tokens']:>6} {r['prefix']:>6} {r['method']:<40} {r['ms']:>8.2f} {r['tflops']:>8.1f} "
-                      f"{r['bound_ms']:>8.2f} {r['ratio']:>6.3f}", flush=True)
+                      f"{r['bound_ms']:>8.2f} {r['ratio']:>6.3f} {first}", flush=True)
             torch.cuda.empty_cache()
     if args.sweep:
         print_best(rows)

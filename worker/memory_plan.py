@@ -98,13 +98,15 @@ def _check_fits(plan: MemoryPlan, model: ModelConfig) -> None:
 
 def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool) -> int:
     """A generous estimate of a prefill chunk's transient memory: per-token activations, the
-    logits, and with the torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA
-    makes of it, for ``tokens`` attending over up to ``context`` keys (the Triton kernel reads the
-    pages in place and needs none)."""
+    logits, one layer's K and V of ``context`` keys gathered from the pages (the cuDNN prefill
+    path; the paged kernel reads them in place), and with the torch reference attention its [q, k]
+    boolean mask plus the bf16 bias SDPA makes of it, for ``tokens`` attending over up to
+    ``context`` keys."""
     per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
     logits = tokens * model.vocab_size
+    gathered = 2 * context * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
     mask = 3 * tokens * context if torch_attention else 0
-    return 4 * (tokens * per_token + logits) + mask + ACTIVATION_SLACK
+    return 4 * (tokens * per_token + logits) + gathered + mask + ACTIVATION_SLACK
 
 
 def expert_slots(options: ExpertOptions, total: int, slot_bytes: int, auto_bytes: int | None) -> int:

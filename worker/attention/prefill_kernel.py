@@ -1,6 +1,7 @@
 """The Triton kernels of ``worker.attention.triton_prefill`` (layout, twin and checks are there) and
-of its split-KV merge (``worker.attention.split_kv``). This module imports triton at the top; only
-the ops import it, when a kernel launches."""
+of its split-KV merge (``worker.attention.split_kv``), and the merge of the cuDNN path's two parts
+(``worker.attention.cudnn_prefill``). This module imports triton at the top; only the ops import it,
+when a kernel launches."""
 import triton
 import triton.language as tl
 
@@ -177,3 +178,24 @@ def merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, rows, heads, splits, o_stride_
         weight += w
     tl.store(o_ptr + (r // heads)[:, None] * o_stride_t + (r % heads)[:, None] * o_stride_h + d[None, :],
              (acc / weight[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def merge_pair_kernel(o1_ptr, lse1_ptr, o2_ptr, lse2_ptr, out_ptr, rows, heads,
+                      o1_st, o1_sh, l1_st, l1_sh, o2_st, o2_sh, l2_st, l2_sh, out_st, out_sh,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows r = (token, head) of two normalised partial outputs, weighted by ``exp(lse - max lse)``
+    (natural-log lse); every operand by its own token and head strides."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < rows
+    t, h = r // heads, r % heads
+    d = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (d < HEAD_DIM)[None, :]
+    a = tl.load(lse1_ptr + t * l1_st + h * l1_sh, mask=live, other=0.0)
+    b = tl.load(lse2_ptr + t * l2_st + h * l2_sh, mask=live, other=0.0)
+    top = tl.maximum(a, b)
+    wa, wb = tl.exp(a - top), tl.exp(b - top)
+    oa = tl.load(o1_ptr + (t * o1_st + h * o1_sh)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    ob = tl.load(o2_ptr + (t * o2_st + h * o2_sh)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    o = (oa * wa[:, None] + ob * wb[:, None]) / (wa + wb)[:, None]
+    tl.store(out_ptr + (t * out_st + h * out_sh)[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)

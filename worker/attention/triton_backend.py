@@ -1,7 +1,9 @@
 """The "triton" attention backend: every batch reads the KV pages in place.
 
     decode batch (one new token per row)   paged_decode_attention   (worker.attention.triton_decode)
-    rows with a cached prefix               paged_prefill_attention  (worker.attention.triton_prefill)
+    rows with a cached prefix, enough work  cached_prefix_attention  (worker.attention.cudnn_prefill):
+                                            the prefix's pages gathered, cuDNN's fused kernel, merged
+    rows with a cached prefix, otherwise    paged_prefill_attention  (worker.attention.triton_prefill)
     rows without one                        SDPA's fused causal kernel over the new K/V, which are
                                             contiguous already (flash attention on a GPU)
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention import register
+from worker.attention import cudnn_prefill, register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
@@ -33,9 +35,15 @@ class TritonAttention:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
         if batch.seq_lens_host == batch.q_lens:  # no cached prefix: the new keys are all there is
             return causal_self_attention(q, k, v, batch.q_lens, self.scale)
+        prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
+        if cudnn_prefill.usable(q, batch.q_lens, prefixes):
+            try:
+                return cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table,
+                                                             batch.q_lens, prefixes, self.scale)
+            except cudnn_prefill.CudnnRefused:
+                pass  # logged once; the paged kernel below from now on
         if self._blocks is None or self._blocks[0] is not batch:
             group = q.shape[1] // k_cache.shape[2]
-            prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
             tile = tile_for(q.dtype, q.shape[2])
             self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile, prefixes)
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,

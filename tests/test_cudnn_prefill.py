@@ -1,0 +1,185 @@
+"""The cuDNN prefill path (``worker.attention.cudnn_prefill``): the composition (gather the prefix's
+pages, two dense attentions with their log-sum-exp, merge) against the paged twin, on the CPU with
+the eager softmax in cuDNN's place and on a GPU with cuDNN itself; the merge kernel against its twin;
+the host checks; which batches take the path; and the "triton" backend through it on a tiny model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.test_prefill_attention import forward_logits, prefill_case, rel_err  # noqa: E402
+from tests.tiny_models import write_tiny  # noqa: E402
+from worker.attention import cudnn_prefill  # noqa: E402
+from worker.attention.cudnn_prefill import (cached_prefix_attention, dense_attention, merge_pair,  # noqa: E402
+                                            merge_pair_eager, usable)
+from worker.attention.triton_prefill import paged_prefill_attention_eager  # noqa: E402
+from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+def composed_case(gen, heads, kv_heads, D, page, rows, dtype, device):
+    """``prefill_case`` plus the chunk's own K/V as the model hands them over (read from the pages)."""
+    q, k_cache, v_cache, table, lens, q_lens = prefill_case(gen, heads, kv_heads, D, page, rows, dtype, device)
+    prefixes = [p for p, _ in rows]
+    new = [torch.cat([c[table[b]].flatten(0, 1)[p:p + n] for b, (p, n) in enumerate(rows)]) for c in (k_cache, v_cache)]
+    return q, *new, k_cache, v_cache, table, lens, q_lens, prefixes
+
+
+CPU_CASES = [  # heads, kv_heads, D, page, rows (prefix, q_len): GQA 1/4/8, prefixes off the page, ragged
+    (4, 4, 16, 4, [(9, 5), (0, 3), (30, 1)]),
+    (8, 2, 32, 4, [(13, 17), (1, 2)]),
+    (16, 2, 16, 8, [(70, 33), (0, 9), (8, 8)]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"gqa{c[0] // c[1]}")
+def test_composition_matches_paged_twin_on_cpu(case, dtype):
+    heads, kv_heads, D, page, rows = case
+    gen = torch.Generator().manual_seed(heads * D)
+    q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
+                                                                             dtype, "cpu")
+    out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, D ** -0.5)
+    want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(out, want) < 1e-2
+
+
+def test_dense_attention_twin_returns_the_log_sum_exp():
+    """The CPU twin's lse is log sum_j exp(s_ij) of the visible keys (top-left causal)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 4, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen), torch.randn(1, 2, 5, 8,
+                                                                                                           generator=gen)
+    o, lse = dense_attention(q, k, v, True, 0.5)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5
+    torch.testing.assert_close(lse[0, 1, 2, 0], torch.logsumexp(scores[0, 1, 2, :3], 0))
+    torch.testing.assert_close(o[0, 3, 0], v[0, 1, 0])  # query 0 sees key 0 only
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("triton", marks=interpreted)])
+def test_merge_pair_weighs_the_parts_by_their_lse(backend):
+    """Strided parts (as cuDNN returns them), 35 rows (not a multiple of the merge block), D not a
+    power of two, written into a strided view only; a part with lse far below the other weighs nothing."""
+    gen = torch.Generator().manual_seed(5)
+    n, heads, D = 7, 5, 24
+    o1, o2 = (torch.randn(heads, n, D, generator=gen).transpose(0, 1) for _ in range(2))
+    lse1, lse2 = (torch.randn(heads, n, generator=gen).t() * 10 for _ in range(2))
+    lse1[3, 2] = -1e4
+    full = torch.zeros(n, heads + 2, D)
+    out = merge_pair(o1, lse1, o2, lse2, full[:, 1:heads + 1], backend=backend)
+    w1 = 1 / (1 + torch.exp(lse2 - lse1))
+    torch.testing.assert_close(out, w1[..., None] * o1 + (1 - w1[..., None]) * o2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[3, 2], o2[3, 2])
+    torch.testing.assert_close(out, merge_pair_eager(o1, lse1, o2, lse2), rtol=1e-5, atol=1e-5)
+    assert not full[:, 0].any() and not full[:, heads + 1].any()
+
+
+def test_host_checks_raise():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, k_cache, v_cache, table, _, q_lens, prefixes = composed_case(gen, 4, 2, 8, 4, [(5, 3), (2, 2)],
+                                                                          torch.float32, "cpu")
+    with pytest.raises(ValueError, match="q_lens"):
+        cached_prefix_attention(q, k, v, k_cache, v_cache, table, [3, 1], prefixes, 1.0)
+    with pytest.raises(ValueError, match="prefix \\+ q_len"):
+        cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, [5, table.shape[1] * 4], 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        cached_prefix_attention(q, k[:, :1], v[:, :1], k_cache, v_cache, table, q_lens, prefixes, 1.0)
+    with pytest.raises(ValueError, match="do not match out"):
+        merge_pair(q, q[..., 0], q, q[..., 0], q[:, :1])
+
+
+def test_page_ids_past_the_pool_are_clamped_not_read():
+    """A garbage page id in the table (device data) reads a page of the pool, never outside it."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, k_cache, v_cache, table, _, q_lens, prefixes = composed_case(gen, 4, 2, 8, 4, [(6, 2)],
+                                                                          torch.float32, "cpu")
+    table[0, 0] = 10**6
+    out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, 1.0)
+    assert torch.isfinite(out).all()
+
+
+def test_only_large_prefix_work_on_a_gpu_takes_the_path():
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
+    assert not usable(q, [8], [1 << 20])  # a CPU tensor
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        q = q.cuda()
+        assert usable(q, [8], [cudnn_prefill.MIN_PREFIX_WORK // 8])
+        assert not usable(q, [8], [cudnn_prefill.MIN_PREFIX_WORK // 8 - 1])
+        assert not usable(q.float(), [8], [1 << 20])  # float32 stays on the paged kernel
+        assert not usable(q[..., :96], [8], [1 << 20])
+
+
+def test_triton_backend_through_the_composition_matches_torch(tmp_path, monkeypatch):
+    """Every prefill batch with a cached prefix forced through the composition (on the CPU: the
+    eager softmax in cuDNN's place) gives the torch backend's logits on a tiny model."""
+    monkeypatch.setenv("SLUICE_KERNELS", "eager")
+    write_tiny(tmp_path, "qwen3_moe", seed=5, layers=2, heads=6, kv_heads=2, head_dim=16, experts=4, top_k=2)
+    calls = []
+    monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: calls.append(prefixes) or True)
+    gen = torch.Generator().manual_seed(4)
+
+    def ids(n):
+        return torch.randint(0, 127, (n,), generator=gen).tolist()
+
+    steps = [[(0, ids(70)), (1, ids(9))], [(0, ids(1)), (1, ids(1))],
+             [(1, ids(40)), (0, ids(1)), (2, ids(3))], [(0, ids(1)), (2, ids(66)), (1, ids(1))]]
+    runs = {}
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(RunnerConfig(str(tmp_path), device="cpu", dtype="float32", page_size=4, kv_tokens=1024,
+                                          attention=backend))
+        runs[backend] = forward_logits(runner, steps)
+    for step, (got, want) in enumerate(zip(runs["triton"], runs["torch"])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+    assert calls == [[10, 71, 0]] * 2 + [[72, 3, 50]] * 2  # layers x the steps with a cached prefix
+
+
+GPU_CASES = [  # heads, kv_heads, D, page, rows: GQA 1/4/8, ragged, prefixes and chunks off the tile and page
+    (8, 8, 128, 16, [(20003, 77), (3001, 1)]),
+    (32, 4, 128, 16, [(3000, 2048), (0, 33), (130, 500)]),  # Qwen3-30B-A3B's geometry
+    (32, 4, 64, 16, [(40001, 300)]),
+    (16, 2, 128, 16, [(100003, 64), (5000, 1)]),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"gqa{c[0] // c[1]}-d{c[2]}")
+def test_composition_matches_paged_twin_on_gpu(case, dtype):
+    """cuDNN's kernels and the merge kernel against the paged twin, with no sync inside the call
+    (trial 0 builds cuDNN's plans and compiles the merge)."""
+    heads, kv_heads, D, page, rows = case
+    gen = torch.Generator().manual_seed(heads + D)
+    for trial in range(2):
+        q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
+                                                                                 dtype, "cuda")
+        torch.cuda.set_sync_debug_mode("error" if trial else "default")
+        try:
+            out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, D ** -0.5)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, want) < 1e-2
+
+
+@pytest.mark.cuda
+def test_merge_pair_kernel_matches_twin_on_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, heads, D = 300, 32, 128
+    o1, o2 = (torch.randn(heads, n, D, device="cuda", generator=gen).bfloat16().transpose(0, 1) for _ in range(2))
+    lse1, lse2 = (torch.randn(heads, n, device="cuda", generator=gen).t() * 5 for _ in range(2))
+    out = torch.empty(n, heads, D, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        merge_pair(o1, lse1, o2, lse2, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.float(), merge_pair_eager(o1, lse1, o2, lse2), rtol=1e-2, atol=1e-2)

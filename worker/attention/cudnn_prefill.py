@@ -1,0 +1,154 @@
+"""Prefill over a long cached prefix through cuDNN's fused attention (torch's
+``_scaled_dot_product_cudnn_attention``: FlashAttention-3's techniques, TMA and warp specialisation,
+on sm90), which reads contiguous keys only; the pages are gathered first. Per row b of the batch:
+
+```
+ keys [0, prefix)        gathered from the pages (one index_select each for K and V)
+                          -> cuDNN, no mask, with log-sum-exp           -> o1, lse1
+ keys of the chunk        the new k, v (contiguous already)
+                          -> cuDNN, causal (top-left: q and k are the chunk), with lse -> o2, lse2
+ out                      merge of the two by log-sum-exp (one Triton launch)
+```
+
+The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
+for a 2k chunk over 128k keys); the merge reads both parts once. Lengths come from the host, page
+ids are clamped on the device before the gather, nothing is read back. cuDNN takes GQA natively
+(query heads a multiple of KV heads). CPU tensors take the same path with an eager softmax in
+place of cuDNN (the twin of the composition); the paged Triton kernel
+(``worker.attention.triton_prefill``) stays the path for short prefixes, other dtypes and GPUs.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from moe_offload.kernels.triton_support import next_pow2, use_triton
+
+log = logging.getLogger("sluice.worker")
+
+# Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
+# this many query-key pairs; below it the one launch of the paged kernel is cheaper than a gather
+# and three launches per row (measured by scripts/bench_prefill_attention.py).
+MIN_PREFIX_WORK = 1 << 22
+MERGE_ROWS = 32
+HEAD_DIMS = (64, 128)
+_failed: set[int] = set()  # devices where cuDNN refused a call: the paged kernel from then on
+
+
+def usable(q: torch.Tensor, q_lens: list[int], prefixes: list[int]) -> bool:
+    """Whether this batch takes the cuDNN path: a CUDA tensor in bf16/fp16 with a head dim cuDNN
+    fuses, on sm90 or newer (measured on sm90 only), with enough prefix work."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] in HEAD_DIMS):
+        return False
+    if q.device.index in _failed or not torch.backends.cudnn.is_available():
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return sum(n * p for n, p in zip(q_lens, prefixes)) >= MIN_PREFIX_WORK
+
+
+def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, page_table: torch.Tensor, q_lens: list[int],
+                            prefixes: list[int], scale: float) -> torch.Tensor:
+    """``q [T, heads, D]`` packed by row (``q_lens``), the chunk's own ``k, v [T, kv_heads, D]``,
+    row b's ``prefixes[b]`` cached tokens in ``k/v_cache [pages, page, kv_heads, D]`` through
+    ``page_table [B, max_pages]``; query i of row b sees the prefix and chunk keys 0..i."""
+    _check(q, k, v, k_cache, page_table, q_lens, prefixes)
+    num_pages, page = k_cache.shape[:2]
+    out, start = torch.empty_like(q), 0
+    for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
+        q_b, k_b, v_b = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, n, D]
+        o2, lse2 = dense_attention(q_b, k_b, v_b, True, scale)
+        if prefix == 0:
+            out[start:start + n] = o2[0].transpose(0, 1)
+        else:
+            pages = page_table[b, :-(-prefix // page)].clamp(0, num_pages - 1)
+            k_p, v_p = (c.index_select(0, pages).flatten(0, 1)[:prefix].transpose(0, 1)[None]
+                        for c in (k_cache, v_cache))
+            o1, lse1 = dense_attention(q_b, k_p, v_p, False, scale)
+            merge_pair(o1[0].transpose(0, 1), lse1[0, :, :, 0].t(), o2[0].transpose(0, 1), lse2[0, :, :, 0].t(),
+                       out[start:start + n])
+        start += n
+    return out
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [1, heads, n, D]`` over ``k, v [1, kv_heads, S, D]`` (any strides, last one 1): the output
+    ``[1, heads, n, D]`` and the natural-log log-sum-exp ``[1, heads, n, 1]`` (float32). Causal: top-left
+    aligned. CUDA runs cuDNN's fused kernel; elsewhere the eager softmax (the twin)."""
+    if q.is_cuda:
+        try:
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                         scale=scale)[:2]
+        except RuntimeError as e:  # raised on the host while cuDNN builds its plan, before any launch
+            _failed.add(q.device.index)
+            log.warning("cuDNN attention refused %s over %s keys (%s); the paged kernel takes prefill from now on",
+                        tuple(q.shape), k.shape[2], str(e).splitlines()[0][:120])
+            raise CudnnRefused from e
+        return o, lse.view(*q.shape[:3], 1)
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q.float() @ keys.transpose(-1, -2) * scale
+    if causal:
+        n, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return (torch.exp(scores - lse) @ values).to(q.dtype), lse
+
+
+class CudnnRefused(RuntimeError):
+    """cuDNN would not build a plan for this call; the caller takes the paged kernel."""
+
+
+def merge_pair(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, out: torch.Tensor, *,
+               backend: str | None = None) -> torch.Tensor:
+    """``out [n, heads, D] = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2)`` for two normalised
+    partial outputs ``[n, heads, D]`` and their natural-log ``lse [n, heads]`` (any strides, the
+    outputs' last one 1). CUDA tensors run the kernel, others the eager twin."""
+    n, heads, D = out.shape
+    if not (o1.shape == o2.shape == out.shape and lse1.shape == lse2.shape == (n, heads)):
+        raise ValueError(f"parts {tuple(o1.shape)}, {tuple(o2.shape)} / lse {tuple(lse1.shape)}, "
+                         f"{tuple(lse2.shape)} do not match out {tuple(out.shape)}")
+    if o1.stride(2) != 1 or o2.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("the outputs must be contiguous in their last dimension")
+    if not use_triton(out, backend):
+        out.copy_(merge_pair_eager(o1, lse1, o2, lse2))
+        return out
+    rows = n * heads
+    _merge_pair_kernel()[(-(-rows // MERGE_ROWS),)](
+        o1, lse1, o2, lse2, out, rows, heads, o1.stride(0), o1.stride(1), lse1.stride(0), lse1.stride(1),
+        o2.stride(0), o2.stride(1), lse2.stride(0), lse2.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_R=MERGE_ROWS, num_warps=4)
+    return out
+
+
+def merge_pair_eager(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """The twin, in float32: the two parts weighted by the softmax of their lse."""
+    w = torch.softmax(torch.stack([lse1, lse2]).float(), dim=0)[..., None]
+    return w[0] * o1.float() + w[1] * o2.float()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+           q_lens: list[int], prefixes: list[int]) -> None:
+    """Host lengths against shapes: the gather slices the page table by them."""
+    T, heads, D = q.shape
+    if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or heads % k.shape[1] or k_cache.shape[2] != k.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} / cache {tuple(k_cache.shape)} do not match "
+                         f"q {tuple(q.shape)}")
+    if len(q_lens) != len(prefixes) or len(q_lens) != page_table.shape[0] or sum(q_lens) != T:
+        raise ValueError(f"{len(q_lens)} q_lens adding up to {sum(q_lens)} and {len(prefixes)} prefixes for "
+                         f"{page_table.shape[0]} page-table rows and {T} tokens")
+    max_tokens = page_table.shape[1] * k_cache.shape[1]
+    if any(n < 1 or p < 0 or p + n > max_tokens for n, p in zip(q_lens, prefixes)):
+        raise ValueError(f"every row needs 1 <= q_len and prefix + q_len <= {max_tokens}; got {q_lens}, {prefixes}")
+
+
+@functools.cache
+def _merge_pair_kernel():
+    from worker.attention import prefill_kernel  # imports triton: only when a kernel launches
+
+    return prefill_kernel.merge_pair_kernel
+
