@@ -148,6 +148,8 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     runner = runner_for(args, fraction, expert_dtype, lent, prefetch, gpus)
     progress(f"runner for {fraction:.0%} cache, {expert_dtype}, lent {lent}, prefetch {prefetch}", start)
     decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
+    if args.prefill_every:  # ... and the prefill path those prefills take
+        decode_run(runner, 1, 16, 4, seed=0, prefill_every=2, prefill_tokens=args.prefill_tokens)
     if runner.graphs is not None:
         runner.graphs.capture_all()  # capture outside the timed loop
     progress("warm-up and graph capture", start)

@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
 from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 log = logging.getLogger("sluice.worker")
+
+# torch's cuDNN attention builds an execution plan per shape (50-170 ms measured on an H200), and
+# every chunk of a turn has new lengths; with this set it takes cuDNN's variable-length path for
+# the [B, S, H, D] layouts used here and reuses one plan across lengths. Set before the first call.
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 # Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
 # this many query-key pairs; below it the one launch of the paged kernel is cheaper than a gather
