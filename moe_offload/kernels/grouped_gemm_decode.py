@@ -105,13 +105,15 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 @triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, top_k, num_slots, hidden, inter,
                         stride_ws, stride_wh, stride_wi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_J: tl.constexpr):
+                        BLOCK_J: tl.constexpr, EVEN: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
     The token's k slots and weights are loaded once, before the loop, so that no address in the
     loop waits on a load issued in it (a slot read per step serialised every step behind a global
-    load: 3x slower at batch 1); the products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]``
-    accumulator summed once at the end (a 16-row tl.dot with 15 dead rows was no faster)."""
+    load); the products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]`` accumulator summed
+    once at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)``
+    reads slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the
+    tiles divide ``inter`` and ``hidden``, so no load is masked and every load is vectorised."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -123,15 +125,20 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, top_k,
     for step in range(0, top_k * steps):
         j = step // steps
         slot = tl.sum(tl.where(js == j, slots, 0))
-        weight = tl.sum(tl.where(js == j, weights, 0.0))
+        ok = (slot >= 0) & (slot < num_slots)
+        weight = tl.where(ok, tl.sum(tl.where(js == j, weights, 0.0)), 0.0)
         ks = (step % steps) * BLOCK_K + tl.arange(0, BLOCK_K)
-        in_range = slot + 0 * ks  # a vector compare: the interpreter rejects a broadcast scalar mask
-        k_ok = (ks < inter) & (in_range >= 0) & (in_range < num_slots)  # an unwritten act row is never read
-        a = tl.load(act_ptr + (token * top_k + j) * inter + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w2_ptr + tl.where(slot < num_slots, tl.maximum(slot, 0), 0) * stride_ws
-                    + cols[None, :].to(tl.int64) * stride_wh + ks[:, None] * stride_wi,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += (a * weight)[:, None] * w.to(tl.float32)
+        a_ptrs = act_ptr + (token * top_k + j) * inter + ks
+        w_ptrs = (w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+                  + ks[:, None] * stride_wi)
+        if EVEN:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=ks < inter, other=0.0)
+            w = tl.load(w_ptrs, mask=(ks < inter)[:, None] & col_ok[None, :], other=0.0)
+        a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+        acc += a[:, None] * w.to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -205,8 +212,8 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     num_slots, dim, inter = w2.shape
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, w2, weights, slots, out, top_k, num_slots, dim, inter, w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, BLOCK_J=triton.next_power_of_2(top_k), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, BLOCK_J=triton.next_power_of_2(top_k),
+        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

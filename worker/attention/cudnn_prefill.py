@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
@@ -29,15 +28,14 @@ from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 log = logging.getLogger("sluice.worker")
 
-# torch's cuDNN attention builds an execution plan per shape (50-170 ms measured on an H200), and
-# every chunk of a turn has new lengths; with this set it takes cuDNN's variable-length path for
-# the [B, S, H, D] layouts used here and reuses one plan across lengths. Set before the first call.
-os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
-
 # Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
-# this many query-key pairs; below it the one launch of the paged kernel is cheaper than a gather
-# and three launches per row (measured by scripts/bench_prefill_attention.py).
-MIN_PREFIX_WORK = 1 << 22
+# this many query-key pairs (a 2k chunk over 32k keys). cuDNN builds an execution plan for each new
+# shape, 48-170 ms on an H200 and every chunk's prefix is a new length, so the path must save that
+# over a model's layers: 2k over 32k saves about 1.2 ms a layer (x 48), 1k over 32k 0.65 ms, 1k
+# over 8k none (scripts/bench_prefill_attention.py, "first ms" is the plan). torch's
+# TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (one variable-length plan) measured slower (2k over 128k:
+# 0.749 of the ceiling against 0.855) and disagreed with the paged twin on a GQA-8 case.
+MIN_PREFIX_WORK = 1 << 26
 MERGE_ROWS = 32
 HEAD_DIMS = (64, 128)
 _failed: set[int] = set()  # devices where cuDNN refused a call: the paged kernel from then on
