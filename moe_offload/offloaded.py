@@ -56,7 +56,7 @@ class OffloadedExperts:
     """
 
     def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
-                 stage: str = "auto", lent_slots: str = "reserve", prefetch: bool = False):
+                 stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -96,7 +96,7 @@ class OffloadedExperts:
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
-               stage: str = "auto", lent_slots: str = "reserve", prefetch: bool = False) -> OffloadedExperts:
+               stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False) -> OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
                    lent_slots, prefetch)
 

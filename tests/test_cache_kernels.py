@@ -180,6 +180,30 @@ def test_lookup_admit_visit_ranks_the_layer_looked_up_last_first():
         assert plan.dst_slot.tolist() == [want]
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_lookup_admit_fills_empty_slots_outside_the_low_priority_range_first(backend):
+    """Empty slots 0-5, slots 0-3 low priority (lent): three misses take slots 4, 5, then 0. An
+    admission outside the lent range survives the next prefill; among residents the lent ones still
+    go first (slot 2, resident as long as slot 6, is the victim before it)."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    cfg = Config(1, 16, 6, 0, 6, 3, 1, Policy(0, 0), LowPriority(4, 3))
+    tables = empty_tables(cfg, device)
+    plan, _ = lookup_mod.lookup_admit(torch.tensor([[7], [8], [9]], device=device), 0, 16, tables, 0, 6, cfg.policy,
+                                      1, low=cfg.low, backend=backend)
+    assert plan.dst_slot.tolist()[:3] == [4, 5, 0]
+    cfg = Config(1, 16, 7, 0, 7, 1, 1, Policy(0, 0), LowPriority(4, 3))
+    tables = empty_tables(cfg, device)
+    for slot, expert in enumerate([0, 1, 2, 3, 4, 5, 6]):
+        tables.id_of_slot[slot], tables.slot_for_id[expert] = expert, slot
+        tables.last_use[slot] = tables.score[slot] = 5 + (slot not in (2, 6))  # slots 2 and 6 the oldest
+    tables.step.fill_(10)
+    plan, _ = lookup_mod.lookup_admit(torch.tensor([[9]], device=device), 0, 16, tables, 0, 7, cfg.policy, 1,
+                                      low=cfg.low, backend=backend)
+    assert plan.dst_slot.tolist()[:1] == [2]
+
+
 def test_lookup_admit_bounds():
     cfg = Config(1, 256, 600, 0, 600, 4, 8, Policy(0, 0))
     tables = empty_tables(cfg)

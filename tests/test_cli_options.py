@@ -24,7 +24,7 @@ EVERY_OPTION_CHANGED = [
     "--no-cuda-graph", "--cuda-graph-max-batch", "8", "--dummy-weights", "--seed-weights", "3",
     "--gpu-memory-limit", "20", "--moe-cache-size", "64", "--kv-reserve-tokens", "100", "--kv-tokens", "512",
     "--max-prefill-tokens", "256", "--kv-host-size", "2", "--moe-policy", "lru", "--no-prefill-pipeline",
-    "--prefill-invalidate", "eager", "--prefill-stage", "memcpy", "--expert-dtype", "fp8", "--lent-slots", "decode",
+    "--prefill-invalidate", "eager", "--prefill-stage", "memcpy", "--expert-dtype", "fp8", "--lent-slots", "reserve",
     "--expert-prefetch", "on",
     "--routing", "synthetic", "--record-routing", "t.pt", "--record-routing-tokens", "9",
     "--max-running", "4", "--no-prefix-cache", "--no-overlap", "--no-warm-up", "--check-pages",

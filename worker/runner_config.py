@@ -35,7 +35,7 @@ class ExpertOptions:
     prefill_invalidate: str = "fixed"  # moe_offload.choices.INVALIDATE_MODES
     prefill_stage: str = "auto"  # moe_offload.choices.STAGE_MODES
     expert_dtype: str = "auto"  # moe_offload.choices.EXPERT_DTYPES
-    lent_slots: str = "reserve"  # moe_offload.choices.LENT_SLOT_RULES
+    lent_slots: str = "decode"  # moe_offload.choices.LENT_SLOT_RULES; the better of the two on an H200 (architecture.md)
     # cross-layer prefetch at decode (moe_offload.expert_prefetch); off until measured on the H200
     prefetch: bool = False
 

@@ -16,6 +16,8 @@ kernel extracts one min per miss: its cost follows the misses, each of which mov
 Slots below ``LowPriority.end`` (the prefill pipeline's lent slots, when decode may use them) rank
 as if ``penalty`` launches older than they are: a resident there goes before one elsewhere unless
 that one has been idle ``penalty`` launches longer, so the next prefill wipes the coldest entries.
+Among empty slots it is the other way round: the others fill first (an admission there survives
+the next prefill), so the score field of an empty slot is 0, or 1 below ``LowPriority.end``.
 
 An ``ahead`` launch admits the experts predicted for the *next* lookup (cross-layer prefetch) while
 the experts of the launch before may still be read: it runs at the step that lookup will take (no
@@ -219,6 +221,7 @@ def _victim_order(tables: CacheTables, layer: int, num_experts: int, slot_start:
     until_visit = (occ.long().clamp(min=0) // num_experts - layer - 1 + num_layers) % num_layers + 1
     penalty = torch.where(slot_start + rng < low.end, low.penalty, 0) + policy.visit * until_visit
     rel = (tables.score[slot_start + rng] - step + (1 << (REL_BITS - 1)) - penalty).clamp(0, (1 << REL_BITS) - 1)
+    rel = torch.where(occ < 0, (slot_start + rng < low.end).long(), rel)  # empty: low-priority ones last
     return torch.sort((cls << (REL_BITS + IDX_BITS)) | (rel << IDX_BITS) | rng).values, cls
 
 
@@ -299,6 +302,7 @@ def _kernel():
         until_visit = (tl.maximum(occ, 0) // num_experts - layer - 1 + num_layers) % num_layers + 1
         penalty = tl.where(slot_start + s < low_end, low_penalty, 0).to(tl.int64) + visit * until_visit.to(tl.int64)
         rel = tl.minimum(tl.maximum(score - step + (1 << 39) - penalty, 0), (1 << 40) - 1)
+        rel = tl.where(occ < 0, (slot_start + s < low_end).to(tl.int64), rel)  # empty: low-priority ones last
         keys = (cls << 60) | (rel << 20) | s.to(tl.int64)  # the layout drawn in the module docstring
         num_admit = num_miss
         if AHEAD:  # a prediction never takes a slot in use: what does not fit is not prefetched
