@@ -192,6 +192,7 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
     bound = max(step_pcie, step_hbm)
     return dict(**setup, batch=batch, tok_s=tok_s, decode_tok_s=decode_tok_s, prefill_s=r["prefill_s"],
+                prefill_steps=r["prefill_steps"],
                 hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
                 guessed=r["predicted"] / r["lookups"] if r["lookups"] else 0.0,
                 bytes_per_token=moved / max(r["tokens"], 1),
