@@ -119,11 +119,27 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
             engine.step()
         engine.check_pages()
         return profiled
-    before, start, n, prefill_s, prefill_steps = cache_totals(runner), time.perf_counter(), 0, 0.0, 0
+    before = cache_totals(runner)
+    seconds, prefill_s, prefill_steps = timed_steps(engine, reqs, prefill_every,
+                                                    lambda n: request(f"prefill{n}", prefill_tokens, 1))
+    after = cache_totals(runner)
+    engine.check_pages()
+    steps = decode_tokens - 1
+    delta = {k: after[k] - before[k] for k in COUNTERS}
+    return dict(seconds=seconds, steps=steps, tokens=steps * batch, prefill_s=prefill_s,
+                prefill_steps=prefill_steps, **delta)
+
+
+def timed_steps(engine: Engine, reqs: list[Request], prefill_every: int, extra) -> tuple[float, float, int]:
+    """Step ``engine`` until it is done: seconds in all, seconds in the steps that ran a prefill and
+    their count. Every ``prefill_every`` steps (0: never) while ``reqs`` decode, ``extra(n)``'s
+    request joins and the next step, which prefills it, is timed apart between the benchmark's own
+    synchronisations."""
+    start, n, prefill_s, prefill_steps = time.perf_counter(), 0, 0.0, 0
     while engine.has_work:
         if prefill_every and n % prefill_every == prefill_every - 1 and not all(r.finished for r in reqs):
-            engine.submit(request(f"prefill{n}", prefill_tokens, 1))
-            torch.cuda.synchronize()  # the benchmark's own syncs: the prefill step timed apart
+            engine.submit(extra(n))
+            torch.cuda.synchronize()
             since = time.perf_counter()
             engine.step()
             torch.cuda.synchronize()
@@ -132,12 +148,7 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
             engine.step()
         n += 1
     torch.cuda.synchronize()
-    seconds, after = time.perf_counter() - start, cache_totals(runner)
-    engine.check_pages()
-    steps = decode_tokens - 1
-    delta = {k: after[k] - before[k] for k in COUNTERS}
-    return dict(seconds=seconds, steps=steps, tokens=steps * batch, prefill_s=prefill_s,
-                prefill_steps=prefill_steps, **delta)
+    return time.perf_counter() - start, prefill_s, prefill_steps
 
 
 def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
