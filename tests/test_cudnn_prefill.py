@@ -92,6 +92,8 @@ def test_host_checks_raise():
         cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, [5, table.shape[1] * 4], 1.0)
     with pytest.raises(ValueError, match="do not match"):
         cached_prefix_attention(q, k[:, :1], v[:, :1], k_cache, v_cache, table, q_lens, prefixes, 1.0)
+    with pytest.raises(ValueError, match="share a dtype"):
+        cached_prefix_attention(q, k.double(), v, k_cache, v_cache, table, q_lens, prefixes, 1.0)
     with pytest.raises(ValueError, match="do not match out"):
         merge_pair(q, q[..., 0], q, q[..., 0], q[:, :1])
 

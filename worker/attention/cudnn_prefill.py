@@ -139,6 +139,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
            q_lens: list[int], prefixes: list[int]) -> None:
     """Host lengths against shapes: the gather slices the page table by them."""
     T, heads, D = q.shape
+    if any(x.dtype != q.dtype or x.stride(-1) != 1 for x in (q, k, v, k_cache)):
+        raise ValueError("q, k, v and the caches must share a dtype and be contiguous in their last dimension")
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"cuDNN's fused attention takes bf16 or fp16; got {q.dtype}")
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or heads % k.shape[1] or k_cache.shape[2] != k.shape[1]:
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} / cache {tuple(k_cache.shape)} do not match "
                          f"q {tuple(q.shape)}")
