@@ -119,13 +119,10 @@ def test_only_large_prefix_work_on_a_gpu_takes_the_path():
         assert not usable(q[..., :96], [8], [1 << 20])
 
 
-def test_triton_backend_through_the_composition_matches_torch(tmp_path, monkeypatch):
-    """Every prefill batch with a cached prefix forced through the composition (on the CPU: the
-    eager softmax in cuDNN's place) gives the torch backend's logits on a tiny model."""
-    monkeypatch.setenv("SLUICE_KERNELS", "eager")
+def backends_agree(tmp_path) -> None:
+    """The "triton" backend's logits equal the torch backend's on a tiny model, over a fresh prefill,
+    a decode step, and two mixed batches with cached prefixes."""
     write_tiny(tmp_path, "qwen3_moe", seed=5, layers=2, heads=6, kv_heads=2, head_dim=16, experts=4, top_k=2)
-    calls = []
-    monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: calls.append(prefixes) or True)
     gen = torch.Generator().manual_seed(4)
 
     def ids(n):
@@ -140,7 +137,33 @@ def test_triton_backend_through_the_composition_matches_torch(tmp_path, monkeypa
         runs[backend] = forward_logits(runner, steps)
     for step, (got, want) in enumerate(zip(runs["triton"], runs["torch"])):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+
+
+def test_triton_backend_through_the_composition_matches_torch(tmp_path, monkeypatch):
+    """Every prefill batch with a cached prefix forced through the composition (on the CPU: the
+    eager softmax in cuDNN's place) gives the torch backend's logits."""
+    monkeypatch.setenv("SLUICE_KERNELS", "eager")
+    calls = []
+    monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: calls.append(prefixes) or True)
+    backends_agree(tmp_path)
     assert calls == [[10, 71, 0]] * 2 + [[72, 3, 50]] * 2  # layers x the steps with a cached prefix
+
+
+def test_a_refusal_by_cudnn_falls_back_to_the_paged_kernel_for_good(tmp_path, monkeypatch, caplog):
+    """cuDNN refusing a call (as it does on the host when it cannot build a plan) is logged once;
+    that batch and every later one take the paged kernel, with the same logits."""
+    monkeypatch.setenv("SLUICE_KERNELS", "eager")
+    calls = []
+    monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: True)
+
+    def refuse(q, k, v, causal, scale):
+        calls.append(causal)
+        raise cudnn_prefill.CudnnRefused("cuDNN attention refused (test)")
+
+    monkeypatch.setattr(cudnn_prefill, "dense_attention", refuse)
+    backends_agree(tmp_path)
+    assert calls == [True]  # the first row of the first batch with a prefix, then never again
+    assert caplog.text.count("the paged kernel takes every prefill from now on") == 1
 
 
 GPU_CASES = [  # heads, kv_heads, D, page, rows: GQA 1/4/8, ragged, prefixes and chunks off the tile and page

@@ -20,13 +20,10 @@ place of cuDNN (the twin of the composition); the paged Triton kernel
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from moe_offload.kernels.triton_support import next_pow2, use_triton
-
-log = logging.getLogger("sluice.worker")
 
 # Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
 # this many query-key pairs (a 2k chunk over 32k keys). cuDNN builds an execution plan for each new
@@ -38,7 +35,6 @@ log = logging.getLogger("sluice.worker")
 MIN_PREFIX_WORK = 1 << 26
 MERGE_ROWS = 32
 HEAD_DIMS = (64, 128)
-_failed: set[int] = set()  # devices where cuDNN refused a call: the paged kernel from then on
 
 
 def usable(q: torch.Tensor, q_lens: list[int], prefixes: list[int]) -> bool:
@@ -46,7 +42,7 @@ def usable(q: torch.Tensor, q_lens: list[int], prefixes: list[int]) -> bool:
     fuses, on sm90 or newer (measured on sm90 only), with enough prefix work."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] in HEAD_DIMS):
         return False
-    if q.device.index in _failed or not torch.backends.cudnn.is_available():
+    if not torch.backends.cudnn.is_available():
         return False
     if torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
@@ -88,10 +84,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                          scale=scale)[:2]
         except RuntimeError as e:  # raised on the host while cuDNN builds its plan, before any launch
-            _failed.add(q.device.index)
-            log.warning("cuDNN attention refused %s over %s keys (%s); the paged kernel takes prefill from now on",
-                        tuple(q.shape), k.shape[2], str(e).splitlines()[0][:120])
-            raise CudnnRefused from e
+            raise CudnnRefused(f"cuDNN attention refused {tuple(q.shape)} over {k.shape[2]} keys: "
+                               f"{str(e).splitlines()[0][:120]}") from e
         return o, lse.view(*q.shape[:3], 1)
     group = q.shape[1] // k.shape[1]
     keys, values = (x.float().repeat_interleave(group, dim=1) for x in (k, v))

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,8 @@ from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
 from worker.kv.gpu_pool import KVPool
+
+log = logging.getLogger("sluice.worker")
 
 
 @register("triton")
@@ -27,6 +31,7 @@ class TritonAttention:
         self.pool = pool
         self.scale = scale
         self._blocks: tuple[ForwardBatch, PrefillBlocks] | None = None  # the block list, built once per batch
+        self.cudnn = True  # until cuDNN refuses a call: then the paged kernel for every prefix
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -36,12 +41,13 @@ class TritonAttention:
         if batch.seq_lens_host == batch.q_lens:  # no cached prefix: the new keys are all there is
             return causal_self_attention(q, k, v, batch.q_lens, self.scale)
         prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-        if cudnn_prefill.usable(q, batch.q_lens, prefixes):
+        if self.cudnn and cudnn_prefill.usable(q, batch.q_lens, prefixes):
             try:
                 return cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table,
                                                              batch.q_lens, prefixes, self.scale)
-            except cudnn_prefill.CudnnRefused:
-                pass  # logged once; the paged kernel below from now on
+            except cudnn_prefill.CudnnRefused as e:
+                self.cudnn = False
+                log.warning("%s; the paged kernel takes every prefill from now on", e)
         if self._blocks is None or self._blocks[0] is not batch:
             group = q.shape[1] // k_cache.shape[2]
             tile = tile_for(q.dtype, q.shape[2])
