@@ -11,7 +11,8 @@ misses' bytes as the cache moved them. Dummy weights route nearly the same exper
 synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
 Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once;
 ``--prefill-every STEPS`` puts another request's prefill of ``--prefill-tokens`` between decode
-steps that often, as other sessions' turns would: the timed steps then include those prefills).
+steps that often, as other sessions' turns would: "tok/s" then includes those prefills, "decode
+tok/s" and the ratio leave out the steps that ran one, timed apart).
 ``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
