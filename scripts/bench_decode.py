@@ -249,7 +249,7 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f")]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-geometry")
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
@@ -275,7 +275,19 @@ def main() -> None:
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="print the N kernels that take the most GPU time per decode step, per row")
     p.add_argument("--json")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def print_top_kernels(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"\n{r['fraction']:.0%} cache, {r['experts']}, batch {r['batch']}: {r['kernels']:.0f} kernels, "
+              f"{r['busy_ms']:.2f} ms GPU-busy per step")
+        for name, launches, us in r["top_kernels"]:
+            print(f"  {us:9.1f} us {launches:6.1f}x  {name[:110]}")
+
+
+def main() -> None:
+    args = parse_args()
     rows = []
     for gpus in args.gpus:
         for fraction in args.fractions:
@@ -291,11 +303,8 @@ def main() -> None:
           f"routing {args.routing}")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
                                guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
-    for r in rows if args.top_kernels else []:
-        print(f"\n{r['fraction']:.0%} cache, {r['experts']}, batch {r['batch']}: {r['kernels']:.0f} kernels, "
-              f"{r['busy_ms']:.2f} ms GPU-busy per step")
-        for name, launches, us in r["top_kernels"]:
-            print(f"  {us:9.1f} us {launches:6.1f}x  {name[:110]}")
+    if args.top_kernels:
+        print_top_kernels(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
