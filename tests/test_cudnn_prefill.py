@@ -12,13 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.test_prefill_attention import forward_logits, prefill_case, rel_err  # noqa: E402
-from tests.tiny_models import write_tiny  # noqa: E402
+from tests.test_prefill_attention import assert_backends_agree, prefill_case, rel_err  # noqa: E402
 from worker.attention import cudnn_prefill  # noqa: E402
 from worker.attention.cudnn_prefill import (cached_prefix_attention, dense_attention, merge_pair,  # noqa: E402
                                             merge_pair_eager, usable)
 from worker.attention.triton_prefill import paged_prefill_attention_eager  # noqa: E402
-from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -119,34 +117,14 @@ def test_only_large_prefix_work_on_a_gpu_takes_the_path():
         assert not usable(q[..., :96], [8], [1 << 20])
 
 
-def backends_agree(tmp_path) -> None:
-    """The "triton" backend's logits equal the torch backend's on a tiny model, over a fresh prefill,
-    a decode step, and two mixed batches with cached prefixes."""
-    write_tiny(tmp_path, "qwen3_moe", seed=5, layers=2, heads=6, kv_heads=2, head_dim=16, experts=4, top_k=2)
-    gen = torch.Generator().manual_seed(4)
-
-    def ids(n):
-        return torch.randint(0, 127, (n,), generator=gen).tolist()
-
-    steps = [[(0, ids(70)), (1, ids(9))], [(0, ids(1)), (1, ids(1))],
-             [(1, ids(40)), (0, ids(1)), (2, ids(3))], [(0, ids(1)), (2, ids(66)), (1, ids(1))]]
-    runs = {}
-    for backend in ("torch", "triton"):
-        runner = ModelRunner(RunnerConfig(str(tmp_path), device="cpu", dtype="float32", page_size=4, kv_tokens=1024,
-                                          attention=backend))
-        runs[backend] = forward_logits(runner, steps)
-    for step, (got, want) in enumerate(zip(runs["triton"], runs["torch"])):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
-
-
 def test_triton_backend_through_the_composition_matches_torch(tmp_path, monkeypatch):
     """Every prefill batch with a cached prefix forced through the composition (on the CPU: the
     eager softmax in cuDNN's place) gives the torch backend's logits."""
     monkeypatch.setenv("SLUICE_KERNELS", "eager")
     calls = []
     monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: calls.append(prefixes) or True)
-    backends_agree(tmp_path)
-    assert calls == [[10, 71, 0]] * 2 + [[72, 3, 50]] * 2  # layers x the steps with a cached prefix
+    assert_backends_agree(tmp_path)
+    assert calls == [[10, 71, 0], [72, 3, 50]]  # decided once per batch with a cached prefix, not per layer
 
 
 def test_a_refusal_by_cudnn_falls_back_to_the_paged_kernel_for_good(tmp_path, monkeypatch, caplog):
@@ -161,7 +139,7 @@ def test_a_refusal_by_cudnn_falls_back_to_the_paged_kernel_for_good(tmp_path, mo
         raise cudnn_prefill.CudnnRefused("cuDNN attention refused (test)")
 
     monkeypatch.setattr(cudnn_prefill, "dense_attention", refuse)
-    backends_agree(tmp_path)
+    assert_backends_agree(tmp_path)
     assert calls == [True]  # the first row of the first batch with a prefix, then never again
     assert caplog.text.count("the paged kernel takes every prefill from now on") == 1
 

@@ -497,15 +497,11 @@ def forward_logits(runner, steps):
     return logits
 
 
-@interpreted
-def test_triton_backend_prefill_matches_torch(tmp_path, monkeypatch):
-    """A fresh prefill, a chunk over a cached prefix, and mixed decode + prefill batches through the
-    interpreted kernels (prefill and decode) give the torch backend's logits; every layer of a batch
-    with a cached prefix launches the prefill kernel (fresh prompts alone take SDPA's causal path)."""
-    monkeypatch.setenv("SLUICE_KERNELS", "triton")
+def assert_backends_agree(tmp_path) -> None:
+    """The "triton" backend gives the torch backend's logits on a tiny model over a fresh prefill,
+    a decode step, and two mixed batches with cached prefixes (rows 1, 0, 2: prefixes 10, 71, 0,
+    then rows 0, 2, 1: 72, 3, 50)."""
     write_tiny(tmp_path, "qwen3_moe", seed=5, layers=2, heads=6, kv_heads=2, head_dim=16, experts=4, top_k=2)
-    launches, kernel = [], triton_prefill._kernel
-    monkeypatch.setattr(triton_prefill, "_kernel", lambda: launches.append(1) or kernel())
     gen = torch.Generator().manual_seed(4)
 
     def ids(n):
@@ -522,4 +518,14 @@ def test_triton_backend_prefill_matches_torch(tmp_path, monkeypatch):
         runs[backend] = forward_logits(runner, steps)
     for step, (got, want) in enumerate(zip(runs["triton"], runs["torch"])):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+
+
+@interpreted
+def test_triton_backend_prefill_matches_torch(tmp_path, monkeypatch):
+    """Through the interpreted kernels (prefill and decode); every layer of a batch with a cached
+    prefix launches the prefill kernel (fresh prompts alone take SDPA's causal path)."""
+    monkeypatch.setenv("SLUICE_KERNELS", "triton")
+    launches, kernel = [], triton_prefill._kernel
+    monkeypatch.setattr(triton_prefill, "_kernel", lambda: launches.append(1) or kernel())
+    assert_backends_agree(tmp_path)
     assert len(launches) == 2 * 2  # layers x the steps 2 and 3

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +24,22 @@ from worker.kv.gpu_pool import KVPool
 log = logging.getLogger("sluice.worker")
 
 
+class PrefillPlan(NamedTuple):
+    """How a prefill batch with a cached prefix attends, decided at its first layer."""
+
+    batch: ForwardBatch
+    prefixes: list[int]  # cached tokens per row, from the host
+    blocks: PrefillBlocks | None  # the paged kernel's block list; None: the cuDNN path
+
+
 @register("triton")
 class TritonAttention:
-    """The paths of the table above, chosen from host-known lengths only."""
+    """The paths of the table above, chosen from host-known lengths only, once per batch."""
 
     def __init__(self, pool: KVPool, scale: float):
         self.pool = pool
         self.scale = scale
-        self._blocks: tuple[ForwardBatch, PrefillBlocks] | None = None  # the block list, built once per batch
+        self._plan: PrefillPlan | None = None
         self.cudnn = True  # until cuDNN refuses a call: then the paged kernel for every prefix
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -40,20 +49,29 @@ class TritonAttention:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
         if batch.seq_lens_host == batch.q_lens:  # no cached prefix: the new keys are all there is
             return causal_self_attention(q, k, v, batch.q_lens, self.scale)
-        prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-        if self.cudnn and cudnn_prefill.usable(q, batch.q_lens, prefixes):
+        plan = self._prefill_plan(batch, q, k_cache)
+        if plan.blocks is None:
             try:
                 return cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table,
-                                                             batch.q_lens, prefixes, self.scale)
+                                                             batch.q_lens, plan.prefixes, self.scale)
             except cudnn_prefill.CudnnRefused as e:
                 self.cudnn = False
                 log.warning("%s; the paged kernel takes every prefill from now on", e)
-        if self._blocks is None or self._blocks[0] is not batch:
-            group = q.shape[1] // k_cache.shape[2]
-            tile = tile_for(q.dtype, q.shape[2])
-            self._blocks = batch, prefill_block_table(batch.q_lens, group, q.device, tile, prefixes)
+                plan = self._plan = plan._replace(blocks=_block_table(batch, q, k_cache, plan.prefixes))
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
-                                       self.scale, blocks=self._blocks[1])
+                                       self.scale, blocks=plan.blocks)
+
+    def _prefill_plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor) -> PrefillPlan:
+        if self._plan is None or self._plan.batch is not batch:
+            prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
+            cudnn = self.cudnn and cudnn_prefill.usable(q, batch.q_lens, prefixes)
+            self._plan = PrefillPlan(batch, prefixes, None if cudnn else _block_table(batch, q, k_cache, prefixes))
+        return self._plan
+
+
+def _block_table(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, prefixes: list[int]) -> PrefillBlocks:
+    group = q.shape[1] // k_cache.shape[2]
+    return prefill_block_table(batch.q_lens, group, q.device, tile_for(q.dtype, q.shape[2]), prefixes)
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int],
