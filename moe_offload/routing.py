@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from moe_offload.kernels.gemv import linear
 from moe_offload.kernels.triton_support import use_triton
 from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
 from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys
@@ -61,7 +61,7 @@ class ModelRouting:
         pass
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(F.linear(hidden, router), self.top_k, self.renormalize)
+        return route(linear(hidden, router), self.top_k, self.renormalize)
 
     def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s router applied to the layer before's hidden state (Pre-gated MoE, HOBBIT)."""

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.kernels.mix32 import M32 as _M32, mix32
+
 # Fitted at E = 128, k = 8 by a grid search over these four (tests/test_synthetic_routing.py measures
 # the result): W = 2.25k lanes (a lane is picked with probability 4/9 per token) holding their expert
 # for 8 positions; the popularity of the expert ranked r of E is (r/E + OFFSET)^-POWER, the same
@@ -49,18 +51,7 @@ DRAW_BITS = 24  # popularity draws are 24-bit integers against an integer CDF
 # (Zhu et al. 2025, arXiv 2511.10676); taken here as the share of choices a guess gets right.
 GUESS_ACCURACY = 0.78
 GUESS_BITS = 16
-_M32 = 0xFFFFFFFF
 _SALTS = {"phase": 1, "lane": 2, "pick": 3, "fresh": 4, "weight": 5, "shuffle": 6, "guess": 7}
-
-
-def mix32(x):
-    """A 32-bit integer hash (xorshift-multiply); works on Python ints and int64 tensors alike.
-    Multipliers are below 2^31, so no int64 product overflows."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x68E31DA5) & _M32
-    return x ^ (x >> 16)
 
 
 def hash_ints(*parts: int) -> int:

@@ -12,9 +12,9 @@ find its slot's pairs itself, and with a few tokens the sum fits in the down pro
                                      programs exit at once)
  T <= DECODE_MAX_TOKENS: 2 launches
  down       grid (T, H / BLOCK_N)    token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
-                                     in one float32 accumulator (multiply-adds, its k slots
-                                     loaded before the loop), rounded once: the combine is folded
-                                     into the down projection
+                                     in one float32 accumulator (multiply-adds, both loops
+                                     unrolled), rounded once: the combine is folded into the down
+                                     projection
  larger: 3 launches
  down       grid (T*k, H / BLOCK_N)  as gate_up (a slot's first pair runs all its pairs), each row
                                      times its combine weight
@@ -47,16 +47,18 @@ DECODE_MAX_TOKENS = 4
 
 class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
-    columns and reduction step, warps, stages, and the per-slot down's columns and step."""
+    columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
+    down's columns and step, and the per-token down's warps."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
     down_n: int = 16
-    down_k: int = 256
+    down_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     slot_down_n: int = 64
     slot_down_k: int = 128
+    down_warps: int = 8
 
 
 @triton.jit
@@ -103,42 +105,39 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 
 
 @triton.jit
-def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, top_k, num_slots, hidden, inter,
-                        stride_ws, stride_wh, stride_wi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_J: tl.constexpr, EVEN: tl.constexpr):
+def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
+                        stride_ws, stride_wh, stride_wi, TOP_K: tl.constexpr, INTER: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
-    The token's k slots and weights are loaded once, before the loop, so that no address in the
-    loop waits on a load issued in it (a slot read per step serialised every step behind a global
-    load); the products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]`` accumulator summed
-    once at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)``
-    reads slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the
-    tiles divide ``inter`` and ``hidden``, so no load is masked and every load is vectorised."""
+    Both loops (the k slots, the reduction over ``INTER``) are unrolled at compile time, so no
+    load's address waits on another load and the compiler issues the weight loads of many steps
+    ahead of their multiply-adds: at batch 1 the kernel is bound by how many bytes are in flight,
+    not by arithmetic (a runtime loop, one step's load at a time, ran at about half the speed).
+    The products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]`` accumulator summed once
+    at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)`` reads
+    slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the tiles
+    divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    js = tl.arange(0, BLOCK_J)
-    slots = tl.load(slots_ptr + token * top_k + js, mask=js < top_k, other=-1).to(tl.int64)
-    weights = tl.load(weights_ptr + token * top_k + js, mask=js < top_k, other=0.0).to(tl.float32)
-    steps = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    for step in range(0, top_k * steps):
-        j = step // steps
-        slot = tl.sum(tl.where(js == j, slots, 0))
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + token * TOP_K + j).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
-        weight = tl.where(ok, tl.sum(tl.where(js == j, weights, 0.0)), 0.0)
-        ks = (step % steps) * BLOCK_K + tl.arange(0, BLOCK_K)
-        a_ptrs = act_ptr + (token * top_k + j) * inter + ks
-        w_ptrs = (w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-                  + ks[:, None] * stride_wi)
-        if EVEN:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=ks < inter, other=0.0)
-            w = tl.load(w_ptrs, mask=(ks < inter)[:, None] & col_ok[None, :], other=0.0)
-        a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
-        acc += a[:, None] * w.to(tl.float32)
+        weight = tl.where(ok, tl.load(weights_ptr + token * TOP_K + j).to(tl.float32), 0.0)
+        w_row = w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+        a_row = act_ptr + (token * TOP_K + j) * INTER
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN:
+                a = tl.load(a_row + ks)
+                w = tl.load(w_row + ks[:, None] * stride_wi)
+            else:
+                a = tl.load(a_row + ks, mask=ks < INTER, other=0.0)
+                w = tl.load(w_row + ks[:, None] * stride_wi, mask=(ks < INTER)[:, None] & col_ok[None, :], other=0.0)
+            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+            acc += a[:, None] * w.to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -211,9 +210,9 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
-        act, w2, weights, slots, out, top_k, num_slots, dim, inter, w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, BLOCK_J=triton.next_power_of_2(top_k),
-        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=top_k,
+        INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0,
+        num_warps=cfg.down_warps)
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.experts import Experts
+from moe_offload.kernels.gemv import linear
 from moe_offload.routing import ModelRouting, Routing
 from moe_offload.synthetic_routing import TokenKeys
 from worker.attention import AttentionBackend
@@ -57,7 +58,7 @@ class MoETransformer:
     def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
-        q, k, v = F.linear(x, lw.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = linear(x, lw.qkv).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -65,7 +66,7 @@ class MoETransformer:
         write = KVWrite(v, *self.attention.pool.layer_slots(layer), batch.out_loc)
         q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
         out = self.attention.forward(layer, q, k, v, batch)
-        return F.linear(out.reshape(T, cfg.q_size), lw.o)
+        return linear(out.reshape(T, cfg.q_size), lw.o)
 
 
 def token_keys(batch: ForwardBatch) -> TokenKeys:

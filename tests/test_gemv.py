@@ -1,0 +1,98 @@
+"""The one-row projection kernel (moe_offload/kernels/gemv.py) against its twin ``F.linear``:
+interpreted on the CPU and compiled, sync-free and graph-captured, on a GPU; and which inputs it
+leaves to the twin."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_offload.kernels import gemv  # noqa: E402
+from tests.launch_count import count_launches  # noqa: E402
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+TRIALS = 20
+# N, K: rows a multiple of the block and not, K of one step and of several, a ragged K step (48)
+CONFIGS = [(40, 64), (33, 48), (8, 1024), (130, 1536)]
+GPU_CONFIGS = [(2048, 4096), (5120, 2048), (128, 2048), (151, 768)]  # o, qkv, router of qwen3-30b; ragged
+
+
+def check(n: int, k: int, dtype: torch.dtype, device: str, trials: int = TRIALS) -> None:
+    """Against float32 products of the same 16-bit inputs: within a rounding of the output."""
+    gen = torch.Generator(device=device).manual_seed(n * k)
+    for trial in range(trials):
+        x = torch.randn(1, k, generator=gen, device=device).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
+        if trial % 2:
+            x = x[None]  # [1, 1, K]: leading dims of one row
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = gemv.linear(x, w, backend="triton")
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        want = F.linear(x.float(), w.float())
+        assert out.shape == want.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", CONFIGS, ids=lambda c: "N{}K{}".format(*c))
+def test_kernel_matches_twin_interpreted(shape, dtype):
+    check(*shape, dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", GPU_CONFIGS, ids=lambda c: "N{}K{}".format(*c))
+def test_kernel_matches_twin_on_gpu_without_syncs(shape, dtype):
+    check(*shape, dtype, "cuda")
+
+
+@pytest.mark.cuda
+def test_graph_replay_reads_new_inputs():
+    x = torch.randn(1, 2048, device="cuda").bfloat16()
+    w = torch.randn(2048, 2048, device="cuda").bfloat16()
+    gemv.linear(x, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.linear(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=0.1)
+
+
+@interpreted
+@pytest.mark.parametrize("x_shape, w_shape, dtype", [
+    ((2, 64), (16, 64), torch.bfloat16),  # two rows: cuBLAS's GEMM
+    ((1, 64), (16, 64), torch.float32),  # 32-bit: the twin
+    ((1, 24), (16, 24), torch.bfloat16),  # K not a multiple of 16
+    ((1, 0), (16, 0), torch.bfloat16),  # nothing to reduce
+])
+def test_other_inputs_take_the_twin(x_shape, w_shape, dtype):
+    x, w = torch.randn(x_shape).to(dtype), torch.randn(w_shape).to(dtype)
+    with count_launches() as counter:
+        out = gemv.linear(x, w, backend="triton")
+    assert not any(name.startswith("triton.") for name in counter.launches)
+    torch.testing.assert_close(out, F.linear(x, w))
+
+
+@interpreted
+def test_transposed_weights_take_the_twin():
+    x, w = torch.randn(1, 32).bfloat16(), torch.randn(32, 16).bfloat16().t()  # rows not contiguous
+    with count_launches() as counter:
+        out = gemv.linear(x, w, backend="triton")
+    assert "triton.gemv_kernel" not in counter.launches
+    torch.testing.assert_close(out, F.linear(x, w))
+
+
+def test_block_k_divides_k():
+    assert [gemv.block_k(k) for k in (4096, 2048, 768, 48, 24, 16, 8)] == [512, 512, 256, 16, 0, 16, 0]
