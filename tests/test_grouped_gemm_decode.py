@@ -55,12 +55,13 @@ def check_trials(num_tokens, top_k, num_slots, dim, inter, dtype, device, config
         assert rel_err(out, ref) < tol, (trial, CASES[trial % len(CASES)])
 
 
-# T, k, slots, hidden, inter: one token (the batch-1 step), slots shared by tokens, shapes off
+# T, k, slots, hidden, inter: one token (the batch-1 step; on and off the tiles), slots shared by tokens, shapes off
 # every tile (hidden and inter not multiples, more slots than pairs); the last two take the
 # per-slot down (more than DECODE_MAX_TOKENS tokens; test_public_op_takes_each_path_at_its_batch
 # runs it at DECODE_MAX_PAIRS)
-CONFIGS = [(1, 4, 16, 64, 32), (4, 3, 5, 48, 40), (3, 2, 40, 33, 17), (7, 2, 6, 40, 24), (8, 4, 24, 32, 16)]
-SMALL_TILES = dict(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16, slot_down_n=16, slot_down_k=16)
+CONFIGS = [(1, 4, 16, 64, 32), (1, 3, 10, 40, 24), (4, 3, 5, 48, 40), (3, 2, 40, 33, 17), (7, 2, 6, 40, 24), (8, 4, 24, 32, 16)]
+SMALL_TILES = dict(gate_up_n=16, gate_up_k=16, down_n=16, down_k=16, slot_down_n=16, slot_down_k=16, pair_n=16,
+                   pair_k=16)
 
 
 @interpreted
@@ -84,6 +85,23 @@ def test_decode_path_out_of_range_slots_contribute_zero(tokens):
     ref = grouped_swiglu_eager(hidden, weights.masked_fill(bad, 0.0), slots.masked_fill(bad, 0), w13, w2)
     assert rel_err(out, ref) < 1e-5
     assert torch.all(out[2] == 0)
+
+
+@interpreted
+def test_one_token_out_of_range_slots_contribute_zero():
+    """One token takes the per-pair gate_up: its programs of slots -1 and N store nothing."""
+    w13, w2 = make_banks(4, 32, 16)
+    hidden = torch.randn(1, 32)
+    weights, slots = make_routing("random", 1, 4, 4)
+    bad = torch.tensor([[True, False, False, False]])  # pair 0 on slot -1, pair 1 on slot N
+    out = decode().decode_grouped_swiglu(hidden, weights, slots.masked_fill(bad, -1).masked_fill(bad.roll(1, 1), 4),
+                                         w13, w2, decode().DecodeConfig(**SMALL_TILES))
+    ref = grouped_swiglu_eager(hidden, weights.masked_fill(bad | bad.roll(1, 1), 0.0), slots, w13, w2)
+    assert rel_err(out, ref) < 1e-5
+    bad = torch.ones(1, 4, dtype=torch.bool)
+    out = decode().decode_grouped_swiglu(hidden, weights, slots.masked_fill(bad, -1), w13, w2,
+                                         decode().DecodeConfig(**SMALL_TILES))
+    assert torch.all(out == 0)
 
 
 @interpreted

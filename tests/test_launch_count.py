@@ -80,6 +80,9 @@ def test_decode_step_kernels_per_layer(tmp_path, monkeypatch, batch):
     per_layer = step_launches(graphs, batch, 2) - one_layer
     assert batch * 4 <= DECODE_MAX_PAIRS
     experts = PER_TOKEN_DOWN if batch <= DECODE_MAX_TOKENS else PER_SLOT_DOWN
+    if batch == 1:  # one token's gate_up: a program per pair
+        experts = {**experts, "triton._decode_gate_up_pair_kernel": 1}
+        del experts["triton._decode_gate_up_kernel"]
     dense = "triton.gemv_kernel" if batch == 1 else "aten.mm"  # moe_offload.kernels.gemv: one row
     expected = Counter(ATTENTION) + Counter(ROUTER) + Counter(experts)
     expected[dense] = expected.pop("dense")

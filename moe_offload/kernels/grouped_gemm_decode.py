@@ -9,7 +9,9 @@ find its slot's pairs itself, and with a few tokens the sum fits in the down pro
  gate_up    grid (T*k, I / BLOCK_N)  pair p runs only if it is its slot's first pair: one program
                                      reads the slot's w13 tile once for every pair routed to it
                                      (its pairs compacted into 16-row tl.dots; the other
-                                     programs exit at once)
+                                     programs exit at once); one token (T = 1, k distinct
+                                     slots): every pair its own program, float32 multiply-adds
+                                     with the reduction unrolled, as the per-token down
  T <= DECODE_MAX_TOKENS: 2 launches
  down       grid (T, H / BLOCK_N)    token t: out[t] = sum_j (weight[t, j] * act[t, j]) . w2[slot_j]
                                      in one float32 accumulator (multiply-adds, both loops
@@ -48,17 +50,21 @@ DECODE_MAX_TOKENS = 4
 class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
     columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
-    down's columns and step, and the per-token down's warps."""
+    down's columns and step, the per-token down's warps, and one token's gate_up (columns, step,
+    warps)."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
     down_n: int = 16
-    down_k: int = 128
+    down_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
     slot_down_n: int = 64
     slot_down_k: int = 128
-    down_warps: int = 8
+    down_warps: int = 16
+    pair_n: int = 16
+    pair_k: int = 64
+    pair_warps: int = 4
 
 
 @triton.jit
@@ -102,6 +108,44 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
                           col_ok, hidden, stride_xh, stride_wh, 16, BLOCK_N, BLOCK_K, PRECISION)
         tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
+                                stride_wh, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One token's gate_up: program (j, n) computes act[j, n] for its own slot, as the per-token
+    down does (the reduction over ``HIDDEN`` unrolled at compile time, float32 multiply-adds, no
+    tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
+    and ``inter``."""
+    pair = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
+    u_rows = g_rows + inter * stride_wn
+    x_row = x_ptr + (pair // TOP_K) * HIDDEN
+    acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN:
+            x = tl.load(x_row + ks)
+            g = tl.load(g_rows + ks[:, None] * stride_wh)
+            u = tl.load(u_rows + ks[:, None] * stride_wh)
+        else:
+            x = tl.load(x_row + ks, mask=ks < HIDDEN, other=0.0)
+            w_mask = (ks < HIDDEN)[:, None] & col_ok[None, :]
+            g = tl.load(g_rows + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+            u = tl.load(u_rows + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        x = x.to(tl.float32)[:, None]
+        acc_g += x * g.to(tl.float32)
+        acc_u += x * u.to(tl.float32)
+    gate = tl.sum(acc_g, 0)
+    act = gate * tl.sigmoid(gate) * tl.sum(acc_u, 0)
+    tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -197,6 +241,12 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: 
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 1 and hidden.is_contiguous():
+        _decode_gate_up_pair_kernel[(top_k, triton.cdiv(inter, cfg.pair_n))](
+            hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), TOP_K=top_k,
+            HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0,
+            num_warps=cfg.pair_warps)
+        return act
     _decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
