@@ -6,11 +6,11 @@ records any routing and replays a recorded one.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 
-from moe_offload.kernels.gemv import linear
 from moe_offload.kernels.triton_support import use_triton
 from moe_offload.kernels.topk_softmax import topk_softmax, topk_softmax_eager
 from moe_offload.synthetic_routing import SyntheticRouter, TokenKeys
@@ -53,15 +53,17 @@ class ModelRouting:
 
     uses_keys = False
 
-    def __init__(self, top_k: int, renormalize: bool):
+    def __init__(self, top_k: int, renormalize: bool,
+                 project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear):
         self.top_k = top_k
         self.renormalize = renormalize
+        self.project = project  # hidden, router weight -> logits (the worker passes its one-row kernel)
 
     def begin(self, keys: TokenKeys | None) -> None:
         pass
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(linear(hidden, router), self.top_k, self.renormalize)
+        return route(self.project(hidden, router), self.top_k, self.renormalize)
 
     def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s router applied to the layer before's hidden state (Pre-gated MoE, HOBBIT)."""

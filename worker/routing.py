@@ -10,6 +10,7 @@ from moe_offload.routing import ModelRouting, Routing, SyntheticRouting
 from moe_offload.routing_trace import RecordingRouting, ReplayRouting, RoutingTrace
 from moe_offload.synthetic_routing import SyntheticRouter
 from worker.config import ModelConfig
+from worker.models.linear import linear
 from worker.routing_options import RoutingOptions
 
 log = logging.getLogger("sluice.worker")
@@ -17,7 +18,7 @@ log = logging.getLogger("sluice.worker")
 
 def make_routing(options: RoutingOptions, cfg: ModelConfig, device: torch.device, dummy_weights: bool) -> Routing:
     options.check(dummy_weights)
-    routing: Routing = ModelRouting(cfg.top_k, cfg.renormalize)
+    routing: Routing = ModelRouting(cfg.top_k, cfg.renormalize, linear)
     if options.routing == "synthetic":
         routing = SyntheticRouting(SyntheticRouter(cfg.num_layers, cfg.num_experts, cfg.top_k, device, options.seed))
     elif options.routing.startswith("replay:"):

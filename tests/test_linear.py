@@ -1,6 +1,6 @@
-"""The one-row projection kernel (moe_offload/kernels/gemv.py) against its twin ``F.linear``:
-interpreted on the CPU and compiled, sync-free and graph-captured, on a GPU; and which inputs it
-leaves to the twin."""
+"""The one-row projection kernel (worker/models/linear.py) against its twin ``F.linear``, alone and
+with the residual add and RMSNorm before it: interpreted on the CPU and compiled, sync-free and
+graph-captured, on a GPU; and which inputs it leaves to the twins."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moe_offload.kernels import gemv  # noqa: E402
+from worker.models import linear as gemv  # noqa: E402
+from worker.models.norm import add_rms_norm_eager, rms_norm_eager  # noqa: E402
 from tests.launch_count import count_launches  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -94,5 +95,58 @@ def test_transposed_weights_take_the_twin():
     torch.testing.assert_close(out, F.linear(x, w))
 
 
+def check_norm(n: int, k: int, dtype: torch.dtype, device: str, residual: bool, trials: int = TRIALS) -> None:
+    """The fused op against the norm's twin and float32 products: the sum exact (on the GPU), the
+    output within a rounding (the norm's reduction order may move a normalised element by one ulp)."""
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    for _ in range(trials):
+        x = torch.randn(1, k, generator=gen, device=device).to(dtype)
+        res = torch.randn(1, k, generator=gen, device=device).to(dtype) if residual else None
+        norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, summed = gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, backend="triton")
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        if residual:
+            normed, want_sum = add_rms_norm_eager(x, res, norm_w, 1e-6)
+        else:
+            normed, want_sum = rms_norm_eager(x, norm_w, 1e-6), x
+        if device == "cuda":  # the interpreter truncates to bf16 where the GPU rounds
+            assert torch.equal(summed, want_sum)
+        torch.testing.assert_close(summed, want_sum, rtol=1e-2, atol=1e-2)
+        want = F.linear(normed.float(), w.float())
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "first_layer"])
+@pytest.mark.parametrize("shape", [(40, 64), (33, 48), (16, 1536)], ids=lambda c: "N{}K{}".format(*c))
+def test_norm_fused_kernel_matches_twins_interpreted(shape, residual):
+    check_norm(*shape, torch.bfloat16, "cpu", residual, trials=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "first_layer"])
+@pytest.mark.parametrize("shape", [(5120, 2048), (1152, 2048), (96, 1000 * 16)], ids=lambda c: "N{}K{}".format(*c))
+def test_norm_fused_kernel_matches_twins_on_gpu_without_syncs(shape, residual):
+    check_norm(*shape, torch.bfloat16, "cuda", residual)
+
+
+@interpreted
+def test_norm_fused_on_two_rows_takes_the_norm_then_the_gemm():
+    x, res = torch.randn(2, 32).bfloat16(), torch.randn(2, 32).bfloat16()
+    norm_w, w = torch.ones(32).bfloat16(), torch.randn(16, 32).bfloat16()
+    with count_launches() as counter:
+        out, summed = gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, backend="triton")
+    assert counter.launches["triton.add_rms_norm_kernel"] == 1 and "triton.gemv_kernel" not in counter.launches
+    normed, want_sum = add_rms_norm_eager(x, res, norm_w, 1e-6)
+    torch.testing.assert_close(summed, want_sum, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, F.linear(normed, w), rtol=2e-2, atol=0.1)
+
+
 def test_block_k_divides_k():
-    assert [gemv.block_k(k) for k in (4096, 2048, 768, 48, 24, 16, 8)] == [512, 512, 256, 16, 0, 16, 0]
+    assert [gemv.block_k(k) for k in (4096, 2048, 768, 48, 24, 16, 8)] == [1024, 1024, 256, 16, 0, 16, 0]

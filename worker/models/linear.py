@@ -1,0 +1,131 @@
+"""``x @ w.T`` for one row of ``x``: the dense projections (qkv, o, the router) of a batch-1 decode
+step, the qkv one with the residual add and RMSNorm before it folded in.
+
+At one row a projection is a matrix-vector product bound by reading ``w``; cuBLAS's kernels for it
+reach about 0.4 (o, split-K plus a reduce launch) to 0.6 (qkv) of the H200's HBM bandwidth. This
+kernel gives each program ``BLOCK_N`` rows of ``w`` and unrolls the whole reduction at compile time
+(``K`` is a constexpr), so every weight load of a program is issued before the first multiply-add
+needs it; float32 products accumulate in a ``[BLOCK_K, BLOCK_N]`` tile summed once at the end:
+
+```
+ grid (N / BLOCK_N)    program p: out[p*BN : (p+1)*BN] = sum over K/BLOCK_K steps of x[ks] * w[rows, ks]
+ with the norm         every program first reads the whole row (x + residual, from L2) for its
+                       1/rms, then normalises each x[ks] slice as it goes; program 0 stores x + residual
+```
+
+The norm's launch (about 2 us of a 60 us layer) is worth more than its arithmetic, which every
+program repeats on a 2k-element row. Numerics follow ``worker.models.norm``: the sum rounded to the
+input dtype, normalised in float32, rounded, times the weight, rounded again.
+
+``linear`` and ``add_rms_norm_linear`` take the kernel for one row of a 16-bit dtype on CUDA whose
+``K`` a power-of-two step of at least 16 divides; everything else takes the twins
+(``torch.nn.functional.linear`` after ``worker.models.norm``'s ops).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from moe_offload.kernels.triton_support import next_pow2, use_triton
+from worker.models.norm import add_rms_norm, rms_norm
+
+BLOCK_N = 8  # rows of w per program: 256 programs for a 2048-row projection
+MAX_BLOCK_K = 1024
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``F.linear(x, w)`` for ``x [..., K]`` and ``w [N, K]``; one row of bfloat16 or float16 runs
+    the kernel on CUDA (or with ``backend="triton"``), anything else the twin."""
+    if not _fits(x, w) or not use_triton(x, backend):
+        return F.linear(x, w)
+    return _launch(x, None, None, 0.0, w)[0]
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        w: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(s) * norm_weight, w), s)`` with ``s = x + residual`` (``x`` itself when
+    ``residual`` is None): a pre-norm block's residual step and its first projection."""
+    fused = (_fits(x, w) and use_triton(x, backend) and norm_weight.shape == x.shape[-1:]
+             and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
+    if not fused:
+        if residual is None:
+            normed, summed = rms_norm(x, norm_weight, eps, backend=backend), x
+        else:
+            normed, summed = add_rms_norm(x, residual, norm_weight, eps, backend=backend)
+        return linear(normed, w, backend=backend), summed
+    return _launch(x, residual, norm_weight, eps, w)
+
+
+def block_k(k: int) -> int:
+    """The largest power of two up to MAX_BLOCK_K that divides ``k`` (0: none of at least 16)."""
+    step = MAX_BLOCK_K
+    while step >= 16 and k % step:
+        step //= 2
+    return step if step >= 16 else 0
+
+
+def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One row, 16-bit floats of one dtype, ``w`` rows contiguous and not empty, ``K`` a multiple of 16."""
+    return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and w.dim() == 2 and w.shape[1] == x.shape[-1] and w.stride(1) == 1 and w.device == x.device
+            and w.numel() > 0 and block_k(w.shape[1]) > 0)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+            w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(x) if residual is not None else x
+    _kernel()[(-(-n // BLOCK_N),)](
+        x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
+        summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), BLOCK_ROW=next_pow2(k),
+        EVEN_N=n % BLOCK_N == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        num_warps=16 if k >= 4096 else 4)
+    return out, summed
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_N: tl.constexpr,
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < n
+        w_rows = w_ptr + rows[None, :].to(tl.int64) * stride_wn
+        inv = 1.0
+        if NORM:
+            cols = tl.arange(0, BLOCK_ROW)
+            live = cols < K
+            whole = tl.load(x_ptr + cols, mask=live, other=0.0)
+            if RESIDUAL:
+                whole = (whole.to(tl.float32) + tl.load(res_ptr + cols, mask=live, other=0.0).to(tl.float32)
+                         ).to(whole.dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(sum_ptr + cols, whole, mask=live)
+            sq = whole.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(sq * sq, axis=0) / K + eps)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+        for step in tl.static_range(K // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_N:
+                w = tl.load(w_rows + ks[:, None])
+            else:
+                w = tl.load(w_rows + ks[:, None], mask=row_ok[None, :], other=0.0)
+            xs = tl.load(x_ptr + ks)
+            if NORM:
+                if RESIDUAL:
+                    xs = (xs.to(tl.float32) + tl.load(res_ptr + ks).to(tl.float32)).to(xs.dtype)
+                normed = (xs.to(tl.float32) * inv).to(xs.dtype).to(tl.float32)
+                xs = (normed * tl.load(norm_ptr + ks).to(tl.float32)).to(xs.dtype)
+            acc += xs.to(tl.float32)[:, None] * w.to(tl.float32)
+        tl.store(out_ptr + rows, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    return gemv_kernel
