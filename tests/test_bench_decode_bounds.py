@@ -34,3 +34,31 @@ def test_a_resident_row_takes_the_distinct_experts_its_batch_looked_up():
     assert resident["ratio"] == pytest.approx(1077.6 * step / 8) and resident["ratio"] < assumed
     assert other["distinct"] == "assumed" and other["experts_per_layer"] == 128
     assert cached["distinct"] == "looked up" and cached["experts_per_layer"] == 37.8
+
+
+def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch):
+    """decode_run counts ``decode_tokens - 1`` decode steps of tokens; the timed window must launch
+    all of them (waiting for the first token before the clock launched decode step 1 early)."""
+    import bench_decode
+
+    from tests.tiny_models import write_tiny
+    from worker.runner import ModelRunner, RunnerConfig
+
+    write_tiny(tmp_path, "qwen3_moe", layers=1, experts=4, top_k=2)
+    runner = ModelRunner(RunnerConfig(str(tmp_path), device="cpu", page_size=4, kv_tokens=256))
+    forward, timed = runner.forward, bench_decode.timed_steps
+    launched = []
+
+    def counting_forward(chunks, *args, **kwargs):
+        launched.append(len(chunks))
+        return forward(chunks, *args, **kwargs)
+
+    def counting_timed_steps(*args):
+        launched.clear()  # the prefill ran before the clock
+        return timed(*args)
+
+    monkeypatch.setattr(runner, "forward", counting_forward)
+    monkeypatch.setattr(bench_decode, "timed_steps", counting_timed_steps)
+    r = bench_decode.decode_run(runner, batch=2, prompt_tokens=5, decode_tokens=6, seed=0)
+    assert r["steps"] == 5 and r["tokens"] == 10
+    assert launched == [2] * 5  # five decode steps of both requests inside the window
