@@ -51,8 +51,7 @@ def test_kernel_matches_twin_on_gpu_without_syncs(n):
         check(n, "cuda", seed)
 
 
-def test_python_ints_and_other_dtypes():
-    assert mix32(12345) == mix32_eager(12345) < 1 << 32
+def test_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="int64"):
         mix32(torch.zeros(4, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu"),
               backend="triton")
