@@ -38,10 +38,9 @@ ROUTER = {"dense": 1, "triton.topk_softmax_kernel": 1}
 PER_TOKEN_DOWN = {"triton._decode_gate_up_kernel": 1, "triton._decode_down_kernel": 1}
 PER_SLOT_DOWN = {"triton._decode_gate_up_kernel": 1, "triton._decode_slot_down_kernel": 1, "triton._sum_k_kernel": 1}
 # the rest of a step: the inputs' unpacking, embedding, final norm, LM head and sampling (62 before
-# the sampler's hash noise became one launch and the last residual add joined the final norm); the
-# sort, cumsum and the elementwise ops of top-k/top-p remain (the top-p cut's elementwise ops in
-# place of torch's one-block softmax: two launches more, each far cheaper)
-STEP = 30
+# the sampler's hash noise became one launch and the last residual add joined the final norm, 30
+# before sampling became one kernel: no sort, cumsum or elementwise top-k/top-p ops)
+STEP = 11
 
 
 

@@ -11,9 +11,12 @@ from typing import Protocol
 
 import torch
 
-from worker.gumbel import gumbel_noise
+from moe_offload.kernels.triton_support import use_triton
+from worker.gumbel import gumbel_noise_eager
 
 _MASK32 = 0xFFFFFFFF
+BLOCK = 4096  # a draw picks one of the row's BLOCK-wide blocks, then a token in it
+ROUND_SEED = 0x632BE5AB  # round r of a draw hashes with seed + r * ROUND_SEED
 
 
 class Sampling(Protocol):
@@ -33,6 +36,8 @@ def seed32(params: Sampling) -> int:
 
 @dataclass
 class SamplingTensors:
+    """Each field one contiguous ``[B]`` tensor (the kernel indexes them by row)."""
+
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, vocab size where off
     top_p: torch.Tensor  # [B] float32
@@ -42,33 +47,58 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[Sampling], steps: list[int], vocab: int, device: torch.device) -> SamplingTensors:
-        floats = torch.tensor([[p.temperature, p.top_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor([[min(p.top_k or vocab, vocab), seed32(p), s & _MASK32] for p, s in zip(params, steps)],
-                            dtype=torch.int64)
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+        ints = torch.tensor([[min(p.top_k or vocab, vocab) for p in params], [seed32(p) for p in params],
+                             [s & _MASK32 for s in steps]], dtype=torch.int64)
         if device.type == "cuda":
             floats = floats.pin_memory().to(device, non_blocking=True)
             ints = ints.pin_memory().to(device, non_blocking=True)
-        return cls(floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2],
-                   all_greedy=all(p.temperature == 0 for p in params))
+        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], all_greedy=all(p.temperature == 0 for p in params))
 
 
-def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
-    """``logits [B, V]`` float32 -> next tokens ``[B]`` int64, never reading the device on the host."""
-    greedy = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, s: SamplingTensors, *, backend: str | None = None) -> torch.Tensor:
+    """``logits [B, V]`` float32 -> next tokens ``[B]`` int64, never reading the device on the host
+    (``worker.sample_kernel``; the twin, on the CPU, reads its tensors)."""
     if s.all_greedy:
-        return greedy
-    B, V = logits.shape
-    scaled = logits / s.temperature.clamp_min(1e-5)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    # top-p on unnormalised weights: sorted descending, the first logit is the maximum and the
-    # running sum's last entry the total (torch's softmax of one 150k row is one block, ~60 us on an H200)
-    weights = (sorted_logits - sorted_logits[:, :1]).exp()
-    running = weights.cumsum(dim=-1)
-    drop = (rank >= s.top_k[:, None]) | (running - weights > s.top_p[:, None] * running[:, -1:])
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    # Gumbel-max over the kept tokens, with noise hashed from (seed, step, token)
-    noise = gumbel_noise(s.seed, s.step, order)
-    sampled = order.gather(1, (sorted_logits + noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    return torch.where(s.temperature == 0, greedy, sampled)
+        return logits.argmax(dim=-1)
+    if use_triton(logits, backend) and logits.shape[1] > 0:
+        from worker.sample_kernel import launch
 
+        return launch(logits.contiguous(), s.temperature, s.top_k, s.top_p, s.seed, s.step)
+    return sample_eager(logits, s)
+
+
+def sample_eager(logits: torch.Tensor, s: SamplingTensors, block: int = BLOCK) -> torch.Tensor:
+    """The kernel's twin: the same rounds of rejection (see ``worker.sample_kernel``) row by row."""
+    out = logits.argmax(dim=-1)
+    for row in range(logits.shape[0]):
+        t, k = float(s.temperature[row]), int(s.top_k[row])
+        if t > 0 and k > 1:
+            out[row] = _draw(logits[row].float() / s.temperature[row].clamp_min(1e-5), k, float(s.top_p[row]),
+                             int(s.seed[row]), int(s.step[row]), block)
+    return out
+
+
+def _draw(scaled: torch.Tensor, top_k: int, top_p: float, seed: int, step: int, block: int) -> int:
+    """One row's nucleus draw by rejection, as the kernel does it."""
+    vocab = scaled.numel()
+    blocks = -(-vocab // block)
+    weights = (scaled - scaled.max()).exp()
+    block_ids = torch.arange(blocks) + vocab
+    pivot, total, rnd, chosen = float("-inf"), 0.0, 0, -1
+    while True:
+        seed_r = torch.tensor((seed + rnd * ROUND_SEED) & _MASK32)
+        above = scaled > pivot
+        kept = torch.zeros(blocks * block)
+        kept[:vocab] = torch.where(above, weights, 0.0)
+        mass, count = kept.sum(), int(above.sum())
+        keys = kept.view(blocks, block).sum(dim=1).log() + gumbel_noise_eager(seed_r, step, block_ids)
+        if rnd == 0:
+            total = mass
+        elif count < top_k and (top_p >= 1.0 or mass <= top_p * total):
+            return chosen
+        b = int(keys.argmax())
+        cols = torch.arange(b * block, min((b + 1) * block, vocab))
+        noisy = torch.where(above[cols], scaled[cols] + gumbel_noise_eager(seed_r, step, cols), float("-inf"))
+        chosen = b * block + int(noisy.argmax())
+        pivot, rnd = float(scaled[chosen]), rnd + 1
