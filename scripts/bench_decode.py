@@ -33,6 +33,7 @@ import torch
 
 from moe_offload.expert_cache import slot_bytes
 from moe_offload.choices import EXPERT_DTYPES, LENT_SLOT_RULES, POLICIES
+from moe_offload.synthetic_routing import synthetic_trace
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.expert_placement import ExpertOptions
@@ -206,8 +207,11 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     # with prefills between: the steps that ran one (a decode row may share it) timed apart
     decode_tok_s = (r["steps"] - r["prefill_steps"]) * batch / (r["seconds"] - r["prefill_s"])
     distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
-    if fraction >= 1.0:
-        distinct = cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)  # no lookups when resident
+    counted = "looked up"
+    if fraction >= 1.0:  # no lookups when resident
+        counted, distinct = "assumed", cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)
+        if args.routing == "synthetic":
+            counted, distinct = "modelled", cfg.num_layers * synthetic_distinct(cfg, batch, r["steps"])
     moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
     step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
     step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
@@ -220,8 +224,17 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
                 prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                 bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                 ratio=decode_tok_s / (batch / bound), experts_per_layer=distinct / cfg.num_layers,
-                distinct="assumed" if fraction >= 1.0 else "looked up", dense_bytes=dense,
+                distinct=counted, dense_bytes=dense,
                 expert_bytes=one_expert, layers=cfg.num_layers, step_pcie=step_pcie, **profiled)
+
+
+def synthetic_distinct(cfg, batch: int, steps: int) -> float:
+    """Distinct experts a layer reads per decode step of ``batch`` sequences under the synthetic
+    router, from its own process on the host (a resident run looks nothing up to count them)."""
+    ids = synthetic_trace(cfg.num_layers, cfg.num_experts, cfg.top_k, sequences=batch, tokens=max(steps, 1))
+    used = torch.zeros(cfg.num_layers, ids.shape[2], cfg.num_experts, dtype=torch.bool)
+    used.scatter_(2, ids.permute(0, 2, 1, 3).flatten(2), True)  # [L, T, N * k] -> experts used per step
+    return float(used.sum(dim=2).float().mean())
 
 
 def dense_bytes(runner) -> int:
@@ -233,8 +246,9 @@ def dense_bytes(runner) -> int:
 
 def resident_bounds_from_lookups(rows: list[dict]) -> None:
     """A resident run looks nothing up, so its HBM bound first assumes ``min(E, batch * k)``
-    distinct experts per layer: an upper bound on the bytes, which overstates the ratio (batch 32
-    read more than the HBM ceiling allows). Where the same command measured that batch behind a
+    distinct experts per layer (an upper bound on the bytes, which overstates the ratio: batch 32
+    read more than the HBM ceiling allows), or under synthetic routing models them from the
+    router's process (``synthetic_distinct``). Where the same command measured that batch behind a
     cache without prefetch, whose lookups are the distinct experts of the same routing process,
     the resident bound takes that count instead."""
     measured = {(r["gpus"], r["experts"], r["batch"]): r["experts_per_layer"] for r in rows

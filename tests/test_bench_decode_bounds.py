@@ -1,5 +1,6 @@
 """scripts/bench_decode.py: a resident row's HBM bound counts the distinct experts that the same
-batch looked up behind a cache, not ``min(E, batch * k)``."""
+batch looked up behind a cache, or that the synthetic router's process gives, not ``min(E, batch * k)``;
+the clock sees every decode step it counts."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # bench_decode imports report_table
+import bench_decode  # noqa: E402
 from bench_decode import HBM_BYTES_PER_S, resident_bounds_from_lookups  # noqa: E402
 
 EXPERT, DENSE, LAYERS = 9_437_184, 2.46e9, 48
@@ -39,8 +41,6 @@ def test_a_resident_row_takes_the_distinct_experts_its_batch_looked_up():
 def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch):
     """decode_run counts ``decode_tokens - 1`` decode steps of tokens; the timed window must launch
     all of them (waiting for the first token before the clock launched decode step 1 early)."""
-    import bench_decode
-
     from tests.tiny_models import write_tiny
     from worker.runner import ModelRunner, RunnerConfig
 
@@ -62,3 +62,15 @@ def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch):
     r = bench_decode.decode_run(runner, batch=2, prompt_tokens=5, decode_tokens=6, seed=0)
     assert r["steps"] == 5 and r["tokens"] == 10
     assert launched == [2] * 5  # five decode steps of both requests inside the window
+
+
+def test_a_resident_row_under_synthetic_routing_models_its_distinct_experts():
+    from moe_offload.synthetic_routing import synthetic_trace
+
+    class Config:
+        num_layers, num_experts, top_k = 3, 32, 4
+
+    ids = synthetic_trace(3, 32, 4, sequences=5, tokens=7)  # [L, N, T, k]
+    by_hand = sum(len(set(ids[l, :, t].flatten().tolist())) for l in range(3) for t in range(7)) / 21
+    assert bench_decode.synthetic_distinct(Config, 5, 7) == pytest.approx(by_hand)
+    assert bench_decode.synthetic_distinct(Config, 1, 7) == 4  # one token's k choices are distinct
