@@ -2,8 +2,10 @@
 
 Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (GQA) and walks its
 split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads)``
-merges the splits. The grid comes from shapes only (the page table's width), the loop bounds from
-``seq_lens`` on the device, so one launch serves any lengths and is capturable in a CUDA graph:
+merges the splits; a row whose tokens fit one split (every row of a short context) is written,
+normalised, by that split's program, and the merge skips it. The grid comes from shapes only (the
+page table's width), the loop bounds from ``seq_lens`` on the device, so one launch serves any
+lengths and is capturable in a CUDA graph:
 
 ```
  tokens of row b | split 0: t0 .. t0+S-1 | split 1 | ... | split n-1 |   (S = split_tokens)
@@ -64,7 +66,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.empty(B, heads, splits, block_d, dtype=torch.float32, device=q.device)
     partial, reduce = _kernels()
     partial[(B, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, m, denom, acc,
+        q, k_cache, v_cache, page_table, seq_lens, m, denom, acc, out, out.stride(0), out.stride(1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         num_pages, max_tokens, split_tokens, scale * _LOG2E,
         HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=splits, BLOCK_G=max(16, next_pow2(group)),
@@ -112,7 +114,7 @@ def _kernels():
 
     @triton.jit
     def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
-                              q_stride_b, q_stride_h, stride_page, stride_tok, stride_head, table_stride_b,
+                              out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok, stride_head, table_stride_b,
                               num_pages, max_tokens, split_tokens, qk_scale,
                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                               NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -158,6 +160,11 @@ def _kernels():
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m = m_new
+        if seq_len <= split_tokens:  # the row's one split: its output, normalised; the merge skips the row
+            out = acc / tl.maximum(l, 1.0)[:, None]  # l >= 1 when the row has a token; 0 leaves zeros
+            tl.store(out_ptr + b * out_stride_b + head[:, None] * out_stride_h + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
+            return
         part = (b * HEADS + head) * NUM_SPLITS + split
         keep = g_live & (start + 0 * g < end)  # a vector compare: the interpreter rejects a broadcast scalar mask
         tl.store(m_ptr + part, m, mask=keep)
@@ -173,6 +180,8 @@ def _kernels():
         h = tl.program_id(1)
         seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
         active = (seq_len + split_tokens - 1) // split_tokens  # the splits that stored a partial
+        if active <= 1:  # the one split wrote the output itself
+            return
         base = (b * HEADS + h) * NUM_SPLITS
         s = tl.arange(0, BLOCK_S)
         top = tl.max(tl.load(m_ptr + base + s, mask=s < active, other=-1e30), 0)
