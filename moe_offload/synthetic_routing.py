@@ -25,6 +25,12 @@ chance repeats (popular experts drawn again), and about 0.8 for any of the last 
 integer arithmetic on 32-bit hashes (exact on CPU and CUDA), with fixed shapes and no host reads;
 the weights are normalised random positive numbers.
 
+On CUDA ``route`` and ``guess`` are one launch each (``moe_offload.kernels.synthetic_route``) for
+all the layers asked for; the torch code here (``route_eager``, ``guess_eager``: 51 and 18
+launches) is their twin and the CPU path. The raw weights are integers below ``2^14``, so
+their sum is exact in float32 in any order of additions and the kernel's weights are the twin's
+bit for bit (CPU's and CUDA's alike).
+
 Cross-layer prefetch guesses a layer's choices from the layer before; the model's router is not
 used here, so ``guess`` stands in for that predictor: each true choice survives with probability
 ``GUESS_ACCURACY``, the rest are popularity draws.
@@ -36,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.kernels.mix32 import M32 as _M32, mix32
+from moe_offload.kernels.triton_support import use_triton
 
 # Fitted at E = 128, k = 8 by a grid search over these four (tests/test_synthetic_routing.py measures
 # the result): W = 2.25k lanes (a lane is picked with probability 4/9 per token) holding their expert
@@ -46,11 +53,14 @@ PERIOD = 8
 POPULARITY_OFFSET = 0.25
 POPULARITY_POWER = 2.75
 DRAW_BITS = 24  # popularity draws are 24-bit integers against an integer CDF
+# raw weights are integers in [2^13, 2^14): k <= 1024 of them sum below 2^24, exactly in float32
+WEIGHT_BITS = 13
 # An assumption, not a fit: predictors that read the previous layer's activations reach about 15-19
 # points below the 94.7% exact-match accuracy of same-layer pre-attention predictors on Qwen3-30B-A3B
 # (Zhu et al. 2025, arXiv 2511.10676); taken here as the share of choices a guess gets right.
 GUESS_ACCURACY = 0.78
 GUESS_BITS = 16
+_GUESS_KEEP = round(GUESS_ACCURACY * (1 << GUESS_BITS))  # kept: a hash's low GUESS_BITS below this
 _SALTS = {"phase": 1, "lane": 2, "pick": 3, "fresh": 4, "weight": 5, "shuffle": 6, "guess": 7}
 
 
@@ -107,9 +117,30 @@ class SyntheticRouter:
         self.weight_c, self.guess_c = consts("weight", top_k), consts("guess", top_k)
         self.expert_bits = torch.arange(num_experts, dtype=torch.int64, device=device)
 
-    def route(self, layers: slice, keys: TokenKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, layers: slice, keys: TokenKeys, *,
+              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 weights and int64 ids ``[Ls, T, k]`` of the layers in ``layers`` (a slice of the
-        ``L`` layers), for tokens ``keys``. Fixed shapes, no host reads."""
+        ``L`` layers), for tokens ``keys``. Fixed shapes, no host reads; CUDA keys run the kernel."""
+        if not use_triton(keys.sequence, backend):
+            return self.route_eager(layers, keys)
+        from moe_offload.kernels import synthetic_route  # imports triton: only when a kernel launches
+
+        return synthetic_route.route(keys, range(self.num_layers)[layers], self.cdf,
+                                     (self.phase_c, self.lane_c, self.pick_c), (self.fresh_c, self.weight_c),
+                                     self.seed_h, period=PERIOD, draw_bits=DRAW_BITS, weight_bits=WEIGHT_BITS)
+
+    def guess(self, layers: slice, keys: TokenKeys, ids: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+        """A prefetch's guess ``[Ls, T, k]`` of the choices ``ids [Ls, T, k]`` of ``layers``: each
+        kept with probability ``GUESS_ACCURACY``, else a popularity draw (duplicates allowed)."""
+        if not use_triton(keys.sequence, backend):
+            return self.guess_eager(layers, keys, ids)
+        from moe_offload.kernels import synthetic_route
+
+        return synthetic_route.guess(keys, range(self.num_layers)[layers], self.cdf, self.guess_c, ids, self.seed_h,
+                                     draw_bits=DRAW_BITS, keep_bits=GUESS_BITS, keep_below=_GUESS_KEEP)
+
+    def route_eager(self, layers: slice, keys: TokenKeys) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route``'s twin in torch ops."""
         seq, tok = self._hashes(keys)
         lane_experts = self._lanes(layers, seq, keys.positions)  # [Ls, T, W]
         pick = (mix32(tok[None, :, None] ^ self.pick_c[layers, None, :]) << 8) | torch.arange(
@@ -121,15 +152,15 @@ class SyntheticRouter:
         score.scatter_reduce_(2, fresh, ((1 << 20) | (order << 10)).expand_as(fresh), "amax")
         score.scatter_reduce_(2, chosen, ((2 << 20) | (order << 10)).expand_as(chosen), "amax")
         ids = torch.topk(score | self.expert_bits, self.top_k, dim=2).indices
-        raw = mix32(tok[None, :, None] ^ self.weight_c[layers, None, :]).float() / 2.0 ** 32 + 1.0
+        hashed = mix32(tok[None, :, None] ^ self.weight_c[layers, None, :])
+        raw = ((hashed >> (32 - WEIGHT_BITS)) | (1 << WEIGHT_BITS)).float()
         return raw / raw.sum(dim=2, keepdim=True), ids
 
-    def guess(self, layers: slice, keys: TokenKeys, ids: torch.Tensor) -> torch.Tensor:
-        """A prefetch's guess ``[Ls, T, k]`` of the choices ``ids [Ls, T, k]`` of ``layers``: each
-        kept with probability ``GUESS_ACCURACY``, else a popularity draw (duplicates allowed)."""
+    def guess_eager(self, layers: slice, keys: TokenKeys, ids: torch.Tensor) -> torch.Tensor:
+        """``guess``'s twin in torch ops."""
         _, tok = self._hashes(keys)
         hashed = mix32(tok[None, :, None] ^ self.guess_c[layers, None, :])
-        keep = (hashed & ((1 << GUESS_BITS) - 1)) < round(GUESS_ACCURACY * (1 << GUESS_BITS))
+        keep = (hashed & ((1 << GUESS_BITS) - 1)) < _GUESS_KEEP
         return torch.where(keep, ids, self._draw(layers, mix32(hashed)))
 
     def _hashes(self, keys: TokenKeys) -> tuple[torch.Tensor, torch.Tensor]:
