@@ -19,7 +19,6 @@ from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import create_backend  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.cuda_graph import DecodeGraphs  # noqa: E402
-from worker.models.linear import MAX_ROWS  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
@@ -79,18 +78,19 @@ def test_decode_step_kernels_per_layer(tmp_path, monkeypatch, batch):
     graphs = decode_graphs(tmp_path, batch)
     one_layer = step_launches(graphs, batch, 1)
     per_layer = step_launches(graphs, batch, 2) - one_layer
-    assert batch * 4 <= DECODE_MAX_PAIRS and batch <= MAX_ROWS
+    assert batch * 4 <= DECODE_MAX_PAIRS
     experts = PER_TOKEN_DOWN if batch <= DECODE_MAX_TOKENS else PER_SLOT_DOWN
     if batch == 1:  # one token's gate_up: a program per pair
         experts = {**experts, "triton._decode_gate_up_pair_kernel": 1}
         del experts["triton._decode_gate_up_kernel"]
     expected = Counter(ATTENTION) + Counter(ROUTER) + Counter(experts)
-    # worker.models.linear: the projections of up to MAX_ROWS rows, the input norm inside qkv's
-    expected["triton.gemv_kernel" if batch == 1 else "triton.gemv_rows_kernel"] = expected.pop("dense")
-    expected["triton.add_rms_norm_kernel"] -= 1
+    if batch == 1:  # worker.models.linear: one row's projections, the input norm inside qkv's
+        expected["triton.gemv_kernel"] = expected.pop("dense")
+        expected["triton.add_rms_norm_kernel"] -= 1
+    else:
+        expected["aten.mm"] = expected.pop("dense")
     assert per_layer == expected
     assert sum((one_layer - per_layer).values()) == STEP
-
 
 def test_views_and_allocations_launch_nothing():
     aten = torch.ops.aten

@@ -1,31 +1,26 @@
-"""``x @ w.T`` for one to ``MAX_ROWS`` rows of ``x``: the dense projections (qkv, o, the router) of a
-decode step up to batch 16, the qkv one with the residual add and RMSNorm before it folded in.
+"""``x @ w.T`` for one row of ``x``: the dense projections (qkv, o, the router) of a batch-1 decode
+step, the qkv one with the residual add and RMSNorm before it folded in.
 
-At a few rows a projection is bound by reading ``w``; in a qwen3-30b decode step on the H200
-(``scripts/bench_decode.py --top-kernels``) cuBLAS's kernels for it reached about 0.45 (o: split-K
-plus a reduce launch) and 0.65 (qkv) of the HBM bandwidth at one row. Both kernels here give each
-program a block of rows of ``w`` and unroll the whole reduction at compile time (``K`` is a
-constexpr), so every weight load of a program can be issued before the first multiply-add needs it:
+At one row a projection is a matrix-vector product bound by reading ``w``; in a qwen3-30b decode
+step on the H200 (``scripts/bench_decode.py --top-kernels``) cuBLAS's kernels for it reached about
+0.45 (o: split-K plus a reduce launch) and 0.65 (qkv) of the HBM bandwidth. This
+kernel gives each program ``BLOCK_N`` rows of ``w`` and unrolls the whole reduction at compile time
+(``K`` is a constexpr), so every weight load of a program is issued before the first multiply-add
+needs it; float32 products accumulate in a ``[BLOCK_K, BLOCK_N]`` tile summed once at the end:
 
 ```
- 1 row       grid (N / BLOCK_N)       out[p*BN : (p+1)*BN] = sum over K/BLOCK_K steps of x[ks] * w[rows, ks],
-                                      float32 products in a [BLOCK_K, BLOCK_N] tile summed once at the end
- 2..16 rows  grid (N / ROWS_BLOCK_N)  out[:, p*BN : (p+1)*BN] = sum over steps of x[:, ks] @ w[rows, ks]^T
-                                      (tl.dot; x's rows padded to 16 by masked loads; float32 sums)
- with the norm  every program first reads each whole row (x + residual, from L2; 2..16 rows a BLOCK_K
-             slice at a time) for its 1/rms, then normalises each x slice as it goes; program 0
-             stores x + residual for every row
+ grid (N / BLOCK_N)    program p: out[p*BN : (p+1)*BN] = sum over K/BLOCK_K steps of x[ks] * w[rows, ks]
+ with the norm         every program first reads the whole row (x + residual, from L2) for its
+                       1/rms, then normalises each x[ks] slice as it goes; program 0 stores x + residual
 ```
 
 The norm's launch (about 2 us of a 60 us layer) is worth more than its arithmetic, which every
-program repeats on 2k-element rows. Numerics follow ``worker.models.norm``: the sum rounded to the
-input dtype, normalised in float32, rounded, times the weight, rounded again; the output is rounded
-once from float32.
+program repeats on a 2k-element row. Numerics follow ``worker.models.norm``: the sum rounded to the
+input dtype, normalised in float32, rounded, times the weight, rounded again.
 
-``linear`` and ``add_rms_norm_linear`` take a kernel for 1..MAX_ROWS rows (``x [..., K]`` holds
-``x.numel() // K`` of them) of a 16-bit dtype on CUDA whose ``K`` a power-of-two step of at least
-16 divides; everything else takes the twins (``torch.nn.functional.linear`` after
-``worker.models.norm``'s ops).
+``linear`` and ``add_rms_norm_linear`` take the kernel for one row of a 16-bit dtype on CUDA whose
+``K`` a power-of-two step of at least 16 divides; everything else takes the twins
+(``torch.nn.functional.linear`` after ``worker.models.norm``'s ops).
 """
 from __future__ import annotations
 
@@ -34,22 +29,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from moe_offload.kernels.triton_support import interpreting, next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, use_triton
 from worker.models.norm import add_rms_norm, rms_norm
 
-MAX_ROWS = 16  # more rows go to cuBLAS
-# one row
 BLOCK_N = 8  # rows of w per program: 256 programs for a 2048-row projection
 MAX_BLOCK_K = 1024
-# 2..MAX_ROWS rows (tl.dot needs 16 or more on each side of a tile)
-ROWS_BLOCK_N = 16  # rows of w per program: 128 programs for o (N 2048), 320 for qkv (N 5120)
-ROWS_MAX_BLOCK_K = 256
-ROWS_NUM_WARPS = 4
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """``F.linear(x, w)`` for ``x [..., K]`` and ``w [N, K]``; 1..MAX_ROWS rows of bfloat16 or
-    float16 run a kernel on CUDA (or with ``backend="triton"``), anything else the twin."""
+    """``F.linear(x, w)`` for ``x [..., K]`` and ``w [N, K]``; one row of bfloat16 or float16 runs
+    the kernel on CUDA (or with ``backend="triton"``), anything else the twin."""
     if not _fits(x, w) or not use_triton(x, backend):
         return F.linear(x, w)
     return _launch(x, None, None, 0.0, w)[0]
@@ -58,8 +47,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> t
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         w: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(s) * norm_weight, w), s)`` with ``s = x + residual`` (``x`` itself when
-    ``residual`` is None): a pre-norm block's residual step and its first projection, one launch
-    for 1..MAX_ROWS rows."""
+    ``residual`` is None): a pre-norm block's residual step and its first projection."""
     fused = (_fits(x, w) and use_triton(x, backend) and norm_weight.shape == x.shape[-1:]
              and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
              and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
@@ -72,22 +60,17 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     return _launch(x, residual, norm_weight, eps, w)
 
 
-def block_k(k: int, limit: int = MAX_BLOCK_K) -> int:
-    """The largest power of two up to ``limit`` that divides ``k`` (0: none of at least 16)."""
-    step = limit
+def block_k(k: int) -> int:
+    """The largest power of two up to MAX_BLOCK_K that divides ``k`` (0: none of at least 16)."""
+    step = MAX_BLOCK_K
     while step >= 16 and k % step:
         step //= 2
     return step if step >= 16 else 0
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
 def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """1..MAX_ROWS rows, 16-bit floats of one dtype, ``w`` rows contiguous and not empty, ``K`` a
-    multiple of 16."""
-    return (1 <= _rows(x) <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+    """One row, 16-bit floats of one dtype, ``w`` rows contiguous and not empty, ``K`` a multiple of 16."""
+    return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and w.dim() == 2 and w.shape[1] == x.shape[-1] and w.stride(1) == 1 and w.device == x.device
             and w.numel() > 0 and block_k(w.shape[1]) > 0)
 
@@ -95,22 +78,14 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
-    m = _rows(x)
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else x
-    res = residual.contiguous() if residual is not None else x
-    args = (x, res, norm_weight if norm_weight is not None else x, summed, w, out)
-    flags = dict(NORM=norm_weight is not None, RESIDUAL=residual is not None)
-    if m == 1:
-        _kernel()[(-(-n // BLOCK_N),)](
-            *args, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), BLOCK_ROW=next_pow2(k),
-            EVEN_N=n % BLOCK_N == 0, **flags, num_warps=16 if k >= 4096 else 4)
-    else:
-        _rows_kernel()[(-(-n // ROWS_BLOCK_N),)](
-            *args, m, n, w.stride(0), eps, K=k, ROWS=max(16, next_pow2(m)), BLOCK_N=ROWS_BLOCK_N,
-            BLOCK_K=block_k(k, ROWS_MAX_BLOCK_K), EVEN_N=n % ROWS_BLOCK_N == 0,
-            UPCAST=interpreting() and x.dtype == torch.bfloat16, **flags, num_warps=ROWS_NUM_WARPS)
+    _kernel()[(-(-n // BLOCK_N),)](
+        x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
+        summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), BLOCK_ROW=next_pow2(k),
+        EVEN_N=n % BLOCK_N == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        num_warps=16 if k >= 4096 else 4)
     return out, summed
 
 
@@ -155,59 +130,3 @@ def _kernel():
         tl.store(out_ptr + rows, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=row_ok)
 
     return gemv_kernel
-
-
-@functools.cache
-def _rows_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_rows_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, m, n, stride_wn, eps,
-                         K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_N: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr,
-                         RESIDUAL: tl.constexpr):
-        """UPCAST: Triton's interpreter multiplies bf16 tiles as their raw uint16 bits, so under it
-        the (already rounded) bf16 operands go to the dot as float32."""
-        rows = tl.arange(0, ROWS)
-        row_ok = rows[:, None] < m  # rows of x past m load as zeros and are not stored
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: rows of w
-        col_ok = cols[None, :] < n
-        x_rows = rows[:, None] * K
-        w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn
-        if NORM:  # each row's 1/rms, a BLOCK_K slice at a time
-            sq = tl.zeros((ROWS,), tl.float32)
-            for step in tl.static_range(K // BLOCK_K):
-                at = x_rows + step * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-                xs = tl.load(x_ptr + at, mask=row_ok, other=0.0)
-                if RESIDUAL:
-                    xs = (xs.to(tl.float32) + tl.load(res_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
-                          ).to(xs.dtype)
-                    if tl.program_id(0) == 0:
-                        tl.store(sum_ptr + at, xs, mask=row_ok)
-                xf = xs.to(tl.float32)
-                sq += tl.sum(xf * xf, axis=1)
-            inv = 1.0 / tl.sqrt(sq / K + eps)
-        acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-        for step in tl.static_range(K // BLOCK_K):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN_N:
-                w = tl.load(w_cols + ks[:, None])
-            else:
-                w = tl.load(w_cols + ks[:, None], mask=col_ok, other=0.0)
-            at = x_rows + ks[None, :]
-            xs = tl.load(x_ptr + at, mask=row_ok, other=0.0)
-            if NORM:
-                if RESIDUAL:
-                    xs = (xs.to(tl.float32) + tl.load(res_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
-                          ).to(xs.dtype)
-                normed = (xs.to(tl.float32) * inv[:, None]).to(xs.dtype).to(tl.float32)
-                xs = (normed * tl.load(norm_ptr + ks).to(tl.float32)[None, :]).to(xs.dtype)
-            if UPCAST:
-                acc = tl.dot(xs.to(tl.float32), w.to(tl.float32), acc)
-            else:
-                acc = tl.dot(xs, w, acc)
-        tl.store(out_ptr + rows[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_ok & col_ok)
-
-    return gemv_rows_kernel
