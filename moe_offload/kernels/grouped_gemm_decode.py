@@ -59,7 +59,7 @@ class DecodeConfig(NamedTuple):
     down_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
-    slot_down_n: int = 64
+    slot_down_n: int = 128
     slot_down_k: int = 128
     down_warps: int = 16
     pair_n: int = 16
