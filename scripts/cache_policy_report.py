@@ -2,7 +2,7 @@
 
     python scripts/cache_policy_report.py [--trace FILE] [--fractions 0.1 0.25 0.5] [--json OUT]
         [--batch 1] [--steps 256] [--layers 48 --experts 128 --top-k 8]   (synthetic, without --trace)
-        [--lent-slots none|reserve|decode] [--prefill-every N] [--lfru-credit QUARTER_STEPS --lfru-cap STEPS]
+        [--lent-slots none|reserve|decode] [--prefill-every N] [--lfru-credit Q --lfru-pair-credit Q --lfru-cap STEPS]
 
 Replays the decode lookups of a routing trace (``--record-routing``; steps big enough for the
 prefill pipeline are chunks, which do not look up) or, without one, of the synthetic router
@@ -14,7 +14,9 @@ among those the step's layer does not use, and admits every miss (as the engine 
 ``--lent-slots`` models a prefill pipeline lending ``2E`` slots: reserve (decode never uses them),
 decode (decode uses them as first victims); each chunk (a trace's, or one every ``--prefill-every``
 synthetic steps) wipes them. MIN always has the whole cache: it is the bound either way.
-``--lfru-credit`` / ``--lfru-cap`` replay lfru with other parameters than the engine's.
+``--lfru-credit`` / ``--lfru-pair-credit`` / ``--lfru-cap`` replay lfru with other parameters than the
+engine's. A lookup holds every routed (token, choice) pair, repeats included: lfru credits an expert
+by how many pairs chose it.
 """
 from __future__ import annotations
 
@@ -27,13 +29,14 @@ from pathlib import Path
 import torch
 
 from moe_offload.choices import LENT_SLOT_RULES
-from moe_offload.expert_cache import LFRU_CAP_STEPS, LFRU_CREDIT_QUARTER_STEPS, ExpertCache, policy_for
+from moe_offload.expert_cache import (LFRU_CAP_STEPS, LFRU_CREDIT_QUARTER_STEPS, LFRU_PAIR_CREDIT_QUARTER_STEPS,
+                                     ExpertCache, policy_for)
 from moe_offload.offloaded import PIPELINE_PAIRS_PER_EXPERT, decode_slots
 from moe_offload.routing_trace import RoutingTrace
 from moe_offload.synthetic_routing import synthetic_trace
 
 POLICIES = ("lru", "lfru", "min")
-Steps = list  # per step: a list of L tensors (each layer's distinct experts), or None for a prefill chunk
+Steps = list  # per step: a list of L tensors (each layer's routed experts, repeats kept), or None for a prefill chunk
 
 
 def synthetic_steps(layers: int, experts: int, top_k: int, batch: int, steps: int, seed: int = 0,
@@ -43,7 +46,7 @@ def synthetic_steps(layers: int, experts: int, top_k: int, batch: int, steps: in
     for t in range(steps):
         if prefill_every and t and t % prefill_every == 0:
             out.append(None)
-        out.append([torch.unique(ids[layer, :, t]) for layer in range(layers)])
+        out.append([ids[layer, :, t].reshape(-1) for layer in range(layers)])
     return out
 
 
@@ -53,7 +56,7 @@ def trace_steps(trace: RoutingTrace) -> Steps:
     counts = torch.unique_consecutive(trace.step[order], return_counts=True)[1].tolist()
     threshold = PIPELINE_PAIRS_PER_EXPERT * trace.num_experts
     return [None if rows.shape[0] * trace.top_k >= threshold else
-            [torch.unique(rows[:, layer]) for layer in range(trace.num_layers)]
+            [rows[:, layer].reshape(-1) for layer in range(trace.num_layers)]
             for rows in torch.split(trace.ids[order], counts)]
 
 
@@ -82,8 +85,8 @@ def engine_hit_rate(steps: Steps, num_layers: int, num_experts: int, slots: int,
 def min_hit_rate(steps: Steps, num_experts: int, slots: int) -> float:
     """Belady's MIN over the lookups of ``steps`` (chunks ignored): on a miss with the cache full,
     evict the resident expert whose next use is farthest (never one of this lookup's)."""
-    requests = [[layer * num_experts + int(e) for e in ids] for step in steps if step is not None
-                for layer, ids in enumerate(step)]
+    requests = [list(dict.fromkeys(layer * num_experts + int(e) for e in ids)) for step in steps if step is not None
+                for layer, ids in enumerate(step)]  # each lookup's distinct experts
     next_use, upcoming = [], {}
     for r in range(len(requests) - 1, -1, -1):  # next_use[r][i]: the next request of requests[r][i]
         next_use.append([upcoming.get(x, math.inf) for x in requests[r]])
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="lfru's credit a use, in quarter steps (default: the engine's)")
     p.add_argument("--lfru-cap", type=int, default=LFRU_CAP_STEPS, metavar="STEPS",
                    help="lfru's cap on banked credit, in steps (default: the engine's)")
+    p.add_argument("--lfru-pair-credit", type=int, default=LFRU_PAIR_CREDIT_QUARTER_STEPS, metavar="QUARTER_STEPS",
+                   help="lfru's credit a use for each routed pair past the first, in quarter steps (default: the engine's)")
     p.add_argument("--json", help="write [{cache, policy, hit_rate}, ...] here")
     args = p.parse_args(argv)
     if args.trace:
@@ -166,10 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         title = (f"synthetic routing: {layers} layers, {experts} experts, top {args.top_k}, batch {args.batch}, "
                  f"{args.steps} steps")
     chunks = sum(step is None for step in steps)
-    lfru = dict(credit_quarter_steps=args.lfru_credit, cap_steps=args.lfru_cap)
+    lfru = dict(credit_quarter_steps=args.lfru_credit, cap_steps=args.lfru_cap,
+                pair_credit_quarter_steps=args.lfru_pair_credit)
     rows = report(steps, layers, experts, args.fractions, args.lent_slots, lfru)
     print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
-                      f"lent slots {args.lent_slots}, lfru credit {args.lfru_credit}/4 cap {args.lfru_cap} steps")
+                      f"lent slots {args.lent_slots}, lfru credit {args.lfru_credit}/4 + {args.lfru_pair_credit}/4 a pair "
+                      f"past the first, cap {args.lfru_cap} steps")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

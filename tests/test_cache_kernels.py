@@ -49,6 +49,8 @@ CONFIGS = {
     "low-priority-lru": Config(2, 16, 24, 0, 24, 2, 2, Policy(0, 0), LowPriority(16, 3)),
     "visit": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96, 2)),  # layers' next lookups rank the victims
     "visit-low-priority": Config(4, 8, 28, 0, 28, 2, 2, Policy(4, 8, 3), LowPriority(16, 10)),
+    "pairs": Config(3, 16, 40, 4, 20, 5, 4, Policy(0, 96, 2, 6, 4)),  # shared experts bank credit per pair
+    "pairs-credit-capped": Config(2, 8, 12, 0, 12, 6, 2, Policy(4, 12, 0, 3, 8)),
 }
 
 
@@ -143,6 +145,21 @@ def test_lookup_admit_interpreted(name):
 def test_lookup_admit_ahead_interpreted(name):
     for trial in range(TRIALS):
         run_lookups(CONFIGS[name], seed=trial, device="cpu", backend="triton", ahead=True)
+
+
+def test_an_expert_that_more_tokens_share_banks_more_credit():
+    """Score on use: max(score, step) + credit + pair_credit * (min(pairs, max_pairs) - 1), capped."""
+    policy = Policy(credit=1, cap=20, pair_credit=4, max_pairs=3)
+    cfg = Config(1, 8, 8, 0, 8, 4, 2, policy)
+    tables = empty_tables(cfg)
+    tables.step.fill_(10)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 3]])  # expert 0: 4 pairs (3 counted), 1: 2, 2 and 3: 1
+    _, slots = lookup_mod.lookup_admit(ids, 0, 8, tables, 0, 8, policy, 1, backend="eager")
+    score = {e: int(tables.score[tables.slot_for_id[e]]) for e in range(4)}
+    assert score == {0: min(10 + 1 + 4 * 2, 10 + 20), 1: 10 + 1 + 4, 2: 11, 3: 11}
+    tables.step.fill_(12)  # again: the banked credit grows from what is left, up to the cap
+    lookup_mod.lookup_admit(ids[:1], 0, 8, tables, 0, 8, policy, 1, backend="eager")
+    assert int(tables.score[tables.slot_for_id[0]]) == min(19 + 1, 12 + 20)
 
 
 def test_lookup_admit_twin_semantics():

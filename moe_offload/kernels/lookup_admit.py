@@ -64,11 +64,14 @@ class CopyPlan(NamedTuple):
 
 
 class Policy(NamedTuple):
-    """Score on use: ``min(step + cap, max(score, step) + credit)``, in launches.
+    """Score on use: ``min(step + cap, max(score, step) + credit + pair_credit * (min(m, max_pairs) - 1))``,
+    in launches, for an expert that ``m`` (token, choice) pairs of the launch route to.
 
     The score is the last use plus a bonus that decays by one per launch; each use adds ``credit``
     to what is left of it, up to ``cap``. ``(0, 0)`` is LRU; with ``credit`` above the launches
     between an expert's uses, frequently used experts bank credit that one-off experts lack.
+    ``pair_credit`` banks more for an expert that several tokens of a batch share (at batch 1 the
+    k choices are distinct: ``m`` is 1).
 
     ``visit`` ranks a slot lower by ``visit`` per launch until its layer is looked up again (1 for
     the next layer, L for the layer of this launch): layers are looked up in a cycle, so an expert
@@ -80,6 +83,8 @@ class Policy(NamedTuple):
     credit: int
     cap: int
     visit: int = 0
+    pair_credit: int = 0
+    max_pairs: int = 1
 
 
 class LowPriority(NamedTuple):
@@ -124,8 +129,10 @@ def _check(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables,
     if num_slots < plan_capacity(ids.numel(), num_experts):
         raise ValueError(f"{num_slots} slots cannot hold the up to {plan_capacity(ids.numel(), num_experts)} "
                          "distinct experts of one launch")
-    if not (0 <= policy.credit <= policy.cap < 1 << (REL_BITS - 2) and 0 <= policy.visit * num_layers < 1 << 30):
-        raise ValueError(f"policy {policy} needs 0 <= credit <= cap < 2^{REL_BITS - 2} and 0 <= visit * L < 2^30")
+    if not (0 <= policy.credit <= policy.cap < 1 << (REL_BITS - 2) and 0 <= policy.visit * num_layers < 1 << 30
+            and policy.pair_credit >= 0 and 1 <= policy.max_pairs and policy.pair_credit * policy.max_pairs < 1 << 30):
+        raise ValueError(f"policy {policy} needs 0 <= credit <= cap < 2^{REL_BITS - 2}, 0 <= visit * L < 2^30, "
+                         "pair_credit >= 0, max_pairs >= 1 and pair_credit * max_pairs < 2^30")
     if len({t.device for t in (ids, *tables)}) != 1:
         raise ValueError("ids and the cache tables must be on one device")
 
@@ -158,10 +165,11 @@ def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheT
     return plan, slots
 
 
-def _touch(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int) -> None:
+def _touch(tables: CacheTables, slots: torch.Tensor, pairs: torch.Tensor, policy: Policy, step: int) -> None:
+    """Credit the experts in ``slots``, each routed by ``pairs`` (token, choice) pairs."""
     old = tables.score[slots]
-    tables.score[slots] = torch.minimum(old.clamp(min=step) + policy.credit, torch.full_like(old, step + policy.cap))
-    tables.last_use[slots] = step
+    bonus = policy.credit + policy.pair_credit * (pairs.clamp(max=policy.max_pairs) - 1)
+    tables.score[slots] = torch.minimum(old.clamp(min=step) + bonus, torch.full_like(old, step + policy.cap))
 
 
 def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
@@ -171,13 +179,13 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     device, step = ids.device, int(tables.step[0])
     flat = ids.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
-    present = torch.zeros(num_experts, dtype=torch.bool, device=device)
-    present[flat[valid]] = True
+    pairs = torch.bincount(flat[valid], minlength=num_experts)
+    present = pairs > 0
     gid = layer * num_experts + torch.arange(num_experts, device=device)
     cur = tables.slot_for_id[gid].long()
     hit, miss = present & (cur >= 0), present & (cur < 0)
     predicted = int((tables.last_use[cur[hit]] == step).sum())
-    _use(tables, cur[hit], policy, step, ahead)
+    tables.last_use[cur[hit]] = step  # used by this launch: no victim
 
     keys, cls = _victim_order(tables, layer, num_experts, slot_start, num_slots, policy, low, step, ahead)
     src = gid[miss]
@@ -190,7 +198,10 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     tables.slot_for_id[src] = dst.int()
     tables.id_of_slot[dst] = src.int()
     tables.score[dst] = 0
-    _use(tables, dst, policy, step, ahead)
+    tables.last_use[dst] = step
+    if not ahead:  # credit hits and admissions alike (an ahead launch's: the real lookup credits them)
+        now = tables.slot_for_id[gid[present]].long()
+        _touch(tables, now, pairs[present], policy, step)
 
     _write_plan(plan, src, dst)
     looked = tables.slot_for_id[layer * num_experts + flat.clamp(0, num_experts - 1)].long()
@@ -199,13 +210,6 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     tables.stats[layer].add_(torch.tensor(counts, dtype=torch.int64, device=device))
     if not ahead:
         tables.step.add_(1)
-
-
-def _use(tables: CacheTables, slots: torch.Tensor, policy: Policy, step: int, ahead: bool) -> None:
-    if ahead:  # protected from this launch's victims, credited by the real lookup
-        tables.last_use[slots] = step
-    else:
-        _touch(tables, slots, policy, step)
 
 
 def _victim_order(tables: CacheTables, layer: int, num_experts: int, slot_start: int, num_slots: int,
@@ -242,7 +246,8 @@ def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables
         ids, tables.slot_for_id, tables.id_of_slot, tables.score, tables.last_use, tables.step, tables.stats,
         plan.src_id, plan.dst_slot, plan.count, slots,
         ids.numel(), layer, num_experts, slot_start, num_slots, plan.src_id.numel(),
-        policy.credit, policy.cap, policy.visit, tables.stats.shape[0], low.end, low.penalty, expert_bytes,
+        policy.credit, policy.cap, policy.visit, policy.pair_credit, policy.max_pairs, tables.stats.shape[0], low.end,
+        low.penalty, expert_bytes,
         BLOCK_N=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=next_pow2(plan.src_id.numel()),
         NUM_STATS=len(STAT_FIELDS), AHEAD=int(ahead), num_warps=num_warps_for(max(block_s, block_e)),
     )
@@ -257,7 +262,8 @@ def _kernel():
     def lookup_admit_kernel(ids_ptr, slot_for_id_ptr, id_of_slot_ptr, score_ptr, last_use_ptr, step_ptr, stats_ptr,
                             plan_src_ptr, plan_dst_ptr, count_ptr, slots_ptr,
                             num_routed, layer, num_experts, slot_start, num_slots, plan_cap,
-                            credit, cap, visit, num_layers, low_end, low_penalty, expert_bytes,
+                            credit, cap, visit, pair_credit, max_pairs, num_layers, low_end, low_penalty,
+                            expert_bytes,
                             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                             BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr, AHEAD: tl.constexpr):
         # Where a block is smaller than the CTA, threads hold replicas of one element; every
@@ -267,27 +273,24 @@ def _kernel():
         fields = tl.arange(0, 8)
         stat_ptrs = stats_ptr + layer * NUM_STATS + fields
         stats = tl.load(stat_ptrs, mask=fields < NUM_STATS)
-        # 1. dedupe: which experts of this layer are routed to, by comparing chunks against all E
+        # 1. dedupe: how many pairs route to each expert of this layer, by comparing chunks against all E
         experts = tl.arange(0, BLOCK_E)
-        present = tl.zeros([BLOCK_E], dtype=tl.int32)
+        pairs = tl.zeros([BLOCK_E], dtype=tl.int32)
         for start in range(0, num_routed, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             ids = tl.load(ids_ptr + offs, mask=offs < num_routed, other=-1)
-            present = tl.maximum(present, tl.max((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
-        present = (present > 0) & (experts < num_experts)
+            pairs += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        present = (pairs > 0) & (experts < num_experts)
         gid = layer * num_experts + experts
         cur = tl.load(slot_for_id_ptr + gid, mask=present, other=-1)
         hit = present & (cur >= 0)
         miss = present & (cur < 0)
         num_miss = tl.sum(miss.to(tl.int32), axis=0)
 
-        # 2. touch the hits; last_use == step then marks them as used by this launch (an ahead
-        #    launch only marks them: the real lookup credits them)
-        old_score = tl.load(score_ptr + cur, mask=hit, other=0)
+        # 2. mark the hits: last_use == step makes them used by this launch, no victims (their
+        #    credit comes with the admissions', in 6)
         old_last = tl.load(last_use_ptr + cur, mask=hit, other=0)
         tl.debug_barrier()
-        if not AHEAD:
-            tl.store(score_ptr + cur, tl.minimum(tl.maximum(old_score, step) + credit, step + cap), mask=hit)
         tl.store(last_use_ptr + cur, step, mask=hit)
         tl.debug_barrier()
 
@@ -332,12 +335,21 @@ def _kernel():
         tl.store(slot_for_id_ptr + old, -1, mask=evicted)
         tl.store(slot_for_id_ptr + src, dst, mask=admit)
         tl.store(id_of_slot_ptr + dst, src, mask=admit)
-        fresh = tl.minimum(step + credit, step + cap) * (1 - AHEAD)  # ahead: 0 (module docstring)
-        tl.store(score_ptr + dst, fresh, mask=admit)
+        tl.store(score_ptr + dst, 0, mask=admit)  # ahead: stays 0 (module docstring)
         tl.store(last_use_ptr + dst, step, mask=admit)
         tl.debug_barrier()
 
-        # 6. routing -> slots, read back from the updated table
+        # 6. credit the hits and the admissions (an ahead launch's: the real lookup credits them)
+        if not AHEAD:
+            now = tl.load(slot_for_id_ptr + gid, mask=present, other=-1)
+            live = present & (now >= 0)
+            old_score = tl.load(score_ptr + now, mask=live, other=0)
+            tl.debug_barrier()
+            bonus = credit + pair_credit * (tl.minimum(pairs, max_pairs) - 1)
+            tl.store(score_ptr + now, tl.minimum(tl.maximum(old_score, step) + bonus, step + cap), mask=live)
+            tl.debug_barrier()
+
+        # 7. routing -> slots, read back from the updated table
         for start in range(0, num_routed, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             ids = tl.load(ids_ptr + offs, mask=offs < num_routed, other=-1)
@@ -345,7 +357,7 @@ def _kernel():
             slot = tl.load(slot_for_id_ptr + layer * num_experts + ids, mask=ok, other=-1)
             tl.store(slots_ptr + offs, slot.to(tl.int64), mask=offs < num_routed)
 
-        # 7. counters
+        # 8. counters
         num_present = tl.sum(present.to(tl.int64), axis=0)
         num_hit = tl.sum(hit.to(tl.int64), axis=0)
         num_evicted = tl.sum(evicted.to(tl.int64), axis=0)
