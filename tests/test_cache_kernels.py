@@ -50,7 +50,7 @@ CONFIGS = {
     "visit": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96, 2)),  # layers' next lookups rank the victims
     "visit-low-priority": Config(4, 8, 28, 0, 28, 2, 2, Policy(4, 8, 3), LowPriority(16, 10)),
     "pairs": Config(3, 16, 40, 4, 20, 5, 4, Policy(0, 96, 2, 6, 4)),  # shared experts bank credit per pair
-    "pairs-credit-capped": Config(2, 8, 12, 0, 12, 6, 2, Policy(4, 12, 0, 3, 8)),
+    "pairs-credit-capped": Config(2, 8, 16, 0, 16, 6, 2, Policy(4, 12, 0, 3, 8)),  # 2E slots: a prefetch and a lookup
 }
 
 
