@@ -85,8 +85,8 @@ def engine_hit_rate(steps: Steps, num_layers: int, num_experts: int, slots: int,
 def min_hit_rate(steps: Steps, num_experts: int, slots: int) -> float:
     """Belady's MIN over the lookups of ``steps`` (chunks ignored): on a miss with the cache full,
     evict the resident expert whose next use is farthest (never one of this lookup's)."""
-    requests = [list(dict.fromkeys(layer * num_experts + int(e) for e in ids)) for step in steps if step is not None
-                for layer, ids in enumerate(step)]  # each lookup's distinct experts
+    requests = [list(dict.fromkeys(layer * num_experts + int(e) for e in ids))  # a lookup's distinct experts
+                for step in steps if step is not None for layer, ids in enumerate(step)]
     next_use, upcoming = [], {}
     for r in range(len(requests) - 1, -1, -1):  # next_use[r][i]: the next request of requests[r][i]
         next_use.append([upcoming.get(x, math.inf) for x in requests[r]])
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lfru-cap", type=int, default=LFRU_CAP_STEPS, metavar="STEPS",
                    help="lfru's cap on banked credit, in steps (default: the engine's)")
     p.add_argument("--lfru-pair-credit", type=int, default=LFRU_PAIR_CREDIT_QUARTER_STEPS, metavar="QUARTER_STEPS",
-                   help="lfru's credit a use for each routed pair past the first, in quarter steps (default: the engine's)")
+                   help="lfru's credit a use for each routed pair past the first, in quarter steps "
+                        "(default: the engine's)")
     p.add_argument("--json", help="write [{cache, policy, hit_rate}, ...] here")
     args = p.parse_args(argv)
     if args.trace:
@@ -175,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                 pair_credit_quarter_steps=args.lfru_pair_credit)
     rows = report(steps, layers, experts, args.fractions, args.lent_slots, lfru)
     print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
-                      f"lent slots {args.lent_slots}, lfru credit {args.lfru_credit}/4 + {args.lfru_pair_credit}/4 a pair "
-                      f"past the first, cap {args.lfru_cap} steps")
+                      f"lent slots {args.lent_slots}, lfru credit {args.lfru_credit}/4 + {args.lfru_pair_credit}/4 "
+                      f"a pair past the first, cap {args.lfru_cap} steps")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

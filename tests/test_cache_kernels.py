@@ -50,7 +50,8 @@ CONFIGS = {
     "visit": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96, 2)),  # layers' next lookups rank the victims
     "visit-low-priority": Config(4, 8, 28, 0, 28, 2, 2, Policy(4, 8, 3), LowPriority(16, 10)),
     "pairs": Config(3, 16, 40, 4, 20, 5, 4, Policy(0, 96, 2, 6, 4)),  # shared experts bank credit per pair
-    "pairs-credit-capped": Config(2, 8, 16, 0, 16, 6, 2, Policy(4, 12, 0, 3, 8)),  # 2E slots: a prefetch and a lookup
+    # 2E slots: a lookup after a prefetch may need them
+    "pairs-credit-capped": Config(2, 8, 16, 0, 16, 6, 2, Policy(4, 12, 0, 3, 8)),
 }
 
 

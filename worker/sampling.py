@@ -60,7 +60,7 @@ class SamplingTensors:
 
 def sample(logits: torch.Tensor, s: SamplingTensors, *, backend: str | None = None) -> torch.Tensor:
     """``logits [B, V]`` float32 -> next tokens ``[B]`` int64, never reading the device on the host
-    (``worker.sample_kernel``; the twin, on the CPU, reads its tensors)."""
+    (``worker.sample_kernel``); the twin runs elsewhere."""
     if s.all_greedy:
         return logits.argmax(dim=-1)
     if use_triton(logits, backend) and logits.shape[1] > 0:
@@ -71,7 +71,8 @@ def sample(logits: torch.Tensor, s: SamplingTensors, *, backend: str | None = No
 
 
 def sample_eager(logits: torch.Tensor, s: SamplingTensors, block: int = BLOCK) -> torch.Tensor:
-    """The kernel's twin: the same rounds of rejection (see ``worker.sample_kernel``) row by row."""
+    """The kernel's twin: the same rounds of rejection (see ``worker.sample_kernel``) row by row,
+    reading each row's parameters and rounds on the host (the CPU path and the kernel's oracle)."""
     out = logits.argmax(dim=-1)
     for row in range(logits.shape[0]):
         t, k = float(s.temperature[row]), int(s.top_k[row])
@@ -84,14 +85,14 @@ def sample_eager(logits: torch.Tensor, s: SamplingTensors, block: int = BLOCK) -
 def _draw(scaled: torch.Tensor, top_k: int, top_p: float, seed: int, step: int, block: int) -> int:
     """One row's nucleus draw by rejection, as the kernel does it."""
     vocab = scaled.numel()
-    blocks = -(-vocab // block)
+    blocks, device = -(-vocab // block), scaled.device
     weights = (scaled - scaled.max()).exp()
-    block_ids = torch.arange(blocks) + vocab
+    block_ids = torch.arange(blocks, device=device) + vocab
     pivot, total, rnd, chosen = float("-inf"), 0.0, 0, -1
     while True:
-        seed_r = torch.tensor((seed + rnd * ROUND_SEED) & _MASK32)
+        seed_r = torch.tensor((seed + rnd * ROUND_SEED) & _MASK32, device=device)
         above = scaled > pivot
-        kept = torch.zeros(blocks * block)
+        kept = torch.zeros(blocks * block, device=device)
         kept[:vocab] = torch.where(above, weights, 0.0)
         mass, count = kept.sum(), int(above.sum())
         keys = kept.view(blocks, block).sum(dim=1).log() + gumbel_noise_eager(seed_r, step, block_ids)
@@ -100,7 +101,7 @@ def _draw(scaled: torch.Tensor, top_k: int, top_p: float, seed: int, step: int, 
         elif count < top_k and (top_p >= 1.0 or mass <= top_p * total):
             return chosen
         b = int(keys.argmax())
-        cols = torch.arange(b * block, min((b + 1) * block, vocab))
+        cols = torch.arange(b * block, min((b + 1) * block, vocab), device=device)
         noisy = torch.where(above[cols], scaled[cols] + gumbel_noise_eager(seed_r, step, cols), float("-inf"))
         chosen = b * block + int(noisy.argmax())
         pivot, rnd = float(scaled[chosen]), rnd + 1

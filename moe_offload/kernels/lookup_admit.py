@@ -23,7 +23,7 @@ An ``ahead`` launch admits the experts predicted for the *next* lookup (cross-la
 the experts of the launch before may still be read: it runs at the step that lookup will take (no
 advance), counts slots used by the launch before as used too, marks predicted hits used without
 crediting them, and gives its admissions the score 0: the real lookup raises a right guess to a
-fresh admission's score (``max(score, step) + credit``), a wrong one stays the first victim. It never
+fresh admission's score (``max(score, step)`` plus its credit), a wrong one stays the first victim. It never
 takes a slot in use as a victim: predicted misses beyond the free victims are not admitted.
 """
 from __future__ import annotations
@@ -64,8 +64,8 @@ class CopyPlan(NamedTuple):
 
 
 class Policy(NamedTuple):
-    """Score on use: ``min(step + cap, max(score, step) + credit + pair_credit * (min(m, max_pairs) - 1))``,
-    in launches, for an expert that ``m`` (token, choice) pairs of the launch route to.
+    """Score on use, in launches, of an expert that ``m`` (token, choice) pairs of the launch route
+    to: ``min(step + cap, max(score, step) + credit + pair_credit * (min(m, max_pairs) - 1))``.
 
     The score is the last use plus a bonus that decays by one per launch; each use adds ``credit``
     to what is left of it, up to ``cap``. ``(0, 0)`` is LRU; with ``credit`` above the launches

@@ -114,7 +114,8 @@ def _kernels():
 
     @triton.jit
     def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
-                              out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok, stride_head, table_stride_b,
+                              out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
+                              stride_head, table_stride_b,
                               num_pages, max_tokens, split_tokens, qk_scale,
                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                               NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
