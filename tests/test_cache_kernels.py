@@ -50,8 +50,7 @@ CONFIGS = {
     "visit": Config(3, 16, 40, 4, 20, 5, 4, Policy(6, 96, 2)),  # layers' next lookups rank the victims
     "visit-low-priority": Config(4, 8, 28, 0, 28, 2, 2, Policy(4, 8, 3), LowPriority(16, 10)),
     "pairs": Config(3, 16, 40, 4, 20, 5, 4, Policy(0, 96, 2, 6, 4)),  # shared experts bank credit per pair
-    # 2E slots: a lookup after a prefetch may need them
-    "pairs-credit-capped": Config(2, 8, 16, 0, 16, 6, 2, Policy(4, 12, 0, 3, 8)),
+    "pairs-credit-capped": Config(2, 8, 12, 0, 12, 6, 2, Policy(4, 12, 0, 3, 8)),
 }
 
 
@@ -103,12 +102,15 @@ def assert_same(got, want) -> None:
 def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext,
                 launches: int = 3, ahead: bool = False) -> None:
     """Consecutive launches on random layers from a random state, kernel (under ``guard``) vs twin;
-    with ``ahead``, each followed by an ahead launch (a prefetch) for the next layer."""
+    with ``ahead``, each followed by an ahead launch (a prefetch) for the next layer, which the next
+    launch then looks up, as the engine does (``ExpertPrefetch.fits`` counts slots for that)."""
     gen = torch.Generator().manual_seed(seed)
     want = random_tables(cfg, gen)
     got = clone(want, device)
+    layer = int(torch.randint(cfg.layers, (1,), generator=gen))
     for _ in range(launches):
-        layer = int(torch.randint(cfg.layers, (1,), generator=gen))
+        if not ahead:
+            layer = int(torch.randint(cfg.layers, (1,), generator=gen))
         for lookup_layer, is_ahead in ((layer, False), ((layer + 1) % cfg.layers, True))[:1 + ahead]:
             ids = random_ids(cfg, gen)
             args = (lookup_layer, cfg.experts)
@@ -122,6 +124,7 @@ def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=
             assert_same(got_plan, want_plan)
             assert torch.equal(got_slots.cpu(), want_slots)
             assert_same(got, want)
+        layer = (layer + 1) % cfg.layers
     check_consistent(want)
 
 
