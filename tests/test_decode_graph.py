@@ -79,6 +79,20 @@ def test_kernel_matches_twin(config):
 
 
 @interpreted
+def test_rows_of_one_split_and_of_two_agree_with_the_twin():
+    """A row whose keys fit one split is written by that split's program (the merge skips it);
+    the rows just past the boundary take the merge."""
+    gen = torch.Generator().manual_seed(9)
+    B, heads, kv_heads, D, page, max_pages, num_pages = 6, 4, 2, 16, 4, 48, 60
+    splits, split_tokens = split_plan(B, kv_heads, max_pages * page, num_splits=3)
+    lens = [split_tokens - 1, split_tokens, split_tokens + 1, 2 * split_tokens, 0, 1]
+    q, k, v, table, lens = decode_case(gen, B, heads, kv_heads, D, page, max_pages, num_pages, lens=lens)
+    out = paged_decode_attention(q, k, v, table, lens, D ** -0.5, num_splits=3, backend="triton")
+    torch.testing.assert_close(out, paged_decode_attention_eager(q, k, v, table, lens, D ** -0.5), rtol=1e-4, atol=1e-5)
+    assert splits == 3 and (out[4] == 0).all()
+
+
+@interpreted
 def test_kernel_clamps_device_data():
     """Padded rows: seq_len past the table, negative, and page ids outside the pool are clamped
     the same way in kernel and twin, never read out of bounds."""
