@@ -41,7 +41,6 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels.mix32 import M32 as _M32, mix32
 from moe_offload.kernels.triton_support import use_triton
 
 # Fitted at E = 128, k = 8 by a grid search over these four (tests/test_synthetic_routing.py measures
@@ -62,6 +61,18 @@ GUESS_ACCURACY = 0.78
 GUESS_BITS = 16
 _GUESS_KEEP = round(GUESS_ACCURACY * (1 << GUESS_BITS))  # kept: a hash's low GUESS_BITS below this
 _SALTS = {"phase": 1, "lane": 2, "pick": 3, "fresh": 4, "weight": 5, "shuffle": 6, "guess": 7}
+_M32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """The router's 32-bit hash (xorshift-multiply) of Python ints or int64 tensors holding 32-bit
+    values; multipliers are below 2^31, so no int64 product overflows (the kernel's ``_mix32``
+    computes the same bits in uint32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _M32
+    return x ^ (x >> 16)
 
 
 def hash_ints(*parts: int) -> int:

@@ -36,7 +36,7 @@ EXPERT_BITS = 10  # an expert id fits in the low bits of a score (at most 1024 e
 
 @triton.jit
 def _mix32(x):
-    """``moe_offload.kernels.mix32``'s hash of int64 or uint32 values, as uint32."""
+    """``moe_offload.synthetic_routing.mix32``'s hash of int64 or uint32 values, as uint32."""
     h = (x ^ (x >> 16)).to(tl.uint32)
     h = h * tl.full(h.shape, 0x7FEB352D, tl.uint32)
     h = h ^ (h >> 15)
