@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -33,6 +34,7 @@ import torch
 
 from moe_offload.expert_cache import slot_bytes
 from moe_offload.choices import EXPERT_DTYPES, LENT_SLOT_RULES, POLICIES
+from moe_offload.kernels.triton_support import PDL_ENV
 from moe_offload.synthetic_routing import synthetic_trace
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
@@ -263,7 +265,7 @@ def resident_bounds_from_lookups(rows: list[dict]) -> None:
 
 
 COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
-           ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("batch", "batch", ">5"),
+           ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("pdl", "pdl", ">3"), ("batch", "batch", ">5"),
            ("tok/s", "tok_s", ">8.1f"), ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
            ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
@@ -295,6 +297,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-every", type=int, default=0, metavar="STEPS",
                    help="every STEPS decode steps another request's prompt is prefilled between them (0: never)")
     p.add_argument("--prefill-tokens", type=int, default=1024, help="that prompt's tokens")
+    p.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
+                   help="programmatic dependent launch of the Triton kernels (sm90+; off: SLUICE_PDL=0)")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="print the N kernels that take the most GPU time per decode step, per row")
     p.add_argument("--json")
@@ -317,9 +321,12 @@ def main() -> None:
             for expert_dtype in args.expert_dtype:
                 for lent in args.lent_slots:
                     for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: no fetch
-                        rows += bench_runner(args, fraction, expert_dtype, lent, prefetch, gpus)
-                        if args.json:  # after every runner: a run cut short keeps its rows
-                            Path(args.json).write_text(json.dumps(rows, indent=1))
+                        for pdl in args.pdl:  # read at each launch, so at the capture of the runner's graphs
+                            os.environ[PDL_ENV] = "1" if pdl == "on" else "0"
+                            rows += [dict(r, pdl=pdl) for r in bench_runner(args, fraction, expert_dtype, lent,
+                                                                            prefetch, gpus)]
+                            if args.json:  # after every runner: a run cut short keeps its rows
+                                Path(args.json).write_text(json.dumps(rows, indent=1))
     resident_bounds_from_lookups(rows)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "

@@ -308,6 +308,23 @@ def test_graph_decode_with_offloaded_experts(tmp_path):
         assert graphed.graphs.supports([SequenceChunk([1], 0, [1])] * 16) != pipelined
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fraction", [1.0, 0.5], ids=["resident", "offloaded"])
+def test_graph_decode_same_with_and_without_pdl(tmp_path, monkeypatch, fraction):
+    """Programmatic dependent launch (``triton_support.pdl_args``) moves when a kernel starts, not
+    what it computes: graphs captured with it and without give float32 logits within 1e-7 (the
+    one-row projection's whole-tile load, PDL's other change, runs only in 16-bit dtypes), resident
+    and with the lookup, admission and gather between the kernels of a layer."""
+    write_tiny(tmp_path, "qwen3_moe", seed=4, layers=3, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2,
+               router_std=0.3)
+    monkeypatch.setenv("SLUICE_PDL", "0")
+    without = gpu_runner(str(tmp_path), "float32", True, cache_fraction=fraction)
+    without.graphs.capture_all()
+    monkeypatch.setenv("SLUICE_PDL", "1")
+    with_pdl = gpu_runner(str(tmp_path), "float32", True, cache_fraction=fraction)
+    decode_in_lockstep(with_pdl, without, (1, 6, 20), 1e-7)
+
+
 def sampling_of(i: int) -> SamplingParams:
     """Request ``i`` of ``engine_outputs``: every fourth one samples."""
     return SAMPLED if i % 4 == 3 else GREEDY

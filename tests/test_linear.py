@@ -43,17 +43,25 @@ def check(n: int, k: int, dtype: torch.dtype, device: str, trials: int = TRIALS)
         torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+# the whole-tile load (a power-of-two K; the step loop otherwise) forced on and off, and the default
+WHOLE = pytest.mark.parametrize("whole", [True, False, None], ids=["whole", "steps", "default"])
+
+
 @interpreted
+@WHOLE
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", CONFIGS, ids=lambda c: "N{}K{}".format(*c))
-def test_kernel_matches_twin_interpreted(shape, dtype):
-    check(*shape, dtype, "cpu")
+def test_kernel_matches_twin_interpreted(shape, dtype, whole, monkeypatch):
+    monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
+    check(*shape, dtype, "cpu", trials=TRIALS if whole is None else 5)
 
 
 @pytest.mark.cuda
+@WHOLE
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", GPU_CONFIGS, ids=lambda c: "N{}K{}".format(*c))
-def test_kernel_matches_twin_on_gpu_without_syncs(shape, dtype):
+def test_kernel_matches_twin_on_gpu_without_syncs(shape, dtype, whole, monkeypatch):
+    monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
     check(*shape, dtype, "cuda")
 
 
@@ -123,16 +131,20 @@ def check_norm(n: int, k: int, dtype: torch.dtype, device: str, residual: bool, 
 
 
 @interpreted
+@WHOLE
 @pytest.mark.parametrize("residual", [True, False], ids=["add", "first_layer"])
 @pytest.mark.parametrize("shape", [(40, 64), (33, 48), (16, 1536)], ids=lambda c: "N{}K{}".format(*c))
-def test_norm_fused_kernel_matches_twins_interpreted(shape, residual):
+def test_norm_fused_kernel_matches_twins_interpreted(shape, residual, whole, monkeypatch):
+    monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
     check_norm(*shape, torch.bfloat16, "cpu", residual, trials=5)
 
 
 @pytest.mark.cuda
+@WHOLE
 @pytest.mark.parametrize("residual", [True, False], ids=["add", "first_layer"])
 @pytest.mark.parametrize("shape", [(5120, 2048), (1152, 2048), (96, 1000 * 16)], ids=lambda c: "N{}K{}".format(*c))
-def test_norm_fused_kernel_matches_twins_on_gpu_without_syncs(shape, residual):
+def test_norm_fused_kernel_matches_twins_on_gpu_without_syncs(shape, residual, whole, monkeypatch):
+    monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
     check_norm(*shape, torch.bfloat16, "cuda", residual)
 
 

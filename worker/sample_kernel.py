@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.triton_support import pdl_args
 from worker.sampling import BLOCK, ROUND_SEED
 
 
@@ -39,7 +40,8 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         raise ValueError("the sampler's kernel takes contiguous logits and parameters")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _sample_kernel[(rows,)](logits, logits.stride(0), temperature, top_k, top_p, seed, step, out, vocab,
-                            BLOCK=block, ROUND_SEED=ROUND_SEED, num_warps=16 if block >= 4096 else 4)
+                            BLOCK=block, ROUND_SEED=ROUND_SEED, num_warps=16 if block >= 4096 else 4,
+                            **pdl_args(logits))
     return out
 
 
@@ -70,7 +72,10 @@ def _round_key(seed, step, rnd, ROUND_SEED: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, out_ptr, vocab,
-                   BLOCK: tl.constexpr, ROUND_SEED: tl.constexpr):
+                   BLOCK: tl.constexpr, ROUND_SEED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.triton_support import pdl_args
+
 
 class BlockConfig(NamedTuple):
     """Tile sizes. ``block_m`` is also the padding unit of the alignment; the fused gate/up GEMM
@@ -255,9 +257,12 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_pt
 
 @triton.jit
 def _sum_k_kernel(pair_out_ptr, slots_ptr, out_ptr, num_slots, hidden, top_k,
-                  TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                  TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j pair_out[t*k + j] in fp32, in a fixed order; out-of-range slots were never
     computed (their rows are uninitialised) and are skipped here."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     js = tl.arange(0, TOP_K)
@@ -310,4 +315,5 @@ def sum_over_k(pair_out: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, n
     num_tokens, dim = out.shape
     block_h = min(1024, triton.next_power_of_2(dim))
     _sum_k_kernel[(num_tokens, triton.cdiv(dim, block_h))](pair_out, slots, out, num_slots, dim, top_k,
-                                                           TOP_K=triton.next_power_of_2(top_k), BLOCK_H=block_h)
+                                                           TOP_K=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+                                                           **pdl_args(out))

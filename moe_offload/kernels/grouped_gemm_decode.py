@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.grouped_gemm import down_rows, sum_over_k, swiglu_rows
+from moe_offload.kernels.triton_support import pdl_args
 
 # Batches of up to this many pairs take this path: every program scans all pairs' slots, and
 # compacts its slot's pairs with a [16, T*k] selection.
@@ -94,8 +95,11 @@ def _round_pairs(on_slot, rank, count, r0, BLOCK_P: tl.constexpr):
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           PRECISION: tl.constexpr, PDL: tl.constexpr):
     """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
     if skip:
         return
@@ -113,11 +117,14 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 @triton.jit
 def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
                                 stride_wh, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, as the per-token
     down does (the reduction over ``HIDDEN`` unrolled at compile time, float32 multiply-adds, no
     tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
     and ``inter``."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
@@ -151,7 +158,7 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
 @triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
                         stride_ws, stride_wh, stride_wi, TOP_K: tl.constexpr, INTER: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
     Both loops (the k slots, the reduction over ``INTER``) are unrolled at compile time, so no
@@ -162,6 +169,9 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)`` reads
     slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the tiles
     divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -188,8 +198,11 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
 @triton.jit
 def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
                              inter, stride_ws, stride_wh, stride_wi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
     if skip:
         return
@@ -245,13 +258,13 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: 
         _decode_gate_up_pair_kernel[(top_k, triton.cdiv(inter, cfg.pair_n))](
             hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), TOP_K=top_k,
             HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0,
-            num_warps=cfg.pair_warps)
+            num_warps=cfg.pair_warps, **pdl_args(hidden))
         return act
     _decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
-        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
     return act
 
 
@@ -262,7 +275,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=top_k,
         INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0,
-        num_warps=cfg.down_warps)
+        num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
@@ -274,5 +287,5 @@ def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
     _decode_slot_down_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
         act, w2, weights, slots, pair_out, num_pairs, num_slots, dim, inter, w2.stride(0), w2.stride(1),
         w2.stride(2), BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
-        PRECISION=_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRECISION=_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(act))
     sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, pdl_args, use_triton
 
 # Per layer, summed over launches: distinct experts looked up, of which resident (hits) and admitted
 # (misses, each copied in by gather_missing), misses that displaced a resident expert, bytes copied.
@@ -250,7 +250,7 @@ def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables
         low.penalty, expert_bytes,
         BLOCK_N=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=next_pow2(plan.src_id.numel()),
         NUM_STATS=len(STAT_FIELDS), AHEAD=int(ahead), num_warps=num_warps_for(max(block_s, block_e)),
-    )
+        **pdl_args(ids))
 
 
 @functools.cache
@@ -265,7 +265,11 @@ def _kernel():
                             credit, cap, visit, pair_credit, max_pairs, num_layers, low_end, low_penalty,
                             expert_bytes,
                             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr, AHEAD: tl.constexpr):
+                            BLOCK_P: tl.constexpr, NUM_STATS: tl.constexpr, AHEAD: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Where a block is smaller than the CTA, threads hold replicas of one element; every
         # read-then-write of one address is split by a barrier so that no replica reads a value
         # its owner already replaced. Counters and the step are read up front for the same reason.

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels.triton_support import next_pow2
+from moe_offload.kernels.triton_support import next_pow2, pdl_args
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,7 +23,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
         _kernel()[(tokens,)](logits, weights, ids, experts, TOP_K=top_k, BLOCK_K=next_pow2(top_k),
-                             BLOCK_E=next_pow2(experts), RENORMALIZE=renormalize, num_warps=1)
+                             BLOCK_E=next_pow2(experts), RENORMALIZE=renormalize, num_warps=1,
+                             **pdl_args(logits))
     return weights, ids
 
 
@@ -43,7 +44,11 @@ def _kernel():
 
     @triton.jit
     def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, experts, TOP_K: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits_ptr + row * experts + e, mask=e < experts, other=-float("inf")).to(tl.float32)

@@ -15,6 +15,7 @@ import torch
 
 BACKEND_ENV = "SLUICE_KERNELS"
 BACKENDS = ("auto", "triton", "eager")
+PDL_ENV = "SLUICE_PDL"  # "0" turns programmatic dependent launch off (the A/B switch)
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
@@ -39,6 +40,25 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """Whether kernels decorated now become interpreted functions (Triton reads this env var)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl_args(tensor: torch.Tensor) -> dict[str, bool]:
+    """Launch arguments for programmatic dependent launch (PDL), on for CUDA devices of compute
+    capability 9 or more unless ``SLUICE_PDL=0``: ``kernel[grid](..., **pdl_args(x))``.
+
+    A PDL launch may begin while the kernel before it on the stream still runs. The kernel takes
+    the ``PDL`` constexpr and, when set, first calls ``tl.extra.cuda.gdc_wait()`` (it returns once
+    the previous kernel has finished and its writes are visible, so every access after it is
+    ordered as without PDL) and then ``gdc_launch_dependents()`` (the next kernel may launch). Only
+    memory no kernel writes, a model's weights, may be read before the wait. What it saves is the
+    launch latency between two kernels of a step."""
+    on = tensor.is_cuda and os.environ.get(PDL_ENV, "1") != "0" and _capability(tensor.device) >= 9
+    return {"PDL": on, "launch_pdl": on}
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def next_pow2(n: int) -> int:

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels.triton_support import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
 from worker.attention.paged_checks import check_paged_inputs
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
@@ -70,11 +70,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         num_pages, max_tokens, split_tokens, scale * _LOG2E,
         HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=splits, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, **pdl_args(q))
     reduce[(B, heads)](
         m, denom, acc, seq_lens, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
         HEADS=heads, HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=max(16, next_pow2(splits)), BLOCK_D=block_d,
-        CHUNK=REDUCE_CHUNK, num_warps=4)
+        CHUNK=REDUCE_CHUNK, num_warps=4, **pdl_args(q))
     return out
 
 
@@ -119,7 +119,10 @@ def _kernels():
                               num_pages, max_tokens, split_tokens, qk_scale,
                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                               NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -176,7 +179,10 @@ def _kernels():
     def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, out_stride_b, out_stride_h,
                              max_tokens, split_tokens, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                             CHUNK: tl.constexpr):
+                             CHUNK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)

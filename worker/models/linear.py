@@ -14,6 +14,10 @@ needs it; float32 products accumulate in a ``[BLOCK_K, BLOCK_N]`` tile summed on
                        1/rms, then normalises each x[ks] slice as it goes; program 0 stores x + residual
 ```
 
+When ``K`` is a power of two a program loads its whole ``[K, BLOCK_N]`` tile in one go, before
+it waits for the previous kernel (under programmatic dependent launch, ``triton_support.pdl_args``):
+the weights stream while the kernel before it finishes, and only the input row waits.
+
 The norm's launch (about 2 us of a 60 us layer) is worth more than its arithmetic, which every
 program repeats on a 2k-element row. Numerics follow ``worker.models.norm``: the sum rounded to the
 input dtype, normalised in float32, rounded, times the weight, rounded again.
@@ -29,11 +33,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from moe_offload.kernels.triton_support import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
 from worker.models.norm import add_rms_norm, rms_norm
 
 BLOCK_N = 8  # rows of w per program: 256 programs for a 2048-row projection
 MAX_BLOCK_K = 1024
+# Whether a program loads its whole weight tile at once (``K`` a power of two): None, under PDL
+# (the loads go before the wait); the tests force either.
+WHOLE_TILE: bool | None = None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -78,6 +85,8 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
+    pdl = pdl_args(x)
+    whole = k == next_pow2(k) and (pdl["PDL"] if WHOLE_TILE is None else WHOLE_TILE)
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else x
@@ -85,7 +94,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
         summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), BLOCK_ROW=next_pow2(k),
         EVEN_N=n % BLOCK_N == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        num_warps=16 if k >= 4096 else 4)
+        WHOLE=whole, num_warps=16 if k >= 4096 else 4, **pdl)
     return out, summed
 
 
@@ -97,10 +106,15 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_N: tl.constexpr,
-                    NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         w_rows = w_ptr + rows[None, :].to(tl.int64) * stride_wn
+        if WHOLE:  # the program's whole weight tile, read before waiting for the previous kernel
+            w_all = tl.load(w_rows + tl.arange(0, K)[:, None], mask=row_ok[None, :], other=0.0)
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         inv = 1.0
         if NORM:
             cols = tl.arange(0, BLOCK_ROW)
@@ -113,6 +127,15 @@ def _kernel():
                     tl.store(sum_ptr + cols, whole, mask=live)
             sq = whole.to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(sq * sq, axis=0) / K + eps)
+        if WHOLE:  # BLOCK_ROW == K: the row read for the norm is the input
+            if NORM:
+                normed = (whole.to(tl.float32) * inv).to(whole.dtype).to(tl.float32)
+                xs = (normed * tl.load(norm_ptr + cols).to(tl.float32)).to(whole.dtype)
+            else:
+                xs = tl.load(x_ptr + tl.arange(0, K))
+            out = tl.sum(xs.to(tl.float32)[:, None] * w_all.to(tl.float32), 0)
+            tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+            return
         acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
         for step in tl.static_range(K // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)

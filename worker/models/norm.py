@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels.triton_support import next_pow2, num_warps_for, use_triton
+from moe_offload.kernels.triton_support import next_pow2, num_warps_for, pdl_args, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
@@ -66,7 +66,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     summed = torch.empty_like(rows_in) if residual is not None else rows_in
     block = next_pow2(dim)
     _kernel()[(rows_in.shape[0],)](rows_in, res_in, weight, out, summed, dim, eps,
-                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block))
+                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
+                                   **pdl_args(rows_in))
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -77,7 +78,10 @@ def _kernel():
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, dim, eps,
-                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64) * dim
         cols = tl.arange(0, BLOCK)
         live = cols < dim

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.kernels.triton_support import next_pow2, use_triton
+from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
 from worker.models.norm import rms_norm_eager
 
 
@@ -98,7 +98,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.shape[0],
         rotary.cos.shape[0], eps,
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HAS_NORM=norm, WRITE=write is not None,
-        num_warps=1 if dim <= 128 else 2)
+        num_warps=1 if dim <= 128 else 2, **pdl_args(q))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
@@ -143,7 +143,10 @@ def _kernel():
                        cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
                        v_stride_t, v_stride_h, num_slots, max_positions, eps,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-                       WRITE: tl.constexpr):
+                       WRITE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         cols = tl.arange(0, DIM)
