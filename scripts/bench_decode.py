@@ -72,8 +72,10 @@ def expert_bytes(runner: ModelRunner) -> int:
 
 def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
     """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (torch.profiler sees
-    the kernels inside replayed graphs too); the busy time sums kernel durations. ``top``: also the
-    ``top`` kernels by time, as ``[name, launches per step, microseconds per step]``."""
+    the kernels inside replayed graphs too); the busy time is the union of the kernels' intervals
+    (kernels of two streams, or of one under PDL, overlap). ``top``: also the ``top`` kernels by time,
+    as ``[name, launches per step, microseconds per step]``; under PDL (``triton_support.pdl_args``)
+    a kernel's time includes its wait for the kernel before it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -87,8 +89,19 @@ def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
         count_us[0] += 1
         count_us[1] += e.device_time
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return dict(kernels=len(kernels) / steps, busy_ms=sum(e.device_time for e in kernels) / 1e3 / steps,
+    return dict(kernels=len(kernels) / steps, busy_ms=busy_us([(e.time_range.start, e.time_range.end)
+                                                               for e in kernels]) / 1e3 / steps,
                 top_kernels=[[name, n / steps, us / steps] for name, (n, us) in ranked])
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``[start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def sync() -> None:

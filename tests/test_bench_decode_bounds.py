@@ -74,3 +74,9 @@ def test_a_resident_row_under_synthetic_routing_models_its_distinct_experts():
     by_hand = sum(len(set(ids[l, :, t].flatten().tolist())) for l in range(3) for t in range(7)) / 21
     assert bench_decode.synthetic_distinct(Config, 5, 7) == pytest.approx(by_hand)
     assert bench_decode.synthetic_distinct(Config, 1, 7) == 4  # one token's k choices are distinct
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    """Kernels that overlap (two streams, or PDL's early launch) count once; gaps not at all."""
+    assert bench_decode.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert bench_decode.busy_us([(3, 4)]) == 1 and bench_decode.busy_us([]) == 0
