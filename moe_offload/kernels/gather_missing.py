@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from moe_offload.kernels.triton_support import raw_bytes, use_triton
+from moe_offload.kernels.triton_support import pdl_args, raw_bytes, use_triton
 
 BLOCK = 4096
 
@@ -57,7 +57,8 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
         for host, slots in banks:
             host, slots = raw_bytes(host), raw_bytes(slots)
             numel = host[0].numel()
-            _kernel()[(_num_blocks(numel),)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK)
+            _kernel()[(_num_blocks(numel),)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK,
+                                             **pdl_args(slots))
     else:
         gather_missing_eager(plan_src, plan_dst, count, banks)
 
@@ -91,7 +92,11 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gather_missing_kernel(src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, numel, BLOCK: tl.constexpr):
+    def gather_missing_kernel(src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, numel, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
+        if PDL:  # see triton_support.pdl_args
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < numel
         for j in range(0, tl.load(count_ptr)):
