@@ -1,7 +1,7 @@
 """Expert-cache hit rates of the engine's policies against Belady's offline optimum (MIN).
 
     python scripts/cache_policy_report.py [--trace FILE] [--fractions 0.1 0.25 0.5] [--json OUT]
-        [--batch 1] [--steps 256] [--layers 48 --experts 128 --top-k 8]   (synthetic, without --trace)
+        [--batch 1] [--steps 256] [--layers 48 --experts 128 --top-k 8]   (synthetic, without --trace: adds lanes)
         [--lent-slots none|reserve|decode] [--prefill-every N] [--lfru-credit Q --lfru-pair-credit Q --lfru-cap STEPS]
 
 Replays the decode lookups of a routing trace (``--record-routing``; steps big enough for the
@@ -10,10 +10,15 @@ prefill pipeline are chunks, which do not look up) or, without one, of the synth
 does. lru and lfru run the engine's own code: ``ExpertCache.lookup`` (the ``lookup_admit`` eager
 twin, the kernel's parity oracle) on CPU tables. MIN evicts the expert used farthest in the future
 among those the step's layer does not use, and admits every miss (as the engine must).
+With synthetic routing, lanes is a reference between them: a policy that knows the router's
+hidden lane state (which expert each lane holds at every position, the lanes' next draws included)
+but not which lanes a token will pick, so the gap from lanes to MIN is what seeing the picks is
+worth, and the gap from lfru to lanes what the lane state is. The engine cannot run it: a model
+has no lanes, and its routing history does not show them.
 
 ``--lent-slots`` models a prefill pipeline lending ``2E`` slots: reserve (decode never uses them),
 decode (decode uses them as first victims); each chunk (a trace's, or one every ``--prefill-every``
-synthetic steps) wipes them. MIN always has the whole cache: it is the bound either way.
+synthetic steps) wipes them. MIN and lanes always have the whole cache: MIN is the bound either way.
 ``--lfru-credit`` / ``--lfru-pair-credit`` / ``--lfru-cap`` replay lfru with other parameters than the
 engine's. A lookup holds every routed (token, choice) pair, repeats included: lfru credits an expert
 by how many pairs chose it.
@@ -33,9 +38,10 @@ from moe_offload.expert_cache import (LFRU_CAP_STEPS, LFRU_CREDIT_QUARTER_STEPS,
                                      ExpertCache, policy_for)
 from moe_offload.offloaded import PIPELINE_PAIRS_PER_EXPERT, decode_slots
 from moe_offload.routing_trace import RoutingTrace
-from moe_offload.synthetic_routing import synthetic_trace
+from moe_offload.synthetic_routing import DRAW_BITS, SyntheticRouter, TokenKeys, synthetic_trace
 
 POLICIES = ("lru", "lfru", "min")
+LANES_LOOKAHEAD = 64  # positions: the farthest the lanes reference looks
 Steps = list  # per step: a list of L tensors (each layer's routed experts, repeats kept), or None for a prefill chunk
 
 
@@ -114,9 +120,80 @@ def min_hit_rate(steps: Steps, num_experts: int, slots: int) -> float:
     return hits / max(lookups, 1)
 
 
+def synthetic_lane_use(layers: int, experts: int, top_k: int, batch: int, positions: int, seed: int = 0
+                       ) -> torch.Tensor:
+    """``lane_use_probability`` of ``synthetic_steps``' sequences at positions ``[0, positions)``."""
+    router = SyntheticRouter(layers, experts, top_k, "cpu", seed)
+    seq = torch.arange(1, batch + 1).repeat_interleave(positions)
+    pos = torch.arange(positions).repeat(batch)
+    lanes = router._lanes(slice(None), router._hashes(TokenKeys(seq, pos, torch.zeros_like(pos)))[0], pos)
+    popularity = torch.diff(router.cdf, dim=1, prepend=torch.zeros_like(router.cdf[:, :1])) / (1 << DRAW_BITS)
+    return lane_use_probability(lanes.view(layers, batch, positions, -1), top_k, experts, popularity)
+
+
+def lane_use_probability(lanes: torch.Tensor, top_k: int, num_experts: int,
+                         popularity: torch.Tensor | None = None) -> torch.Tensor:
+    """``[P, L, E]``: the probability that some sequence routes to each expert at each position,
+    knowing only the experts its lanes ``[L, N, P, W]`` hold. A token picks ``top_k`` of its ``W``
+    lanes as if at random, so an expert on ``n`` of them is missed with probability
+    ``C(W - n, k) / C(W, k)``; with ``popularity [L, E]``, the fresh draws that replace duplicate
+    picks add their share."""
+    L, N, P, W = lanes.shape
+    counts = torch.zeros(L, N, P, num_experts, dtype=torch.long).scatter_add_(3, lanes, torch.ones_like(lanes))
+    missed = torch.tensor([math.comb(W - n, top_k) / math.comb(W, top_k) for n in range(W + 1)], dtype=torch.float64)
+    picked = 1 - missed[counts]
+    if popularity is not None:
+        duplicates = top_k - picked.sum(3, keepdim=True)  # expected: k minus the expected distinct picks
+        fresh = -torch.expm1(duplicates * torch.log1p(-popularity.double()[:, None, None, :]))
+        picked = picked + (1 - picked) * fresh
+    return (1 - torch.prod(1 - picked, dim=1)).permute(1, 0, 2).contiguous()
+
+
+def lanes_hit_rate(steps: Steps, use: torch.Tensor, slots: int) -> float:
+    """The lanes reference over the lookups of ``steps`` (chunks ignored), given the use
+    probabilities ``use [P, L, E]`` of the decode positions (``P > steps + LANES_LOOKAHEAD``): admit
+    every miss and, with the cache full, evict the resident experts (never this lookup's) whose next
+    use is expected latest, counting up to the cache's turnover time (its slots over the misses of
+    the last L lookups), since a later use finds the expert evicted anyway. Fixed horizons,
+    discounted uses and the chance of a use within a few positions did no better at any of the
+    report's points; the turnover time needs no horizon chosen."""
+    L, E = use.shape[1:]
+    resident = torch.zeros(L * E, dtype=torch.bool)
+    recent = [0] * L  # misses of each layer's last lookup
+    held = hits = lookups = 0
+    for t, step in enumerate(s for s in steps if s is not None):
+        for layer, ids in enumerate(step):
+            request = torch.unique(ids) + layer * E
+            misses = request.numel() - int(resident[request].sum())
+            hits, lookups = hits + request.numel() - misses, lookups + request.numel()
+            if held + misses > slots:
+                horizon = max(1, min(LANES_LOOKAHEAD, round(slots / max(sum(recent), 1))))
+                wait = expected_wait(use, t, layer, horizon).flatten().masked_fill(~resident, -math.inf)
+                wait[request] = -math.inf
+                resident[torch.topk(wait, held + misses - slots).indices] = False
+                held = slots - misses
+            resident[request] = True
+            held += misses
+            recent[layer] = misses
+    return hits / max(lookups, 1)
+
+
+def expected_wait(use: torch.Tensor, t: int, layer: int, horizon: int) -> torch.Tensor:
+    """``[L, E]``: the expected steps from the lookup of ``layer`` at step ``t`` to each expert's
+    next use, counting ``horizon`` lookups of its layer at most, if uses at different positions
+    are independent (the picks are). Layers after ``layer`` are looked up next at ``t``, the others
+    at ``t + 1``."""
+    L = use.shape[1]
+    later = torch.arange(L) > layer
+    ahead = torch.where(later[None, :, None], use[t:t + horizon], use[t + 1:t + 1 + horizon])
+    first = (torch.arange(L) - layer) / L + (~later).double()  # steps to the layer's next lookup
+    return first[:, None] + torch.cumprod(1 - ahead, 0).sum(0)
+
+
 def report(steps: Steps, num_layers: int, num_experts: int, fractions: list[float],
-           lent_slots: str = "none", lfru: dict | None = None) -> list[dict]:
-    """Rows of hit rates; a cache too small for one lookup's experts is skipped with a note."""
+           lent_slots: str = "none", lfru: dict | None = None, lane_use: torch.Tensor | None = None) -> list[dict]:
+    """Rows of hit rates, and the lanes reference's with ``lane_use`` (``lanes_hit_rate``); a cache
+    too small for one lookup's experts is skipped with a note."""
     rows = []
     largest = max((ids.numel() for step in steps if step is not None for ids in step), default=0)
     for fraction in fractions:
@@ -128,16 +205,20 @@ def report(steps: Steps, num_layers: int, num_experts: int, fractions: list[floa
             rate = (min_hit_rate(steps, num_experts, slots) if policy == "min" else
                     engine_hit_rate(steps, num_layers, num_experts, slots, policy, lent_slots, lfru))
             rows.append({"cache": fraction, "policy": policy, "hit_rate": rate})
+        if lane_use is not None:
+            rows.append({"cache": fraction, "policy": "lanes", "hit_rate": lanes_hit_rate(steps, lane_use, slots)})
     return rows
 
 
 def print_table(rows: list[dict], title: str) -> None:
+    rates = [p for p in ("lru", "lfru", "lanes", "min") if any(r["policy"] == p for r in rows)]
+    ratios = [p for p in ("lfru", "lanes") if p in rates]
     print(title)
-    print(f"{'cache':>6} {'lru':>7} {'lfru':>7} {'min':>7} {'lfru/min':>8}")
+    print(f"{'cache':>6}" + "".join(f" {p:>7}" for p in rates) + "".join(f" {p + '/min':>9}" for p in ratios))
     for fraction in sorted({r["cache"] for r in rows}):
         rate = {r["policy"]: r["hit_rate"] for r in rows if r["cache"] == fraction}
-        ratio = rate["lfru"] / rate["min"] if rate["min"] else float("nan")
-        print(f"{fraction:>6.0%} {rate['lru']:>7.3f} {rate['lfru']:>7.3f} {rate['min']:>7.3f} {ratio:>8.3f}")
+        print(f"{fraction:>6.0%}" + "".join(f" {rate[p]:>7.3f}" for p in rates)
+              + "".join(f" {rate[p] / rate['min'] if rate['min'] else float('nan'):>9.3f}" for p in ratios))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,16 +246,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace:
         trace = RoutingTrace.load(args.trace)
         layers, experts, steps = trace.num_layers, trace.num_experts, trace_steps(trace)
+        lane_use = None
         title = f"trace {args.trace}: {trace.num_layers} layers, {experts} experts, top {trace.top_k}"
     else:
         layers, experts = args.layers, args.experts
         steps = synthetic_steps(layers, experts, args.top_k, args.batch, args.steps, args.seed, args.prefill_every)
+        lane_use = synthetic_lane_use(layers, experts, args.top_k, args.batch, args.steps + 1 + LANES_LOOKAHEAD,
+                                      args.seed)
         title = (f"synthetic routing: {layers} layers, {experts} experts, top {args.top_k}, batch {args.batch}, "
                  f"{args.steps} steps")
     chunks = sum(step is None for step in steps)
     lfru = dict(credit_quarter_steps=args.lfru_credit, cap_steps=args.lfru_cap,
                 pair_credit_quarter_steps=args.lfru_pair_credit)
-    rows = report(steps, layers, experts, args.fractions, args.lent_slots, lfru)
+    rows = report(steps, layers, experts, args.fractions, args.lent_slots, lfru, lane_use)
     print_table(rows, f"{title}, {len(steps) - chunks} decode steps, {chunks} prefill chunks, "
                       f"lent slots {args.lent_slots}, lfru credit {args.lfru_credit}/4 + {args.lfru_pair_credit}/4 "
                       f"a pair past the first, cap {args.lfru_cap} steps")

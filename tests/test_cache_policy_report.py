@@ -1,6 +1,7 @@
 """scripts/cache_policy_report.py: Belady's MIN gives the known optimum (a textbook trace, and
 exhaustive search over small traces of multi-expert lookups), the engine's lru is textbook LRU, a
-trace's pipelined steps are chunks, and the report's rows."""
+trace's pipelined steps are chunks, the lanes reference reads the router's lanes and evicts the
+expert no lane will hold, and the report's rows."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from moe_offload.routing_trace import RoutingTrace
-from scripts.cache_policy_report import engine_hit_rate, main, min_hit_rate, trace_steps
+from moe_offload.synthetic_routing import synthetic_trace
+from scripts.cache_policy_report import (LANES_LOOKAHEAD, engine_hit_rate, lane_use_probability, lanes_hit_rate, main,
+                                         min_hit_rate, synthetic_lane_use, synthetic_steps, trace_steps)
 
 
 def single(sequence: list[int]) -> list:
@@ -88,13 +91,68 @@ def test_pipelined_steps_of_a_trace_are_chunks():
     assert [torch.equal(a, ids[13, layer]) for layer, a in enumerate(steps[2])] == [True] * 3  # repeats kept
 
 
+def test_lane_use_probability_by_hand():
+    # W = 4 lanes, k = 2 picked: an expert on one lane is missed with C(3, 2) / C(4, 2) = 1/2, on
+    # two with 1/6, on three never; on one lane in each of two sequences, with 1/2 * 1/2
+    lanes = torch.tensor([[0, 1, 1, 2], [0, 3, 3, 3]]).view(1, 2, 1, 4)
+    assert lane_use_probability(lanes, 2, 5)[0, 0].tolist() == pytest.approx([3 / 4, 5 / 6, 1 / 2, 1, 0])
+
+
+def test_lane_use_probability_matches_the_synthetic_router():
+    layers, experts, top_k, batch, steps = 4, 32, 4, 2, 64
+    ids = synthetic_trace(layers, experts, top_k, batch, steps)  # [L, N, T, k]
+    used = torch.zeros(layers, steps, experts)
+    for s in range(batch):
+        used.scatter_(2, ids[:, s], 1.0)
+    use = synthetic_lane_use(layers, experts, top_k, batch, steps).permute(1, 0, 2)  # [L, T, E]
+    likely, unlikely = use > 0.3, use < 0.05
+    assert float(used[likely].mean()) == pytest.approx(float(use[likely].mean()), abs=0.05)
+    assert float(used[unlikely].mean()) < 0.05
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+@pytest.mark.parametrize("lane_moves_on", [3, 0], ids=["lane-expires", "no-lane"])
+def test_lanes_evicts_the_expert_no_lane_will_hold(kept, lane_moves_on):
+    """One layer, 2 slots, top 1 of 2 lanes: ``kept`` sits on a lane throughout; the other expert's
+    lane moves on to expert 3 at position 3 (or no lane ever holds it). Lookup 2 (expert 2) must
+    evict, and the next lookup is at position 3: only ``kept`` can be used there, so it stays."""
+    positions = 4 + 1 + LANES_LOOKAHEAD
+    moving = [1 - kept] * lane_moves_on + [3] * (positions - lane_moves_on)
+    use = lane_use_probability(torch.tensor([moving, [kept] * positions]).T.reshape(1, 1, positions, 2), 1, 4)
+    assert lanes_hit_rate(single([0, 1, 2, kept]), use, 2) == pytest.approx(1 / 4)
+    assert lanes_hit_rate(single([0, 1, 2, 1 - kept]), use, 2) == 0
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_lanes_beats_the_engine_and_never_min(batch):
+    layers, experts, top_k, steps, slots = 8, 32, 4, 64, 64  # a 25% cache
+    routed = synthetic_steps(layers, experts, top_k, batch, steps)
+    lanes = lanes_hit_rate(routed, synthetic_lane_use(layers, experts, top_k, batch, steps + 1 + LANES_LOOKAHEAD),
+                           slots)
+    engine = max(engine_hit_rate(routed, layers, experts, slots, policy) for policy in ("lru", "lfru"))
+    assert engine + 0.03 < lanes <= min_hit_rate(routed, experts, slots)  # MIN is optimal for every online policy
+
+
 def test_report_rows(tmp_path, capsys):
     out = tmp_path / "rows.json"
     main(["--layers", "4", "--experts", "16", "--top-k", "2", "--steps", "40", "--batch", "2",
           "--fractions", "0.25", "0.5", "--json", str(out)])
     rows = json.loads(out.read_text())
-    assert [(r["cache"], r["policy"]) for r in rows] == [(f, p) for f in (0.25, 0.5) for p in ("lru", "lfru", "min")]
+    assert [(r["cache"], r["policy"]) for r in rows] == [(f, p) for f in (0.25, 0.5)
+                                                         for p in ("lru", "lfru", "min", "lanes")]
     for fraction in (0.25, 0.5):
         rate = {r["policy"]: r["hit_rate"] for r in rows if r["cache"] == fraction}
         assert 0 < rate["lru"] <= rate["min"] and 0 < rate["lfru"] <= rate["min"] < 1  # MIN is the optimum
-    assert "lfru/min" in capsys.readouterr().out
+        assert 0 < rate["lanes"] <= rate["min"]
+    out = capsys.readouterr().out
+    assert "lfru/min" in out and "lanes/min" in out
+
+
+def test_report_rows_of_a_trace_have_no_lanes(tmp_path, capsys):
+    ids = torch.randint(0, 4, (20, 3, 2), generator=torch.Generator().manual_seed(0))
+    trace = RoutingTrace(4, torch.arange(20), torch.ones(20, dtype=torch.long), torch.arange(20), ids,
+                         torch.ones(20, 3, 2))
+    trace.save(str(tmp_path / "trace.pt"))
+    main(["--trace", str(tmp_path / "trace.pt"), "--fractions", "0.5", "--json", str(tmp_path / "rows.json")])
+    assert [r["policy"] for r in json.loads((tmp_path / "rows.json").read_text())] == ["lru", "lfru", "min"]
+    assert "lanes" not in capsys.readouterr().out
