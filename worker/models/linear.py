@@ -14,9 +14,9 @@ needs it; float32 products accumulate in a ``[BLOCK_K, BLOCK_N]`` tile summed on
                        1/rms, then normalises each x[ks] slice as it goes; program 0 stores x + residual
 ```
 
-When ``K`` is a power of two a program loads its whole ``[K, BLOCK_N]`` tile in one go, before
-it waits for the previous kernel (under programmatic dependent launch, ``triton_support.pdl_args``):
-the weights stream while the kernel before it finishes, and only the input row waits.
+Under programmatic dependent launch (``triton_support.pdl_args``), when ``K`` is a power of two,
+a program loads its whole ``[K, BLOCK_N]`` tile in one go before it waits for the kernel before it:
+the weights stream while that kernel finishes, and only the input row waits.
 
 The norm's launch (about 2 us of a 60 us layer) is worth more than its arithmetic, which every
 program repeats on a 2k-element row. Numerics follow ``worker.models.norm``: the sum rounded to the
