@@ -21,3 +21,8 @@ STAGE_MODES = ("kernel", "memcpy", "auto")
 # lent slots ranked offloaded.LENT_PENALTY_STEPS steps older than they are as victims, so that they
 # hold the coldest entries and a prefill wipes those.
 LENT_SLOT_RULES = ("reserve", "decode")
+# How decode copies an expert-cache miss into its slot: "gemm": the decode GEMM's gate_up launch
+# reads the missed experts from the host banks as it computes and stores them into their slots, so
+# the copy overlaps the hits' compute (float banks, decode batches; elsewhere "gather"); "gather":
+# a gather launch per bank copies every miss before the GEMM starts.
+FILL_MODES = ("gemm", "gather")

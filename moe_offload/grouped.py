@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from moe_offload.fp8 import (ACTIVATION_BLOCK, FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, quantize,
                              w13_scale_shape)
+from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.kernels.lookup_admit import CopyPlan
 from moe_offload.kernels.triton_support import use_triton
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -21,7 +23,8 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, *, scales: ExpertScales | None = None, fp8_activations: bool | None = None,
-                   backend: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   backend: str | None = None, out_dtype: torch.dtype | None = None,
+                   fill: SlotFill | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
     (default hidden's). A token's k outputs are summed in float32 and rounded once (expert
     parallelism asks for float32, so that the ranks' partials, added by an all_reduce, round once).
@@ -39,8 +42,16 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     checked on the host (that would read the device): the Triton path treats ids outside ``[0, N)``
     as contributing zero; the eager twin skips negative ids alike (expert parallelism masks other
     ranks' experts to -1) and requires the rest in range.
+
+    ``fill``: experts an expert-cache lookup admitted into ``slots``, still to be copied in from the
+    host. The decode path of float banks copies them as its gate_up reads them (a miss costs its
+    PCIe bytes and nothing else: the hits compute meanwhile); every other path gathers them first
+    (``gather_missing``), in stream order before the GEMM.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
+    if fill is not None and not _fills_in_gemm(hidden, slots, scales, backend):
+        _gather(fill, w13, w2, scales, backend)
+        fill = None
     if fp8_activations is None:
         fp8_activations = fp8_activations_for(hidden, scales)
     if fp8_activations and scales is None:
@@ -55,10 +66,38 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     from moe_offload.kernels import grouped_gemm_decode
 
     if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS:
-        return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
+        return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype,
+                                                         fill=fill)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
+
+
+class SlotFill(NamedTuple):
+    """Experts to copy into their cache slots before or while a GEMM reads them: ``plan``'s rows
+    ``i < count`` move ``host_w13[src_id[i]]``, ``host_w2[src_id[i]]`` (and an fp8 bank's scales)
+    into slot ``dst_slot[i]``; host banks ``[L*E, ...]`` as ``ExpertCache.fill`` takes them."""
+
+    plan: CopyPlan
+    host_w13: torch.Tensor
+    host_w2: torch.Tensor
+    host_scales: ExpertScales | None = None
+
+
+def _fills_in_gemm(hidden: torch.Tensor, slots: torch.Tensor, scales: ExpertScales | None,
+                   backend: str | None) -> bool:
+    """Whether the GEMM copies a fill's experts itself: the Triton decode path of float banks."""
+    from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS
+
+    return scales is None and slots.numel() <= DECODE_MAX_PAIRS and use_triton(hidden, backend)
+
+
+def _gather(fill: SlotFill, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
+            backend: str | None) -> None:
+    if (fill.host_scales is None) != (scales is None):
+        raise ValueError("fp8 slots fill from host scales, float ones from none")
+    pools = {} if scales is None else {"host_scales": fill.host_scales[:2], "slot_scales": scales[:2]}
+    gather_missing(*fill.plan, fill.host_w13, fill.host_w2, w13, w2, backend, **pools)
 
 
 # From this batch size on fp8 experts multiply fp8 activations: on the H200 (bench_grouped_gemm.py,

@@ -1,10 +1,12 @@
 """Experts kept in host memory behind the GPU expert cache.
 
-Decode-sized batches take three device-side steps and never wait on the host: lookup/admit (one
-launch per layer: hits, victims, copy plan, routing rewritten to slots), gather of the planned
-experts from the host banks into their slots, then the grouped SwiGLU GEMM over the slot pools.
-With ``prefetch``, the model's guess of the next layer's experts is admitted and gathered on a
-copy stream while that GEMM runs (``expert_prefetch``).
+Decode-sized batches take two device-side steps and never wait on the host: lookup/admit (one
+launch per layer: hits, victims, copy plan, routing rewritten to slots), then the grouped SwiGLU
+GEMM over the slot pools, whose gate_up launch copies the planned experts from the host banks into
+their slots as it reads them (``fill="gemm"``; with ``"gather"``, and for fp8 banks, a gather
+launch copies them first). With ``prefetch``, the model's guess of the next layer's experts is
+admitted and gathered on a copy stream while that GEMM runs (``"gather"``) or after it
+(``"gemm"``: the GEMM is then reading over PCIe itself) (``expert_prefetch``).
 Prefill-sized batches route to nearly every expert of a layer; they run through the prefill
 pipeline instead, which streams each layer's experts into a double buffer while the layer before
 computes, and leaves the cache's contents for decode alone.
@@ -13,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.choices import LENT_SLOT_RULES
+from moe_offload.choices import FILL_MODES, LENT_SLOT_RULES
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
-from moe_offload.grouped import ExpertScales, grouped_swiglu
+from moe_offload.grouped import ExpertScales, SlotFill, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
 from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 
@@ -52,11 +54,12 @@ class OffloadedExperts:
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
     pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
     ``choices.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
-    the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode.
+    the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode;
+    ``fill`` is how decode copies its misses in (``FILL_MODES``).
     """
 
     def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
-                 stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False):
+                 stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False, fill: str = "gemm"):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -71,7 +74,10 @@ class OffloadedExperts:
                              f"{cache.w13.dtype} ({cache.scales and cache.scales.block})")
         if lent_slots not in LENT_SLOT_RULES:
             raise ValueError(f"lent-slot rule {lent_slots!r} is not one of {LENT_SLOT_RULES}")
+        if fill not in FILL_MODES:
+            raise ValueError(f"fill mode {fill!r} is not one of {FILL_MODES}")
         self.cache = cache
+        self.fill = fill
         self.host_w13, self.host_w2 = _by_id(banks.w13), _by_id(banks.w2)
         self.host_scales = (None if banks.scale_block is None else
                             ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
@@ -96,9 +102,10 @@ class OffloadedExperts:
     @classmethod
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
-               stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False) -> OffloadedExperts:
+               stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False,
+               fill: str = "gemm") -> OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
-                   lent_slots, prefetch)
+                   lent_slots, prefetch, fill)
 
     def pipeline_from(self, top_k: int) -> int | None:
         """The fewest tokens whose ``T * top_k`` routed pairs reach ``PIPELINE_PAIRS_PER_EXPERT`` per
@@ -136,13 +143,23 @@ class OffloadedExperts:
         if pipelined:
             return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
-        self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
+        fill = SlotFill(plan, self.host_w13, self.host_w2, self.host_scales)
+        if self.fill == "gather":
+            self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
+            fill = None
         if self.prefetch is not None:
             self.prefetch.join()  # this layer's guess has landed before the GEMM reads its slots
-            if next_ids is not None and self.fetches_ahead(*next_ids.shape):
-                self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
-        return grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
-                              out_dtype=out_dtype)
+        if fill is None:  # the guess's gather runs beside the GEMM
+            self._prefetch(layer, next_ids)
+        out = grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
+                             out_dtype=out_dtype, fill=fill)
+        if fill is not None:  # the GEMM reads this layer's misses over PCIe: the guess's gather waits for it
+            self._prefetch(layer, next_ids)
+        return out
+
+    def _prefetch(self, layer: int, next_ids: torch.Tensor | None) -> None:
+        if self.prefetch is not None and next_ids is not None and self.fetches_ahead(*next_ids.shape):
+            self.prefetch.start(layer + 1, next_ids, self.decode_start, self.low)
 
     def stats(self) -> dict[str, int | float | str]:
         """The cache's totals (``moe_*``, ``moe_prefetch_*``) and the pipeline's counters

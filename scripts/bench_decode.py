@@ -2,7 +2,7 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
-        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on] [--gpus 1 2]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on] [--fill gemm gather] [--gpus 1 2]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
@@ -16,13 +16,15 @@ tok/s" and the ratio leave out the steps that ran one, timed apart).
 ``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
-the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s.
+the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s. Each ``--fill``
+mode too (how a miss reaches its slot: copied by the expert GEMM as it computes, or gathered first).
 Each ``--gpus`` count gets its own rows, at the same cache per GPU (expert parallelism: the
 aggregate cache grows with the GPUs); the hit rate and bytes are rank 0's, i.e. per link.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 from moe_offload.expert_cache import slot_bytes
-from moe_offload.choices import EXPERT_DTYPES, LENT_SLOT_RULES, POLICIES
+from moe_offload.choices import EXPERT_DTYPES, FILL_MODES, LENT_SLOT_RULES, POLICIES
 from moe_offload.kernels.triton_support import PDL_ENV
 from moe_offload.synthetic_routing import synthetic_trace
 from scheduler.engine import Engine, EngineConfig
@@ -177,20 +179,20 @@ def timed_steps(engine: Engine, reqs: list[Request], prefill_every: int, extra) 
     return time.perf_counter() - start, prefill_s, prefill_steps
 
 
-def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
+def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str, fill: str,
                gpus: int) -> ModelRunner:
     experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
-                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on")
+                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on", fill=fill)
     return start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
                                      routing=RoutingOptions(args.routing), experts=experts, gpus=gpus))
 
 
-def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str,
+def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str, fill: str,
                  gpus: int) -> list[dict]:
     start = time.perf_counter()
-    runner = runner_for(args, fraction, expert_dtype, lent, prefetch, gpus)
-    progress(f"runner for {fraction:.0%} cache, {expert_dtype}, lent {lent}, prefetch {prefetch}", start)
+    runner = runner_for(args, fraction, expert_dtype, lent, prefetch, fill, gpus)
+    progress(f"runner for {fraction:.0%} cache, {expert_dtype}, lent {lent}, prefetch {prefetch}, fill {fill}", start)
     decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
     if args.prefill_every:  # ... and the prefill path those prefills take
         decode_run(runner, 1, 16, 4, seed=0, prefill_every=2, prefill_tokens=args.prefill_tokens)
@@ -198,7 +200,7 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
         runner.graphs.capture_all()  # capture outside the timed loop
     progress("warm-up and graph capture", start)
     setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
-                 prefill_every=args.prefill_every)
+                 fill=fill if fraction < 1.0 else "-", prefill_every=args.prefill_every)
     rows = []
     for batch in args.batch:
         rows.append(bench_batch(runner, args, batch, setup))
@@ -278,7 +280,8 @@ def resident_bounds_from_lookups(rows: list[dict]) -> None:
 
 
 COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
-           ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("pdl", "pdl", ">3"), ("batch", "batch", ">5"),
+           ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("fill", "fill", ">6"),
+           ("pdl", "pdl", ">3"), ("batch", "batch", ">5"),
            ("tok/s", "tok_s", ">8.1f"), ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
            ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
@@ -305,6 +308,9 @@ def parse_args() -> argparse.Namespace:
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on"],
                    help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")
+    p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,
+                   help="how decode copies cache misses in (gemm: the GEMM reads and stores them as it computes; "
+                        "gather: a copy launch first); several: one row each (resident rows run once)")
     p.add_argument("--gpus", type=int, nargs="+", default=[1],
                    help="GPU counts to compare by expert parallelism, e.g. 1 2 (the cache fraction is per GPU)")
     p.add_argument("--prefill-every", type=int, default=0, metavar="STEPS",
@@ -329,17 +335,15 @@ def print_top_kernels(rows: list[dict]) -> None:
 def main() -> None:
     args = parse_args()
     rows = []
-    for gpus in args.gpus:
-        for fraction in args.fractions:
-            for expert_dtype in args.expert_dtype:
-                for lent in args.lent_slots:
-                    for prefetch in args.prefetch if fraction < 1.0 else args.prefetch[:1]:  # resident: no fetch
-                        for pdl in args.pdl:  # read at each launch, so at the capture of the runner's graphs
-                            os.environ[PDL_ENV] = "1" if pdl == "on" else "0"
-                            rows += [dict(r, pdl=pdl) for r in bench_runner(args, fraction, expert_dtype, lent,
-                                                                            prefetch, gpus)]
-                            if args.json:  # after every runner: a run cut short keeps its rows
-                                Path(args.json).write_text(json.dumps(rows, indent=1))
+    for gpus, fraction, expert_dtype, lent in itertools.product(args.gpus, args.fractions, args.expert_dtype,
+                                                                args.lent_slots):
+        offloaded = fraction < 1.0  # resident rows fetch nothing: one row for any prefetch or fill
+        for prefetch, fill, pdl in itertools.product(args.prefetch if offloaded else args.prefetch[:1],
+                                                     args.fill if offloaded else args.fill[:1], args.pdl):
+            os.environ[PDL_ENV] = "1" if pdl == "on" else "0"  # read at each launch, so at the graphs' capture
+            rows += [dict(r, pdl=pdl) for r in bench_runner(args, fraction, expert_dtype, lent, prefetch, fill, gpus)]
+            if args.json:  # after every runner: a run cut short keeps its rows
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     resident_bounds_from_lookups(rows)
     print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "

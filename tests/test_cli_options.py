@@ -25,7 +25,7 @@ EVERY_OPTION_CHANGED = [
     "--gpu-memory-limit", "20", "--moe-cache-size", "64", "--kv-reserve-tokens", "100", "--kv-tokens", "512",
     "--max-prefill-tokens", "256", "--kv-host-size", "2", "--moe-policy", "lru", "--no-prefill-pipeline",
     "--prefill-invalidate", "eager", "--prefill-stage", "memcpy", "--expert-dtype", "fp8", "--lent-slots", "reserve",
-    "--expert-prefetch", "on",
+    "--expert-prefetch", "on", "--expert-fill", "gather",
     "--routing", "synthetic", "--record-routing", "t.pt", "--record-routing-tokens", "9",
     "--max-running", "4", "--no-prefix-cache", "--no-overlap", "--no-warm-up", "--check-pages",
     "--kv-tier-mode", "writeback", "--kv-tier-copy", "memcpy"]
@@ -71,7 +71,8 @@ def test_choices_are_the_modules_own_names():
     assert by_option == {"--dtype": DTYPES, "--attention": ["auto", *ATTENTION_BACKENDS],
                          "--moe-policy": choices.POLICIES, "--prefill-invalidate": choices.INVALIDATE_MODES,
                          "--prefill-stage": choices.STAGE_MODES, "--expert-dtype": choices.EXPERT_DTYPES,
-                         "--lent-slots": choices.LENT_SLOT_RULES, "--kv-tier-mode": KV_TIER_MODES,
+                         "--lent-slots": choices.LENT_SLOT_RULES, "--expert-fill": choices.FILL_MODES,
+                         "--kv-tier-mode": KV_TIER_MODES,
                          "--kv-tier-copy": KV_TIER_COPIES}
 
 

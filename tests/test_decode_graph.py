@@ -325,6 +325,21 @@ def test_graph_decode_same_with_and_without_pdl(tmp_path, monkeypatch, fraction)
     decode_in_lockstep(with_pdl, without, (1, 6, 20), 1e-7)
 
 
+@pytest.mark.cuda
+def test_graph_decode_same_with_fill_in_gemm_and_gather(tmp_path):
+    """A miss copied into its slot by the expert GEMM itself (``fill="gemm"``) or by a gather launch
+    first: the same slots, the same kernels' arithmetic, so the same float32 logits (within 1e-9), at batch 1
+    (the per-pair gate_up) and 6 and 20 (the per-slot gate_up), half the experts offloaded."""
+    write_tiny(tmp_path, "qwen3_moe", seed=4, layers=3, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2,
+               router_std=0.3)
+    gather = gpu_runner(str(tmp_path), "float32", True, cache_fraction=0.5, fill="gather")
+    gather.graphs.capture_all()
+    in_gemm = gpu_runner(str(tmp_path), "float32", True, cache_fraction=0.5, fill="gemm")
+    decode_in_lockstep(in_gemm, gather, (1, 6, 20), 1e-9)
+    stats = in_gemm.experts.stats()
+    assert stats["moe_misses"] > 0  # the fill had work
+
+
 def sampling_of(i: int) -> SamplingParams:
     """Request ``i`` of ``engine_outputs``: every fourth one samples."""
     return SAMPLED if i % 4 == 3 else GREEDY

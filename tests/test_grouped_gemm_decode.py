@@ -126,6 +126,79 @@ def test_public_op_takes_each_path_at_its_batch():
             2 if tokens <= max_tokens else 3 if tokens * 2 <= max_pairs else 4)
 
 
+# ---- the fill: the gate_up launch copies the lookup's misses into their slots as it reads them ----
+
+FILL_CASES = ["some", "none", "all"]
+
+
+def fill_trial(num_tokens, top_k, num_slots, dim, inter, dtype, device, trial, host_device=None):
+    """Inputs of a decode GEMM with a fill (``FILL_CASES[trial % 3]`` of the routed slots missed,
+    each from a distinct host expert) and what it must give: the output and slot pools of a gather
+    first and the eager twin after."""
+    from moe_offload.grouped import SlotFill
+    from moe_offload.kernels.lookup_admit import CopyPlan
+
+    w13, w2 = make_banks(num_slots, dim, inter, dtype, device, seed=trial)
+    host_w13, host_w2 = (t.to(host_device or device) for t in make_banks(num_slots + 8, dim, inter, dtype, device,
+                                                                       seed=trial + 50))
+    if host_device == "cpu" and device != "cpu":
+        host_w13, host_w2 = host_w13.pin_memory(), host_w2.pin_memory()
+    gen = torch.Generator().manual_seed(trial)
+    weights, slots = make_routing(CASES[trial % len(CASES)], num_tokens, top_k, num_slots, device, trial)
+    routed = slots.unique().cpu()
+    case = FILL_CASES[trial % len(FILL_CASES)]
+    count = {"some": max(1, len(routed) // 2), "none": 0, "all": len(routed)}[case]
+    missed = routed[torch.randperm(len(routed), generator=gen)[:count]]
+    src = torch.full((slots.numel(),), -1, dtype=torch.int32)
+    dst = src.clone()
+    src[:count] = torch.randperm(num_slots + 8, generator=gen)[:count].int()
+    dst[:count] = missed.int()
+    plan = CopyPlan(src.to(device), dst.to(device), torch.tensor([count], dtype=torch.int32, device=device))
+    want13, want2 = w13.clone(), w2.clone()
+    want13[missed.to(device)] = host_w13[src[:count].long()].to(device)
+    want2[missed.to(device)] = host_w2[src[:count].long()].to(device)
+    hidden = torch.randn(num_tokens, dim, generator=gen).to(dtype).to(device)
+    ref = grouped_swiglu_eager(hidden, weights, slots, want13, want2)
+    return (hidden, weights, slots, w13, w2), SlotFill(plan, host_w13, host_w2), (ref, want13, want2)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", CONFIGS, ids=lambda c: "T{}k{}N{}H{}I{}".format(*c))
+def test_fill_copies_the_plan_and_matches_the_twin_interpreted(shape):
+    """Over 20 routings (some, none or all routed slots missed): the output is the twin's over the
+    gathered pools, and the pools are the gathered ones bit for bit (hits and other slots untouched)."""
+    config = decode().DecodeConfig(**SMALL_TILES, fill_k=16, fill_rows=4)
+    for trial in range(TRIALS):
+        args, fill, (ref, want13, want2) = fill_trial(*shape, torch.float32, "cpu", trial)
+        out = decode().decode_grouped_swiglu(*args, config, fill=fill)
+        assert rel_err(out, ref) < 1e-5, trial
+        assert torch.equal(args[3], want13) and torch.equal(args[4], want2), trial
+
+
+@interpreted
+def test_public_op_fills_in_the_gemm_only_on_the_decode_path():
+    """``grouped_swiglu(fill=...)``: the decode path's gate_up copies (no gather launch); larger
+    batches and the eager twin gather first; every way leaves the same pools and output."""
+    from tests.launch_count import count_launches
+
+    for tokens, backend, gathers in [(1, "triton", 0), (4, "triton", 0), (40, "triton", 2), (4, "eager", 0)]:
+        args, fill, (ref, want13, want2) = fill_trial(tokens, 2, 48, 16, 16, torch.float32, "cpu", 0)
+        with count_launches() as counter:
+            out = grouped_swiglu(*args, backend=backend, fill=fill)
+        assert counter.launches.get("triton.gather_missing_kernel", 0) == gathers, (tokens, backend)
+        assert rel_err(out, ref) < 1e-5, (tokens, backend)
+        assert torch.equal(args[3], want13) and torch.equal(args[4], want2), (tokens, backend)
+
+
+def test_fill_refuses_banks_it_cannot_copy_by_offset():
+    args, fill, _ = fill_trial(1, 2, 4, 16, 8, torch.float32, "cpu", 0)
+    with pytest.raises(ValueError, match="does not match the slots"):
+        decode().decode_grouped_swiglu(*args, fill=fill._replace(host_w2=fill.host_w2[:, :8]))
+    with pytest.raises(ValueError, match="contiguous"):
+        decode().decode_grouped_swiglu(*args, fill=fill._replace(host_w13=fill.host_w13.transpose(1, 2).contiguous()
+                                                                  .transpose(1, 2)))
+
+
 def test_decode_path_refuses_too_many_pairs():
     w13, w2 = make_banks(4, 16, 8)
     tokens = decode().DECODE_MAX_PAIRS // 2 + 1
@@ -157,6 +230,25 @@ def test_decode_path_float32_output(tokens):
     assert out.dtype == torch.float32
     ref = grouped_swiglu_eager(hidden, weights, slots, w13, w2, out_dtype=torch.float32)
     assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(1, 8, 128, 2048, 768), (8, 8, 128, 2048, 768), (3, 2, 40, 576, 1536)],
+                         ids=lambda c: "T{}k{}N{}H{}I{}".format(*c))
+def test_fill_from_pinned_host_banks_sync_free(shape):
+    """The fill reads mapped (pinned) host memory as serving does: 20 routings under the sync check,
+    each the twin's output over the gathered pools, the pools gathered bit for bit."""
+    trials = [fill_trial(*shape, torch.bfloat16, "cuda", trial, host_device="cpu") for trial in range(TRIALS)]
+    decode().decode_grouped_swiglu(*trials[0][0], fill=trials[0][1])  # compiles outside the sync check
+    trials[0] = fill_trial(*shape, torch.bfloat16, "cuda", 0, host_device="cpu")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [decode().decode_grouped_swiglu(*args, fill=fill) for args, fill, _ in trials]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for trial, (out, (args, _, (ref, want13, want2))) in enumerate(zip(outs, trials)):
+        assert rel_err(out, ref) < 2e-2, trial
+        assert torch.equal(args[3], want13) and torch.equal(args[4], want2), trial
 
 
 @pytest.mark.cuda

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, is_dataclass
 
-from moe_offload.choices import EXPERT_DTYPES, INVALIDATE_MODES, LENT_SLOT_RULES, POLICIES, STAGE_MODES
+from moe_offload.choices import EXPERT_DTYPES, FILL_MODES, INVALIDATE_MODES, LENT_SLOT_RULES, POLICIES, STAGE_MODES
 from worker.routing_options import RoutingOptions
 from worker.runner_config import ATTENTION_BACKENDS, DTYPES, EXPERT_PLACEMENTS, ExpertOptions, RunnerConfig
 
@@ -109,6 +109,10 @@ def _add_offload_args(g: argparse._ArgumentGroup) -> None:
                    help="under expert offload, guess each next layer's experts at decode (its router applied to "
                         "this layer's hidden state) and copy the guessed misses over PCIe while this layer computes; "
                         "a wrong guess costs bytes, never a result")
+    g.add_argument("--expert-fill", dest="fill", default=X.fill, choices=FILL_MODES,
+                   help="how decode copies an expert-cache miss into its slot: gemm (the expert GEMM reads it "
+                        "from host memory and stores it into the slot as it computes, beside the hits; fp8 "
+                        "experts are gathered) or gather (a copy launch before the GEMM)")
 
 
 def _on_off(text: str) -> bool:

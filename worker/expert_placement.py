@@ -66,6 +66,7 @@ def place_experts(cfg: ModelConfig, options: ExpertOptions, resident: ExpertBank
     banks = store.device_banks() if device.type == "cuda" else host
     experts = OffloadedExperts.create(banks, slots, device, options.policy, pipeline=pipeline,
                                       invalidate=options.prefill_invalidate, stage=options.prefill_stage,
-                                      lent_slots=options.lent_slots, prefetch=options.prefetch)
+                                      lent_slots=options.lent_slots, prefetch=options.prefetch,
+                                      fill=options.fill)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts

@@ -38,6 +38,7 @@ class ExpertOptions:
     lent_slots: str = "decode"  # moe_offload.choices.LENT_SLOT_RULES; the better of the two on an H200 (architecture.md)
     # cross-layer prefetch at decode (moe_offload.expert_prefetch); off until measured on the H200
     prefetch: bool = False
+    fill: str = "gemm"  # moe_offload.choices.FILL_MODES: how decode copies misses in
 
     def __post_init__(self) -> None:
         """The one check of the cache size options (the command line and the plan rely on it)."""

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.grouped import SlotFill
+from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.grouped_gemm import down_rows, sum_over_k, swiglu_rows
 from moe_offload.kernels.triton_support import pdl_args
 
@@ -51,8 +53,8 @@ DECODE_MAX_TOKENS = 4
 class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
     columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
-    down's columns and step, the per-token down's warps, and one token's gate_up (columns, step,
-    warps)."""
+    down's columns and step, the per-token down's warps, one token's gate_up (columns, step,
+    warps), and a fill's copy step (columns) and w2 rows per copy program."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
@@ -66,6 +68,8 @@ class DecodeConfig(NamedTuple):
     pair_n: int = 16
     pair_k: int = 64
     pair_warps: int = 4
+    fill_k: int = 256
+    fill_rows: int = 16
 
 
 @triton.jit
@@ -92,17 +96,78 @@ def _round_pairs(on_slot, rank, count, r0, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
+def _copy_rows(src_rows, dst_rows, row_ok, row_len, BLOCK_C: tl.constexpr):
+    """Copy rows ``src_rows [R, 1] -> dst_rows [R, 1]`` (pointers to each row's start, ``row_len``
+    contiguous items), ``BLOCK_C`` columns a step: a step's loads are all in flight before its
+    stores, so a read over PCIe costs one round trip a step."""
+    for c0 in range(0, row_len, BLOCK_C):
+        cs = c0 + tl.arange(0, BLOCK_C)
+        ok = row_ok[:, None] & (cs < row_len)[None, :]
+        tl.store(dst_rows + cs[None, :], tl.load(src_rows + cs[None, :], mask=ok), mask=ok)
+
+
+@triton.jit
+def _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN: tl.constexpr):
+    """The host expert the lookup's plan (``plan_len`` rows) copies into ``slot``, or -1 (a hit: the
+    slot is current). Rows past the plan's count are -1 (``lookup_admit``), so no count is read."""
+    rows = tl.arange(0, PLAN)
+    dst = tl.load(plan_dst_ptr + rows, mask=rows < plan_len, other=-1).to(tl.int64)
+    return tl.max(tl.where(dst == slot, tl.load(plan_src_ptr + rows, mask=rows < plan_len).to(tl.int64), -1), 0)
+
+
+@triton.jit
+def _fill_w13_tile(host13_ptr, w13_ptr, src, slot, col0, inter, hidden, stride_hs, stride_ws, stride_wn,
+                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Copy gate and up rows ``[col0, col0 + BLOCK_N)`` (this program's columns) of host expert
+    ``src`` into ``slot``, then a barrier: the program's reads of the slot come after every one of
+    its threads' stores."""
+    r = tl.arange(0, 2 * BLOCK_N)
+    col = col0 + r % BLOCK_N
+    offs = (col + (r // BLOCK_N) * inter)[:, None].to(tl.int64) * stride_wn  # gate rows, then up rows
+    _copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden, BLOCK_C)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, first, hidden, inter, stride_hs,
+                  stride_ws, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A copy program (``program_id(0) >= first``): rows ``[c * ROWS, (c + 1) * ROWS)`` of every
+    planned expert's w2, ``c`` its rank among the copy programs."""
+    c = (tl.program_id(0) - first) * tl.num_programs(1) + tl.program_id(1)
+    rows = c * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None].to(tl.int64) * inter
+    for j in range(0, tl.load(count_ptr)):
+        src = tl.load(plan_src_ptr + j).to(tl.int64)
+        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
+        _copy_rows(host2_ptr + src * stride_hs + offs, w2_ptr + dst * stride_ws + offs, rows < hidden, inter, BLOCK_C)
+
+
+@triton.jit
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
-                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s."""
+                           host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
+                           stride_h2, stride_w2s, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
+                           FILL_K: tl.constexpr, PDL: tl.constexpr):
+    """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s.
+
+    FILL: the lookup's planned experts are copied in as they are read (``SlotFill``)."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if FILL:
+        if tl.program_id(0) >= num_pairs:
+            _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, num_pairs, hidden, inter,
+                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
+            return
     slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
     if skip:
         return
+    if FILL:
+        src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
+        if src >= 0:
+            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, hidden, stride_h13,
+                           stride_ws, stride_wn, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
@@ -116,19 +181,33 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 
 @triton.jit
 def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
-                                stride_wh, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                                stride_wh, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
+                                plan_len, stride_h13, stride_h2, stride_w2s, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                                FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
+                                FILL_K: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, as the per-token
     down does (the reduction over ``HIDDEN`` unrolled at compile time, float32 multiply-adds, no
     tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
-    and ``inter``."""
+    and ``inter``. FILL: the lookup's planned experts are copied in as they are read
+    (``SlotFill``)."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if FILL:
+        if tl.program_id(0) >= TOP_K:
+            _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, TOP_K, HIDDEN, inter,
+                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
+            return
     pair = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
+    if FILL:
+        src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
+        if src >= 0:
+            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, stride_wn, stride_h13,
+                           stride_ws, stride_wn, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
@@ -220,25 +299,46 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
 
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, config: DecodeConfig | None = None,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          out_dtype: torch.dtype | None = None, fill: SlotFill | None = None) -> torch.Tensor:
     """The decode path of ``grouped_swiglu`` (float banks, at most DECODE_MAX_PAIRS pairs), the
     output in ``out_dtype`` (default hidden's; the per-slot path's k rows stay in hidden's dtype
-    until their sum, as on the align path); arguments are already checked."""
+    until their sum, as on the align path); arguments are already checked, ``fill``'s here.
+
+    ``fill``: the gate_up launch copies the planned experts into their slots as it runs (module
+    docstring); the pools must be contiguous."""
     num_tokens, top_k = slots.shape
     if num_tokens * top_k > DECODE_MAX_PAIRS:
         raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
                          f"got {num_tokens} x {top_k}")
+    if fill is not None:
+        _check_fill(fill, w13, w2)
     cfg = config or DecodeConfig()
     out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_tokens == 0:
+        if fill is not None:  # nothing routed, nothing planned; the plan is still honoured
+            gather_missing(*fill.plan, fill.host_w13, fill.host_w2, w13, w2)
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
-    act = _gate_up(hidden, slots, w13, cfg)
+    act = _gate_up(hidden, slots, w13, w2, cfg, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
         _down_per_token(act, weights, slots, w2, out, cfg)
     else:
         _down_per_slot(act, weights, slots, w2, out, cfg)
     return out
+
+
+def _check_fill(fill: SlotFill, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    plan = fill.plan
+    if fill.host_scales is not None:
+        raise ValueError("the decode path fills float banks; fp8 banks are gathered (gather_missing)")
+    if plan.src_id.shape != plan.dst_slot.shape or plan.src_id.dim() != 1 or plan.count.numel() != 1:
+        raise ValueError("a fill's plan must be src_id and dst_slot [P] and count [1]")
+    for host, pool in ((fill.host_w13, w13), (fill.host_w2, w2)):
+        if host.dim() != 3 or host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype:
+            raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
+                             f"{tuple(pool.shape)} {pool.dtype}")
+        if not (host.is_contiguous() and pool.is_contiguous()):
+            raise ValueError("a fill copies rows by offset: host banks and slot pools must be contiguous")
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -249,22 +349,44 @@ def _block_p(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: DecodeConfig) -> torch.Tensor:
+def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
+               grid_n: int) -> tuple[tuple, dict, int]:
+    """The gate_up kernels' fill arguments (placeholders without a fill: FILL is then off), their
+    constexprs, and how many rows of copy programs the grid gets beside the pairs' (enough for
+    ``fill_rows`` w2 rows each)."""
+    if fill is None:
+        return (w13, w2, w2, w13, w13, w13, 0, 0, 0, 0), dict(FILL=False, PLAN=1, FILL_ROWS=1, FILL_K=1), 0
+    src, dst, count = fill.plan
+    args = (fill.host_w13, fill.host_w2, w2, src, dst, count, src.numel(), fill.host_w13.stride(0), fill.host_w2.stride(0),
+            w2.stride(0))
+    consts = dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_ROWS=cfg.fill_rows,
+                  FILL_K=cfg.fill_k)
+    return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
+
+
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
+             fill: SlotFill | None) -> torch.Tensor:
     """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 1 and hidden.is_contiguous():
-        _decode_gate_up_pair_kernel[(top_k, triton.cdiv(inter, cfg.pair_n))](
-            hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), TOP_K=top_k,
-            HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0,
-            num_warps=cfg.pair_warps, **pdl_args(hidden))
+        grid_n = triton.cdiv(inter, cfg.pair_n)
+        fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+        _decode_gate_up_pair_kernel[(top_k + copy_rows, grid_n)](
+            hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
+            TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
+            EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, num_warps=cfg.pair_warps,
+            **pdl_args(hidden))
         return act
-    _decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
+    grid_n = triton.cdiv(inter, cfg.gate_up_n)
+    fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+    _decode_gate_up_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
         BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
-        PRECISION=_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
+        PRECISION=_precision(hidden.dtype), **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(hidden))
     return act
 
 
