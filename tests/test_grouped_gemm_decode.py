@@ -167,7 +167,7 @@ def fill_trial(num_tokens, top_k, num_slots, dim, inter, dtype, device, trial, h
 def test_fill_copies_the_plan_and_matches_the_twin_interpreted(shape):
     """Over 20 routings (some, none or all routed slots missed): the output is the twin's over the
     gathered pools, and the pools are the gathered ones bit for bit (hits and other slots untouched)."""
-    config = decode().DecodeConfig(**SMALL_TILES, fill_k=512)
+    config = decode().DecodeConfig(**SMALL_TILES, fill_k=16, fill_rows=4)
     for trial in range(TRIALS):
         args, fill, (ref, want13, want2) = fill_trial(*shape, torch.float32, "cpu", trial)
         out = decode().decode_grouped_swiglu(*args, config, fill=fill)

@@ -54,7 +54,7 @@ class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
     columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
     down's columns and step, the per-token down's warps, one token's gate_up (columns, step,
-    warps), and a fill's copy step (items a program copies at once)."""
+    warps), and a fill's copy step (columns) and w2 rows per copy program."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
@@ -68,7 +68,8 @@ class DecodeConfig(NamedTuple):
     pair_n: int = 16
     pair_k: int = 64
     pair_warps: int = 4
-    fill_k: int = 4096
+    fill_k: int = 256
+    fill_rows: int = 16
 
 
 @triton.jit
@@ -124,31 +125,49 @@ def _fill_w13_tile(host13_ptr, w13_ptr, src, slot, col0, inter, hidden, stride_h
     r = tl.arange(0, 2 * BLOCK_N)
     col = col0 + r % BLOCK_N
     offs = (col + (r // BLOCK_N) * inter)[:, None].to(tl.int64) * stride_wn  # gate rows, then up rows
-    _copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden,
-               BLOCK_C // (2 * BLOCK_N))
+    _copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden, BLOCK_C)
     tl.debug_barrier()
+
+
+@triton.jit
+def _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, first, hidden, inter, stride_hs,
+                  stride_ws, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A copy program (``program_id(0) >= first``): rows ``[c * ROWS, (c + 1) * ROWS)`` of every
+    planned expert's w2, ``c`` its rank among the copy programs."""
+    c = (tl.program_id(0) - first) * tl.num_programs(1) + tl.program_id(1)
+    rows = c * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None].to(tl.int64) * inter
+    for j in range(0, tl.load(count_ptr)):
+        src = tl.load(plan_src_ptr + j).to(tl.int64)
+        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
+        _copy_rows(host2_ptr + src * stride_hs + offs, w2_ptr + dst * stride_ws + offs, rows < hidden, inter, BLOCK_C)
 
 
 @triton.jit
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
-                           host_ptr, plan_src_ptr, plan_dst_ptr, plan_len, stride_hs,
-                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_K: tl.constexpr,
-                           PDL: tl.constexpr):
+                           host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
+                           stride_h2, stride_w2s, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
+                           FILL_K: tl.constexpr, PDL: tl.constexpr):
     """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s.
 
-    FILL: a slot in the lookup's plan has its w13 tile copied in from the host first (``SlotFill``)."""
+    FILL: the lookup's planned experts are copied in as they are read (``SlotFill``)."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if FILL:
+        if tl.program_id(0) >= num_pairs:
+            _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, num_pairs, hidden, inter,
+                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
+            return
     slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
     if skip:
         return
     if FILL:
         src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
         if src >= 0:
-            _fill_w13_tile(host_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, hidden, stride_hs,
+            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, hidden, stride_h13,
                            stride_ws, stride_wn, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -163,18 +182,24 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 
 @triton.jit
 def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
-                                stride_wh, host_ptr, plan_src_ptr, plan_dst_ptr, plan_len, stride_hs,
-                                TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
+                                stride_wh, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
+                                plan_len, stride_h13, stride_h2, stride_w2s, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                                FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
                                 FILL_K: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, as the per-token
     down does (the reduction over ``HIDDEN`` unrolled at compile time, float32 multiply-adds, no
     tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
-    and ``inter``. FILL: a slot in the lookup's plan has its w13 tile copied in from the host
-    first (``SlotFill``)."""
+    and ``inter``. FILL: the lookup's planned experts are copied in as they are read
+    (``SlotFill``)."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if FILL:
+        if tl.program_id(0) >= TOP_K:
+            _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, TOP_K, HIDDEN, inter,
+                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
+            return
     pair = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
@@ -182,7 +207,7 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     if FILL:
         src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
         if src >= 0:
-            _fill_w13_tile(host_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, stride_wn, stride_hs,
+            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, stride_wn, stride_h13,
                            stride_ws, stride_wn, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -211,52 +236,9 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
 
 
 @triton.jit
-def _token_down(act_ptr, w2_ptr, weights_ptr, slots_ptr, token, cols, col_ok, num_slots, stride_ws, stride_wh,
-                stride_wi, host_ptr, plan_src_ptr, plan_dst_ptr, plan_len, stride_hs, TOP_K: tl.constexpr,
-                INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                FILLING: tl.constexpr, PLAN: tl.constexpr):
-    """``sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, cols]`` as a ``[BLOCK_K, BLOCK_N]`` float32
-    accumulator. FILLING: a slot in the plan is read from its host expert instead, and each tile
-    read is stored into the slot (the store waits for its load, so a step's loads are in flight
-    one step at a time: kept to tokens with a miss)."""
-    acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    for j in tl.static_range(TOP_K):
-        slot = tl.load(slots_ptr + token * TOP_K + j).to(tl.int64)
-        ok = (slot >= 0) & (slot < num_slots)
-        weight = tl.where(ok, tl.load(weights_ptr + token * TOP_K + j).to(tl.float32), 0.0)
-        w_row = w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-        slot_row = w_row
-        fill_cols = col_ok
-        if FILLING:
-            src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
-            from_host = ok & (src >= 0)
-            w_row = tl.where(from_host, host_ptr + src * stride_hs + cols[None, :].to(tl.int64) * stride_wh, w_row)
-            fill_cols = tl.where(from_host, col_ok, False)  # the columns to store: none for a hit
-        a_row = act_ptr + (token * TOP_K + j) * INTER
-        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN:
-                a = tl.load(a_row + ks)
-                w = tl.load(w_row + ks[:, None] * stride_wi)
-                if FILLING:
-                    tl.store(slot_row + ks[:, None] * stride_wi, w, mask=fill_cols[None, :])
-            else:
-                w_ok = (ks < INTER)[:, None] & col_ok[None, :]
-                a = tl.load(a_row + ks, mask=ks < INTER, other=0.0)
-                w = tl.load(w_row + ks[:, None] * stride_wi, mask=w_ok, other=0.0)
-                if FILLING:
-                    tl.store(slot_row + ks[:, None] * stride_wi, w, mask=w_ok & fill_cols[None, :])
-            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
-            acc += a[:, None] * w.to(tl.float32)
-    return acc
-
-
-@triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
-                        stride_ws, stride_wh, stride_wi, host_ptr, plan_src_ptr, plan_dst_ptr, plan_len, stride_hs,
-                        TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        stride_ws, stride_wh, stride_wi, TOP_K: tl.constexpr, INTER: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
     Both loops (the k slots, the reduction over ``INTER``) are unrolled at compile time, so no
@@ -266,37 +248,38 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     The products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]`` accumulator summed once
     at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)`` reads
     slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the tiles
-    divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised. FILL: a
-    token with a slot in the lookup's plan reads that expert's rows from the host and stores them
-    into the slot as it goes (``SlotFill``); the other tokens' programs run as without."""
+    divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    args = (act_ptr, w2_ptr, weights_ptr, slots_ptr, token, cols, col_ok, num_slots, stride_ws, stride_wh, stride_wi,
-            host_ptr, plan_src_ptr, plan_dst_ptr, plan_len, stride_hs)
-    missed = 0
-    if FILL:
-        for j in tl.static_range(TOP_K):
-            slot = tl.load(slots_ptr + token * TOP_K + j).to(tl.int64)
-            missed += (_planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN) >= 0).to(tl.int32)
-    if missed > 0:
-        acc = _token_down(*args, TOP_K, INTER, BLOCK_N, BLOCK_K, EVEN, True, PLAN)
-    else:
-        acc = _token_down(*args, TOP_K, INTER, BLOCK_N, BLOCK_K, EVEN, False, PLAN)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + token * TOP_K + j).to(tl.int64)
+        ok = (slot >= 0) & (slot < num_slots)
+        weight = tl.where(ok, tl.load(weights_ptr + token * TOP_K + j).to(tl.float32), 0.0)
+        w_row = w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+        a_row = act_ptr + (token * TOP_K + j) * INTER
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN:
+                a = tl.load(a_row + ks)
+                w = tl.load(w_row + ks[:, None] * stride_wi)
+            else:
+                a = tl.load(a_row + ks, mask=ks < INTER, other=0.0)
+                w = tl.load(w_row + ks[:, None] * stride_wi, mask=(ks < INTER)[:, None] & col_ok[None, :], other=0.0)
+            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+            acc += a[:, None] * w.to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
-                             inter, stride_ws, stride_wh, stride_wi, host_ptr, plan_src_ptr, plan_dst_ptr, plan_len,
-                             stride_hs, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_K: tl.constexpr,
-                             PDL: tl.constexpr):
-    """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s. FILL: a slot in
-    the lookup's plan has its w2 tile copied in from the host first (``SlotFill``)."""
+                             inter, stride_ws, stride_wh, stride_wi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -305,13 +288,6 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    if FILL:
-        src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
-        if src >= 0:
-            rows = cols[:, None].to(tl.int64) * stride_wh
-            _copy_rows(host_ptr + src * stride_hs + rows, w2_ptr + slot * stride_ws + rows, col_ok, inter,
-                       FILL_K // BLOCK_N)
-            tl.debug_barrier()
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
     for r0 in range(0, count, 16):
         pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
@@ -344,12 +320,11 @@ def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: to
             gather_missing(*fill.plan, fill.host_w13, fill.host_w2, w13, w2)
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
-    act = _gate_up(hidden, slots, w13, cfg, *_fill_args(fill, fill and fill.host_w13, w13, cfg))
-    w2_fill = _fill_args(fill, fill and fill.host_w2, w2, cfg)
+    act = _gate_up(hidden, slots, w13, w2, cfg, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, w2, out, cfg, *w2_fill)
+        _down_per_token(act, weights, slots, w2, out, cfg)
     else:
-        _down_per_slot(act, weights, slots, w2, out, cfg, *w2_fill)
+        _down_per_slot(act, weights, slots, w2, out, cfg)
     return out
 
 
@@ -375,31 +350,39 @@ def _block_p(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
-def _fill_args(fill: SlotFill | None, host: torch.Tensor | None, pool: torch.Tensor,
-               cfg: DecodeConfig) -> tuple[tuple, dict]:
-    """A kernel's fill arguments for the pool ``pool`` filled from ``host`` (``fill``'s bank of the
-    same weights), and their constexprs; placeholders without a fill (FILL off)."""
+def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
+               grid_n: int) -> tuple[tuple, dict, int]:
+    """The gate_up kernels' fill arguments (placeholders without a fill: FILL is then off), their
+    constexprs, and how many rows of copy programs the grid gets beside the pairs' (enough for
+    ``fill_rows`` w2 rows each)."""
     if fill is None:
-        return (pool, pool, pool, 0, 0), dict(FILL=False, PLAN=1, FILL_K=1)
-    src, dst, _ = fill.plan
-    return ((host, src, dst, src.numel(), host.stride(0)),
-            dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_K=cfg.fill_k))
+        return (w13, w2, w2, w13, w13, w13, 0, 0, 0, 0), dict(FILL=False, PLAN=1, FILL_ROWS=1, FILL_K=1), 0
+    src, dst, count = fill.plan
+    args = (fill.host_w13, fill.host_w2, w2, src, dst, count, src.numel(), fill.host_w13.stride(0), fill.host_w2.stride(0),
+            w2.stride(0))
+    consts = dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_ROWS=cfg.fill_rows,
+                  FILL_K=cfg.fill_k)
+    return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: DecodeConfig, fill_args: tuple,
-             fill_consts: dict) -> torch.Tensor:
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
+             fill: SlotFill | None) -> torch.Tensor:
     """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 1 and hidden.is_contiguous():
-        _decode_gate_up_pair_kernel[(top_k, triton.cdiv(inter, cfg.pair_n))](
+        grid_n = triton.cdiv(inter, cfg.pair_n)
+        fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+        _decode_gate_up_pair_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
             TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
             EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, num_warps=cfg.pair_warps,
             **pdl_args(hidden))
         return act
-    _decode_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
+    grid_n = triton.cdiv(inter, cfg.gate_up_n)
+    fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+    _decode_gate_up_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
         BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
@@ -409,25 +392,23 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, cfg: 
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                    out: torch.Tensor, cfg: DecodeConfig, fill_args: tuple, fill_consts: dict) -> None:
+                    out: torch.Tensor, cfg: DecodeConfig) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
-        act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), *fill_args,
-        TOP_K=top_k, INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, **fill_consts, num_warps=cfg.down_warps,
-        **pdl_args(act))
+        act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=top_k,
+        INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0,
+        num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                   out: torch.Tensor, cfg: DecodeConfig, fill_args: tuple, fill_consts: dict) -> None:
+                   out: torch.Tensor, cfg: DecodeConfig) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     num_pairs = num_tokens * top_k
     pair_out = torch.empty(num_pairs, dim, dtype=act.dtype, device=out.device)
     _decode_slot_down_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
         act, w2, weights, slots, pair_out, num_pairs, num_slots, dim, inter, w2.stride(0), w2.stride(1),
-        w2.stride(2), *fill_args, BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
-        PRECISION=_precision(act.dtype), **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(act))
+        w2.stride(2), BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
+        PRECISION=_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(act))
     sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)

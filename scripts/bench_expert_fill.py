@@ -1,0 +1,114 @@
+"""Time copying a decode layer's cache misses from mapped host memory into their slots, against the
+PCIe bound, on the qwen3-30b geometry (bf16 experts, 9.4 MB each).
+
+    python scripts/bench_expert_fill.py [--misses 1 2 4 8] [--reps 12] [--json out.json]
+
+Per count of misses m (of a batch-1 layer's k = 8 experts), each way of filling them:
+
+- ``memcpy``: the copy engine, ``m`` host-to-device copies per bank (what a host-driven engine
+  pays; not capturable without the host knowing the misses),
+- ``gather``: ``gather_missing``, one launch per bank reading the host banks zero-copy,
+- ``gemm``: the decode GEMM with the fill (``grouped_swiglu(fill=...)``): its gate_up launch copies
+  the misses as it computes the hits; "GEMM alone" is the same GEMM with every expert a hit, so
+  "fill us" (the row's time less it) is what the misses add.
+
+Every rep copies other host experts (a host bank of 64 experts, 600 MB, pinned), so no read is
+served by L2. Time per rep from CUDA events around ``--reps`` reps; bound = bytes / 55 GB/s
+(pinned host-to-device, measured in DESIGN.md); ratio = bound / time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from moe_offload.grouped import SlotFill, grouped_swiglu  # noqa: E402
+from moe_offload.kernels.gather_missing import gather_missing  # noqa: E402
+from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
+from report_table import print_table  # noqa: E402  (beside this script)
+
+PCIE_BYTES_PER_S = 55e9
+HOST_EXPERTS = 64
+SLOTS = 16
+TOP_K = 8
+
+
+def plans(misses: int, reps: int) -> list[CopyPlan]:
+    """A plan per rep: ``misses`` host experts (new ones every rep) into slots ``[0, misses)``."""
+    out = []
+    for rep in range(reps):
+        src = torch.full((TOP_K,), -1, dtype=torch.int32)
+        dst = src.clone()
+        src[:misses] = torch.arange(rep * misses, (rep + 1) * misses, dtype=torch.int32) % HOST_EXPERTS
+        dst[:misses] = torch.arange(misses, dtype=torch.int32)
+        out.append(CopyPlan(src.cuda(), dst.cuda(), torch.tensor([misses], dtype=torch.int32, device="cuda")))
+    return out
+
+
+def timed(run, reps: int) -> float:
+    """Microseconds per rep of ``run(rep)``, after an untimed ``run(reps)`` (other experts)."""
+    run(reps)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for rep in range(reps):
+        run(rep)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--reps", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--json")
+    args = p.parse_args()
+    dim, inter = args.hidden, args.inter
+    gen = torch.Generator().manual_seed(0)
+    host_w13 = (torch.randn(HOST_EXPERTS, 2 * inter, dim, generator=gen) * dim**-0.5).bfloat16().pin_memory()
+    host_w2 = (torch.randn(HOST_EXPERTS, dim, inter, generator=gen) * inter**-0.5).bfloat16().pin_memory()
+    w13 = torch.zeros(SLOTS, 2 * inter, dim, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.zeros(SLOTS, dim, inter, dtype=torch.bfloat16, device="cuda")
+    hidden = torch.randn(1, dim, device="cuda").bfloat16()
+    weights = torch.rand(1, TOP_K, device="cuda")
+    slots = torch.arange(TOP_K, device="cuda").view(1, TOP_K)  # misses take slots [0, m), hits the rest
+    expert_bytes = (host_w13[0].numel() + host_w2[0].numel()) * host_w13.element_size()
+    alone = timed(lambda rep: grouped_swiglu(hidden, weights, slots, w13, w2), args.reps)
+    rows = []
+    for misses in args.misses:
+        plan = plans(misses, args.reps + 1)
+
+        def memcpy(rep: int) -> None:
+            for j, src in enumerate(range(rep * misses, (rep + 1) * misses)):
+                w13[j].copy_(host_w13[src % HOST_EXPERTS], non_blocking=True)
+                w2[j].copy_(host_w2[src % HOST_EXPERTS], non_blocking=True)
+
+        ways = {"memcpy": memcpy,
+                "gather": lambda rep: gather_missing(*plan[rep], host_w13, host_w2, w13, w2),
+                "gemm": lambda rep: grouped_swiglu(hidden, weights, slots, w13, w2,
+                                                   fill=SlotFill(plan[rep], host_w13, host_w2))}
+        bound = misses * expert_bytes / PCIE_BYTES_PER_S * 1e6
+        for way, run in ways.items():
+            us = timed(run, args.reps)
+            fill_us = us - alone if way == "gemm" else us
+            rows.append(dict(misses=misses, way=way, mb=misses * expert_bytes / 1e6, us=us, alone=alone,
+                             fill_us=fill_us, gb_s=misses * expert_bytes / fill_us / 1e3, bound_us=bound,
+                             ratio=bound / us))
+    print(f"{torch.cuda.get_device_name()}, experts {2 * inter}x{dim} + {dim}x{inter} bf16, "
+          f"{expert_bytes / 1e6:.2f} MB each; the batch-1 GEMM alone (8 hits): {alone:.1f} us")
+    print_table([("misses", "misses", ">6"), ("way", "way", ">6"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
+                 ("fill us", "fill_us", ">8.1f"), ("GB/s", "gb_s", ">6.1f"), ("bound us", "bound_us", ">8.1f"),
+                 ("ratio", "ratio", ">6.3f")], rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
