@@ -152,7 +152,7 @@ class OffloadedExperts:
         if fill is None:  # the guess's gather runs beside the GEMM
             self._prefetch(layer, next_ids)
         out = grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
-                             out_dtype=out_dtype, fill=fill)
+                             backend=self.cache.backend, out_dtype=out_dtype, fill=fill)
         if fill is not None:  # the GEMM reads this layer's misses over PCIe: the guess's gather waits for it
             self._prefetch(layer, next_ids)
         return out

@@ -16,6 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from moe_offload.choices import FILL_MODES  # noqa: E402
+from tests.launch_count import count_launches  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels import invalidate_slots as invalidate_mod  # noqa: E402
@@ -334,22 +336,28 @@ def test_invalidate_slots_bounds():
 
 
 @interpreted
-def test_offloaded_experts_interpreted():
-    """The three kernels together behind ``OffloadedExperts`` match resident experts."""
+@pytest.mark.parametrize("fill", FILL_MODES)
+def test_offloaded_experts_interpreted(fill):
+    """The kernels together behind ``OffloadedExperts`` (lookup, the GEMM and the fill in it, or the
+    gather before it) match resident experts."""
     layers, experts, hidden, inter = 2, 8, 8, 4
     gen = torch.Generator().manual_seed(0)
     banks = ExpertBanks(torch.randn(layers, experts, 2 * inter, hidden, generator=gen),
                         torch.randn(layers, experts, hidden, inter, generator=gen))
-    offloaded = OffloadedExperts.create(banks, experts + 2, "cpu", "lfru", backend="triton")
+    offloaded = OffloadedExperts.create(banks, experts + 2, "cpu", "lfru", backend="triton", fill=fill)
     resident = ResidentExperts(banks)
-    for step in range(8):
-        if step == 4:
-            offloaded.cache.invalidate(0, experts)
-        for layer in range(layers):
-            x, weights = torch.randn(3, hidden, generator=gen), torch.rand(3, 2, generator=gen)
-            ids = torch.randint(experts, (3, 2), generator=gen)
-            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids))
+    with count_launches() as counter:
+        for step in range(8):
+            if step == 4:
+                offloaded.cache.invalidate(0, experts)
+            for layer in range(layers):
+                x, weights = torch.randn(3, hidden, generator=gen), torch.rand(3, 2, generator=gen)
+                ids = torch.randint(experts, (3, 2), generator=gen)
+                torch.testing.assert_close(offloaded.forward(layer, x, weights, ids),
+                                           resident.forward(layer, x, weights, ids))
     assert offloaded.cache.stats()["total"]["evictions"] > 0
+    assert ("triton.gather_missing_kernel" in counter.launches) == (fill == "gather")
+    assert "triton._decode_gate_up_kernel" in counter.launches
 
 
 @interpreted
