@@ -2,7 +2,8 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
-        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on] [--fill gemm gather] [--gpus 1 2]
+        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
+        [--fill gemm gather] [--gpus 1 2]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own

@@ -23,6 +23,12 @@ find its slot's pairs itself, and with a few tokens the sum fits in the down pro
  sum over k                          grouped_gemm.sum_over_k
 ```
 
+With a fill (``SlotFill``: the experts an expert-cache lookup just admitted, still in host memory)
+the gate_up launch also moves them: a program whose slot is in the lookup's plan first copies its
+own gate and up rows from the mapped host bank into the slot, then computes from the slot as any
+other; copy programs after the pairs' (grid rows ``T*k`` on) move the planned experts' w2. So the
+hits compute while the misses cross PCIe, in one launch, and the downs read every slot from HBM.
+
 The per-token down reads a slot's w2 once per token that uses it, so it pays for slots that
 several tokens share; DECODE_MAX_TOKENS keeps it to batches where few do. Slots outside ``[0, N)``
 contribute zero, as on the general path. Callers go through ``moe_offload.grouped.grouped_swiglu``,
@@ -133,7 +139,7 @@ def _fill_w13_tile(host13_ptr, w13_ptr, src, slot, col0, inter, hidden, stride_h
 def _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, first, hidden, inter, stride_hs,
                   stride_ws, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """A copy program (``program_id(0) >= first``): rows ``[c * ROWS, (c + 1) * ROWS)`` of every
-    planned expert's w2, ``c`` its rank among the copy programs."""
+    planned expert's w2 (``[hidden, inter]``, contiguous), ``c`` its rank among the copy programs."""
     c = (tl.program_id(0) - first) * tl.num_programs(1) + tl.program_id(1)
     rows = c * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None].to(tl.int64) * inter
@@ -207,7 +213,7 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     if FILL:
         src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
         if src >= 0:
-            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, stride_wn, stride_h13,
+            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13,
                            stride_ws, stride_wn, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -358,8 +364,8 @@ def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: 
     if fill is None:
         return (w13, w2, w2, w13, w13, w13, 0, 0, 0, 0), dict(FILL=False, PLAN=1, FILL_ROWS=1, FILL_K=1), 0
     src, dst, count = fill.plan
-    args = (fill.host_w13, fill.host_w2, w2, src, dst, count, src.numel(), fill.host_w13.stride(0), fill.host_w2.stride(0),
-            w2.stride(0))
+    args = (fill.host_w13, fill.host_w2, w2, src, dst, count, src.numel(), fill.host_w13.stride(0),
+            fill.host_w2.stride(0), w2.stride(0))
     consts = dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_ROWS=cfg.fill_rows,
                   FILL_K=cfg.fill_k)
     return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
