@@ -213,7 +213,8 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     if FILL:
         src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
         if src >= 0:
-            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13,
+            # the row length as a runtime value (w13 is contiguous: stride_wn == HIDDEN), as measured
+            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, stride_wn, stride_h13,
                            stride_ws, stride_wn, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
