@@ -10,6 +10,8 @@ import contextlib
 import pytest
 import torch
 
+from moe_offload import offloaded as offloaded_mod
+from moe_offload.choices import FILL_MODES
 from moe_offload.experts import ExpertBanks, ResidentExperts
 from moe_offload.kernels import lookup_admit as lookup_mod
 from moe_offload.kernels.lookup_admit import Policy
@@ -117,6 +119,22 @@ def test_each_guess_is_forked_after_its_plan_and_joined_before_the_next():
         want += [("wait", "compute", "fetched")] + fork + [("copy", f"prefetch layer {layer}"),
                                                            ("record", "fetched", "copy")]
     assert log == want + [("wait", "compute", "fetched")]
+
+
+@pytest.mark.parametrize("fill", FILL_MODES)
+def test_guess_is_forked_beside_a_gathers_gemm_and_after_a_filling_one(monkeypatch, fill):
+    """With ``fill="gather"`` the guess's gather runs beside the layer's GEMM; with ``"gemm"`` the
+    GEMM reads the layer's misses over PCIe itself, so the guess is admitted and forked after it."""
+    banks = make_banks(LAYERS, EXPERTS, 16, 8)
+    offloaded = OffloadedExperts.create(banks, 2 * EXPERTS, "cpu", prefetch=True, fill=fill)
+    log: list[tuple[str, ...]] = []
+    offloaded.prefetch.streams = HostStreams(log)
+    gemm = offloaded_mod.grouped_swiglu
+    monkeypatch.setattr(offloaded_mod, "grouped_swiglu", lambda *a, **k: log.append(("gemm",)) or gemm(*a, **k))
+    run_steps(offloaded, ResidentExperts(banks), "exact", steps=1)
+    fork, gemm_call = ("record", "planned", "compute"), ("gemm",)
+    layer = [gemm_call, fork] if fill == "gemm" else [fork, gemm_call]
+    assert [e for e in log if e in (fork, gemm_call)] == layer * (LAYERS - 1) + [gemm_call]
 
 
 def test_ahead_lookup_spares_the_layer_before_and_drops_what_does_not_fit():
