@@ -3,7 +3,7 @@ the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes 
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
         [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
-        [--fill gemm gather] [--gpus 1 2]
+        [--fill gemm gather] [--sampling greedy sampled] [--gpus 1 2]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
@@ -19,6 +19,9 @@ Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off /
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
 the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s. Each ``--fill``
 mode too (how a miss reaches its slot: copied by the expert GEMM as it computes, or gathered first).
+``--sampling greedy sampled`` times the same runner with every request greedy or sampled
+(temperature 0.8, top-p 0.9): the graph holds both paths, and a sampled row draws by rejection,
+a pass over the vocabulary per round (on dummy weights the nucleus is most of the vocabulary).
 Each ``--gpus`` count gets its own rows, at the same cache per GPU (expert parallelism: the
 aggregate cache grows with the GPUs); the hit rate and bytes are rank 0's, i.e. per link.
 """
@@ -118,9 +121,15 @@ def progress(what: str, since: float) -> None:
     print(f"[{time.perf_counter() - since:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
+# what ``--sampling sampled`` asks of every request (a chat client's usual settings)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
+
+
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
-               profile_steps: int = 0, top_kernels: int = 0, prefill_every: int = 0, prefill_tokens: int = 0) -> dict:
-    """``batch`` requests decode ``decode_tokens`` each after one prefill of their prompts.
+               profile_steps: int = 0, top_kernels: int = 0, prefill_every: int = 0, prefill_tokens: int = 0,
+               sampling: SamplingParams = SamplingParams()) -> dict:
+    """``batch`` requests decode ``decode_tokens`` each after one prefill of their prompts, every
+    one sampling as ``sampling`` says (default greedy).
     ``prefill_every``: every that many decode steps, one more request of ``prefill_tokens`` prompt
     tokens and a single output token joins, so its prefill chunk (the expert pipeline's, when
     it is long enough) runs between decode steps as another session's turn would."""
@@ -131,7 +140,7 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
 
     def request(rid: str, tokens: int, max_tokens: int) -> Request:
         prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
-        return Request(rid, prompt, SamplingParams(), max_tokens, frozenset(), ignore_eos=True)
+        return Request(rid, prompt, sampling, max_tokens, frozenset(), ignore_eos=True)
 
     reqs = [request(str(i), prompt_tokens, decode_tokens) for i in range(batch)]
     for r in reqs:
@@ -203,8 +212,8 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
                  fill=fill if fraction < 1.0 else "-", prefill_every=args.prefill_every)
     rows = []
-    for batch in args.batch:
-        rows.append(bench_batch(runner, args, batch, setup))
+    for batch, sampling in itertools.product(args.batch, args.sampling):
+        rows.append(bench_batch(runner, args, batch, dict(setup, sampling=sampling)))
         progress(f"batch {batch}: {rows[-1]['tok_s']:.1f} tok/s, hit rate {rows[-1]['hit_rate']:.3f}, "
                  f"ratio {rows[-1]['ratio']:.3f} of the {rows[-1]['bound']} bound", start)
     runner.close()
@@ -217,10 +226,11 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     """One row: tokens/s of ``batch`` requests decoding, beside the PCIe / HBM bound of its step."""
     cfg, fraction = runner.model_config, setup["fraction"]
     dense, one_expert = dense_bytes(runner), expert_bytes(runner)
+    sampling = SAMPLED if setup["sampling"] == "sampled" else SamplingParams()
     r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch,
-                   prefill_every=args.prefill_every, prefill_tokens=args.prefill_tokens)
+                   prefill_every=args.prefill_every, prefill_tokens=args.prefill_tokens, sampling=sampling)
     profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8,
-                          top_kernels=args.top_kernels)
+                          top_kernels=args.top_kernels, sampling=sampling)
     tok_s = r["tokens"] / r["seconds"]
     # with prefills between: the steps that ran one (a decode row may share it) timed apart
     decode_tok_s = (r["steps"] - r["prefill_steps"]) * batch / (r["seconds"] - r["prefill_s"])
@@ -282,7 +292,7 @@ def resident_bounds_from_lookups(rows: list[dict]) -> None:
 
 COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
            ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("fill", "fill", ">6"),
-           ("pdl", "pdl", ">3"), ("batch", "batch", ">5"),
+           ("pdl", "pdl", ">3"), ("sampling", "sampling", ">8"), ("batch", "batch", ">5"),
            ("tok/s", "tok_s", ">8.1f"), ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
            ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
@@ -319,6 +329,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=1024, help="that prompt's tokens")
     p.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
                    help="programmatic dependent launch of the Triton kernels (sm90+; off: SLUICE_PDL=0)")
+    p.add_argument("--sampling", nargs="+", default=["greedy"], choices=["greedy", "sampled"],
+                   help="how every request samples: greedy, or sampled (temperature 0.8, top-p 0.9; the "
+                        "decode graph captures both paths, a sampled row draws by rejection); several: rows each")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="print the N kernels that take the most GPU time per decode step, per row")
     p.add_argument("--json")
@@ -327,7 +340,8 @@ def parse_args() -> argparse.Namespace:
 
 def print_top_kernels(rows: list[dict]) -> None:
     for r in rows:
-        print(f"\n{r['fraction']:.0%} cache, {r['experts']}, batch {r['batch']}: {r['kernels']:.0f} kernels, "
+        print(f"\n{r['fraction']:.0%} cache, {r['experts']}, fill {r['fill']}, {r['sampling']}, batch {r['batch']}: "
+              f"{r['kernels']:.0f} kernels, "
               f"{r['busy_ms']:.2f} ms GPU-busy per step")
         for name, launches, us in r["top_kernels"]:
             print(f"  {us:9.1f} us {launches:6.1f}x  {name[:110]}")

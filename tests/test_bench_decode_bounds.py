@@ -38,9 +38,12 @@ def test_a_resident_row_takes_the_distinct_experts_its_batch_looked_up():
     assert cached["distinct"] == "looked up" and cached["experts_per_layer"] == 37.8
 
 
-def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampling", [bench_decode.SamplingParams(), bench_decode.SAMPLED], ids=["greedy", "sampled"])
+def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch, sampling):
     """decode_run counts ``decode_tokens - 1`` decode steps of tokens; the timed window must launch
-    all of them (waiting for the first token before the clock launched decode step 1 early)."""
+    all of them (waiting for the first token before the clock launched decode step 1 early). Every
+    request samples as asked (``--sampling``)."""
+    from scheduler.request import Request
     from tests.tiny_models import write_tiny
     from worker.runner import ModelRunner, RunnerConfig
 
@@ -59,9 +62,12 @@ def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "forward", counting_forward)
     monkeypatch.setattr(bench_decode, "timed_steps", counting_timed_steps)
-    r = bench_decode.decode_run(runner, batch=2, prompt_tokens=5, decode_tokens=6, seed=0)
+    requests = []
+    monkeypatch.setattr(bench_decode, "Request", lambda *a, **k: requests.append(Request(*a, **k)) or requests[-1])
+    r = bench_decode.decode_run(runner, batch=2, prompt_tokens=5, decode_tokens=6, seed=0, sampling=sampling)
     assert r["steps"] == 5 and r["tokens"] == 10
     assert launched == [2] * 5  # five decode steps of both requests inside the window
+    assert [req.sampling for req in requests] == [sampling] * 2
 
 
 def test_a_resident_row_under_synthetic_routing_models_its_distinct_experts():
