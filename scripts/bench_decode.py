@@ -21,7 +21,8 @@ the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s. 
 mode too (how a miss reaches its slot: copied by the expert GEMM as it computes, or gathered first).
 ``--sampling greedy sampled`` times the same runner with every request greedy or sampled
 (temperature 0.8, top-p 0.9): the graph holds both paths, and a sampled row draws by rejection,
-a pass over the vocabulary per round (on dummy weights the nucleus is most of the vocabulary).
+a pass over the vocabulary per round (on dummy weights the logits, and so the rounds, are those of
+random weights, not a model's).
 Each ``--gpus`` count gets its own rows, at the same cache per GPU (expert parallelism: the
 aggregate cache grows with the GPUs); the hit rate and bytes are rank 0's, i.e. per link.
 """
