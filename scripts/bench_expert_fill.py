@@ -1,7 +1,7 @@
 """Time copying a decode layer's cache misses from mapped host memory into their slots, against the
 PCIe bound, on the qwen3-30b geometry (bf16 experts, 9.4 MB each).
 
-    python scripts/bench_expert_fill.py [--misses 1 2 4 8] [--reps 12] [--json out.json]
+    python scripts/bench_expert_fill.py [--misses 1 2 4 8] [--reps 12] [--sweep] [--json out.json]
 
 Per count of misses m (of a batch-1 layer's k = 8 experts), each way of filling them:
 
@@ -11,6 +11,9 @@ Per count of misses m (of a batch-1 layer's k = 8 experts), each way of filling 
 - ``gemm``: the decode GEMM with the fill (``grouped_swiglu(fill=...)``): its gate_up launch copies
   the misses as it computes the hits; "GEMM alone" is the same GEMM with every expert a hit, so
   "fill us" (the row's time less it) is what the misses add.
+
+``--sweep`` adds "gemm" rows for other copy tiles of the fill (``DecodeConfig.fill_k``, the
+columns of a w13 copy step, and ``fill_rows``, the w2 rows of a copy program), named "gemm K/R".
 
 Every rep copies other host experts (a host bank of 64 experts, 600 MB, pinned), so no read is
 served by L2. Time per rep from CUDA events around ``--reps`` reps; bound = bytes / 55 GB/s
@@ -28,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from moe_offload.grouped import SlotFill, grouped_swiglu  # noqa: E402
+from moe_offload.kernels.grouped_gemm_decode import DecodeConfig, decode_grouped_swiglu  # noqa: E402
 from moe_offload.kernels.gather_missing import gather_missing  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
 from report_table import print_table  # noqa: E402  (beside this script)
@@ -36,6 +40,7 @@ PCIE_BYTES_PER_S = 55e9
 HOST_EXPERTS = 64
 SLOTS = 16
 TOP_K = 8
+SWEEP = [(128, 16), (512, 16), (256, 8), (256, 32), (512, 32)]  # (fill_k, fill_rows) beside the default
 
 
 def plans(misses: int, reps: int) -> list[CopyPlan]:
@@ -68,6 +73,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--sweep", action="store_true", help="also time other copy tiles of the GEMM's fill")
     p.add_argument("--json")
     args = p.parse_args()
     dim, inter = args.hidden, args.inter
@@ -94,16 +100,20 @@ def main() -> None:
                 "gather": lambda rep: gather_missing(*plan[rep], host_w13, host_w2, w13, w2),
                 "gemm": lambda rep: grouped_swiglu(hidden, weights, slots, w13, w2,
                                                    fill=SlotFill(plan[rep], host_w13, host_w2))}
+        for fill_k, fill_rows in SWEEP if args.sweep else []:
+            cfg = DecodeConfig(fill_k=fill_k, fill_rows=fill_rows)
+            ways[f"gemm {fill_k}/{fill_rows}"] = lambda rep, cfg=cfg: decode_grouped_swiglu(
+                hidden, weights, slots, w13, w2, cfg, fill=SlotFill(plan[rep], host_w13, host_w2))
         bound = misses * expert_bytes / PCIE_BYTES_PER_S * 1e6
         for way, run in ways.items():
             us = timed(run, args.reps)
-            fill_us = us - alone if way == "gemm" else us
+            fill_us = us - alone if way.startswith("gemm") else us
             rows.append(dict(misses=misses, way=way, mb=misses * expert_bytes / 1e6, us=us, alone=alone,
                              fill_us=fill_us, gb_s=misses * expert_bytes / fill_us / 1e3, bound_us=bound,
                              ratio=bound / us))
     print(f"{torch.cuda.get_device_name()}, experts {2 * inter}x{dim} + {dim}x{inter} bf16, "
           f"{expert_bytes / 1e6:.2f} MB each; the batch-1 GEMM alone (8 hits): {alone:.1f} us")
-    print_table([("misses", "misses", ">6"), ("way", "way", ">6"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
+    print_table([("misses", "misses", ">6"), ("way", "way", ">13"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
                  ("fill us", "fill_us", ">8.1f"), ("GB/s", "gb_s", ">6.1f"), ("bound us", "bound_us", ">8.1f"),
                  ("ratio", "ratio", ">6.3f")], rows)
     if args.json:
