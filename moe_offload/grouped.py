@@ -44,9 +44,9 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     ranks' experts to -1) and requires the rest in range.
 
     ``fill``: experts an expert-cache lookup admitted into ``slots``, still to be copied in from the
-    host. The decode path of float banks copies them as its gate_up reads them (a miss costs its
-    PCIe bytes and nothing else: the hits compute meanwhile); every other path gathers them first
-    (``gather_missing``), in stream order before the GEMM.
+    host. The decode path of float banks copies them in its gate_up launch (so the hits compute
+    while the misses cross PCIe); every other path gathers them first (``gather_missing``), in
+    stream order before the GEMM.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
     if fill is not None and not _fills_in_gemm(hidden, slots, scales, backend):
