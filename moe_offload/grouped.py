@@ -49,18 +49,17 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     stream order before the GEMM.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
-    if fill is not None and not _fills_in_gemm(hidden, slots, scales, backend):
-        _gather(fill, w13, w2, scales, backend)
-        fill = None
     if fp8_activations is None:
         fp8_activations = fp8_activations_for(hidden, scales)
     if fp8_activations and scales is None:
         raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
+        _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype)
     if scales is not None:
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
+        _gather_first(fill, w13, w2, scales, backend)
         return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
                                         out_dtype=out_dtype)
     from moe_offload.kernels import grouped_gemm_decode
@@ -70,6 +69,7 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
                                                          fill=fill)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
+    _gather_first(fill, w13, w2, scales, backend)
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
 
 
@@ -84,16 +84,11 @@ class SlotFill(NamedTuple):
     host_scales: ExpertScales | None = None
 
 
-def _fills_in_gemm(hidden: torch.Tensor, slots: torch.Tensor, scales: ExpertScales | None,
-                   backend: str | None) -> bool:
-    """Whether the GEMM copies a fill's experts itself: the Triton decode path of float banks."""
-    from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS
-
-    return scales is None and slots.numel() <= DECODE_MAX_PAIRS and use_triton(hidden, backend)
-
-
-def _gather(fill: SlotFill, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
-            backend: str | None) -> None:
+def _gather_first(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
+                  backend: str | None) -> None:
+    """A path that cannot fill as it computes copies ``fill``'s experts in before it starts."""
+    if fill is None:
+        return
     if (fill.host_scales is None) != (scales is None):
         raise ValueError("fp8 slots fill from host scales, float ones from none")
     pools = {} if scales is None else {"host_scales": fill.host_scales[:2], "slot_scales": scales[:2]}

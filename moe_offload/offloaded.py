@@ -143,10 +143,11 @@ class OffloadedExperts:
         if pipelined:
             return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
-        fill = SlotFill(plan, self.host_w13, self.host_w2, self.host_scales)
-        if self.fill == "gather":
+        fill = None
+        if self.fill == "gemm":
+            fill = SlotFill(plan, self.host_w13, self.host_w2, self.host_scales)
+        else:
             self.cache.fill(plan, self.host_w13, self.host_w2, self.host_scales)
-            fill = None
         if self.prefetch is not None:
             self.prefetch.join()  # this layer's guess has landed before the GEMM reads its slots
         if fill is None:  # the guess's gather runs beside the GEMM

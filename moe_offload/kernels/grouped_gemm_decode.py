@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from moe_offload.grouped import SlotFill
-from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.grouped_gemm import down_rows, sum_over_k, swiglu_rows
 from moe_offload.kernels.triton_support import pdl_args
 
@@ -123,16 +122,19 @@ def _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN: tl.constex
 
 
 @triton.jit
-def _fill_w13_tile(host13_ptr, w13_ptr, src, slot, col0, inter, hidden, stride_hs, stride_ws, stride_wn,
-                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Copy gate and up rows ``[col0, col0 + BLOCK_N)`` (this program's columns) of host expert
-    ``src`` into ``slot``, then a barrier: the program's reads of the slot come after every one of
-    its threads' stores."""
-    r = tl.arange(0, 2 * BLOCK_N)
-    col = col0 + r % BLOCK_N
-    offs = (col + (r // BLOCK_N) * inter)[:, None].to(tl.int64) * stride_wn  # gate rows, then up rows
-    _copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden, BLOCK_C)
-    tl.debug_barrier()
+def _fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, col0, inter, hidden, stride_hs,
+                   stride_ws, stride_wn, PLAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """If the lookup's plan fills ``slot``, copy gate and up rows ``[col0, col0 + BLOCK_N)`` (this
+    program's columns) of its host expert into the slot, then a barrier: the program's reads of the
+    slot come after every one of its threads' stores. A hit's program only reads the plan."""
+    src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
+    if src >= 0:
+        r = tl.arange(0, 2 * BLOCK_N)
+        col = col0 + r % BLOCK_N
+        offs = (col + (r // BLOCK_N) * inter)[:, None].to(tl.int64) * stride_wn  # gate rows, then up rows
+        _copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden,
+                   BLOCK_C)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -171,10 +173,8 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
     if skip:
         return
     if FILL:
-        src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
-        if src >= 0:
-            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, hidden, stride_h13,
-                           stride_ws, stride_wn, BLOCK_N, FILL_K)
+        _fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
+                       inter, hidden, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
@@ -210,12 +210,9 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
-    if FILL:
-        src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
-        if src >= 0:
-            # the row length as a runtime value (w13 is contiguous: stride_wn == HIDDEN), as measured
-            _fill_w13_tile(host13_ptr, w13_ptr, src, slot, tl.program_id(1) * BLOCK_N, inter, stride_wn, stride_h13,
-                           stride_ws, stride_wn, BLOCK_N, FILL_K)
+    if FILL:  # the row length as a runtime value (w13 is contiguous: stride_wn == HIDDEN), as measured
+        _fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
+                       inter, stride_wn, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
@@ -322,9 +319,7 @@ def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: to
         _check_fill(fill, w13, w2)
     cfg = config or DecodeConfig()
     out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
-    if num_tokens == 0:
-        if fill is not None:  # nothing routed, nothing planned; the plan is still honoured
-            gather_missing(*fill.plan, fill.host_w13, fill.host_w2, w13, w2)
+    if num_tokens == 0:  # nothing routed: a lookup planned nothing
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
     act = _gate_up(hidden, slots, w13, w2, cfg, fill)
