@@ -9,11 +9,14 @@ Per count of misses m (of a batch-1 layer's k = 8 experts), each way of filling 
   pays; not capturable without the host knowing the misses),
 - ``gather``: ``gather_missing``, one launch per bank reading the host banks zero-copy,
 - ``gemm``: the decode GEMM with the fill (``grouped_swiglu(fill=...)``): its gate_up launch copies
-  the misses as it computes the hits; "GEMM alone" is the same GEMM with every expert a hit, so
-  "fill us" (the row's time less it) is what the misses add.
+  the misses as it computes the hits; "GEMM alone" is the same GEMM with every expert a hit
+  (replayed from a CUDA graph: launched from Python it would time the host; its slots stay in L2
+  in part), so "fill us" (the row's time less it) is what the misses add.
 
-``--sweep`` adds "gemm" rows for other copy tiles of the fill (``DecodeConfig.fill_k``, the
-columns of a w13 copy step, and ``fill_rows``, the w2 rows of a copy program), named "gemm K/R".
+``--sweep`` adds "gemm" rows for other tiles of the fill, each named by the ``DecodeConfig`` field it
+changes: ``fill_k`` (the columns of a w13 copy step), ``fill_rows`` (the w2 rows of a copy program)
+and ``pair_n`` (one token's gate_up columns: a missed expert's w13 is copied by ``I / pair_n``
+programs).
 
 Every rep copies other host experts (a host bank of 64 experts, 600 MB, pinned), so no read is
 served by L2. Time per rep from CUDA events around ``--reps`` reps; bound = bytes / 55 GB/s
@@ -40,7 +43,7 @@ PCIE_BYTES_PER_S = 55e9
 HOST_EXPERTS = 64
 SLOTS = 16
 TOP_K = 8
-SWEEP = [(128, 16), (512, 16), (256, 8), (256, 32), (512, 32)]  # (fill_k, fill_rows) beside the default
+SWEEP = [dict(fill_k=128), dict(fill_k=512), dict(fill_rows=8), dict(fill_rows=32), dict(pair_n=8), dict(pair_n=32)]
 
 
 def plans(misses: int, reps: int) -> list[CopyPlan]:
@@ -67,6 +70,23 @@ def timed(run, reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def graph_timed(run, reps: int) -> float:
+    """Microseconds per call of ``run()`` replayed from a CUDA graph of ``reps`` calls: a launch
+    whose GPU time is shorter than the host's time to launch it is timed on the GPU."""
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -86,7 +106,7 @@ def main() -> None:
     weights = torch.rand(1, TOP_K, device="cuda")
     slots = torch.arange(TOP_K, device="cuda").view(1, TOP_K)  # misses take slots [0, m), hits the rest
     expert_bytes = (host_w13[0].numel() + host_w2[0].numel()) * host_w13.element_size()
-    alone = timed(lambda rep: grouped_swiglu(hidden, weights, slots, w13, w2), args.reps)
+    alone = graph_timed(lambda: grouped_swiglu(hidden, weights, slots, w13, w2), args.reps)
     rows = []
     for misses in args.misses:
         plan = plans(misses, args.reps + 1)
@@ -100,9 +120,9 @@ def main() -> None:
                 "gather": lambda rep: gather_missing(*plan[rep], host_w13, host_w2, w13, w2),
                 "gemm": lambda rep: grouped_swiglu(hidden, weights, slots, w13, w2,
                                                    fill=SlotFill(plan[rep], host_w13, host_w2))}
-        for fill_k, fill_rows in SWEEP if args.sweep else []:
-            cfg = DecodeConfig(fill_k=fill_k, fill_rows=fill_rows)
-            ways[f"gemm {fill_k}/{fill_rows}"] = lambda rep, cfg=cfg: decode_grouped_swiglu(
+        for tiles in SWEEP if args.sweep else []:
+            cfg = DecodeConfig(**tiles)
+            ways["gemm " + " ".join(f"{k}={v}" for k, v in tiles.items())] = lambda rep, cfg=cfg: decode_grouped_swiglu(
                 hidden, weights, slots, w13, w2, cfg, fill=SlotFill(plan[rep], host_w13, host_w2))
         bound = misses * expert_bytes / PCIE_BYTES_PER_S * 1e6
         for way, run in ways.items():
@@ -113,7 +133,7 @@ def main() -> None:
                              ratio=bound / us))
     print(f"{torch.cuda.get_device_name()}, experts {2 * inter}x{dim} + {dim}x{inter} bf16, "
           f"{expert_bytes / 1e6:.2f} MB each; the batch-1 GEMM alone (8 hits): {alone:.1f} us")
-    print_table([("misses", "misses", ">6"), ("way", "way", ">13"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
+    print_table([("misses", "misses", ">6"), ("way", "way", ">16"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
                  ("fill us", "fill_us", ">8.1f"), ("GB/s", "gb_s", ">6.1f"), ("bound us", "bound_us", ">8.1f"),
                  ("ratio", "ratio", ">6.3f")], rows)
     if args.json:
