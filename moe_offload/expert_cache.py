@@ -21,8 +21,7 @@ import torch
 from moe_offload.choices import POLICIES
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, w13_scale_shape
-from moe_offload.grouped import ExpertScales
-from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.grouped import ExpertScales, SlotFill
 from moe_offload.kernels.invalidate_slots import invalidate_slots
 from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, LowPriority, Policy, lookup_admit
 
@@ -163,11 +162,7 @@ class ExpertCache:
              host_scales: ExpertScales | None = None) -> None:
         """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and an
         fp8 cache's scales from ``host_scales``, ``[L*E, R, C]``)."""
-        if (host_scales is None) != (self.scales is None):
-            raise ValueError("an fp8 cache fills from host scales, a float one from none")
-        scales = {} if host_scales is None else {"host_scales": host_scales[:2], "slot_scales": self.scales[:2]}
-        gather_missing(plan.src_id, plan.dst_slot, plan.count, host_w13, host_w2, self.w13, self.w2, self.backend,
-                       **scales)
+        SlotFill(plan, host_w13, host_w2, host_scales).gather(self.w13, self.w2, self.scales, self.backend)
 
     def invalidate(self, slot_start: int, num_slots: int) -> None:
         """Empty ``[slot_start, slot_start + num_slots)`` (the prefill pipeline's lent slots)."""

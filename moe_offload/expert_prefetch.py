@@ -2,9 +2,11 @@
 
 Without it, a layer's misses cross PCIe only after its own router ran, so the link and the GPU take
 turns. With it, the experts predicted for layer ``l+1`` (e.g. layer ``l+1``'s router applied to
-layer ``l``'s hidden state, as Pre-gated MoE and HOBBIT do) are admitted to the cache right after
-layer ``l``'s lookup and gathered on a copy stream while layer ``l`` computes; layer ``l+1``'s
-lookup then finds them resident and fetches only the mispredictions.
+layer ``l``'s hidden state, as Pre-gated MoE and HOBBIT do) are admitted to the cache and
+gathered on a copy stream while the GPU works on; layer ``l+1``'s lookup then finds them resident
+and fetches only the mispredictions. Where the guess starts is the caller's
+(``OffloadedExperts``): with the misses gathered before the GEMM (``--expert-fill gather``), right
+after layer ``l``'s lookup and gather, so the guess crosses PCIe beside layer ``l``'s GEMM:
 
 ```
  compute: lookup+gather l | admit guess l+1 | GEMM l | attention, router l+1 | lookup+gather l+1 | wait | GEMM l+1
@@ -12,9 +14,12 @@ lookup then finds them resident and fetches only the mispredictions.
  copy:                            +-- gather guess l+1 (PCIe) -------------------------------------+
 ```
 
+With the misses filled by the GEMM (``gemm``, the default) that GEMM reads PCIe itself, so the guess
+is admitted after it and crosses beside the next layer's attention and router instead.
+
 - The admission is an ahead lookup (``kernels.lookup_admit``) on the compute stream, so every table
   write stays in one stream's order; only the bytes move on the copy stream.
-- It never takes a slot that layer ``l`` reads (its GEMM runs beside the gather) or one it marked
+- It never takes a slot that layer ``l`` reads (its GEMM may run beside the gather) or one it marked
   itself, and drops what does not fit; the real lookup of ``l+1`` never takes a slot the guess
   marked, so the gather it still writes is never overwritten. A wrong guess costs its bytes and the
   slot it took, never a result.

@@ -83,16 +83,21 @@ class SlotFill(NamedTuple):
     host_w2: torch.Tensor
     host_scales: ExpertScales | None = None
 
+    def gather(self, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
+               backend: str | None = None) -> None:
+        """Copy the planned experts into the slot pools ``w13``, ``w2`` (and an fp8 cache's
+        ``scales``) now, in stream order: one ``gather_missing`` launch a bank."""
+        if (self.host_scales is None) != (scales is None):
+            raise ValueError("fp8 slots fill from host scales, float ones from none")
+        pools = {} if scales is None else {"host_scales": self.host_scales[:2], "slot_scales": scales[:2]}
+        gather_missing(*self.plan, self.host_w13, self.host_w2, w13, w2, backend, **pools)
+
 
 def _gather_first(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
                   backend: str | None) -> None:
     """A path that cannot fill as it computes copies ``fill``'s experts in before it starts."""
-    if fill is None:
-        return
-    if (fill.host_scales is None) != (scales is None):
-        raise ValueError("fp8 slots fill from host scales, float ones from none")
-    pools = {} if scales is None else {"host_scales": fill.host_scales[:2], "slot_scales": scales[:2]}
-    gather_missing(*fill.plan, fill.host_w13, fill.host_w2, w13, w2, backend, **pools)
+    if fill is not None:
+        fill.gather(w13, w2, scales, backend)
 
 
 # From this batch size on fp8 experts multiply fp8 activations: on the H200 (bench_grouped_gemm.py,

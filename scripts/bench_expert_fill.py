@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--sweep", action="store_true", help="also time other copy tiles of the GEMM's fill")
+    p.add_argument("--sweep", action="store_true", help="also time other tiles of the GEMM's fill")
     p.add_argument("--json")
     args = p.parse_args()
     dim, inter = args.hidden, args.inter
