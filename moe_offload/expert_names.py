@@ -30,7 +30,16 @@ QWEN3_MOE_NAMES = ExpertNames(
     down=_QWEN3_MOE + "down_proj.weight", gate=_QWEN3_MOE + "gate_proj.weight", up=_QWEN3_MOE + "up_proj.weight"
 )
 FUSED_NAMES = ExpertNames(down=_FUSED + "down_proj", gate_up=_FUSED + "gate_up_proj")  # transformers 5
-CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, FUSED_NAMES)
+
+
+def under(prefix: str, names: ExpertNames) -> ExpertNames:
+    """``names`` with the text model's weights under ``prefix`` instead of ``model.`` (a multimodal
+    checkpoint keeps them under ``model.language_model.``)."""
+    return ExpertNames(*(None if t is None else prefix + t.removeprefix("model.") for t in names))
+
+
+_LANGUAGE_MODEL = tuple(under("model.language_model.", n) for n in (QWEN3_MOE_NAMES, FUSED_NAMES))
+CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, FUSED_NAMES, *_LANGUAGE_MODEL)
 
 
 def detect_names(tensor_names: Collection[str], layer: int, styles: Sequence[ExpertNames] = CHECKPOINT_STYLES) -> ExpertNames:

@@ -298,8 +298,8 @@ def test_fp8_weights_load_onto_the_gpu_as_onto_the_host(tiny):
     cfg = cpu_runner(model.fp8_dir).model_config
     host = ModelWeights.load(model.fp8_dir, cfg, torch.float32, torch.device("cpu"))
     device = ModelWeights.load(model.fp8_dir, cfg, torch.float32, torch.device("cuda"))
-    on_device = device.targets(cfg)
-    for name, tensor in host.targets(cfg).items():
+    on_device = device.targets(cfg).direct
+    for name, tensor in host.targets(cfg).direct.items():
         assert torch.equal(on_device[name].cpu(), tensor), name
     for mine, theirs in zip(host.experts[:4], device.experts[:4]):
         assert torch.equal(theirs.cpu().view(torch.uint8), mine.view(torch.uint8))

@@ -18,6 +18,9 @@ class SequenceChunk(NamedTuple):
     prefix_len: int  # tokens of this sequence already in the KV pool
     pages: list[int]  # page table covering prefix_len + len(token_ids) tokens
     buffer_slot: int = -1  # >= 0: the (single) new token is token_buffer[buffer_slot], on the device
+    # hybrid models: the recurrent-state slot (worker.kv.state_pool); with prefix_len > 0 it holds the
+    # state after the prefix, with prefix_len 0 the step clears it first
+    state_slot: int = -1
 
 
 @dataclass
@@ -36,6 +39,18 @@ class ForwardBatch:
     # host copies of the lengths for per-sequence prefill loops (no device reads); decode needs none
     q_lens: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
+    # hybrid models: each sequence's state slot [B], where each sequence's tokens start [B + 1], and
+    # the slots that start from nothing (None: none)
+    state_slots: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    fresh_slots: torch.Tensor | None = None
+
+    @property
+    def cu_seqlens_host(self) -> list[int]:
+        out = [0]
+        for n in self.q_lens:
+            out.append(out[-1] + n)
+        return out
 
 
 def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
@@ -59,13 +74,29 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     T = len(ids)
     max_pages = max(len(row) for row in table)  # only the pages that hold this step's tokens
     table = [row + [0] * (max_pages - len(row)) for row in table]
-    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src], device)
-    ids_t, pos_t, loc_t, last_t, table_t, lens_t, src_t = packed
+    states = _state_lists(chunks)
+    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src, *states], device)
+    ids_t, pos_t, loc_t, last_t, table_t, lens_t, src_t = packed[:7]
     if token_buffer is not None:
         ids_t = torch.where(src_t >= 0, token_buffer[src_t.clamp(min=0)], ids_t)
+    slots, cu, fresh = packed[7:] if states else (None, None, None)
     return ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
                         T, is_decode=T == len(chunks), pipelined=pipeline_from is not None and T >= pipeline_from,
-                        q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens)
+                        q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens, state_slots=slots,
+                        cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None)
+
+
+def _state_lists(chunks: list[SequenceChunk]) -> list[list[int]]:
+    """State slots, sequence starts and the slots to clear; none when no chunk has a state slot."""
+    slots = [c.state_slot for c in chunks]
+    if max(slots) < 0:
+        return []
+    if min(slots) < 0 or len(set(slots)) != len(slots):
+        raise ValueError(f"every sequence of a hybrid model needs its own state slot; got {slots}")
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + len(c.token_ids))
+    return [slots, cu, [c.state_slot for c in chunks if c.prefix_len == 0]]
 
 
 def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

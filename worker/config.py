@@ -7,13 +7,44 @@ from pathlib import Path
 
 from moe_offload.fp8_checkpoint import FP8Scheme
 from worker.errors import CheckpointError
+from worker.models.registry import family_for, supported_architectures
 from worker.quantization import parse_quantization
 
-SUPPORTED_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's shapes (Qwen3-Next, Qwen3.5): q/k heads, value heads, the conv."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_size(self) -> int:
+        """Rows of the fused input projection: q, k, v, then z, then b and a (one per value head)."""
+        return self.conv_dim + self.value_dim + 2 * self.num_v_heads
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "mixtral" | "qwen3_moe"
+    family: str  # a family of worker.models.registry: "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -31,6 +62,35 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     quantization: FP8Scheme | None = None  # how the checkpoint stores fp8 weights (None: all float)
+    # hybrid families: each layer's token mixer; () = every layer full attention
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttention | None = None  # the linear-attention layers' shapes
+    rotary_dim: int = 0  # rotated dims of each head (partial rotary); 0 = all of them
+    attn_output_gate: bool = False  # full attention's output is scaled by sigmoid(a gate projection)
+    shared_expert_size: int = 0  # intermediate size of a shared expert beside the routed ones (0: none)
+    norm_offset: bool = False  # RMSNorms scale by (1 + weight): folded into the weights at load
+    weight_prefix: str = "model."  # where the text model's weights start ("model.language_model." in a VLM)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def full_layers(self) -> list[int]:
+        """Layers with attention over paged KV, in order: layer ``full_layers[j]`` owns KV layer j."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """Layers with a recurrent state, in order: layer ``linear_layers[j]`` owns state layer j."""
+        return [i for i in range(self.num_layers) if self.is_linear(i)]
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.full_layers)
 
     @property
     def q_size(self) -> int:
@@ -44,10 +104,17 @@ class ModelConfig:
         """Matmul FLOPs of one forward over rows of ``q_lens`` new tokens after ``prefixes`` cached
         ones: projections, router, the routed experts, causal attention, each row's LM head."""
         H, tokens = self.hidden_size, sum(q_lens)
-        dense = 2 * tokens * (H * (self.q_size + 2 * self.kv_size) + self.q_size * H + H * self.num_experts)
-        moe = 2 * tokens * self.top_k * 3 * H * self.expert_intermediate_size
-        attention = 4 * self.q_size * sum(n * p + n * (n + 1) / 2 for n, p in zip(q_lens, prefixes))
-        return self.num_layers * (dense + moe + attention) + 2 * H * self.vocab_size * len(q_lens)
+        gate = self.q_size if self.attn_output_gate else 0
+        full = 2 * tokens * (H * (self.q_size + gate + 2 * self.kv_size) + self.q_size * H)
+        full += 4 * self.q_size * sum(n * p + n * (n + 1) / 2 for n, p in zip(q_lens, prefixes))
+        moe = 2 * tokens * (H * self.num_experts + (self.top_k * 3 * self.expert_intermediate_size
+                                                     + 3 * self.shared_expert_size) * H)
+        total = self.num_kv_layers * full + self.num_layers * moe + 2 * H * self.vocab_size * len(q_lens)
+        if self.linear is not None:  # projections, and the delta rule's state update and read per token
+            la = self.linear
+            per_token = 2 * H * (la.in_proj_size + la.value_dim) + 6 * la.num_v_heads * la.head_k_dim * la.head_v_dim
+            total += len(self.linear_layers) * tokens * per_token
+        return total
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -64,58 +131,45 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        family = family_for(archs)
         if family is None:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            supported = ", ".join(supported_architectures())
             raise CheckpointError(f"{source}: unsupported architecture {archs or '(none)'}; Sluice runs {supported}")
-        _refuse_unsupported_features(raw, family, source)
-        hidden = raw["hidden_size"]
-        heads = raw["num_attention_heads"]
-        qwen = family == "qwen3_moe"
+        text = family.text_config(raw)
+        fields = family.config_fields(text, raw, source)
+        hidden, heads = text["hidden_size"], text["num_attention_heads"]
         return cls(
-            family=family,
-            vocab_size=raw["vocab_size"],
+            family=family.name,
+            vocab_size=text["vocab_size"],
             hidden_size=hidden,
-            num_layers=raw["num_hidden_layers"],
+            num_layers=text["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
-            expert_intermediate_size=raw["moe_intermediate_size"] if qwen else raw["intermediate_size"],
-            num_experts=raw.get("num_experts") or raw["num_local_experts"],
-            top_k=raw["num_experts_per_tok"],
-            renormalize=bool(raw.get("norm_topk_prob", False)) if qwen else True,
-            qk_norm=qwen,
-            rope_theta=float(_rope_theta(raw)),
-            rms_norm_eps=float(raw["rms_norm_eps"]),
-            max_context=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+            num_kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=text.get("head_dim") or hidden // heads,
+            num_experts=text.get("num_experts") or text["num_local_experts"],
+            top_k=text["num_experts_per_tok"],
+            rope_theta=float(rope_theta(text)),
+            rms_norm_eps=float(text["rms_norm_eps"]),
+            max_context=text.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+            eos_token_ids=_int_tuple(text.get("eos_token_id", raw.get("eos_token_id"))),
             quantization=parse_quantization(raw, source),
+            **fields,
         )
 
 
-def _rope_theta(raw: dict) -> float:
+def rope_theta(raw: dict) -> float:
     params = raw.get("rope_parameters") or {}
     return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
 
 
-def _refuse_unsupported_features(raw: dict, family: str, source: str) -> None:
+def rope_type(raw: dict) -> str:
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    problems = []
-    if rope_type != "default":
-        problems.append(f"rope scaling {rope_type!r}")
-    if family == "qwen3_moe":
-        if raw.get("mlp_only_layers"):
-            problems.append("dense mlp_only_layers")
-        if raw.get("decoder_sparse_step", 1) != 1:
-            problems.append("decoder_sparse_step != 1")
-        if raw.get("use_sliding_window"):
-            problems.append("sliding-window attention")
-        if raw.get("attention_bias"):
-            problems.append("attention bias")
-    elif raw.get("sliding_window") and raw["sliding_window"] < raw.get("max_position_embeddings", 0):
-        problems.append("sliding-window attention")
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def refuse(problems: list[str], source: str) -> None:
+    """One line naming every option of the checkpoint that Sluice cannot run."""
     if problems:
         raise CheckpointError(f"{source}: not supported: {', '.join(problems)}")
 

@@ -56,6 +56,9 @@ class MemoryPlan:
     expert_bytes: int  # of the cache (0 when the experts were loaded with the weights)
     kv_bytes: int
     activation_bytes: int  # of a prefill chunk of prefill_tokens
+    # hybrid models: the recurrent-state pool, allocated before the split (running slots + snapshots)
+    state_bytes: int = 0
+    state_slots: tuple[int, int] = (0, 0)
 
     def table(self, total_experts: int, experts: str = "experts") -> str:
         """The plan as the start-up log shows it (``experts``: what the slots hold, e.g. "bf16 experts")."""
@@ -65,6 +68,10 @@ class MemoryPlan:
                 f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
                 f"  prefill chunk  {_gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
                 f"  host KV tier   {_gib(self.host_kv_bytes)}"]
+        if self.state_bytes:
+            running, snapshots = self.state_slots
+            rows.insert(3, f"  state pool     {_gib(self.state_bytes)}  {running} running + {snapshots} snapshot "
+                           f"slots of linear-attention state")
         return "\n".join(rows)
 
 

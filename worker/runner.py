@@ -3,6 +3,7 @@ cached prefix already in the KV pool, or decode tokens), returning logits and sa
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from worker.cuda_graph import DecodeGraphs
 from worker.device_memory import DeviceMemory
 from worker.expert_placement import expert_slot_bytes, open_store, place_experts
 from worker.kv.gpu_pool import KVPool
+from worker.kv.state_pool import StatePool
 from worker.memory_plan import MemoryPlan, PlanInputs, host_available_bytes, plan_memory
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
@@ -64,15 +66,16 @@ class ModelRunner:
         self.expert_format = self._expert_format()
         self.weights = self._load_weights()
         store = open_store(cfg, config.model_dir, config.experts, self.expert_format, self.device)
+        self.state_pool = self._state_pool()
         self.plan = self._plan()
         self.experts = self._this_rank(place_experts(cfg, config.experts, self.weights.experts, store,
                                                      self.plan.expert_slots, self.device))
-        self.kv_pool = KVPool(cfg.num_layers, self.plan.kv_pages, config.page_size, cfg.num_kv_heads,
+        self.kv_pool = KVPool(cfg.num_kv_layers, self.plan.kv_pages, config.page_size, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
         attention = create_backend(attention_backend(config, self.device), self.kv_pool, cfg.head_dim ** -0.5)
         routing = make_routing(config.routing, cfg, self.device, config.experts.dummy_weights)
         self.pipeline_from = self.experts.pipeline_from(cfg.top_k)
-        self.model = MoETransformer(cfg, self.weights, attention, self.experts, routing)
+        self.model = MoETransformer(cfg, self.weights, attention, self.experts, routing, self.state_pool)
         self.graphs = self._decode_graphs()
 
     @property
@@ -139,6 +142,19 @@ class ModelRunner:
             return ModelWeights.random(cfg, self.dtype, self.device, c.experts.seed, with_experts)
         return ModelWeights.load(Path(c.model_dir), cfg, self.dtype, self.device, with_experts, self.expert_format)
 
+    def _state_pool(self) -> StatePool | None:
+        """A hybrid model's recurrent-state slots, allocated before the memory plan splits what is
+        left: a slot per running request and the prefix cache's snapshots."""
+        cfg, c = self.model_config, self.config
+        if not cfg.is_hybrid:
+            return None
+        layers = len(cfg.linear_layers)
+        slot_bytes = StatePool.slot_bytes_of(layers, cfg.linear, self.dtype)
+        snapshots = c.state_snapshots or 2 * c.state_slots
+        if not c.state_snapshots and self.device.type == "cuda":
+            snapshots = min(snapshots, int(0.1 * self.memory.free()) // slot_bytes)
+        return StatePool(layers, c.state_slots, max(snapshots, 0), cfg.linear, self.dtype, self.device)
+
     def _plan(self) -> MemoryPlan:
         """The memory plan, from the memory free now that the weights are loaded (logged once)."""
         cfg, on_gpu = self.model_config, self.device.type == "cuda"
@@ -147,9 +163,13 @@ class ModelRunner:
             gpu_reusable=self.memory.reusable() if on_gpu else 0,
             host_available=host_available_bytes(),
             slot_bytes=expert_slot_bytes(cfg, self.expert_format),
-            kv_token_bytes=2 * cfg.num_layers * cfg.kv_size * self.dtype.itemsize,
+            kv_token_bytes=2 * cfg.num_kv_layers * cfg.kv_size * self.dtype.itemsize,
             torch_attention=attention_backend(self.config, self.device) == "torch")
         plan = plan_memory(inputs, cfg, self.config)
+        if self.state_pool is not None:
+            pool = self.state_pool
+            plan = replace(plan, state_bytes=pool.num_slots * pool.slot_bytes,
+                           state_slots=(pool.running, pool.capacity))
         log.info("%s", plan.table(cfg.num_layers * cfg.num_experts,
                                   f"{self.expert_format.name} experts, policy {self.config.experts.policy}"))
         return plan

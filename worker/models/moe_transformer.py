@@ -1,6 +1,11 @@
-"""The decoder both families share: pre-norm GQA attention with RoPE (and per-head q/k RMSNorm for
-Qwen3), then a sparse MoE MLP: a ``Routing`` picks each token's experts (the model's router by
-default), an ``Experts`` backend of ``moe_offload`` runs them."""
+"""The decoder every family runs: pre-norm layers of a token mixer, then a sparse MoE MLP.
+
+The mixer is GQA attention with RoPE over paged KV (per-head q/k RMSNorm for the Qwen families;
+with an output gate and partial rotary for the hybrids), or, in a hybrid model's linear layers,
+a Gated DeltaNet over a recurrent state (``worker.models.gated_deltanet``). The MLP: a ``Routing``
+picks each token's experts (the model's router by default), an ``Experts`` backend of
+``moe_offload`` runs them, and a sigmoid-gated shared expert, where the family has one, runs
+beside them on the GPU."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +17,8 @@ from moe_offload.synthetic_routing import TokenKeys
 from worker.attention import AttentionBackend
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
+from worker.kv.state_pool import StatePool
+from worker.models.hybrid_weights import SharedExpertWeights
 from worker.models.linear import add_rms_norm_linear, linear
 from worker.models.norm import add_rms_norm
 from worker.models.rotary import KVWrite, Rotary, qk_rope
@@ -20,13 +27,22 @@ from worker.models.weights import LayerWeights, ModelWeights
 
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts,
-                 routing: Routing | None = None):
+                 routing: Routing | None = None, states: StatePool | None = None):
         self.cfg = cfg
         self.weights = weights
         self.attention = attention
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device, cfg.rotary_dim)
         self.experts = experts
         self.routing = routing or ModelRouting(cfg.top_k, cfg.renormalize, linear)
+        self.states = states
+        # each layer's index among its kind: a full layer's KV layer, a linear layer's state layer
+        self.kind_index = [sum(cfg.is_linear(j) == cfg.is_linear(i) for j in range(i)) for i in range(cfg.num_layers)]
+        self.linear_mixer = None
+        if cfg.is_hybrid:
+            if states is None:
+                raise ValueError("a hybrid model needs a state pool")
+            from worker.models.gated_deltanet import GatedDeltaNet
+            self.linear_mixer = GatedDeltaNet(cfg, states)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32) of each sequence's last token: ``[B, V]``."""
@@ -36,13 +52,21 @@ class MoETransformer:
         self.routing.begin(token_keys(batch) if self.routing.uses_keys else None)
         ahead = self.experts.fetches_ahead(batch.num_tokens, self.cfg.top_k)
         x = w.embed[batch.input_ids]
+        if batch.fresh_slots is not None:
+            self.states.zero(batch.fresh_slots)
         moe_out = None  # the last MoE output, added to the residual stream x by the next norm
         for i, lw in enumerate(w.layers):  # each residual add is fused with the norm after it
-            attn_out, x = self._attention(i, lw, x, moe_out, batch)
-            h, x = add_rms_norm(x, attn_out, lw.post_norm, eps)
+            if lw.linear is not None:
+                proj, x = add_rms_norm_linear(x, moe_out, lw.input_norm, eps, lw.linear.in_proj)
+                mixer_out = self.linear_mixer(self.kind_index[i], lw.linear, proj, batch)
+            else:
+                mixer_out, x = self._attention(i, lw, x, moe_out, batch)
+            h, x = add_rms_norm(x, mixer_out, lw.post_norm, eps)
             weights, ids = self.routing(i, h, lw.router)
             guess = self.routing.predict(i + 1, h, w.layers[i + 1].router) if ahead and i + 1 < len(w.layers) else None
             moe_out = self.experts.forward(i, h, weights, ids, guess, pipelined=batch.pipelined)
+            if lw.shared is not None:
+                moe_out = moe_out + shared_expert(h, lw.shared)
         # the last residual add joins the final norm (of every token: prefill's extra rows cost nothing)
         h, _ = add_rms_norm(x, moe_out, w.final_norm, eps)
         return F.linear(h[batch.last_index], w.lm_head).float()
@@ -60,17 +84,27 @@ class MoETransformer:
         """The attention block's output and the residual stream ``x + moe_out`` (the input norm and
         the qkv projection are one launch at one token)."""
         cfg = self.cfg
-        T = x.shape[0]
+        T, kv_layer = x.shape[0], self.kind_index[layer]
         qkv, x = add_rms_norm_linear(x, moe_out, lw.input_norm, cfg.rms_norm_eps, lw.qkv)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k, v = qkv[:, :cfg.q_size + 2 * cfg.kv_size].split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm else (None, None)
-        write = KVWrite(v, *self.attention.pool.layer_slots(layer), batch.out_loc)
+        write = KVWrite(v, *self.attention.pool.layer_slots(kv_layer), batch.out_loc)
         q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
-        out = self.attention.forward(layer, q, k, v, batch)
-        return linear(out.reshape(T, cfg.q_size), lw.o), x
+        out = self.attention.forward(kv_layer, q, k, v, batch).reshape(T, cfg.q_size)
+        if cfg.attn_output_gate:
+            out = out * torch.sigmoid(qkv[:, cfg.q_size + 2 * cfg.kv_size:])
+        return linear(out, lw.o), x
+
+
+def shared_expert(h: torch.Tensor, w: SharedExpertWeights) -> torch.Tensor:
+    """The shared expert's SwiGLU, scaled by the sigmoid of its gate (one projection computes
+    gate, up and the gate's logit)."""
+    size = w.w2.shape[1]
+    gate, up, logit = linear(h, w.w13).split([size, size, 1], dim=-1)
+    return torch.sigmoid(logit) * linear(F.silu(gate) * up, w.w2)
 
 
 def token_keys(batch: ForwardBatch) -> TokenKeys:

@@ -27,14 +27,25 @@ from worker.models.norm import rms_norm_eager
 
 
 class Rotary:
-    """cos/sin tables for every position up to the context length, float32 ``[max_positions, D]``."""
+    """cos/sin tables for every position up to the context length, float32 ``[max_positions, D]``.
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    Partial rotary (``rotary_dim`` < D, Qwen3.5 and Qwen3-Next rotate a quarter of each head)
+    pairs dim i with i + rotary_dim/2; the kernel pairs i with i + D/2. The loader reorders each
+    head's q and k dims by ``partial_rotary_order`` so that the rotated pairs sit where the kernel
+    pairs them, and the tables leave the other dims alone (cos 1, sin 0): q.k is unchanged by
+    reordering both alike, and no kernel needs a second layout."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device,
+                 rotary_dim: int = 0):
+        rotary_dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        half = torch.zeros(head_dim // 2)
+        half[:rotary_dim // 2] = inv_freq  # the pass-through dims turn by a frequency of 0
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), half)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [T, heads, D]`` rotated by each token's position ``[T]`` (eager)."""
@@ -43,6 +54,16 @@ class Rotary:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """For each dim of a reordered head, the checkpoint's dim it holds: the rotated pairs
+    (i, i + rotary_dim/2) move to (i, i + head_dim/2), the pass-through dims fill the rest in order."""
+    r, d = rotary_dim // 2, head_dim // 2
+    rest = list(range(rotary_dim, head_dim))
+    first = list(range(r)) + rest[:d - r]
+    second = list(range(r, rotary_dim)) + rest[d - r:]
+    return torch.tensor(first + second)
 
 
 class KVWrite(NamedTuple):

@@ -15,6 +15,8 @@ from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
 from worker.loader import checkpoint_errors, load_tensors, open_checkpoint
 from worker.models import checkpoint_names as names
+from worker.models.hybrid_weights import (LinearAttentionWeights, SharedExpertWeights, Targets, allocate_linear,
+                                          allocate_shared, hybrid_targets, offset_norm)
 from worker.quantization import checkpoint_expert_format
 
 
@@ -22,11 +24,13 @@ from worker.quantization import checkpoint_expert_format
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [q + 2 kv, H]
-    o: torch.Tensor  # [H, q]
+    qkv: torch.Tensor | None  # [q + 2 kv (+ q: the output gate), H]; None in a linear-attention layer
+    o: torch.Tensor | None  # [H, q]
     q_norm: torch.Tensor | None  # [D]
     k_norm: torch.Tensor | None  # [D]
     router: torch.Tensor  # [E, H]
+    linear: LinearAttentionWeights | None = None  # a linear-attention layer's (hybrid families)
+    shared: SharedExpertWeights | None = None  # the shared expert beside the routed ones
 
 
 @dataclass
@@ -42,15 +46,11 @@ class ModelWeights:
                  expert_format: ExpertFormat | None = None) -> ModelWeights:
         """Uninitialised weights; the experts in ``expert_format`` (default: ``dtype``), or none
         (``[L, 0, ...]`` banks) without ``with_experts``."""
-        def empty(*shape):
+        def empty(*shape, dtype=dtype):
             return torch.empty(shape, dtype=dtype, device=device)
 
-        H, D, E, L = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.num_layers
-        layers = [
-            LayerWeights(empty(H), empty(H), empty(cfg.q_size + 2 * cfg.kv_size, H), empty(H, cfg.q_size),
-                         empty(D) if cfg.qk_norm else None, empty(D) if cfg.qk_norm else None, empty(E, H))
-            for _ in range(L)
-        ]
+        H, E, L = cfg.hidden_size, cfg.num_experts, cfg.num_layers
+        layers = [_allocate_layer(cfg, i, empty) for i in range(L)]
         embed = empty(cfg.vocab_size, H)
         lm_head = embed if cfg.tie_word_embeddings else empty(cfg.vocab_size, H)
         geometry = ExpertGeometry(L, E if with_experts else 0, H, cfg.expert_intermediate_size)
@@ -58,8 +58,16 @@ class ModelWeights:
         banks = empty_expert_layer(geometry, fmt, device, num_layers=(L,))
         return cls(embed, empty(H), lm_head, layers, ExpertBanks(*banks, scale_block=fmt.scale_block))
 
-    def targets(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> destination view, for every tensor but the experts."""
+    def targets(self, cfg: ModelConfig) -> Targets:
+        """Checkpoint name -> destination, for every tensor but the experts (and the reorderings
+        to run once they are read)."""
+        if cfg.is_hybrid:
+            return hybrid_targets(cfg, self)
+        targets = Targets()
+        targets.direct.update(self._classic_targets(cfg))
+        return targets
+
+    def _classic_targets(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         t = {names.EMBED: self.embed, names.FINAL_NORM: self.final_norm}
         if not cfg.tie_word_embeddings:
             t[names.LM_HEAD] = self.lm_head
@@ -83,7 +91,9 @@ class ModelWeights:
         if with_experts and expert_format is None:
             expert_format = resolve_expert_format("auto", checkpoint_expert_format(model_dir), dtype)
         weights = cls.allocate(cfg, dtype, device, with_experts, expert_format)
-        load_tensors(files, weights.targets(cfg), label="loading weights", scheme=cfg.quantization)
+        targets = weights.targets(cfg)
+        load_tensors(files, targets.direct, label="loading weights", scheme=cfg.quantization)
+        targets.finish()
         if with_experts:
             load_resident_experts(files, cfg, weights.experts, expert_format)
         return weights
@@ -94,14 +104,27 @@ class ModelWeights:
         """Seeded random weights (``--dummy-weights``): norms 1, matrices N(0, 0.02)."""
         weights = cls.allocate(cfg, dtype, device, with_experts)
         gen = torch.Generator(device=device).manual_seed(seed)
-        for name, t in weights.targets(cfg).items():
+        targets = weights.targets(cfg)
+        for name, t in targets.direct.items():
             if name.endswith("norm.weight"):
-                t.fill_(1.0)
+                t.fill_(0.0 if cfg.norm_offset and offset_norm(name) else 1.0)
             else:
                 t.normal_(0.0, 0.02, generator=gen)
+        targets.finish()
         weights.experts.w13.normal_(0.0, 0.02, generator=gen)
         weights.experts.w2.normal_(0.0, 0.02, generator=gen)
         return weights
+
+
+def _allocate_layer(cfg: ModelConfig, layer: int, empty) -> LayerWeights:
+    H, D, E = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+    shared = allocate_shared(cfg, empty) if cfg.shared_expert_size else None
+    norms = (empty(D), empty(D)) if cfg.qk_norm else (None, None)
+    if cfg.is_linear(layer):
+        return LayerWeights(empty(H), empty(H), None, None, None, None, empty(E, H), allocate_linear(cfg, empty), shared)
+    qkv_rows = cfg.q_size * (2 if cfg.attn_output_gate else 1) + 2 * cfg.kv_size
+    return LayerWeights(empty(H), empty(H), empty(qkv_rows, H), empty(H, cfg.q_size), *norms, empty(E, H),
+                        shared=shared)
 
 
 def load_resident_experts(files: list[Path], cfg: ModelConfig, banks: ExpertBanks, fmt: ExpertFormat) -> None:
