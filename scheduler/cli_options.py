@@ -7,6 +7,7 @@ imported here, so ``--help`` answers at once.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from scheduler.config import KV_TIER_COPIES, KV_TIER_MODES, EngineConfig, SchedulerConfig
 from worker.cli_options import add_runner_args, config_fields, resolve_model, runner_config
@@ -50,8 +51,9 @@ def _add_kv_tier_args(g: argparse._ArgumentGroup) -> None:
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The ``SchedulerConfig`` of parsed ``args``; resolves ``--model`` (None: the default model,
     built on first use). ValueError: options that cannot go together."""
-    return SchedulerConfig(runner_config(args, resolve_model(args.model)),
-                           EngineConfig(**config_fields(args, EngineConfig)), **config_fields(args, SchedulerConfig))
+    engine = EngineConfig(**config_fields(args, EngineConfig))
+    runner = replace(runner_config(args, resolve_model(args.model)), state_slots=engine.max_running)
+    return SchedulerConfig(runner, engine, **config_fields(args, SchedulerConfig))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from scheduler.faults import FaultHooks, poisons_device
 from scheduler.messages.from_scheduler import TokenUpdate
 from scheduler.page_manager import PageManager
 from scheduler.request import Request
+from scheduler.state_cache import PENDING_PREFILL
 from worker.batch import SequenceChunk, to_device
 from worker.memory_plan import MemoryPlan
 from worker.runner import ModelRunner
@@ -61,8 +62,12 @@ class Engine:
         self.prefill_tokens = plan.prefill_tokens
         self.failures: list[Failure] = []  # requests a step failed since the caller last took them
         self._launching: list[Request] = []  # the batch being prepared or launched
+        self.states = runner.state_pool  # hybrid models: a recurrent-state slot per token-buffer row
+        if self.states is not None and config.max_running > self.states.running:
+            raise ValueError(f"--max-running {config.max_running} exceeds the model's {self.states.running} "
+                             f"recurrent-state slots")
         self.pages = PageManager(runner.kv_pool, config.prefix_cache, plan.host_kv_bytes, config.kv_tier_mode,
-                                 config.kv_tier_copy)
+                                 config.kv_tier_copy, self.states)
         self.device = runner.device
         self.token_buffer = torch.zeros(config.max_running, dtype=torch.int64, device=self.device)
         self.free_rows = list(range(config.max_running - 1, -1, -1))
@@ -167,6 +172,8 @@ class Engine:
                 break
             self.waiting.popleft()
             req.slot = self.free_rows.pop()
+            if self.states is not None:
+                self.pages.resume_state(req, self.states.running_slot(req.slot))
             self.running.append(req)
             if not req.preemptions:
                 self.counters["cached_prompt_tokens"] += req.cached_tokens
@@ -201,6 +208,8 @@ class Engine:
             return self._launch_after_copies()
         out = self.runner.forward(chunks, params, steps, self.token_buffer)
         self.pages.launched()
+        if self.pages.states is not None:
+            self._take_snapshots(reqs, chunks)
         (rows,) = to_device([[r.slot for r in reqs]], self.device)
         self.token_buffer.index_copy_(0, rows, out.next_tokens)
         self.counters["steps"] += 1
@@ -215,17 +224,42 @@ class Engine:
     def _chunk_for(self, req: Request, budget: int) -> SequenceChunk | None:
         """``req``'s share of the step being launched: a decode token, a prefill chunk within
         ``budget`` tokens, or None (it waits)."""
+        state = self.states.running_slot(req.slot) if self.states is not None else -1
         if req.wants_decode:
             pos = len(req.prompt) + req.launched_outputs - 1
             if not self._page_for(req, pos):
                 return None
-            return SequenceChunk([0], pos, req.pages, buffer_slot=req.slot)
+            return SequenceChunk([0], pos, req.pages, buffer_slot=req.slot, state_slot=state)
         if req.prefill_done or budget <= 0 or not self._kv_ready(req):
             return None
         n = min(budget, req.prefill_len - req.prefilled)
-        chunk = SequenceChunk(req.prefill_tokens[req.prefilled:req.prefilled + n], req.prefilled, req.pages)
+        if self.pages.states is not None:  # end a chunk at the prompt's last page boundary: a snapshot goes there
+            boundary = (req.prefill_len - 1) // self.pages.page_size * self.pages.page_size
+            if req.prefilled < boundary < req.prefilled + n:
+                n = boundary - req.prefilled
+        chunk = SequenceChunk(req.prefill_tokens[req.prefilled:req.prefilled + n], req.prefilled, req.pages,
+                              state_slot=state)
         req.prefilled += n
         return chunk
+
+    def _take_snapshots(self, reqs: list[Request], chunks: list[SequenceChunk]) -> None:
+        """Snapshot the state of each request whose step ended on a page boundary (hybrid models):
+        the latest few prefill chunk ends, and in decode the latest boundary, one slot rewritten."""
+        P, cache = self.pages.page_size, self.pages.states
+        for req, chunk in zip(reqs, chunks):
+            end = chunk.prefix_len + len(chunk.token_ids)
+            if end % P:
+                continue
+            if chunk.buffer_slot >= 0 and req.snapshots and req.snapshots[-1][0] > len(req.prompt):
+                cache.retake(req.snapshots[-1][1], chunk.state_slot)
+                req.snapshots[-1] = (end, req.snapshots[-1][1])
+                continue
+            slot = cache.take(chunk.state_slot)
+            if slot is None:
+                continue
+            req.snapshots.append((end, slot))
+            if chunk.buffer_slot < 0 and len(req.snapshots) > PENDING_PREFILL:
+                cache.release([req.snapshots.pop(0)[1]])
 
     def _page_for(self, req: Request, position: int) -> bool:
         """A KV page for ``req``'s next decode; when none is left, the newest requests give theirs

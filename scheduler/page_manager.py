@@ -9,18 +9,25 @@ from __future__ import annotations
 
 from worker.kv.host_pool import HostKVPool
 from worker.kv.gpu_pool import KVPool
+from worker.kv.state_pool import HostStatePool, StatePool
 
 from scheduler.kv_tier import KVTier
 from scheduler.radix_cache import PrefixMatch, RadixCache
 from scheduler.request import Request
+from scheduler.state_cache import StateCache
+
+HOST_SNAPSHOT_SHARE = 0.25  # of the host KV tier's bytes, for a hybrid model's state snapshots
 
 
 class PageManager:
     def __init__(self, pool: KVPool, prefix_cache: bool = True, host_bytes: int = 0,
-                 tier_mode: str = "writethrough", copy_method: str = "kernel"):
+                 tier_mode: str = "writethrough", copy_method: str = "kernel", state_pool: StatePool | None = None):
         self.pool = pool
         self.page_size = pool.page_size
         self.radix = RadixCache(pool.page_size) if prefix_cache else None
+        self.states = self._state_cache(state_pool, host_bytes) if prefix_cache and state_pool else None
+        if self.states is not None and self.states.host is not None:
+            host_bytes -= self.states.host.num_slots * state_pool.slot_bytes
         host = HostKVPool.like(pool, host_bytes) if prefix_cache and host_bytes > 0 else None
         self.in_flight: set[int] = set()  # GPU pages released since the last launch: the running step may use them
         self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method, self.in_flight) if host else None
@@ -47,11 +54,16 @@ class PageManager:
             req.pages = self.pool.allocate(prefill_pages)
             return True
         tokens = req.prefill_tokens[:-1]  # at least one token must be computed to get logits
+        cached = len(tokens)
+        if self.states is not None:  # the linear layers resume only where a snapshot was taken
+            usable, cached = self._resumable(tokens)
+            tokens = tokens[:usable]
         match = self.radix.match(tokens)
         self.radix.lock(match.node)
         fresh = prefill_pages - match.num_pages
         if not self._make_room(fresh, reserve):
             self.radix.unlock(match.node)
+            self.radix.protected = None
             return False
         pages = self.pool.allocate(fresh)
         prefix = self._restore(tokens, match, pages) if self.tier else match
@@ -63,9 +75,24 @@ class PageManager:
         if not req.preemptions:  # what a client is told: prompt tokens it did not pay for
             req.cached_tokens = req.prefilled
         req.kv_ready = self.tier.pending() if self.tier else None
+        if self.states is not None:
+            req.resume_from = prefix.node if req.prefilled else None
+            self.radix.protected = None
+            self.states.counters["state_recomputed_tokens"] += max(cached - req.prefilled, 0)
         self.counters["kv_prefix_tokens_gpu"] += match.num_pages * self.page_size
         self.counters["kv_prefix_tokens_host"] += (prefix.num_pages - match.num_pages) * self.page_size
         return True
+
+    def resume_state(self, req: Request, running_slot: int) -> None:
+        """Fill an admitted request's state slot from the snapshot its prefix ends on."""
+        node = req.resume_from
+        if node is None:
+            return
+        if node.snapshot is None or sum(len(n.key) for n in self.radix.path(node)) != req.prefilled:
+            raise AssertionError("an admitted prefix of a hybrid model lost the snapshot it resumes from")
+        self.states.restore(node, running_slot)
+        self.states.counters["state_prefix_tokens"] += req.prefilled
+        req.resume_from = None
 
     def grow(self, req: Request, position: int) -> bool:
         """Make sure ``req``'s pages reach ``position`` (the KV slot its next decode writes),
@@ -95,6 +122,8 @@ class PageManager:
             return
         num_full = min(len(kv_tokens) // self.page_size, len(req.pages))
         inserted = self.radix.insert(kv_tokens, req.pages[:num_full])
+        if self.states is not None:
+            self._place_snapshots(req, kv_tokens, num_full * self.page_size)
         self.pool.free([p for p in req.own_pages if p not in inserted.adopted])
         self.radix.unlock(req.prefix.node)
         req.pages, req.prefix = [], None
@@ -102,7 +131,8 @@ class PageManager:
             self.tier.mirror(inserted.new_node)
 
     def stats(self) -> dict[str, int | float]:
-        return {**self.counters, **(self.tier.stats() if self.tier else {})}
+        return {**self.counters, **(self.tier.stats() if self.tier else {}),
+                **(self.states.stats() if self.states else {})}
 
     def check(self, live: list[Request]) -> None:
         """Self-check: every GPU page is free, cached or owned by one live request, exactly once;
@@ -117,8 +147,40 @@ class PageManager:
         if self.tier:
             host = self.tier.host
             _check_once("host", list(host.free_pages()) + self.radix.all_host_pages(), set(range(host.num_pages)))
+        if self.states:
+            self.states.check([slot for req in live for _, slot in req.snapshots], list(self.radix._nodes()))
 
     # ==== internals ====
+
+    def _state_cache(self, pool: StatePool, host_bytes: int) -> StateCache:
+        host_slots = int(host_bytes * HOST_SNAPSHOT_SHARE) // pool.slot_bytes
+        cache = StateCache(pool, HostStatePool(pool, host_slots) if host_slots else None)
+        self.radix.on_remove = cache.dropped
+        return cache
+
+    def _resumable(self, tokens: list[int]) -> tuple[int, int]:
+        """How much of ``tokens``' cached prefix a hybrid model can resume from: up to the deepest
+        matched node holding a state snapshot (kept from host eviction while the request is
+        admitted); and how much is cached in all."""
+        match = self.radix.match(tokens)
+        path = self.radix.path(match.host_nodes[-1] if match.host_nodes else match.node)
+        depth, usable, node = 0, 0, None
+        for n in path:
+            depth += len(n.key)
+            if n.snapshot is not None:
+                usable, node = depth, n
+        self.radix.protected = node
+        return usable, depth
+
+    def _place_snapshots(self, req: Request, tokens: list[int], cached: int) -> None:
+        """Hang ``req``'s pending snapshots on the nodes that end at their positions."""
+        for pos, slot in req.snapshots:
+            node = self.radix.node_ending_at(tokens, pos) if pos <= cached else None
+            if node is None:
+                self.states.release([slot])
+            else:
+                self.states.attach(node, slot)
+        req.snapshots = []
 
     def _restore(self, tokens: list[int], locked: PrefixMatch, pages: list[int]) -> PrefixMatch:
         """Move the host continuation of ``locked`` (matched again: making room may have evicted

@@ -21,7 +21,7 @@ _clock = itertools.count()
 
 
 class _Node:
-    __slots__ = ("key", "pages", "host_pages", "children", "parent", "lock_ref", "last_use")
+    __slots__ = ("key", "pages", "host_pages", "children", "parent", "lock_ref", "last_use", "snapshot")
 
     def __init__(self, key: tuple[int, ...], pages: list[int] | None, parent: _Node | None,
                  host_pages: list[int] | None = None):
@@ -29,6 +29,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.lock_ref = 0
         self.last_use = next(_clock)
+        self.snapshot = None  # hybrid models: the recurrent state at the node's end (scheduler.state_cache)
 
     @property
     def num_pages(self) -> int:
@@ -65,6 +66,8 @@ class RadixCache:
         self.num_pages = 0  # GPU pages held
         self.num_host_pages = 0
         self.num_locked_pages = 0
+        self.on_remove: Callable[[_Node], None] | None = None  # told of every node leaving the tree
+        self.protected: _Node | None = None  # kept from host eviction (a snapshot an admission resumes from)
 
     @property
     def num_evictable_pages(self) -> int:
@@ -89,6 +92,31 @@ class RadixCache:
                 host_nodes.append(child)
             node, pos = child, pos + len(child.key)
         return PrefixMatch(pages, gpu_node, tuple(host_nodes))
+
+    def node_ending_at(self, tokens: list[int], pos: int) -> _Node | None:
+        """The node whose key ends exactly ``pos`` tokens into ``tokens`` (a page boundary), split
+        off where a longer node covers it; None when the cached path stops short of ``pos``."""
+        node, at = self.root, 0
+        while at < pos:
+            child = node.children.get(self._page_key(tokens, at))
+            if child is None:
+                return None
+            n = self._common_pages(child.key, tokens[:pos], at)
+            if n == 0:
+                return None
+            if n < child.num_pages:
+                child = self._split(child, n)
+            node, at = child, at + len(child.key)
+        return node if at == pos and node is not self.root else None
+
+    @staticmethod
+    def path(node: _Node) -> list[_Node]:
+        """``node`` and its ancestors below the root, root side first."""
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
 
     def attach(self, nodes: tuple[_Node, ...], pages: list[int]) -> None:
         """Give host-only ``nodes`` (a matched host continuation) GPU ``pages``, being restored."""
@@ -171,6 +199,8 @@ class RadixCache:
             node.host_pages = None
             if node.pages is None:
                 self._detach(node)
+                if self.on_remove is not None:
+                    self.on_remove(node)
                 if self._host_evictable(node.parent):
                     heapq.heappush(heap, self._host_rank(node.parent))
         return freed
@@ -238,7 +268,7 @@ class RadixCache:
 
     def _host_evictable(self, node: _Node) -> bool:
         return node is not self.root and node.host_pages is not None and \
-            (node.pages is not None or not node.children)
+            (node.pages is not None or not node.children and node is not self.protected)
 
     @staticmethod
     def _host_rank(node: _Node) -> tuple[int, int, int, _Node]:
@@ -250,6 +280,8 @@ class RadixCache:
         host = []
         for n in [node, *self._nodes(node)]:
             host += n.host_pages or []
+            if self.on_remove is not None:
+                self.on_remove(n)
         self.num_host_pages -= len(host)
         return host
 

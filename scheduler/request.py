@@ -33,6 +33,10 @@ class Request:
     launched_outputs: int = 0  # output tokens whose sampling has been launched
     kv_ready: torch.cuda.Event | None = None  # page copies its first chunk must wait for (KV tier)
     slot: int = -1  # row of the device token buffer
+    # hybrid models: state snapshots taken for the prefix cache, as (position, snapshot slot), waiting
+    # for the request's pages to enter the tree; and the radix node whose snapshot it resumes from
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    resume_from: object | None = None
     sent_first: bool = False
     finished: bool = False
     preempted: bool = False  # gave its pages back to make room; waits to be admitted again

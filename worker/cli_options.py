@@ -78,6 +78,10 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
                         "activations fit in what the cache and the KV pool left (2048 on CPU). Under expert offload "
                         "a chunk takes about as long at any size (it streams every expert once), so bigger chunks "
                         "prefill more tokens/s")
+    g.add_argument("--state-snapshots", type=int, default=R.state_snapshots, metavar="N",
+                   help="hybrid models: GPU slots for the prefix cache's snapshots of the linear layers' state; 0: "
+                        "twice --max-running, within 10%% of the free GPU memory (a quarter of the host KV tier "
+                        "holds those evicted)")
     g.add_argument("--kv-host-size", type=float, default=R.kv_host_size, metavar="GiB",
                    help="host-RAM KV tier (see 'KV tier'); 0 disables it; None: 25%% of the host RAM available "
                         "once the model is loaded (on GPU; 0 on CPU)")

@@ -6,14 +6,16 @@ of the loop. One graph per batch-size bucket, captured lazily on first use (or a
 step fills from one pinned host tensor (one non-blocking copy, then device slicing copies):
 
 ```
- inputs[bucket] int64 | ids | buffer_slot | positions | out_loc | seq_lens | top_k | seed | step | temp,top_p (f32 pairs) |
+ inputs[bucket] int64 | ids | buffer_slot | positions | out_loc | seq_lens | top_k | seed | step | state_slot |
+                      temp,top_p (f32 pairs) |
  page_table [max_batch, max_pages] int64 (shared; a step writes [:bucket, :its widest row])
  tokens [capacity] int64: a device copy of the scheduler's token buffer; rows with a buffer_slot read it
 ```
 
 Rows past the batch duplicate row 0 (token, position, pages, sampling) except that their KV goes to
-slot 0 of the scratch page 0, which no sequence owns and every reader masks: they route to row 0's
-experts, so padding never pulls extra experts into the cache, and their outputs are dropped.
+slot 0 of the scratch page 0, which no sequence owns and every reader masks, and a hybrid model's
+state to the scratch state slot 0: they route to row 0's experts, so padding never pulls extra
+experts into the cache, and their outputs are dropped.
 Attention runs through the paged Triton decode kernel (``worker.attention.triton_decode``), whose
 grid depends only on the page table's fixed width. Sampling always takes the general path (no
 ``all_greedy`` host flag), so greedy and sampled requests share a graph.
@@ -33,7 +35,7 @@ from worker.models.moe_transformer import MoETransformer
 from worker.sampling import Sampling, SamplingTensors, sample, seed32
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-INT_FIELDS = 8  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step; then one row of f32 pairs
+INT_FIELDS = 9  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step, state_slot; then f32 pairs
 _MASK32 = 0xFFFFFFFF  # seeds and steps as SamplingTensors.build keeps them
 
 
@@ -65,6 +67,7 @@ class DecodeGraphs:
         self.model.attention = attention
         self.device = model.weights.embed.device
         self.vocab = model.cfg.vocab_size
+        self.hybrid = model.cfg.is_hybrid
         self.page_size = kv_pool.page_size
         self.max_context = max_context
         self.max_pages = min(-(-max_context // self.page_size), kv_pool.num_pages)
@@ -79,7 +82,8 @@ class DecodeGraphs:
     def supports(self, chunks: list[SequenceChunk]) -> bool:
         """Pure decode (one new token per sequence), few enough sequences, within the page table."""
         return (0 < len(chunks) <= max(self.buckets, default=0) and all(len(c.token_ids) == 1 for c in chunks)
-                and max(c.prefix_len for c in chunks) < min(self.max_context, self.max_pages * self.page_size))
+                and max(c.prefix_len for c in chunks) < min(self.max_context, self.max_pages * self.page_size)
+                and (not self.hybrid or min(c.prefix_len for c in chunks) > 0))  # a fresh state is cleared eagerly
 
     @torch.inference_mode()
     def run(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
@@ -142,7 +146,7 @@ class DecodeGraphs:
         ids = torch.where(f[1] >= 0, self.tokens[f[1].clamp(min=0)], f[0])
         rows = torch.arange(bucket, device=self.device)
         batch = ForwardBatch(ids, f[2], f[3], rows, self.page_table[:bucket], f[4], num_tokens=bucket,
-                             is_decode=True)
+                             is_decode=True, state_slots=f[8] if self.hybrid else None)
         logits = self.model.forward(batch)
         tensors = SamplingTensors(floats[0], f[5], floats[1], f[6], f[7], all_greedy=False)
         return logits, sample(logits, tensors)
@@ -180,9 +184,10 @@ class DecodeGraphs:
         width = max(len(t) for t in table)
         rows = [t + [0] * (width - len(t)) for t in table]
         ints = [ids, slots, pos, loc, lens, [p.top_k or self.vocab for p in sampling],
-                [seed32(p) for p in sampling], [s & _MASK32 for s in steps]]
+                [seed32(p) for p in sampling], [s & _MASK32 for s in steps], [max(c.state_slot, 0) for c in chunks]]
         flat = [v for field in ints for v in field + field[:1] * pad]
-        flat[3 * bucket + len(chunks):4 * bucket] = [0] * pad  # padded rows write the scratch slot
+        flat[3 * bucket + len(chunks):4 * bucket] = [0] * pad  # padded rows write the scratch slot ...
+        flat[8 * bucket + len(chunks):9 * bucket] = [0] * pad  # ... and the scratch state
         floats = [p.temperature for p in sampling] + [sampling[0].temperature] * pad
         floats += [p.top_p for p in sampling] + [sampling[0].top_p] * pad
         flat += struct.unpack(f"<{bucket}q", struct.pack(f"<{2 * bucket}f", *floats))
