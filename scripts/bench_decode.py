@@ -1,9 +1,9 @@
 """Decode under expert offload: tokens/s, expert-cache hit rate and bytes moved per token, against
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
-    python scripts/bench_decode.py [--model qwen3-30b-geometry] [--fractions 1.0 0.5 0.25] [--batch 1 8]
-        [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
-        [--fill gemm gather] [--sampling greedy sampled] [--gpus 1 2]
+    python scripts/bench_decode.py [--model qwen3-30b-geometry | qwen3.5-35b-a3b-geometry] [--fractions 1.0 0.5 0.25]
+        [--batch 1 8] [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
+        [--fill gemm gather] [--sampling greedy sampled] [--gpus 1 2] [--device cpu]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
 checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
@@ -25,6 +25,10 @@ a pass over the vocabulary per round (on dummy weights the logits, and so the ro
 random weights, not a model's).
 Each ``--gpus`` count gets its own rows, at the same cache per GPU (expert parallelism: the
 aggregate cache grows with the GPUs); the hit rate and bytes are rank 0's, i.e. per link.
+The HBM bound reads, each step, the dense weights (a hybrid model's linear-attention and shared-expert
+weights included), the distinct experts, and per sequence its KV (full-attention layers) and its
+recurrent state (read and written: 64 MB a sequence in qwen3.5-35b-a3b-geometry, as much as ten of
+its experts). ``--device cpu`` runs the same steps on the host (the tests'; times mean nothing).
 """
 from __future__ import annotations
 
@@ -85,7 +89,9 @@ def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
     a kernel's time includes its wait for the kernel before it."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # on the host (--device cpu) there are no kernels: it counts none
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
         for _ in range(steps):
             engine.step()
         sync()
@@ -194,9 +200,12 @@ def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, len
                gpus: int) -> ModelRunner:
     experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
                             expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on", fill=fill)
-    return start_runner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=16384,
+    # a hybrid model's state slots: one per request that runs at once (the largest batch, and a joining
+    # prefill); the prefix cache is off, so one snapshot slot, the fewest there can be
+    return start_runner(RunnerConfig(args.model, device=args.device, dtype="auto", kv_tokens=16384,
                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                     routing=RoutingOptions(args.routing), experts=experts, gpus=gpus))
+                                     routing=RoutingOptions(args.routing), experts=experts, gpus=gpus,
+                                     state_slots=max(args.batch) + 1, state_snapshots=1))
 
 
 def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str, fill: str,
@@ -227,6 +236,8 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     """One row: tokens/s of ``batch`` requests decoding, beside the PCIe / HBM bound of its step."""
     cfg, fraction = runner.model_config, setup["fraction"]
     dense, one_expert = dense_bytes(runner), expert_bytes(runner)
+    # the mean context of a decode step: the prompt and half the answer
+    per_sequence = sequence_bytes(runner, args.prompt_tokens + args.decode_tokens // 2)
     sampling = SAMPLED if setup["sampling"] == "sampled" else SamplingParams()
     r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch,
                    prefill_every=args.prefill_every, prefill_tokens=args.prefill_tokens, sampling=sampling)
@@ -243,7 +254,7 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
             counted, distinct = "modelled", cfg.num_layers * synthetic_distinct(cfg, batch, r["steps"])
     moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
     step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
-    step_hbm = (dense + distinct * one_expert) / HBM_BYTES_PER_S
+    step_hbm = (dense + batch * per_sequence + distinct * one_expert) / HBM_BYTES_PER_S
     bound = max(step_pcie, step_hbm)
     return dict(**setup, batch=batch, tok_s=tok_s, decode_tok_s=decode_tok_s, prefill_s=r["prefill_s"],
                 prefill_steps=r["prefill_steps"],
@@ -253,8 +264,9 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
                 prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                 bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                 ratio=decode_tok_s / (batch / bound), experts_per_layer=distinct / cfg.num_layers,
-                distinct=counted, dense_bytes=dense,
-                expert_bytes=one_expert, layers=cfg.num_layers, step_pcie=step_pcie, **profiled)
+                distinct=counted, dense_bytes=dense, sequence_bytes=batch * per_sequence,
+                expert_bytes=one_expert, expert_mb=one_expert / 1e6, layers=cfg.num_layers, step_pcie=step_pcie,
+                **profiled)
 
 
 def synthetic_distinct(cfg, batch: int, steps: int) -> float:
@@ -267,10 +279,30 @@ def synthetic_distinct(cfg, batch: int, steps: int) -> float:
 
 
 def dense_bytes(runner) -> int:
-    """Bytes of every weight a decode step reads besides the routed experts."""
+    """Bytes of every weight a decode step reads besides the routed experts (a hybrid layer holds
+    its linear attention's and its shared expert's weights in dataclasses of their own)."""
     w = runner.weights
-    dense = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
-    return dense + w.lm_head.numel() * w.lm_head.element_size()
+    return sum(tensor_bytes(lw) for lw in w.layers) + w.lm_head.numel() * w.lm_head.element_size()
+
+
+def tensor_bytes(weights) -> int:
+    """The bytes of every tensor of a weights dataclass, and of the dataclasses it holds."""
+    total = 0
+    for value in vars(weights).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif value is not None:
+            total += tensor_bytes(value)
+    return total
+
+
+def sequence_bytes(runner, context: int) -> int:
+    """Bytes a decode step moves for each sequence: its KV of ``context`` tokens, read once in each
+    full-attention layer, and its recurrent state (hybrid models), read and written."""
+    cfg = runner.model_config
+    kv = cfg.num_kv_layers * 2 * cfg.kv_size * context * runner.dtype.itemsize
+    states = getattr(runner, "state_pool", None)
+    return kv + (2 * states.slot_bytes if states is not None else 0)
 
 
 def resident_bounds_from_lookups(rows: list[dict]) -> None:
@@ -286,7 +318,8 @@ def resident_bounds_from_lookups(rows: list[dict]) -> None:
         per_layer = measured.get((r["gpus"], r["experts"], r["batch"]))
         if r["fraction"] < 1.0 or per_layer is None:
             continue
-        step = max(r["step_pcie"], (r["dense_bytes"] + per_layer * r["layers"] * r["expert_bytes"]) / HBM_BYTES_PER_S)
+        step_bytes = r["dense_bytes"] + r["sequence_bytes"] + per_layer * r["layers"] * r["expert_bytes"]
+        step = max(r["step_pcie"], step_bytes / HBM_BYTES_PER_S)
         r.update(experts_per_layer=per_layer, distinct="from cache", bound_tok_s=r["batch"] / step,
                  ratio=r["tok_s"] * step / r["batch"])
 
@@ -297,7 +330,8 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("tok/s", "tok_s", ">8.1f"), ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
            ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
-           ("experts/layer", "experts_per_layer", ">13.1f"), ("counted", "distinct", ">10"),
+           ("MB/expert", "expert_mb", ">9.2f"), ("experts/layer", "experts_per_layer", ">13.1f"),
+           ("counted", "distinct", ">10"),
            ("bound tok/s", "bound_tok_s", ">11.1f"), ("bound", "bound", ">5"), ("ratio", "ratio", ">6.3f"),
            ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f")]
 
@@ -335,6 +369,8 @@ def parse_args() -> argparse.Namespace:
                         "decode graph captures both paths, a sampled row draws by rejection); several: rows each")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="print the N kernels that take the most GPU time per decode step, per row")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: the same steps on the host, for the tests (times meaningless)")
     p.add_argument("--json")
     return p.parse_args()
 
@@ -361,7 +397,8 @@ def main() -> None:
             if args.json:  # after every runner: a run cut short keeps its rows
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     resident_bounds_from_lookups(rows)
-    print(f"decode, {args.model}, {torch.cuda.get_device_name()}, prompt {args.prompt_tokens}, "
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"decode, {args.model}, {device}, prompt {args.prompt_tokens}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,

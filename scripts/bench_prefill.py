@@ -2,9 +2,9 @@
 bytes over PCIe and HBM, and the ratio to the bound max(PCIe bytes / 55 GB/s, FLOPs / 7.9e14),
 for each chunk size, cache fraction, invalidation mode, with and without a cached prefix.
 
-    python scripts/bench_prefill.py [--model qwen3-30b-geometry] [--fractions 0.25 0.5]
+    python scripts/bench_prefill.py [--model qwen3-30b-geometry | qwen3.5-35b-a3b-geometry] [--fractions 0.25 0.5]
         [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--auto]
-        [--expert-dtype bf16 fp8] [--json FILE]
+        [--expert-dtype bf16 fp8] [--json FILE] [--device cpu]
 
 Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
 part of the cache (slots [2E, S)) is filled evenly across layers, as a decode phase would leave it;
@@ -17,7 +17,10 @@ does (the choice per chunk, shown as auto-k / auto-m). First a short table compa
 stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
 Each ``--expert-dtype`` gets its own runner and rows (fp8: the experts quantized 128x128, half the
 slot bytes, so the same fraction of experts takes half the cache memory); the PCIe bound counts
-the bytes actually staged, fp8 weights plus their scales.
+the bytes actually staged, fp8 weights plus their scales. A hybrid model (qwen3.5-35b-a3b-geometry)
+prefills its one sequence in a recurrent-state slot; a chunk after the cached prefix starts from a
+copy of the prefix's state, restored (untimed) before each run. ``--device cpu`` runs the same steps
+on the host (the tests' end-to-end check; its times mean nothing).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +49,11 @@ FLOPS_PER_S = 7.9e14
 PREFIX_CHUNK = 16384  # writes the cached prefix; keeps the reference attention's [q, k] mask small if chosen
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def warm_cache(experts: OffloadedExperts, seed: int) -> None:
     """Fill the decode slots [2E, S) with experts spread evenly over the layers."""
     cache, lent = experts.cache, experts.pipeline.lent
@@ -52,7 +61,7 @@ def warm_cache(experts: OffloadedExperts, seed: int) -> None:
     usable, layers = cache.num_slots - lent, cache.num_layers
     for layer in range(layers):
         count = usable // layers + (layer < usable % layers)
-        ids = torch.randperm(cache.num_experts, generator=gen)[:count].view(-1, 1).cuda()
+        ids = torch.randperm(cache.num_experts, generator=gen)[:count].view(-1, 1).to(cache.w13.device)
         plan, _ = cache.lookup(layer, ids, slot_start=lent)
         cache.fill(plan, experts.host_w13, experts.host_w2, experts.host_scales)
     cache.reset_stats()
@@ -98,41 +107,76 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
 
 
 def hbm_bytes(runner: ModelRunner, staged: dict, tokens: int, prefix: int) -> float:
-    """Expert traffic (buffer writes, cache reads of hits, one GEMM read of each buffer) and one
-    read of the KV the chunk attends over; activations are not counted."""
+    """Expert traffic (buffer writes, cache reads of hits, one GEMM read of each buffer), one read
+    of the KV the chunk attends over (full-attention layers only), and one read and write of the
+    sequence's recurrent state (hybrid models); activations are not counted."""
     cfg, cache = runner.model_config, runner.experts.cache
     experts = cfg.num_layers * cfg.num_experts * cache.slot_bytes
-    kv = cfg.num_layers * 2 * (prefix + tokens) * cfg.kv_size * 2
-    return 2 * experts + staged["from_cache"] * cache.slot_bytes + kv
+    kv = cfg.num_kv_layers * 2 * (prefix + tokens) * cfg.kv_size * runner.dtype.itemsize
+    state = 2 * runner.state_pool.slot_bytes if runner.state_pool is not None else 0
+    return 2 * experts + staged["from_cache"] * cache.slot_bytes + kv + state
 
 
-def run_chunk(runner: ModelRunner, tokens: list[int], prefix: int, pages: list[int]) -> float:
-    torch.cuda.synchronize()
+class Sequence(NamedTuple):
+    """The one sequence the benchmark prefills: its KV pages and, in a hybrid model, its state slot
+    and a snapshot slot that keeps the state after the cached prefix (-1: none)."""
+
+    pages: list[int]
+    slot: int = -1
+    snapshot: int = -1
+
+    @classmethod
+    def allocate(cls, runner: ModelRunner, tokens: int) -> Sequence:
+        pool, states = runner.kv_pool, runner.state_pool
+        pages = pool.allocate(pool.pages_for(tokens))
+        if states is None:
+            return cls(pages)
+        return cls(pages, states.running_slot(0), states.allocate(1)[0])
+
+    def save_state(self, runner: ModelRunner) -> None:
+        if self.slot >= 0:
+            runner.state_pool.copy([self.slot], [self.snapshot])
+
+    def restore_state(self, runner: ModelRunner) -> None:
+        """The state after the prefix again (the last run advanced it past its chunk)."""
+        if self.slot >= 0:
+            runner.state_pool.copy([self.snapshot], [self.slot])
+
+
+def run_chunk(runner: ModelRunner, tokens: list[int], prefix: int, seq: Sequence) -> float:
+    sync()
     start = time.perf_counter()
-    runner.forward([SequenceChunk(tokens, prefix, pages)], [SamplingParams()], [0])
-    torch.cuda.synchronize()
+    runner.forward([SequenceChunk(tokens, prefix, seq.pages, state_slot=seq.slot)], [SamplingParams()], [0])
+    sync()
     return time.perf_counter() - start
 
 
 def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: int, prefix: int,
-            prompt: list[int], pages: list[int], warmup: int, fraction: float) -> list[dict]:
+            prompt: list[int], seq: Sequence, warmup: int, fraction: float) -> list[dict]:
     fmt = runner.expert_format.name
     experts, default = runner.experts, runner.experts.pipeline
     rows = []
+
+    def run() -> float:
+        if prefix:  # each run starts after the prefix, not after the last run's chunk
+            seq.restore_state(runner)
+        return run_chunk(runner, prompt[prefix:prefix + chunk], prefix, seq)
+
     try:
         for _ in range(warmup):
-            run_chunk(runner, prompt[prefix:prefix + chunk], prefix, pages)
+            run()
         for mode, pipeline in pipelines.items():
             experts.pipeline = pipeline
             before = pipeline.stats()
-            seconds = run_chunk(runner, prompt[prefix:prefix + chunk], prefix, pages)
+            seconds = run()
             staged = {k: v - before[k] for k, v in pipeline.stats().items()}
             pcie_s = staged["bytes_h2d"] / PCIE_BYTES_PER_S
             flops_s = runner.model_config.forward_flops([chunk], [prefix]) / FLOPS_PER_S
             total = staged["from_cache"] + staged["from_host"]
             if mode == "auto":  # which way it went
                 mode = "auto-m" if staged["chunks_memcpy"] else "auto-k"
-            rows.append(dict(fraction=fraction, experts=fmt, invalidate=mode, chunk=chunk, prefix=prefix,
+            rows.append(dict(fraction=fraction, experts=fmt, expert_mb=experts.cache.slot_bytes / 1e6,
+                             invalidate=mode, chunk=chunk, prefix=prefix,
                              seconds=seconds, tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
                              pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
                              bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
@@ -148,9 +192,11 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
 def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str, stage_rows: list[dict]) -> list[dict]:
     longest = max(args.chunks)
     experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES, expert_dtype=expert_dtype)
-    runner = ModelRunner(RunnerConfig(args.model, device="cuda", dtype="bfloat16", kv_tokens=args.prefix + longest + 16,
-                                      max_prefill_tokens=longest, experts=experts, attention=args.attention,
-                                      gpu_memory_limit=args.gpu_memory_limit))
+    # one sequence: a hybrid model's state pool needs one running slot and one snapshot (the prefix's)
+    runner = ModelRunner(RunnerConfig(args.model, device=args.device, dtype="auto",
+                                      kv_tokens=args.prefix + longest + 16, max_prefill_tokens=longest,
+                                      experts=experts, attention=args.attention,
+                                      gpu_memory_limit=args.gpu_memory_limit, state_slots=1, state_snapshots=1))
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
@@ -163,10 +209,10 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
     warm_cache(experts, seed=1)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (args.prefix + longest,), generator=torch.Generator().manual_seed(0)).tolist()
-    pool = runner.kv_pool
-    pages = pool.allocate(pool.pages_for(len(prompt)))
-    run_chunk(runner, prompt[:1024], 0, pages)  # compile the kernels
-    if args.stage_programs and not any(r["experts"] == runner.expert_format.name for r in stage_rows):
+    seq = Sequence.allocate(runner, len(prompt))
+    run_chunk(runner, prompt[:1024], 0, seq)  # compile the kernels
+    staged_before = any(r["experts"] == runner.expert_format.name for r in stage_rows)
+    if args.stage_programs and args.device == "cuda" and not staged_before:
         # after a chunk has touched every layer: run before any chunk on an H200 it gave 7-9 GB/s,
         # while the pipeline's chunks imply >= 50 GB/s; a slow first touch of the registered
         # segment is the suspected cause (not yet confirmed)
@@ -174,12 +220,13 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
         stage_rows += [{"experts": fmt, **r} for r in stage_bandwidth(experts, args.stage_programs)]
     rows = []
     for chunk in args.chunks:
-        rows += measure(runner, pipelines, chunk, 0, prompt, pages, args.warmup, fraction)
+        rows += measure(runner, pipelines, chunk, 0, prompt, seq, args.warmup, fraction)
     if args.prefix:
         for pos in range(0, args.prefix, PREFIX_CHUNK):  # the cached prefix, untimed
-            run_chunk(runner, prompt[pos:min(pos + PREFIX_CHUNK, args.prefix)], pos, pages)
+            run_chunk(runner, prompt[pos:min(pos + PREFIX_CHUNK, args.prefix)], pos, seq)
+        seq.save_state(runner)
         for chunk in args.chunks:
-            rows += measure(runner, pipelines, chunk, args.prefix, prompt, pages, args.warmup, fraction)
+            rows += measure(runner, pipelines, chunk, args.prefix, prompt, seq, args.warmup, fraction)
     del runner, experts, pipelines
     torch.cuda.empty_cache()
     return rows
@@ -202,6 +249,8 @@ def main() -> None:
                    help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
                    help="run as on a card this size")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: the same steps on the host, for the tests (no stage table, times meaningless)")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []
@@ -219,7 +268,9 @@ STAGE_COLUMNS = [("experts", "experts", ">12"), ("staging one layer from the hos
 
 
 def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[dict]) -> None:
-    print(f"prefill, {args.model}, {torch.cuda.get_device_name()}, attention {args.attention}, "
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    sizes = ", ".join(sorted({f"{r['experts']} {r['expert_mb']:.3g} MB" for r in rows if "expert_mb" in r}))
+    print(f"prefill, {args.model}, {device}, attention {args.attention}, experts of {sizes} each, "
           f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
     if stage_rows:
         print_table(STAGE_COLUMNS, stage_rows)

@@ -19,7 +19,7 @@ def row(fraction, batch, per_layer, tok_s, prefetch="off", experts="bf16"):
     step = (DENSE + per_layer * LAYERS * EXPERT) / HBM_BYTES_PER_S
     return dict(gpus=1, fraction=fraction, experts=experts, prefetch=prefetch, batch=batch, tok_s=tok_s,
                 experts_per_layer=per_layer, distinct="assumed" if fraction >= 1 else "looked up",
-                dense_bytes=DENSE, expert_bytes=EXPERT, layers=LAYERS, step_pcie=0.0,
+                dense_bytes=DENSE, sequence_bytes=0, expert_bytes=EXPERT, layers=LAYERS, step_pcie=0.0,
                 bound_tok_s=batch / step, ratio=tok_s * step / batch)
 
 
