@@ -150,3 +150,14 @@ def test_the_key_comes_from_the_environment_and_http_can_be_off(monkeypatch):
     config = parse_args(["--no-http", "--model", "m"])
     assert (config.api_key, config.http_port, config.engine_args) == ("k", None, ("--model", "m"))
     assert parse_args(["--api-key", "x"]).api_key == "x"
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                  {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}},
+                                  {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}])
+def test_non_text_content_is_refused_in_one_line(part):
+    body = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, part]}]}, ChatRequest)
+    with pytest.raises(ApiError) as err:
+        convert.chat_prompt_ids(body, None, None)
+    assert err.value.status == 400 and part["type"] in str(err.value) and "\n" not in str(err.value)

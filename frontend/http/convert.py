@@ -12,7 +12,7 @@ import msgspec
 
 from frontend.api import requests
 from frontend.http.errors import ApiError
-from frontend.http.schemas import ChatRequest, CompletionRequest, Message, _Sampling
+from frontend.http.schemas import ChatRequest, CompletionRequest, ContentPart, Message, _Sampling
 from frontend.tokenizer import ChatTemplateError, ChatTokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -57,12 +57,19 @@ def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: Chat
         raise ApiError(400, str(exc), param="messages") from None
 
 
+def _text_of(part: ContentPart) -> str:
+    if part.type != "text" or part.text is None:
+        raise ApiError(400, f"content part of type {part.type!r} is not supported: Sluice serves text only "
+                       f"(image, video and audio inputs are refused)", param="messages")
+    return part.text
+
+
 def _template_message(m: Message, call_names: dict[str, str]) -> dict[str, Any]:
     """A message as transformers' chat templates expect it: text content, tool-call arguments as
     a mapping, "developer" spoken as "system"."""
     content = m.content
     if isinstance(content, list):
-        content = "".join(part.text for part in content)
+        content = "".join(_text_of(part) for part in content)
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                            "content": content or ""}
     name = m.name if m.name is not None else call_names.get(m.tool_call_id or "")

@@ -50,8 +50,8 @@ class ToolCall(_Body, kw_only=True):
 
 
 class ContentPart(_Body, kw_only=True):
-    type: Literal["text"]
-    text: str
+    type: str  # "text" only: other kinds (image_url, input_audio, ...) are refused by name in convert
+    text: str | None = None
 
 
 class Message(_Body, kw_only=True):
