@@ -51,8 +51,9 @@ class Build(NamedTuple):
     options: tuple[str, ...]  # engine options of this build, after the common ones
 
     def command(self, common: tuple[str, ...], pid_file: Path) -> list[str]:
+        # the client speaks ZMQ only: no HTTP port, which another server on the machine may hold
         return [str(self.root / "scripts" / "serve.sh"), "--endpoint", "tcp://127.0.0.1:*",
-                "--pid-file", str(pid_file), *common, *self.options]
+                "--pid-file", str(pid_file), "--no-http", *common, *self.options]
 
 
 class Server(NamedTuple):
