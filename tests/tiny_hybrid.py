@@ -82,13 +82,22 @@ def _randomise(model: torch.nn.Module) -> None:
             elif name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(1.0, 16.0).log())
             elif name.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
+                p.copy_(_dt_bias(p))
             elif "conv1d" in name:
                 p.normal_(0.0, 0.3)
             elif name.endswith("mlp.gate.weight"):  # the router
                 p.normal_(0.0, 0.3)
             else:
                 p.normal_(0.0, 0.08)
+
+
+def _dt_bias(p: torch.Tensor) -> torch.Tensor:
+    """fla's Gated DeltaNet init (Mamba2's): softplus(dt_bias) = dt, log-uniform in [1e-3, 0.1].
+    With dt_bias ~ N(0, 0.5) instead, g = -A softplus(a + dt_bias) decays most heads by e^-6 a
+    token: the state forgets a chunk boundary within a few tokens, and the gated norm magnifies
+    the tiny outputs until HF's own fp32 forward is 2.6e-4 away from fp64 (over the 1e-4 bound)."""
+    dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(0.1)).exp()
+    return dt + torch.log(-torch.expm1(-dt))
 
 
 def _save_quietly(model, path: Path) -> None:
@@ -148,8 +157,9 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """``n`` greedy tokens after ``ids``, by full forwards (no cache: the reference is the plain
-    function, not HF's hybrid cache)."""
+    """``n`` greedy tokens after ``ids``, by full forwards: the reference is the plain function,
+    not HF's hybrid cache (``generate`` agrees, but stops at eos = vocab - 1, and its
+    ``min_new_tokens`` would mask eos out of the argmax)."""
     out = list(ids)
     for _ in range(n):
         out.append(int(hf_logits(model, out)[-1].argmax()))
