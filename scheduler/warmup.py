@@ -48,14 +48,15 @@ def _warm_runner(runner: ModelRunner) -> int:
     on_gpu = runner.device.type == "cuda"
     sizes = (runner.plan.prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
     pages = list(range(1, runner.kv_pool.num_pages))  # page 0 is the scratch page
+    state = runner.state_pool.running_slot(0) if runner.state_pool is not None else -1  # hybrid models
     done = 0
     for n in sizes:
         if done + n + 2 > room:
             continue
-        runner.forward([_chunk(n, done, pages, runner.page_size)], [GREEDY], [0])
+        runner.forward([_chunk(n, done, pages, runner.page_size, state)], [GREEDY], [0])
         done += n
     for params in (GREEDY, SAMPLED):
-        runner.forward([_chunk(1, done, pages, runner.page_size)], [params], [1])
+        runner.forward([_chunk(1, done, pages, runner.page_size, state)], [params], [1])
         done += 1
     if runner.graphs is None:
         return 0
@@ -63,8 +64,8 @@ def _warm_runner(runner: ModelRunner) -> int:
     return len(runner.graphs.captured)
 
 
-def _chunk(n: int, prefix: int, pages: list[int], page_size: int) -> SequenceChunk:
-    return SequenceChunk([1] * n, prefix, pages[:-(-(prefix + n) // page_size)])
+def _chunk(n: int, prefix: int, pages: list[int], page_size: int, state_slot: int) -> SequenceChunk:
+    return SequenceChunk([1] * n, prefix, pages[:-(-(prefix + n) // page_size)], state_slot=state_slot)
 
 
 def _warm_kv_tier(engine: Engine) -> None:
