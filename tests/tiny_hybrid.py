@@ -133,10 +133,10 @@ def _check_rope(path: Path, partial_rotary_factor: float) -> None:
 def use_torch_gated_delta_rule() -> None:
     """Make HF's linear attention run its own torch code. With fla installed, transformers binds
     fla's Triton ``chunk_gated_delta_rule``/``fused_recurrent_gated_delta_rule`` at import
-    (``use_kernel_func_from_hub_with_fallback``); on CPU those would run in Triton's interpreter
-    (TRITON_INTERPRET, tests/conftest.py), slowly and not as the reference. Each wrapper keeps the
-    torch function as ``__wrapped__`` (functools.wraps) and the layers look the name up in the
-    module's globals at call time, so rebinding the module attribute is enough."""
+    (``use_kernel_func_from_hub_with_fallback``), and on CPU they fail ("0 active drivers"), even
+    under TRITON_INTERPRET (tests/conftest.py). Each wrapper keeps the torch function as
+    ``__wrapped__`` (functools.wraps) and the layers look the name up in the module's globals at
+    call time, so rebinding the module attribute is enough."""
     with warnings.catch_warnings():  # fla's import warns that Triton has no device here
         warnings.simplefilter("ignore")
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
