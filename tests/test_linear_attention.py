@@ -108,7 +108,8 @@ def _others(slots: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_public_ops_on_cpu_match_transformers(name):
     """gated_delta_chunk against transformers' chunked torch function, one sequence at a time, and
-    gated_delta_step against its recurrent one (the functions unwrapped from the fla dispatch)."""
+    gated_delta_step against its recurrent one (the functions unwrapped from the fla dispatch; key
+    heads repeated here, as the releases before transformers 5.2x did in the layer)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     chunk_ref = inspect.unwrap(hf.torch_chunk_gated_delta_rule)
@@ -118,16 +119,17 @@ def test_public_ops_on_cpu_match_transformers(name):
     q, k, v, g, beta, state, slots = delta_inputs(cfg, torch.Generator().manual_seed(7))
     pool = state.clone()
     o = gated_delta_chunk(q, k, v, g, beta, pool, slots, torch.tensor(cu), cu)
+    q_rep, k_rep = (x.repeat_interleave(cfg.hv // cfg.hk, dim=1) for x in (q, k))
     for b, slot in enumerate(slots.tolist()):
         part = slice(cu[b], cu[b + 1])
-        want_o, want_s = chunk_ref(q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
+        want_o, want_s = chunk_ref(q_rep[None, part], k_rep[None, part], v[None, part], g[None, part], beta[None, part],
                                    initial_state=state[slot:slot + 1], output_final_state=True,
                                    use_qk_l2norm_in_kernel=True)
         assert rel_err(o[part], want_o[0]) < 1e-5 and rel_err(pool[slot], want_s[0]) < 1e-5
     step = [cu[b] for b in range(len(cfg.lengths))]  # each sequence's first token, as a decode step
     pool = state.clone()
     o = gated_delta_step(q[step], k[step], v[step], g[step], beta[step], pool, slots)
-    want_o, want_s = step_ref(q[step][:, None], k[step][:, None], v[step][:, None], g[step][:, None],
+    want_o, want_s = step_ref(q_rep[step][:, None], k_rep[step][:, None], v[step][:, None], g[step][:, None],
                               beta[step][:, None], initial_state=state[slots], output_final_state=True,
                               use_qk_l2norm_in_kernel=True)
     assert rel_err(o, want_o[:, 0]) < 1e-5 and rel_err(pool[slots], want_s) < 1e-5
@@ -278,7 +280,8 @@ def test_step_kernel_matches_twin_interpreted(name):
     cfg = CONFIGS[name]
     B = len(cfg.lengths)
     for trial in range(3):
-        q, k, v, g, beta, state, slots = delta_inputs(cfg._replace(lengths=(1,) * B), torch.Generator().manual_seed(trial))
+        gen = torch.Generator().manual_seed(trial)
+        q, k, v, g, beta, state, slots = delta_inputs(cfg._replace(lengths=(1,) * B), gen)
         eager, kernel = state.clone(), state.clone()
         want = gated_delta_step(q, k, v, g, beta, eager, slots, backend="eager")
         got = gated_delta_step(q, k, v, g, beta, kernel, slots, backend="triton")
@@ -334,8 +337,9 @@ def test_fla_chunk_and_step_kernel_match_twins_on_cuda(name):
     cuda = torch.device("cuda")
     for trial in range(GPU_TRIALS):
         gen = torch.Generator().manual_seed(trial)
-        lengths = tuple(int(n) for n in torch.randint(1, 300, (len(cfg.lengths),), generator=gen)) if trial else cfg.lengths
-        beta_dtype = torch.bfloat16 if trial % 2 else torch.float32
+        lengths = cfg.lengths if trial == 0 else \
+            tuple(int(n) for n in torch.randint(1, 300, (len(cfg.lengths),), generator=gen))
+        beta_dtype = torch.float32 if name == "equal-heads" else torch.bfloat16  # one per config: fla tunes per dtype
         inputs = delta_inputs(cfg._replace(lengths=lengths), gen, torch.bfloat16, beta_dtype)
         q, k, v, g, beta, state, slots = inputs
         cu = cu_of(lengths)
@@ -345,14 +349,17 @@ def test_fla_chunk_and_step_kernel_match_twins_on_cuda(name):
         cu_dev = torch.tensor(cu, device=cuda)
         gated_delta_chunk(*dev[:5], dev[5].clone(), dev[6], cu_dev, cu)  # warm-up
         got = _no_syncs(lambda: gated_delta_chunk(*dev, cu_dev, cu))
-        assert rel_err(got.cpu(), want) < 2e-2 and rel_err(dev[5].cpu(), want_state) < 1e-2, trial
+        errs = rel_err(got.cpu(), want), rel_err(dev[5].cpu(), want_state)
+        assert errs[0] < 2e-2 and errs[1] < 1e-2, (trial, errs)
         first = torch.tensor(cu[:-1])
         step_in = [x[first] for x in (q, k, v, g, beta)]
         want_state = state.clone()
         want = gated_delta_step(*step_in, want_state, slots, backend="eager")
         pool = state.to(cuda)
-        got = _no_syncs(lambda: gated_delta_step(*(x.to(cuda) for x in step_in), pool, dev[6]))
-        assert rel_err(got.cpu(), want) < 1e-2 and rel_err(pool.cpu(), want_state) < 1e-5, trial
+        step_dev = [x.to(cuda) for x in step_in]
+        got = _no_syncs(lambda: gated_delta_step(*step_dev, pool, dev[6]))
+        errs = rel_err(got.cpu(), want), rel_err(pool.cpu(), want_state)
+        assert errs[0] < 1e-2 and errs[1] < 1e-5, (trial, errs)
 
 
 @pytest.mark.cuda
@@ -369,12 +376,12 @@ def test_conv_kernels_match_twins_on_cuda(name):
         x = torch.cat(new)
         want_state = state.clone()
         want = causal_conv1d(x, weight, want_state, slots, torch.tensor(cu), cu)
-        pool = state.to(cuda)
-        args = [t.to(cuda) for t in (x, weight)]
-        got = _no_syncs(lambda: causal_conv1d(*args, pool, slots.to(cuda), torch.tensor(cu, device=cuda), cu))
+        pool, x_dev, w_dev, slots_dev = (t.to(cuda) for t in (state, x, weight, slots))
+        cu_dev = torch.tensor(cu, device=cuda)
+        got = _no_syncs(lambda: causal_conv1d(x_dev, w_dev, pool, slots_dev, cu_dev, cu))
         assert rel_err(got.cpu(), want) < 1e-2 and torch.equal(pool.cpu(), want_state), trial
         want = conv1d_step(x[:len(lengths)], weight, want_state, slots)
-        got = _no_syncs(lambda: conv1d_step(args[0][:len(lengths)], args[1], pool, slots.to(cuda)))
+        got = _no_syncs(lambda: conv1d_step(x_dev[:len(lengths)], w_dev, pool, slots_dev))
         assert rel_err(got.cpu(), want) < 1e-2 and torch.equal(pool.cpu(), want_state), trial
 
 

@@ -15,7 +15,10 @@ chunk table on the device with a data-dependent ``repeat_interleave`` (a sync), 
 built here from the host lengths and sent with a non-blocking copy; its helpers memoise results
 by the identity of the ``cu_seqlens`` tensor, so a caller's persistent buffer refilled in place
 would get a stale table: each call passes a fresh view. Its initial state is dense, so the slots
-are gathered before and scattered after (fixed shapes).
+are gathered before and scattered after (fixed shapes). Its kernels autotune on the first call
+for each head shape and dtype (key without T), and autotuning synchronises: warm up once per
+layer shape before serving. Measured on an H200: about 1.2 ms of host time a call (Triton's
+launches of its seven kernels), against 0.4 ms of GPU time at T=4096 (Hv=32, Dk=Dv=128).
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     gated_delta_step_kernel[(-(-Dv // block_v), B * Hv)](
         q, k, v, g.contiguous(), beta.contiguous(), state, slots, o, q.stride(0), k.stride(0), v.stride(0),
         state.shape[0], Dk ** -0.5, L2_EPS, HK=Hk, HV=Hv, DK=Dk, DV=Dv, BK=block_k, BV=block_v,
-        num_warps=max(1, min(4, block_k * block_v // 1024)))
+        num_warps=max(1, min(4, block_k * block_v // 2048)))
     return o
 
 
