@@ -220,6 +220,43 @@ def test_static_buffer_step_matches_eager_on_cpu(tiny_dir):
     assert not graphs.supports([SequenceChunk([1], 0, pages[0])] * 9)
 
 
+def test_static_buffer_step_of_a_hybrid_model_matches_eager_on_cpu(tmp_path):
+    """A hybrid model's decode through the graphs' packing: each row's state slot travels in the
+    input block, padded rows write the scratch slot; logits and every slot's state equal the eager
+    step's (a fresh sequence, whose slot the step would clear, is left to the eager path)."""
+    from tests.tiny_hybrid import write_tiny_hybrid
+
+    write_tiny_hybrid(tmp_path, "qwen3_next", seed=2, layer_types=("linear_attention", "full_attention"))
+    runner = ModelRunner(RunnerConfig(str(tmp_path), device="cpu", dtype="float32", page_size=4, kv_tokens=512,
+                                      state_slots=6, state_snapshots=1))
+    cfg, states = runner.model_config, runner.state_pool
+    graphs = DecodeGraphs(runner.model, create_backend("triton", runner.kv_pool, cfg.head_dim ** -0.5),
+                          runner.kv_pool, cfg.max_context, 8, use_graphs=False)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (3, 9, 6)]
+    pool = runner.kv_pool
+    pages = [pool.allocate(pool.pages_for(len(p) + 4)) for p in prompts]
+    slots = [5, 2, 4]  # not 1..B: the rows' slots must travel, not be implied
+    out = runner.forward([SequenceChunk(p, 0, pg, state_slot=s) for p, pg, s in zip(prompts, pages, slots)],
+                         [GREEDY] * 3, [0] * 3)
+    tokens, lens = out.next_tokens.tolist(), [len(p) for p in prompts]
+    for step in range(3):
+        chunks = [SequenceChunk([tokens[b]], lens[b], pages[b], state_slot=slots[b]) for b in range(3)]
+        before = (states.conv.clone(), states.ssm.clone())
+        want = runner.forward(chunks, [GREEDY] * 3, [step + 1] * 3)
+        after = (states.conv.clone(), states.ssm.clone())
+        states.conv.copy_(before[0])
+        states.ssm.copy_(before[1])
+        assert graphs.supports(chunks)
+        logits, nxt = graphs.run(chunks, [GREEDY] * 3, [step + 1] * 3)  # bucket 4: one padded row
+        torch.testing.assert_close(logits, want.logits, rtol=1e-5, atol=1e-5)
+        owned = list(range(1, states.num_slots))  # every slot but the scratch one
+        torch.testing.assert_close(states.ssm[:, owned], after[1][:, owned], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(states.conv[:, owned], after[0][:, owned], rtol=1e-5, atol=1e-6)
+        tokens, lens = nxt.tolist(), [n + 1 for n in lens]
+    assert not graphs.supports([SequenceChunk([1], 0, pages[0], state_slot=1)])
+
+
 # ==== on a GPU ====
 
 @pytest.mark.cuda
