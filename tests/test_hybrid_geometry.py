@@ -16,7 +16,8 @@ from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from scheduler.messages.to_scheduler import SamplingParams
 from worker.batch import SequenceChunk
-from worker.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from worker.config import ModelConfig
+from worker.models.family_config import FULL_ATTENTION, LINEAR_ATTENTION
 from worker.expert_placement import expert_slot_bytes
 from worker.geometry_tokenizer import tokenizer_dir
 from worker.runner import ModelRunner, RunnerConfig

@@ -7,40 +7,9 @@ from pathlib import Path
 
 from moe_offload.fp8_checkpoint import FP8Scheme
 from worker.errors import CheckpointError
+from worker.models.family_config import LINEAR_ATTENTION, LinearAttention
 from worker.models.registry import family_for, supported_architectures
 from worker.quantization import parse_quantization
-
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
-
-
-@dataclass(frozen=True)
-class LinearAttention:
-    """A Gated DeltaNet layer's shapes (Qwen3-Next, Qwen3.5): q/k heads, value heads, the conv."""
-
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the conv: q, k and v."""
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def in_proj_size(self) -> int:
-        """Rows of the fused input projection: q, k, v, then z, then b and a (one per value head)."""
-        return self.conv_dim + self.value_dim + 2 * self.num_v_heads
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -161,17 +130,6 @@ class ModelConfig:
 def rope_theta(raw: dict) -> float:
     params = raw.get("rope_parameters") or {}
     return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
-
-
-def rope_type(raw: dict) -> str:
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    return rope.get("rope_type") or rope.get("type") or "default"
-
-
-def refuse(problems: list[str], source: str) -> None:
-    """One line naming every option of the checkpoint that Sluice cannot run."""
-    if problems:
-        raise CheckpointError(f"{source}: not supported: {', '.join(problems)}")
 
 
 def _int_tuple(value) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.config import LinearAttention
+from worker.models.family_config import LinearAttention
 from worker.kv.gpu_pool import PagedPool
 
 

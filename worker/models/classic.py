@@ -3,7 +3,7 @@
 per-head q/k RMSNorm of Qwen3 and its optional routing renormalisation."""
 from __future__ import annotations
 
-from worker.config import refuse, rope_type
+from worker.models.family_config import refuse, rope_type
 from worker.models.registry import Family, register
 
 

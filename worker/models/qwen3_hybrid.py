@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from worker.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, refuse, rope_type
+from worker.models.family_config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, refuse, rope_type
 from worker.models.registry import Family, register
 
 log = logging.getLogger("sluice.worker")

@@ -1,0 +1,50 @@
+"""What the families' config readers share (``worker/models/registry.py``): the layer kinds, the
+linear-attention shapes, the rope type and the one-line refusal. Below ``worker.config``, so that
+a family module and the config can both import it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.errors import CheckpointError
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's shapes (Qwen3-Next, Qwen3.5): q/k heads, value heads, the conv."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_size(self) -> int:
+        """Rows of the fused input projection: q, k, v, then z, then b and a (one per value head)."""
+        return self.conv_dim + self.value_dim + 2 * self.num_v_heads
+
+
+def rope_type(raw: dict) -> str:
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def refuse(problems: list[str], source: str) -> None:
+    """One line naming every option of the checkpoint that Sluice cannot run."""
+    if problems:
+        raise CheckpointError(f"{source}: not supported: {', '.join(problems)}")
