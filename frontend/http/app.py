@@ -64,6 +64,7 @@ def build_app(ctx: HttpContext) -> ASGIApp:
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.text_completions, methods=["POST"]),
+            Route("/v1/responses", routes.responses, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),

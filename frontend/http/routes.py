@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from frontend.api import requests
-from frontend.http import chat, completions, convert, sse
+from frontend.http import chat, completions, convert, responses_api, responses_reply, sse
 from frontend.http import responses as r
 from frontend.http.context import HttpContext
 from frontend.http.errors import ApiError
@@ -49,22 +49,46 @@ async def read_body(request: Request, type_: type[B], limit: int) -> B:
         raise ApiError(400, f"malformed JSON: {exc}") from None
 
 
-async def chat_completions(request: Request) -> Response:
-    ctx = _ctx(request)
+def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generate, bool]:
+    """A Chat body (or another API's request adapted to one) as the internal request, and
+    whether the template was given tools (so that calls are parsed out of the reply)."""
     frontend = ctx.ready()
-    body = await read_body(request, ChatRequest, ctx.max_body_bytes)
     convert.check_request(body, ctx.model_name)
     tools = convert.chat_tools(body)
     ids = convert.chat_prompt_ids(body, tools, frontend.tokenizer)
     generate = convert.to_generate(body, {"input_ids": ids}, convert.chat_max_tokens(body),
                                    frontend.model.max_context_tokens)
+    return generate, bool(tools)
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.ready()
+    body = await read_body(request, ChatRequest, ctx.max_body_bytes)
+    generate, tools = chat_generate(ctx, body)
     response_ids = r.ResponseIds.new("chatcmpl", body.model)
     session = await _start(ctx, generate)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(_closing(session, chat.stream(session, response_ids, bool(tools), usage)))
+        return sse.response(_closing(session, chat.stream(session, response_ids, tools, usage)))
     async with session:
-        return json_response(await _unless_gone(request, chat.whole(session, response_ids, bool(tools))))
+        return json_response(await _unless_gone(request, chat.whole(session, response_ids, tools)))
+
+
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API, stateless: adapted to a Chat request, answered in its own shape."""
+    ctx = _ctx(request)
+    ctx.ready()
+    body = await read_body(request, responses_api.ResponsesRequest, ctx.max_body_bytes)
+    chat_body = responses_api.to_chat(body)
+    generate, tools = chat_generate(ctx, chat_body)
+    frame = responses_api.frame(body, chat_body.tools or [])
+    session = await _start(ctx, generate)
+    if body.stream:
+        events = responses_reply.stream(session, frame, tools)
+        return sse.stream(_closing(session, sse.keepalive(events)))
+    async with session:
+        return json_response(await _unless_gone(request, responses_reply.whole(session, frame, tools)))
 
 
 async def text_completions(request: Request) -> Response:

@@ -1,0 +1,251 @@
+"""``/v1/responses`` requests (OpenAI's Responses API, stateless): the body, the refusals, and the
+adapter to a Chat request, so that a Responses request reaches the one internal ``Generate``
+through Chat's conversion (model check, tools, chat template, sampling ranges) and no other.
+
+Fields are typed at the top level and unknown ones refused by name; input items and tools are
+read by their ``type``, since clients send back the items of earlier replies with every field
+those had (ids, statuses, annotations) and declare hosted tools with their own settings."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+from frontend.http.errors import ApiError
+from frontend.http.responses_objects import FunctionToolOut, ResponseObject, TextConfigOut
+from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, Tool,
+                                   ToolCall)
+
+log = logging.getLogger("sluice.http")
+
+# Tools that OpenAI runs on its side; clients (Codex, agents) declare some on every request.
+HOSTED_TOOLS = ("web_search", "file_search", "computer", "code_interpreter", "image_generation",
+                "mcp", "tool_search")
+TEXT_PARTS = ("input_text", "output_text", "text")
+CONSTRAINED = "needs constrained decoding, which Sluice does not have yet"
+
+
+class _In(msgspec.Struct, kw_only=True):
+    pass
+
+
+class TextFormat(_In, kw_only=True):
+    type: str
+
+
+class TextConfig(_In, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class Reasoning(_In, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None  # what is reported, not what is generated: accepted
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(_In, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    # Accepted: they do not change the output.
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None  # only false: nothing is stored
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # "auto" is refused
+    # Declared only to be refused when set.
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    context_management: list[dict[str, Any]] | None = None
+
+
+class _Part(_In, kw_only=True):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class _MessageItem(_In, kw_only=True):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[_Part]
+
+
+class _FunctionCall(_In, kw_only=True):
+    call_id: str
+    name: str
+    arguments: str
+
+
+class _FunctionCallOutput(_In, kw_only=True):
+    call_id: str
+    output: str | list[_Part]
+
+
+class _FunctionTool(_In, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def check(body: ResponsesRequest) -> None:
+    """Every field that would change the output and is not implemented is refused by name."""
+    stateless = "stateless: {} is not supported; send the whole conversation in input"
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if getattr(body, name) is not None:
+            raise ApiError(400, stateless.format(name), param=name)
+    if body.store:
+        raise ApiError(400, "stateless: store is not supported (send store: false)", param="store")
+    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
+        raise ApiError(400, f"text.format {body.text.format.type!r} {CONSTRAINED}", param="text.format")
+    if body.text is not None and body.text.verbosity not in (None, "medium"):
+        raise ApiError(400, "text.verbosity is not supported (only 'medium', the default)",
+                       param="text.verbosity")
+    if body.reasoning is not None and body.reasoning.effort not in (None, "medium"):
+        # The chat template is given no effort, so any other value would be silently ignored.
+        raise ApiError(400, f"reasoning.effort {body.reasoning.effort!r} is not supported (only "
+                       "'medium', the default)", param="reasoning.effort")
+    if body.top_logprobs:
+        raise ApiError(400, "top_logprobs: logprobs are not supported", param="top_logprobs")
+    if "message.output_text.logprobs" in (body.include or []):
+        raise ApiError(400, "include 'message.output_text.logprobs': logprobs are not supported",
+                       param="include")
+    if body.truncation == "auto":
+        raise ApiError(400, "truncation 'auto' is not supported: an input longer than the "
+                       "context is refused, never cut", param="truncation")
+    for name in ("background", "max_tool_calls", "context_management"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported", param=name)
+
+
+def to_chat(body: ResponsesRequest) -> ChatRequest:
+    """The Chat request that asks for the same output; raises ApiError for what it cannot."""
+    check(body)
+    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    messages += input_messages(body.input)
+    return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
+                       tool_choice=_tool_choice(body.tool_choice),
+                       max_completion_tokens=body.max_output_tokens, temperature=body.temperature,
+                       top_p=body.top_p, stream=body.stream)
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> Literal["auto", "none"]:
+    if choice in (None, "auto", "none"):
+        return choice or "auto"
+    what = repr(choice) if isinstance(choice, str) else f"of type {choice.get('type')!r}"
+    raise ApiError(400, f"tool_choice {what} forces a call, which {CONSTRAINED}; use 'auto' or "
+                   "'none'", param="tool_choice")
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
+    """Function tools as Chat declares them; hosted tools are dropped with one log line."""
+    out, dropped = [], []
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type")
+        if kind == "function":
+            f = _typed(tool, _FunctionTool, f"tools[{i}]")
+            out.append(Tool(type="function", function=FunctionDef(
+                name=f.name, description=f.description, parameters=f.parameters, strict=f.strict)))
+        elif isinstance(kind, str) and kind.startswith(HOSTED_TOOLS):
+            dropped.append(kind)
+        else:
+            raise ApiError(400, f"tools[{i}] of type {kind!r} is not supported (function tools "
+                           "are; hosted tools are dropped)", param=f"tools[{i}]")
+    if dropped:
+        log.info("responses: dropped hosted tools %s (Sluice runs none)", ", ".join(dropped))
+    return out
+
+
+def input_messages(input_: str | list[dict[str, Any]]) -> list[Message]:
+    """Input items as Chat messages: a ``function_call`` joins the assistant message before it
+    (or starts one), a ``function_call_output`` is a tool message for the call with its id."""
+    if isinstance(input_, str):
+        return [Message(role="user", content=input_)]
+    messages: list[Message] = []
+    calls: set[str] = set()
+    for i, item in enumerate(input_):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            m = _typed(item, _MessageItem, where)
+            messages.append(Message(role=m.role, content=_text(m.content, where)))
+        elif kind == "function_call":
+            c = _typed(item, _FunctionCall, where)
+            call = ToolCall(id=c.call_id, function=CalledFunction(name=c.name, arguments=c.arguments))
+            if not messages or messages[-1].role != "assistant":
+                messages.append(Message(role="assistant", tool_calls=[]))
+            messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            calls.add(c.call_id)
+        elif kind == "function_call_output":
+            o = _typed(item, _FunctionCallOutput, where)
+            if o.call_id not in calls:
+                raise ApiError(400, f"{where}: no function_call with call_id {o.call_id!r} comes "
+                               "before this output", param=where)
+            messages.append(Message(role="tool", tool_call_id=o.call_id, content=_text(o.output, where)))
+        elif kind == "reasoning":
+            # Dropped: chat templates leave earlier turns' reasoning out of the prompt, and an
+            # item from OpenAI carries it encrypted, which no local model can read.
+            continue
+        elif kind == "item_reference":
+            raise ApiError(400, f"stateless: {where} item_reference is not supported; send the "
+                           "item itself", param=where)
+        else:
+            raise ApiError(400, f"{where}: input item of type {kind!r} is not supported", param=where)
+    if not messages:
+        raise ApiError(400, "input has no message", param="input")
+    return messages
+
+
+def _text(content: str | list[_Part], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type not in (*TEXT_PARTS, "refusal"):
+            raise ApiError(400, f"{where}: content part of type {part.type!r} is not supported: "
+                           "Sluice serves text only", param=where)
+        texts.append((part.refusal if part.type == "refusal" else part.text) or "")
+    return "".join(texts)
+
+
+def _typed(item: dict[str, Any], type_: type, where: str) -> Any:
+    try:
+        return msgspec.convert(item, type_)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc} (in {where})", param=where) from None
+
+
+def frame(body: ResponsesRequest, tools: list[Tool]) -> ResponseObject:
+    """The response object before any output: what the reply repeats of the request."""
+    return ResponseObject(
+        id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress",
+        model=body.model, instructions=body.instructions, output=[],
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        tool_choice=_tool_choice(body.tool_choice),
+        tools=[FunctionToolOut(name=t.function.name, description=t.function.description,
+                               parameters=t.function.parameters, strict=t.function.strict)
+               for t in tools],
+        max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+        metadata=body.metadata or {}, text=TextConfigOut(), usage=None)

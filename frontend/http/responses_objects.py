@@ -1,0 +1,184 @@
+"""``/v1/responses`` reply bodies as msgspec Structs: the response object, its output items, usage,
+and the typed stream events, each tagged with its ``type`` as OpenAI spells it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+from frontend.api.replies import Usage as InternalUsage
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class _Out(msgspec.Struct, kw_only=True):
+    pass
+
+
+class OutputText(_Out, kw_only=True, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list = []
+
+
+class MessageOut(_Out, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus
+    content: list[OutputText]
+
+
+class FunctionCallOut(_Out, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = Union[MessageOut, FunctionCallOut]
+
+
+class FunctionToolOut(_Out, kw_only=True, tag_field="type", tag="function"):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormatOut(_Out, kw_only=True, frozen=True):
+    type: Literal["text"] = "text"
+
+
+class TextConfigOut(_Out, kw_only=True):
+    format: TextFormatOut = TextFormatOut()
+
+
+class InputTokensDetails(_Out, kw_only=True):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class OutputTokensDetails(_Out, kw_only=True):
+    reasoning_tokens: int = 0  # reasoning is not told apart from the output yet
+
+
+class Usage(_Out, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+def usage(u: InternalUsage) -> Usage:
+    return Usage(input_tokens=u.prompt_tokens,
+                 input_tokens_details=InputTokensDetails(cached_tokens=u.cached_prompt_tokens),
+                 output_tokens=u.completion_tokens, output_tokens_details=OutputTokensDetails(),
+                 total_tokens=u.prompt_tokens + u.completion_tokens)
+
+
+class IncompleteDetails(_Out, kw_only=True):
+    reason: Literal["max_output_tokens"]
+
+
+class ErrorInfo(_Out, kw_only=True):
+    code: str
+    message: str
+
+
+class ResponseObject(_Out, kw_only=True):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ErrorInfo | None = None
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    instructions: str | None
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    tool_choice: Literal["auto", "none"]
+    tools: list[FunctionToolOut]
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    metadata: dict[str, str]
+    text: TextConfigOut
+    store: bool = False
+    usage: Usage | None
+
+
+# ==== stream events ====
+
+class Event(_Out, kw_only=True, tag_field="type"):
+    sequence_number: int
+
+
+class _ResponseEvent(Event, kw_only=True):
+    response: ResponseObject
+
+
+class Created(_ResponseEvent, tag="response.created"):
+    pass
+
+
+class InProgress(_ResponseEvent, tag="response.in_progress"):
+    pass
+
+
+class Completed(_ResponseEvent, tag="response.completed"):
+    pass
+
+
+class Incomplete(_ResponseEvent, tag="response.incomplete"):
+    pass
+
+
+class Failed(_ResponseEvent, tag="response.failed"):
+    pass
+
+
+class ItemAdded(Event, kw_only=True, tag="response.output_item.added"):
+    output_index: int
+    item: OutputItem
+
+
+class ItemDone(Event, kw_only=True, tag="response.output_item.done"):
+    output_index: int
+    item: OutputItem
+
+
+class _PartEvent(Event, kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int = 0  # a message has one part, its text
+
+
+class PartAdded(_PartEvent, kw_only=True, tag="response.content_part.added"):
+    part: OutputText
+
+
+class PartDone(_PartEvent, kw_only=True, tag="response.content_part.done"):
+    part: OutputText
+
+
+class TextDelta(_PartEvent, kw_only=True, tag="response.output_text.delta"):
+    delta: str
+    logprobs: list = []
+
+
+class TextDone(_PartEvent, kw_only=True, tag="response.output_text.done"):
+    text: str
+    logprobs: list = []
+
+
+class ArgumentsDelta(Event, kw_only=True, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDone(Event, kw_only=True, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    arguments: str
