@@ -105,6 +105,16 @@ def test_tool_choice_none_hides_the_tools_and_parses_nothing(oai):
     assert reply.tool_choice == "none" and [t.name for t in reply.tools] == ["get_weather"]
 
 
+def test_a_call_of_a_namespace_function_names_its_namespace(oai):
+    crm = {"type": "namespace", "name": "crm", "description": "customers", "tools": [WEATHER]}
+    reply = oai.responses.create(model="fake", input="let me check " + CALL, tools=[crm])
+    assert reply.output_text.startswith("[get_weather]user:")  # the model sees the function itself
+    (call,) = [i for i in reply.output if i.type == "function_call"]
+    assert (call.name, call.namespace) == ("get_weather", "crm")
+    plain = oai.responses.create(model="fake", input="let me check " + CALL, tools=[WEATHER])
+    assert [i.namespace for i in plain.output if i.type == "function_call"] == [None]
+
+
 def test_a_tool_call_streams_as_typed_events(oai):
     events = _events(oai.responses.create(model="fake", input="let me check " + CALL,
                                           tools=[WEATHER], stream=True))
@@ -163,6 +173,10 @@ REFUSED = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
      "constrained decoding"),
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]", "'custom'"),
+    ({"tools": [{"type": "namespace", "name": "n", "description": "", "tools": [{"type": "custom", "name": "x"}]}]},
+     "tools[0].tools[0]", "'custom'"),
+    ({"tools": [WEATHER, {"type": "namespace", "name": "n", "description": "", "tools": [WEATHER]}]},
+     "tools", "one name"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
     ({"truncation": "auto"}, "truncation", "never cut"),
@@ -204,12 +218,28 @@ def test_accepted_fields_that_do_not_change_the_output(oai):
     assert (reply.parallel_tool_calls, reply.temperature, reply.top_p) == (False, 0.5, 0.9)
 
 
+def test_a_request_shaped_as_codex_cli_sends_it(oai):
+    """Codex CLI 0.169's first request, trimmed: developer messages, a namespace of functions,
+    web_search, client_metadata; it was also run as is against this fake server."""
+    shell = {**WEATHER, "name": "exec_command"}
+    agents_ns = {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents", "tools": [WEATHER]}
+    events = _events(oai.responses.create(
+        model="fake", stream=True, tool_choice="auto", parallel_tool_calls=True, store=False,
+        reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"], prompt_cache_key="t1",
+        tools=[shell, agents_ns, {"type": "web_search", "external_web_access": False}],
+        input=[{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]}],
+        extra_body={"client_metadata": {"thread_id": "t1", "turn_id": "u1"}}))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == "[exec_command][get_weather]system:rules|user:say hi|"
+
+
 def test_an_error_after_the_stream_started_is_response_failed():
     from frontend.http.errors import ApiError
     from frontend.http.responses_api import ResponsesRequest, frame
     from frontend.http.responses_reply import ResponseBuilder
 
-    builder = ResponseBuilder(frame(ResponsesRequest(model="m", input="x"), []), streaming=True)
+    builder = ResponseBuilder(frame(ResponsesRequest(model="m", input="x")), streaming=True)
     (event,) = builder.fail(ApiError(503, "the scheduler stopped", "scheduler_died"))
     name, data = event.decode().split("\n")[:2]
     body = json.loads(data.removeprefix("data: "))

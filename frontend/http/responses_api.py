@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.http.errors import ApiError
-from frontend.http.responses_objects import FunctionToolOut, ResponseObject, TextConfigOut
+from frontend.http.responses_objects import ResponseObject, TextConfigOut
 from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, Tool,
                                    ToolCall)
 
@@ -63,6 +63,7 @@ class ResponsesRequest(_In, kw_only=True, forbid_unknown_fields=True):
     reasoning: Reasoning | None = None
     # Accepted: they do not change the output.
     metadata: dict[str, str] | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's ids of its session and turn
     user: str | None = None
     store: bool | None = None  # only false: nothing is stored
     include: list[str] | None = None
@@ -109,6 +110,11 @@ class _FunctionTool(_In, kw_only=True):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class _NamespaceTool(_In, kw_only=True):
+    name: str
+    tools: list[dict[str, Any]]
 
 
 def check(body: ResponsesRequest) -> None:
@@ -161,22 +167,41 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Literal["auto", "none"]
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
-    """Function tools as Chat declares them; hosted tools are dropped with one log line."""
-    out, dropped = [], []
+    """Function tools as Chat declares them, a namespace's functions among them under their own
+    names (the reply names the namespace of a call again); hosted tools are dropped with one log
+    line."""
+    out: list[Tool] = []
+    dropped = []
     for i, tool in enumerate(tools or []):
         kind = tool.get("type")
-        if kind == "function":
-            f = _typed(tool, _FunctionTool, f"tools[{i}]")
-            out.append(Tool(type="function", function=FunctionDef(
-                name=f.name, description=f.description, parameters=f.parameters, strict=f.strict)))
+        if kind == "namespace":
+            ns = _typed(tool, _NamespaceTool, f"tools[{i}]")
+            out += [_function(t, f"tools[{i}].tools[{j}]") for j, t in enumerate(ns.tools)]
         elif isinstance(kind, str) and kind.startswith(HOSTED_TOOLS):
             dropped.append(kind)
         else:
-            raise ApiError(400, f"tools[{i}] of type {kind!r} is not supported (function tools "
-                           "are; hosted tools are dropped)", param=f"tools[{i}]")
+            out.append(_function(tool, f"tools[{i}]"))
+    names = [t.function.name for t in out]
+    if len(set(names)) < len(names):
+        raise ApiError(400, "two tools have one name (a namespace's functions are given to the "
+                       "model under their own names)", param="tools")
     if dropped:
         log.info("responses: dropped hosted tools %s (Sluice runs none)", ", ".join(dropped))
     return out
+
+
+def _function(tool: dict[str, Any], where: str) -> Tool:
+    if tool.get("type") != "function":
+        raise ApiError(400, f"{where} of type {tool.get('type')!r} is not supported (function "
+                       "tools are; hosted tools are dropped)", param=where)
+    f = _typed(tool, _FunctionTool, where)
+    return Tool(type="function", function=FunctionDef(
+        name=f.name, description=f.description, parameters=f.parameters, strict=f.strict))
+
+
+def declared_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The tools a reply repeats: those declared, less the hosted ones it dropped."""
+    return [t for t in tools or [] if not str(t.get("type")).startswith(HOSTED_TOOLS)]
 
 
 def input_messages(input_: str | list[dict[str, Any]]) -> list[Message]:
@@ -237,15 +262,13 @@ def _typed(item: dict[str, Any], type_: type, where: str) -> Any:
         raise ApiError(400, f"invalid request: {exc} (in {where})", param=where) from None
 
 
-def frame(body: ResponsesRequest, tools: list[Tool]) -> ResponseObject:
+def frame(body: ResponsesRequest) -> ResponseObject:
     """The response object before any output: what the reply repeats of the request."""
     return ResponseObject(
         id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress",
         model=body.model, instructions=body.instructions, output=[],
         parallel_tool_calls=body.parallel_tool_calls is not False,
         tool_choice=_tool_choice(body.tool_choice),
-        tools=[FunctionToolOut(name=t.function.name, description=t.function.description,
-                               parameters=t.function.parameters, strict=t.function.strict)
-               for t in tools],
+        tools=declared_tools(body.tools),
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         metadata=body.metadata or {}, text=TextConfigOut(), usage=None)

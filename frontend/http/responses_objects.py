@@ -28,22 +28,16 @@ class MessageOut(_Out, kw_only=True, tag_field="type", tag="message"):
     content: list[OutputText]
 
 
-class FunctionCallOut(_Out, kw_only=True, tag_field="type", tag="function_call"):
+class FunctionCallOut(_Out, kw_only=True, tag_field="type", tag="function_call", omit_defaults=True):
     id: str
     call_id: str
     name: str
     arguments: str
     status: ItemStatus
+    namespace: str | None = None  # of a function declared in a namespace tool
 
 
 OutputItem = Union[MessageOut, FunctionCallOut]
-
-
-class FunctionToolOut(_Out, kw_only=True, tag_field="type", tag="function"):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class TextFormatOut(_Out, kw_only=True, frozen=True):
@@ -98,7 +92,7 @@ class ResponseObject(_Out, kw_only=True):
     output: list[OutputItem]
     parallel_tool_calls: bool
     tool_choice: Literal["auto", "none"]
-    tools: list[FunctionToolOut]
+    tools: list[dict[str, Any]]  # as declared, less the hosted tools that were dropped
     max_output_tokens: int | None
     temperature: float | None
     top_p: float | None

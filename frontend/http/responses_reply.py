@@ -41,6 +41,8 @@ class ResponseBuilder:
         self._output: list[o.OutputItem] = []
         self._message: o.MessageOut | None = None  # the open message, text still arriving
         self._space = ""
+        self._namespaces = {f.get("name"): t["name"] for t in frame.tools if t.get("type") == "namespace"
+                            for f in t.get("tools", [])}
 
     def start(self) -> list[bytes]:
         return self._emit(o.Created, response=self.response) + self._emit(o.InProgress, response=self.response)
@@ -58,7 +60,7 @@ class ResponseBuilder:
         self._space = ""
         events = self._close_message("completed")
         item = o.FunctionCallOut(id=_id("fc"), call_id=_id("call"), name=call.name, arguments="",
-                                 status="in_progress")
+                                 status="in_progress", namespace=self._namespaces.get(call.name))
         index = len(self._output)
         events += self._emit(o.ItemAdded, output_index=index, item=item)
         item.arguments, item.status = call.arguments, "completed"

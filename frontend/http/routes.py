@@ -82,7 +82,7 @@ async def responses(request: Request) -> Response:
     body = await read_body(request, responses_api.ResponsesRequest, ctx.max_body_bytes)
     chat_body = responses_api.to_chat(body)
     generate, tools = chat_generate(ctx, chat_body)
-    frame = responses_api.frame(body, chat_body.tools or [])
+    frame = responses_api.frame(body)
     session = await _start(ctx, generate)
     if body.stream:
         events = responses_reply.stream(session, frame, tools)
