@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_http import CALL, KEY, WAIT_S, start, stop  # noqa: E402
 
+from frontend.client import Client  # noqa: E402
 from frontend.http import sse  # noqa: E402
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
@@ -245,6 +247,30 @@ def test_an_error_after_the_stream_started_is_response_failed():
     body = json.loads(data.removeprefix("data: "))
     assert name == "event: response.failed" and body["response"]["status"] == "failed"
     assert body["response"]["error"] == {"code": "scheduler_died", "message": "the scheduler stopped"}
+
+
+def test_a_stalled_stream_is_kept_alive_and_leaving_aborts_it(tmp_path):
+    """A prompt that hangs after one token: a comment comes while nothing else does; closing the
+    connection aborts the request in the scheduler."""
+    proc, endpoint, url = start(tmp_path, "--http-port", "0", "--hang-id", str(ord("u")))
+    try:
+        body = {"model": "fake", "input": "hi", "stream": True}
+        with httpx.stream("POST", url + "/v1/responses", json=body, timeout=WAIT_S) as response:
+            lines = []
+            for line in response.iter_lines():
+                lines.append(line)
+                if line.startswith(":"):
+                    break
+        names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+        assert names == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+        with Client(endpoint, timeout=WAIT_S) as c:
+            deadline = time.monotonic() + WAIT_S
+            while c.stats()["aborts_total"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["aborts_total"] == 1
+    finally:
+        assert stop(proc) == 0
 
 
 def test_keepalive_ticks_while_waiting_and_closes_the_inner_stream():

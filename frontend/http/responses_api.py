@@ -177,7 +177,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
         if kind == "namespace":
             ns = _typed(tool, _NamespaceTool, f"tools[{i}]")
             out += [_function(t, f"tools[{i}].tools[{j}]") for j, t in enumerate(ns.tools)]
-        elif isinstance(kind, str) and kind.startswith(HOSTED_TOOLS):
+        elif _hosted(tool):
             dropped.append(kind)
         else:
             out.append(_function(tool, f"tools[{i}]"))
@@ -188,6 +188,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
     if dropped:
         log.info("responses: dropped hosted tools %s (Sluice runs none)", ", ".join(dropped))
     return out
+
+
+def _hosted(tool: dict[str, Any]) -> bool:
+    return str(tool.get("type")).startswith(HOSTED_TOOLS)
 
 
 def _function(tool: dict[str, Any], where: str) -> Tool:
@@ -201,7 +205,7 @@ def _function(tool: dict[str, Any], where: str) -> Tool:
 
 def declared_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The tools a reply repeats: those declared, less the hosted ones it dropped."""
-    return [t for t in tools or [] if not str(t.get("type")).startswith(HOSTED_TOOLS)]
+    return [t for t in tools or [] if not _hosted(t)]
 
 
 def input_messages(input_: str | list[dict[str, Any]]) -> list[Message]:
