@@ -47,7 +47,7 @@ class FrontendConfig:
     http_host: str = "127.0.0.1"
     http_port: int | None = 8000  # None: no HTTP API (--no-http); 0: any free port
     http_max_body_bytes: int = 32 << 20
-    served_model_name: str | None = None  # default: the model name the scheduler announces
+    served_model_names: tuple[str, ...] = ()  # default: the model name the scheduler announces
     api_key: str | None = None  # default: $SLUICE_API_KEY
     engine_args: tuple[str, ...] = ()
 
@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         known.http_port = None
     if known.api_key is None:
         known.api_key = os.environ.get(API_KEY_ENV) or None
+    known.served_model_names = tuple(known.served_model_names)
     values = {f.name: getattr(known, f.name) for f in fields(FrontendConfig) if f.name != "engine_args"}
     return FrontendConfig(**values, engine_args=tuple(engine_args))
 
@@ -117,8 +118,10 @@ def _add_http_args(p: argparse._ArgumentGroup, d: type[FrontendConfig]) -> None:
     p.add_argument("--no-http", action="store_true", help="serve ZMQ clients only")
     p.add_argument("--http-max-body", dest="http_max_body_bytes", type=int,
                    default=d.http_max_body_bytes, help="largest HTTP request body, in bytes")
-    p.add_argument("--served-model-name", default=d.served_model_name,
-                   help="the model name HTTP clients send; None: the model's path")
+    p.add_argument("--served-model-name", dest="served_model_names", nargs="+", metavar="NAME",
+                   default=d.served_model_names,
+                   help="the model names HTTP clients may send (aliases, e.g. claude-sonnet-4-5); the first "
+                        "is the one /v1/models lists; none: the model's path")
     p.add_argument("--api-key", default=d.api_key,
                    help=f"require this key from every client; None: ${API_KEY_ENV}")
 
@@ -146,7 +149,7 @@ def _warn_open_sockets(config: FrontendConfig) -> None:
 def _start_http(config: FrontendConfig) -> HttpServer | None:
     if config.http_port is None:
         return None
-    ctx = HttpContext(config.api_key, config.http_max_body_bytes, config.served_model_name)
+    ctx = HttpContext(config.api_key, config.http_max_body_bytes, config.served_model_names)
     http = HttpServer(ctx, config.http_host, config.http_port)
     http.start()
     log.info("HTTP API on %s (503 on /health until the model is loaded)", http.url)

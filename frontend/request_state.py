@@ -72,10 +72,10 @@ class RequestState:
                 completion_tokens=self.completion_tokens,
                 cached_prompt_tokens=self._cached_tokens,
             )
+        matched = self._stops.matched if reason == "stop" else None
         if self.stream:
-            return Chunk(
-                rid=self.client_rid, text=text, token_ids=ids, finish_reason=reason, usage=usage
-            )
+            return Chunk(rid=self.client_rid, text=text, token_ids=ids, finish_reason=reason,
+                         usage=usage, matched_stop=matched)
         self._text.append(text)
         self._token_ids.extend(ids)
         if reason is None:
@@ -86,4 +86,5 @@ class RequestState:
             token_ids=self._token_ids,
             finish_reason=reason,
             usage=usage,
+            matched_stop=matched,
         )

@@ -15,6 +15,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None  # the stop string that matched, once one has
 
     def feed(self, text: str) -> StopResult:
         if not self._stops:
@@ -22,10 +23,11 @@ class StopMatcher:
         held = self._held + text
         # Everything before ``held`` was checked already and cannot start a match (it was not held).
         # The match that completes first wins (as it would token by token), the longest on a tie.
-        hits = [(i + len(s), i) for s in self._stops if (i := held.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self._stops if (i := held.find(s)) >= 0]
         if hits:
+            _, start, self.matched = min(hits)
             self._held = ""
-            return StopResult(held[: min(hits)[1]], True)
+            return StopResult(held[:start], True)
         keep = self._partial_suffix(held)
         self._held = held[len(held) - keep :] if keep else ""
         return StopResult(held[: len(held) - keep], False)

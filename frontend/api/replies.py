@@ -44,6 +44,7 @@ class Chunk(_Message, tag="chunk", kw_only=True):
     token_ids: list[int] = []
     finish_reason: FinishReason | None = None  # set on the last chunk of a request only
     usage: Usage | None = None  # set on the last chunk of a request only
+    matched_stop: str | None = None  # the stop string that ended the request (last chunk only)
 
 
 class Error(_Message, tag="error", kw_only=True):

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from frontend.api import requests
 from frontend.http import chat, completions, convert, responses_api, responses_reply, sse
+from frontend.http import messages_api, messages_objects, messages_reply
 from frontend.http import responses as r
 from frontend.http.context import HttpContext
 from frontend.http.errors import ApiError
@@ -53,7 +54,7 @@ def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generat
     """A Chat body (or another API's request adapted to one) as the internal request, and
     whether the template was given tools (so that calls are parsed out of the reply)."""
     frontend = ctx.ready()
-    convert.check_request(body, ctx.model_name)
+    convert.check_request(body, ctx.served_name(body.model))
     tools = convert.chat_tools(body)
     ids = convert.chat_prompt_ids(body, tools, frontend.tokenizer)
     generate = convert.to_generate(body, {"input_ids": ids}, convert.chat_max_tokens(body),
@@ -95,7 +96,7 @@ async def text_completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, CompletionRequest, ctx.max_body_bytes)
-    convert.check_request(body, ctx.model_name)
+    convert.check_request(body, ctx.served_name(body.model))
     if body.echo or body.suffix or (body.best_of or 1) > 1:
         raise ApiError(400, "echo, suffix and best_of are not supported")
     generate = convert.to_generate(body, convert.completion_prompt(body), body.max_tokens,
@@ -107,6 +108,30 @@ async def text_completions(request: Request) -> Response:
         return sse.response(_closing(session, completions.stream(session, response_ids, usage)))
     async with session:
         return json_response(await _unless_gone(request, completions.whole(session, response_ids)))
+
+
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API: adapted to a Chat request, answered (errors too) in its own shape."""
+    ctx = _ctx(request)
+    ctx.ready()
+    body = await read_body(request, messages_api.MessagesRequest, ctx.max_body_bytes)
+    generate, tools = chat_generate(ctx, messages_api.to_chat(body))
+    message = messages_reply.new_message(body.model, len(generate.input_ids or ()))
+    session = await _start(ctx, generate)
+    if body.stream:
+        events = messages_reply.stream(session, message, tools)
+        return sse.stream(_closing(session, sse.keepalive(events, tick=messages_reply.PING)))
+    async with session:
+        return json_response(await _unless_gone(request, messages_reply.whole(session, message, tools)))
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt tokens a Messages request would have: its ``usage`` input counts together."""
+    ctx = _ctx(request)
+    ctx.ready()
+    body = await read_body(request, messages_api.MessagesPrompt, ctx.max_body_bytes)
+    generate, _ = chat_generate(ctx, messages_api.to_chat(body))
+    return json_response(messages_objects.TokenCount(input_tokens=len(generate.input_ids or ())))
 
 
 async def _start(ctx: HttpContext, generate: requests.Generate) -> Session:

@@ -1,0 +1,212 @@
+"""``/v1/messages`` and ``/v1/messages/count_tokens`` requests (Anthropic's Messages API): the body,
+the refusals, and the adapter to a Chat request, so that a Messages request reaches the one internal
+``Generate`` through Chat's conversion (model check, tools, chat template, sampling ranges).
+
+Every field is typed and unknown ones are refused by name; content blocks and tools are read by
+their ``type``, so that an image, a document or a server tool is refused in one line that says so."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import msgspec
+
+from frontend.http.errors import ApiError
+from frontend.http.schemas import CalledFunction, ChatRequest, FunctionDef, Message, Tool, ToolCall
+
+CONSTRAINED = "needs constrained decoding, which Sluice does not have yet"
+
+
+class _In(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class TextBlock(_In, kw_only=True):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # accepted: Sluice caches every prefix anyway
+    citations: list[dict[str, Any]] | None = None  # accepted: they annotate the text, never change it
+
+
+class ToolUseBlock(_In, kw_only=True):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_In, kw_only=True):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] = ""
+    is_error: bool = False  # the result's text says what failed; chat templates have no flag for it
+    cache_control: dict[str, Any] | None = None
+
+
+class InputMessage(_In, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class CustomTool(_In, kw_only=True):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+    eager_input_streaming: bool | None = None  # accepted: how input streams, not what it is
+    strict: bool | None = None  # refused when true: a schema-valid input needs constrained decoding
+
+
+class ToolChoice(_In, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_In, kw_only=True):
+    type: str
+    budget_tokens: int | None = None
+    display: str | None = None
+
+
+class MessagesPrompt(_In, kw_only=True):
+    """What makes the prompt: the body of ``count_tokens``, and the start of every request."""
+
+    model: str
+    messages: list[InputMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    cache_control: dict[str, Any] | None = None  # accepted, as on a block
+    # Declared only to be refused when set.
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] | None = None
+    container: str | dict[str, Any] | None = None
+
+
+class MessagesRequest(MessagesPrompt, kw_only=True):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    # Accepted: they do not change the output.
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    inference_geo: str | None = None
+
+
+def check(body: MessagesPrompt) -> None:
+    """Every field that would change the output and is not implemented is refused by name."""
+    for name in ("output_config", "output_format", "context_management", "mcp_servers", "container"):
+        if getattr(body, name):
+            raise ApiError(400, f"{name} is not supported", param=name)
+    if body.thinking is not None and body.thinking.type != "disabled":
+        raise ApiError(400, f"thinking {body.thinking.type!r} is not supported: Sluice does not split "
+                       "reasoning into thinking blocks yet (send {\"type\": \"disabled\"})", param="thinking")
+    choice = body.tool_choice
+    if choice is not None and choice.type in ("any", "tool"):
+        raise ApiError(400, f"tool_choice {choice.type!r} forces a tool call, which {CONSTRAINED}; "
+                       "use 'auto' or 'none'", param="tool_choice")
+    if choice is not None and choice.disable_parallel_tool_use:
+        raise ApiError(400, "tool_choice.disable_parallel_tool_use is not supported (the model "
+                       "decides how many calls it makes)", param="tool_choice")
+
+
+def to_chat(body: MessagesPrompt) -> ChatRequest:
+    """The Chat request that asks for the same output; raises ApiError for what it cannot."""
+    check(body)
+    messages = [Message(role="system", content=_text(body.system, "system"))] if body.system else []
+    for i, m in enumerate(body.messages):
+        messages += _turn(m, f"messages[{i}]")
+    if body.messages and body.messages[-1].role == "assistant":
+        raise ApiError(400, "the last message is the assistant's: continuing it (a prefill) is not "
+                       "supported", param="messages")
+    sampling: dict[str, Any] = {}
+    if isinstance(body, MessagesRequest):
+        sampling = dict(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
+                        top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+    return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
+                       tool_choice=body.tool_choice.type if body.tool_choice else None, **sampling)
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
+    """Custom tools in the OpenAI function form that chat templates render."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        where, kind = f"tools[{i}]", tool.get("type")
+        if kind not in (None, "custom"):
+            raise ApiError(400, f"{where} of type {kind!r} is not supported: Sluice runs no server "
+                           "tools (custom tools are served)", param=where)
+        t = _typed(tool, CustomTool, where)
+        if t.strict:
+            raise ApiError(400, f"{where}.strict {CONSTRAINED}", param=where)
+        out.append(Tool(type="function", function=FunctionDef(
+            name=t.name, description=t.description, parameters=t.input_schema)))
+    return out
+
+
+def _turn(m: InputMessage, where: str) -> list[Message]:
+    """One Messages turn as Chat messages: a user turn's tool results are tool messages (in their
+    order among its text), an assistant turn's tool uses are its tool calls."""
+    if isinstance(m.content, str):
+        return [Message(role=m.role, content=m.content)]
+    if m.role == "assistant":
+        texts, calls = [], []
+        for j, raw in enumerate(m.content):
+            block = _block(raw, f"{where}.content[{j}]", (TextBlock, ToolUseBlock))
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            else:
+                calls.append(ToolCall(id=block.id, function=CalledFunction(
+                    name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))
+        return [Message(role="assistant", content="".join(texts), tool_calls=calls or None)]
+    out: list[Message] = []
+    for j, raw in enumerate(m.content):
+        block = _block(raw, f"{where}.content[{j}]", (TextBlock, ToolResultBlock))
+        if isinstance(block, ToolResultBlock):
+            out.append(Message(role="tool", tool_call_id=block.tool_use_id,
+                               content=_text(block.content, f"{where}.content[{j}].content")))
+        elif out and out[-1].role == "user":
+            out[-1].content = f"{out[-1].content}{block.text}"
+        else:
+            out.append(Message(role="user", content=block.text))
+    return out
+
+
+BLOCK_TYPES = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}
+
+
+def _block(raw: dict[str, Any], where: str, allowed: tuple[type, ...]) -> Any:
+    kind = raw.get("type")
+    type_ = BLOCK_TYPES.get(kind) if isinstance(kind, str) else None
+    if type_ is None:
+        raise ApiError(400, f"{where}: content block of type {kind!r} is not supported: Sluice serves "
+                       "text, tool_use and tool_result blocks (images and documents are refused)",
+                       param=where)
+    if type_ not in allowed:
+        raise ApiError(400, f"{where}: a {kind} block does not belong in this role's message", param=where)
+    return _typed(raw, type_, where)
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """A string, or text blocks (typed already, or raw as in a tool result) joined."""
+    if isinstance(content, str):
+        return content
+    blocks = [b if isinstance(b, TextBlock) else _block(b, f"{where}[{i}]", (TextBlock,))
+              for i, b in enumerate(content)]
+    return "".join(b.text for b in blocks)
+
+
+def _typed(item: dict[str, Any], type_: type, where: str) -> Any:
+    try:
+        return msgspec.convert(item, type_)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc} (in {where})", param=where) from None
