@@ -13,6 +13,10 @@ import jinja2.sandbox
 import tokenizers
 
 
+# The variables render_chat sets itself; a request's template kwargs may set any other.
+RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class ChatTemplateError(ValueError):
     """The template refused the conversation (``raise_exception``) or failed to render."""
 
@@ -86,37 +90,46 @@ class ChatTokenizer:
         return self._template is not None
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """``tools`` (OpenAI tool definitions) reach the template as transformers passes them."""
+        """``tools`` (OpenAI tool definitions) reach the template as transformers passes them;
+        ``template_kwargs`` are further variables (e.g. ``enable_thinking``), as transformers'
+        ``apply_chat_template(**kwargs)`` passes them."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template; send a prompt instead")
         try:
-            return self._template.render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            return self._template.render({
+                **(template_kwargs or {}),  # never over the variables set here (RENDER_VARIABLES)
+                "messages": list(messages),
+                "tools": list(tools) if tools else None,
+                "add_generation_prompt": True,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            })
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:  # the request's values, misused
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The template writes BOS itself when the model wants one, as transformers assumes.
-        return self._encode(self.render_chat(messages, tools), add_special_tokens=False)
+        return self._encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch releases the GIL (encode does not): a long prompt tokenized on a worker
         # thread then leaves the frontend's event loop running
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:

@@ -38,9 +38,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
-def start(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, str]:
+def start(tmp: Path, *args: str, template: str = TEMPLATE) -> tuple[subprocess.Popen, str, str]:
     """The frontend with the fake scheduler; returns (process, ZMQ endpoint, HTTP url)."""
-    tok = write_byte_tokenizer(tmp / "tok", TEMPLATE)
+    tok = write_byte_tokenizer(tmp / "tok", template)
     proc = subprocess.Popen(
         [sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*",
          "--scheduler-cmd", FAKE, "--tokenizer-path", str(tok), "--max-context", "1024",
@@ -88,10 +88,11 @@ def test_tool_call_is_parsed_from_the_stream(oai):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
     assert content == "[get_weather]user:let me check |"
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-        (0, "get_weather", {"city": "Paris"})]
+    assert (deltas[0].index, deltas[0].function.name, deltas[0].id is not None) == (0, "get_weather", True)
+    arguments = "".join(t.function.arguments for t in deltas)  # the first delta's are ""
+    assert {t.index for t in deltas} == {0} and json.loads(arguments) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

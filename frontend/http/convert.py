@@ -1,21 +1,44 @@
 """OpenAI bodies -> the internal ``requests.Generate``, through the same typed conversion (field
 ranges) and, in ``Frontend``, the same ``frontend.validate`` checks as a ZMQ request: both front
 doors share one set of rules. Chat messages, tools and tool results are rendered here with the
-model's chat template, since the ZMQ protocol's messages carry text only."""
+model's chat template, since the ZMQ protocol's messages carry text only; and here the reply's
+format is read (``reply_format``), for the parser of the reply."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import msgspec
 
 from frontend.api import requests
 from frontend.http.errors import ApiError
+from frontend.http.parsers import ReplyFormat
 from frontend.http.schemas import ChatRequest, CompletionRequest, ContentPart, Message, _Sampling
-from frontend.tokenizer import ChatTemplateError, ChatTokenizer
+from frontend.tokenizer import RENDER_VARIABLES, ChatTemplateError, ChatTokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_CONSTRAINED = "it needs constrained decoding, which Sluice does not have yet"
+_SAMPLER = "the sampler does not implement it"
+# Fields that would change the output and that Sluice does not implement: refused unless absent
+# or set to the value that changes nothing (which some clients always send).
+_REFUSED: dict[str, tuple[Any, str]] = {
+    "n": (1, "one choice per request is served (n must be 1)"),
+    "logprobs": (False, "log-probabilities are not reported"),
+    "top_logprobs": (0, "log-probabilities are not reported"),
+    "presence_penalty": (0.0, _SAMPLER),
+    "frequency_penalty": (0.0, _SAMPLER),
+    "repetition_penalty": (1.0, _SAMPLER),
+    "min_p": (0.0, _SAMPLER),
+    "logit_bias": ({}, _SAMPLER),
+    "response_format": ({"type": "text"}, "only {\"type\": \"text\"} is; json_object and json_schema "
+                        "need constrained decoding, which Sluice does not have yet"),
+    "structured_outputs": (None, _CONSTRAINED),
+    **{f"guided_{kind}": (None, _CONSTRAINED) for kind in (
+        "json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
+    "store": (False, "Sluice keeps no completions"),
+}
+_PROMPT_TAIL_TOKENS = 32  # enough to see the generation prompt's end (e.g. "<think>\n")
 
 
 def check_request(body: _Sampling, served_name: str) -> None:
@@ -23,15 +46,10 @@ def check_request(body: _Sampling, served_name: str) -> None:
     if body.model != served_name:
         raise ApiError(404, f"model {body.model!r} is not served here (this server serves "
                        f"{served_name!r})", "model_not_found", "model")
-    if body.n != 1:
-        raise ApiError(400, "n must be 1: one choice per request is supported", param="n")
-    if body.logprobs or body.top_logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise ApiError(400, f"{name} is not supported", param=name)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    for name, (neutral, reason) in _REFUSED.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise ApiError(400, f"{name} is not supported: {reason}", param=name)
 
 
 def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
@@ -45,16 +63,48 @@ def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
     return [msgspec.to_builtins(t) for t in body.tools]
 
 
+def tool_schemas(tools: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Each tool's parameters schema by name, as the reply parser types call arguments by them."""
+    if tools is None:
+        return None
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+
+
 def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: ChatTokenizer) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages is empty", param="messages")
     # A tool result names its function in many templates (Hermes); OpenAI sends only the call id.
     names = {c.id: c.function.name for m in body.messages for c in m.tool_calls or []}
     messages = [_template_message(m, names) for m in body.messages]
+    kwargs = template_kwargs(body, tokenizer.chat_template)
     try:
-        return tokenizer.encode_chat(messages, tools)
+        return tokenizer.encode_chat(messages, tools, kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
+
+
+def template_kwargs(body: ChatRequest, template: str | None) -> dict[str, Any]:
+    """``chat_template_kwargs``, and ``reasoning_effort`` where it means something real: "none"
+    turns thinking off in a template that reads ``enable_thinking`` (a budget is not built)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(RENDER_VARIABLES & kwargs.keys())
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {reserved[0]!r}: the server sets it",
+                       param="chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        if body.reasoning_effort != "none" or "enable_thinking" not in (template or ""):
+            raise ApiError(400, f"reasoning_effort {body.reasoning_effort!r} is not supported: only "
+                           "'none', on a model whose chat template reads enable_thinking",
+                           param="reasoning_effort")
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
+
+
+def reply_format(body: ChatRequest, input_ids: Sequence[int], tokenizer: ChatTokenizer) -> ReplyFormat:
+    """How the reply to ``body`` reads: the template's markup, whether the prompt's last tokens
+    opened reasoning, and the tools' schemas (None when the template was given no tools)."""
+    tail = tokenizer.decode(input_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return ReplyFormat.of(tokenizer.chat_template, tail, tool_schemas(chat_tools(body)))
 
 
 def _text_of(part: ContentPart) -> str:
@@ -72,6 +122,8 @@ def _template_message(m: Message, call_names: dict[str, str]) -> dict[str, Any]:
         content = "".join(_text_of(part) for part in content)
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                            "content": content or ""}
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     name = m.name if m.name is not None else call_names.get(m.tool_call_id or "")
     if name is not None:
         out["name"] = name

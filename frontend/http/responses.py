@@ -45,19 +45,37 @@ class ToolCall(_Out, kw_only=True):
     function: CalledFunction
 
 
-class StreamedToolCall(ToolCall, kw_only=True):
-    index: int  # a call arrives whole, in one delta
+class StreamedFunction(_Out, kw_only=True, omit_defaults=True):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None
 
 
-def tool_call(call: ParsedCall, index: int | None = None) -> ToolCall:
-    fields = dict(id=f"call_{uuid.uuid4().hex[:24]}", function=CalledFunction(name=call.name,
-                                                                              arguments=call.arguments))
-    return ToolCall(**fields) if index is None else StreamedToolCall(index=index, **fields)
+class StreamedToolCall(_Out, kw_only=True, omit_defaults=True):
+    """One delta of a call: the first carries its id, type and name, the next pieces of its
+    arguments (or the whole call in one delta)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: StreamedFunction
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(call: ParsedCall, index: int | None = None) -> ToolCall | StreamedToolCall:
+    """A whole call, in a message or (``index`` given) as one delta."""
+    if index is None:
+        return ToolCall(id=new_call_id(), function=CalledFunction(name=call.name, arguments=call.arguments))
+    return StreamedToolCall(index=index, id=new_call_id(), type="function",
+                            function=StreamedFunction(name=call.name, arguments=call.arguments))
 
 
 class AssistantMessage(_Out, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -71,6 +89,7 @@ class ChatChoice(_Out, kw_only=True):
 class Delta(_Out, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[StreamedToolCall] | None = None
 
 

@@ -66,14 +66,15 @@ async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, ChatRequest, ctx.max_body_bytes)
-    generate, tools = chat_generate(ctx, body)
+    generate, _ = chat_generate(ctx, body)
+    reply = convert.reply_format(body, generate.input_ids or (), ctx.ready().tokenizer)
     response_ids = r.ResponseIds.new("chatcmpl", body.model)
     session = await _start(ctx, generate)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(_closing(session, chat.stream(session, response_ids, tools, usage)))
+        return sse.response(_closing(session, chat.stream(session, response_ids, reply, usage)))
     async with session:
-        return json_response(await _unless_gone(request, chat.whole(session, response_ids, tools)))
+        return json_response(await _unless_gone(request, chat.whole(session, response_ids, reply)))
 
 
 async def responses(request: Request) -> Response:

@@ -1,7 +1,9 @@
 """OpenAI request bodies as msgspec Structs: decoding one checks every field's type, so a wrong
-type is a 400 before anything else runs. Unknown fields are ignored (clients send many that do
-not change the output, e.g. ``user``); the ones that would change it and that Sluice does not
-implement are declared here so that ``convert`` can refuse them."""
+type is a 400 before anything else runs. A body's unknown fields are refused by name (a field
+Sluice does not know might change the output), inside its objects they are ignored (clients echo
+back message fields such as ``refusal``). Fields that do not change the output are accepted;
+the ones that would and that Sluice does not implement are declared so that ``convert`` can
+refuse them with a reason."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class ContentPart(_Body, kw_only=True):
 class Message(_Body, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    reasoning_content: str | None = None  # an earlier reply's, for templates that show it again
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -66,7 +69,7 @@ class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
 
 
-class _Sampling(_Body, kw_only=True):
+class _Sampling(_Body, kw_only=True, forbid_unknown_fields=True):
     """Fields both endpoints share. ``None`` means "not given": the internal default applies."""
 
     model: str
@@ -80,12 +83,29 @@ class _Sampling(_Body, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    # Declared only to be refused when set: Sluice does not implement them.
+    # Accepted: they do not change the output.
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None  # false only: Sluice keeps no completions
+    prompt_cache_key: str | None = None  # Sluice's prefix cache needs no key
+    service_tier: str | None = None
+    # Declared only to be refused when set (convert.check_request): Sluice does not implement them.
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -94,6 +114,8 @@ class ChatRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    reasoning_effort: str | None = None  # "none" only, where the template reads enable_thinking
 
 
 class CompletionRequest(_Sampling, kw_only=True):
