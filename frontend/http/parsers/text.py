@@ -14,9 +14,9 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def first_of(text: str, markers: Sequence[str]) -> tuple[int, str]:
-    """The position and the marker that comes first in ``text`` (-1 and "" when none does)."""
-    found = [(i, m) for m in markers if (i := text.find(m)) >= 0]
+def first_of(text: str, markers: Sequence[str], start: int = 0) -> tuple[int, str]:
+    """The position and the marker that comes first in ``text[start:]`` (-1 and "" when none does)."""
+    found = [(i, m) for m in markers if (i := text.find(m, start)) >= 0]
     return min(found, key=lambda f: f[0]) if found else (-1, "")
 
 

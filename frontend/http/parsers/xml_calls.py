@@ -48,6 +48,7 @@ class XmlCallStream:
         self._space = SpaceAfterCalls()
         self._block_calls = 0  # calls in the open <tool_call> block
         self._name = self._parameter = self._arguments = ""  # the open call
+        self._scanned = 0  # the open value's text up to here holds no end: a long value is read once
         self.calls = 0
 
     def feed(self, text: str) -> list[Event]:
@@ -114,7 +115,7 @@ class XmlCallStream:
             if end < 0:
                 return None
             self._parameter, self._held = s[len(PARAMETER):end].strip(), s[end + 1:]
-            self._state = self._value
+            self._state, self._scanned = self._value, 0
             return []
         for marker, after in ((FUNCTION_END, self._block), (CLOSE, self._content)):
             if s.startswith(marker):
@@ -127,8 +128,9 @@ class XmlCallStream:
         return []
 
     def _value(self) -> list[Event] | None:
-        end, marker = first_of(self._held, _VALUE_ENDS)
+        end, marker = first_of(self._held, _VALUE_ENDS, self._scanned)
         if end < 0:
+            self._scanned = max(0, len(self._held) - max(map(len, _VALUE_ENDS)) + 1)
             return None
         value = self._held[:end]
         self._held = self._held[end + len(marker):] if marker == PARAMETER_END else self._held[end:]
