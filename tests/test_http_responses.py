@@ -171,6 +171,7 @@ REFUSED = [
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
      "text.format", "constrained decoding"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "'high'"),
+    ({"reasoning": {"effort": "none"}}, "reasoning_effort", "enable_thinking"),  # the template has none
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
      "constrained decoding"),
@@ -241,7 +242,8 @@ def test_an_error_after_the_stream_started_is_response_failed():
     from frontend.http.responses_api import ResponsesRequest, frame
     from frontend.http.responses_reply import ResponseBuilder
 
-    builder = ResponseBuilder(frame(ResponsesRequest(model="m", input="x")), streaming=True)
+    builder = ResponseBuilder(frame(ResponsesRequest(model="m", input="x")), streaming=True,
+                              count_tokens=len)
     (event,) = builder.fail(ApiError(503, "the scheduler stopped", "scheduler_died"))
     name, data = event.decode().split("\n")[:2]
     body = json.loads(data.removeprefix("data: "))
@@ -367,3 +369,59 @@ def test_an_agent_sends_its_history_back_as_items(server):
     with pytest.raises(agents.MaxTurnsExceeded):
         asyncio.run(agents.Runner.run(agent, "let me check " + CALL, max_turns=2))
     assert seen == ["Paris", "Paris"]
+
+
+# ==== a reasoning model's template: <think> opened by the generation prompt, XML calls ====
+
+# Tool names, then the messages' text, then "<think>\n": echoed, a reply starts inside reasoning.
+THINKING = ("{# calls as <function=NAME><parameter=ARG>VALUE</parameter></function> #}"
+            "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+            "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n")
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+THOUGHT_INPUT = "plan</think>\n\nChecking." + XML_CALL
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory) -> openai.OpenAI:
+    proc, _, url = start(tmp_path_factory.mktemp("thinking"), "--http-port", "0", template=THINKING)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    assert stop(proc) == 0
+
+
+def _shape(output) -> list:
+    def what(i):
+        if i.type == "function_call":
+            return i.name, json.loads(i.arguments)
+        return i.content[0].text
+    return [(i.type, what(i)) for i in output]
+
+
+# The echo ends with the generation prompt's "<think>": content, since reasoning opens a reply only.
+EXPECTED_THOUGHT = [("reasoning", "[get_weather]plan"), ("message", "Checking."),
+                    ("function_call", ("get_weather", {"city": "Paris"})), ("message", "<think>")]
+
+
+def test_reasoning_is_a_reasoning_item_and_xml_calls_are_function_calls(thinking):
+    reply = thinking.responses.create(model="fake", input=THOUGHT_INPUT, tools=[WEATHER])
+    assert _shape(reply.output) == EXPECTED_THOUGHT and reply.output[0].summary == []
+    assert reply.usage.output_tokens_details.reasoning_tokens == len("[get_weather]plan")  # byte tokens
+
+
+def test_reasoning_and_call_arguments_stream_in_pieces(thinking):
+    events = _events(thinking.responses.create(model="fake", input=THOUGHT_INPUT, tools=[WEATHER],
+                                               stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and _shape(final.output) == EXPECTED_THOUGHT
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert reasoning == done.text == "[get_weather]plan"
+    arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert json.loads("".join(arguments)) == {"city": "Paris"}
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message", "function_call", "message"]
+
+
+def test_the_stream_helper_reads_reasoning_items(thinking):
+    with thinking.responses.stream(model="fake", input=THOUGHT_INPUT, tools=[WEATHER]) as stream:
+        final = stream.get_final_response()
+    assert _shape(final.output) == EXPECTED_THOUGHT

@@ -130,10 +130,10 @@ def check(body: ResponsesRequest) -> None:
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise ApiError(400, "text.verbosity is not supported (only 'medium', the default)",
                        param="text.verbosity")
-    if body.reasoning is not None and body.reasoning.effort not in (None, "medium"):
-        # The chat template is given no effort, so any other value would be silently ignored.
-        raise ApiError(400, f"reasoning.effort {body.reasoning.effort!r} is not supported (only "
-                       "'medium', the default)", param="reasoning.effort")
+    if _effort(body) not in (None, "medium", "none"):
+        # "none" is Chat's reasoning_effort (thinking off); a budget is not built.
+        raise ApiError(400, f"reasoning.effort {_effort(body)!r} is not supported (only 'medium', "
+                       "the default, and 'none')", param="reasoning.effort")
     if body.top_logprobs:
         raise ApiError(400, "top_logprobs: logprobs are not supported", param="top_logprobs")
     if "message.output_text.logprobs" in (body.include or []):
@@ -155,7 +155,12 @@ def to_chat(body: ResponsesRequest) -> ChatRequest:
     return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
                        tool_choice=_tool_choice(body.tool_choice),
                        max_completion_tokens=body.max_output_tokens, temperature=body.temperature,
-                       top_p=body.top_p, stream=body.stream)
+                       top_p=body.top_p, stream=body.stream,
+                       reasoning_effort="none" if _effort(body) == "none" else None)
+
+
+def _effort(body: ResponsesRequest) -> str | None:
+    return body.reasoning.effort if body.reasoning is not None else None
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> Literal["auto", "none"]:

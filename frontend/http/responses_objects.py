@@ -37,7 +37,21 @@ class FunctionCallOut(_Out, kw_only=True, tag_field="type", tag="function_call",
     namespace: str | None = None  # of a function declared in a namespace tool
 
 
-OutputItem = Union[MessageOut, FunctionCallOut]
+class ReasoningText(_Out, kw_only=True, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningOut(_Out, kw_only=True, tag_field="type", tag="reasoning"):
+    """The model's own reasoning (``<think>``), in full: there is no summary."""
+
+    id: str
+    summary: list = []
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+TextItem = Union[MessageOut, ReasoningOut]  # an item of one text part, streamed as deltas
+OutputItem = Union[MessageOut, ReasoningOut, FunctionCallOut]
 
 
 class TextFormatOut(_Out, kw_only=True, frozen=True):
@@ -53,7 +67,7 @@ class InputTokensDetails(_Out, kw_only=True):
 
 
 class OutputTokensDetails(_Out, kw_only=True):
-    reasoning_tokens: int = 0  # reasoning is not told apart from the output yet
+    reasoning_tokens: int
 
 
 class Usage(_Out, kw_only=True):
@@ -64,10 +78,13 @@ class Usage(_Out, kw_only=True):
     total_tokens: int
 
 
-def usage(u: InternalUsage) -> Usage:
+def usage(u: InternalUsage, reasoning_tokens: int) -> Usage:
+    # No cache_write_tokens: the scheduler reports the prompt tokens it read from its prefix cache,
+    # not the ones it wrote.
     return Usage(input_tokens=u.prompt_tokens,
                  input_tokens_details=InputTokensDetails(cached_tokens=u.cached_prompt_tokens),
-                 output_tokens=u.completion_tokens, output_tokens_details=OutputTokensDetails(),
+                 output_tokens=u.completion_tokens,
+                 output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                  total_tokens=u.prompt_tokens + u.completion_tokens)
 
 
@@ -145,15 +162,15 @@ class ItemDone(Event, kw_only=True, tag="response.output_item.done"):
 class _PartEvent(Event, kw_only=True):
     item_id: str
     output_index: int
-    content_index: int = 0  # a message has one part, its text
+    content_index: int = 0  # a message or reasoning item has one part, its text
 
 
 class PartAdded(_PartEvent, kw_only=True, tag="response.content_part.added"):
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class PartDone(_PartEvent, kw_only=True, tag="response.content_part.done"):
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDelta(_PartEvent, kw_only=True, tag="response.output_text.delta"):
@@ -164,6 +181,14 @@ class TextDelta(_PartEvent, kw_only=True, tag="response.output_text.delta"):
 class TextDone(_PartEvent, kw_only=True, tag="response.output_text.done"):
     text: str
     logprobs: list = []
+
+
+class ReasoningDelta(_PartEvent, kw_only=True, tag="response.reasoning_text.delta"):
+    delta: str
+
+
+class ReasoningDone(_PartEvent, kw_only=True, tag="response.reasoning_text.done"):
+    text: str
 
 
 class ArgumentsDelta(Event, kw_only=True, tag="response.function_call_arguments.delta"):

@@ -83,14 +83,16 @@ async def responses(request: Request) -> Response:
     ctx.ready()
     body = await read_body(request, responses_api.ResponsesRequest, ctx.max_body_bytes)
     chat_body = responses_api.to_chat(body)
-    generate, tools = chat_generate(ctx, chat_body)
+    generate, _ = chat_generate(ctx, chat_body)
+    tokenizer = ctx.ready().tokenizer
+    reply = convert.reply_format(chat_body, generate.input_ids or (), tokenizer)
     frame = responses_api.frame(body)
     session = await _start(ctx, generate)
     if body.stream:
-        events = responses_reply.stream(session, frame, tools)
+        events = responses_reply.stream(session, frame, reply, tokenizer)
         return sse.stream(_closing(session, sse.keepalive(events)))
     async with session:
-        return json_response(await _unless_gone(request, responses_reply.whole(session, frame, tools)))
+        return json_response(await _unless_gone(request, responses_reply.whole(session, frame, reply, tokenizer)))
 
 
 async def text_completions(request: Request) -> Response:
