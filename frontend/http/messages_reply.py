@@ -21,7 +21,8 @@ from frontend.http import messages_objects as o
 from frontend.http import sse
 from frontend.http.errors import ApiError
 from frontend.http.session import Session
-from frontend.http.tool_calls import CLOSE, OPEN, ParsedCall, ToolCallStream
+from frontend.http.parsers import ReplyFormat, ReplyParser
+from frontend.http.tool_calls import CLOSE, OPEN, ParsedCall
 
 PING = sse.typed_event("ping", o.Ping())
 
@@ -130,9 +131,9 @@ def _stop_reason(chunk: Chunk, calls: int) -> tuple[o.StopReason, str | None]:
     return ("tool_use" if calls else "end_turn"), None
 
 
-def _feed(builder: MessageBuilder, parser: ToolCallStream | None, chunk: Chunk) -> list[bytes]:
-    pieces = [chunk.text] if parser is None else parser.feed(chunk.text)
-    if parser is not None and chunk.finish_reason is not None:
+def _feed(builder: MessageBuilder, parser: ReplyParser, chunk: Chunk) -> list[bytes]:
+    pieces = parser.feed(chunk.text)
+    if chunk.finish_reason is not None:
         pieces += parser.flush()
     events = []
     for piece in pieces:
@@ -142,16 +143,17 @@ def _feed(builder: MessageBuilder, parser: ToolCallStream | None, chunk: Chunk) 
     return events
 
 
-async def whole(session: Session, message: o.MessageOut, tools: bool) -> o.MessageOut:
-    builder, parser = MessageBuilder(message, streaming=False), ToolCallStream() if tools else None
+async def whole(session: Session, message: o.MessageOut, reply: ReplyFormat) -> o.MessageOut:
+    builder, parser = MessageBuilder(message, streaming=False), reply.parser()
     async for chunk in session.chunks():
         _feed(builder, parser, chunk)
     return builder.message
 
 
-async def stream(session: Session, message: o.MessageOut, tools: bool) -> AsyncIterator[bytes]:
-    """The events; an error after the stream started is its ``error`` event."""
-    builder, parser = MessageBuilder(message, streaming=True), ToolCallStream() if tools else None
+async def stream(session: Session, message: o.MessageOut, reply: ReplyFormat) -> AsyncIterator[bytes]:
+    """The events (calls in the template's markup; reasoning is left out: thinking is not offered);
+    an error after the stream started is its ``error`` event."""
+    builder, parser = MessageBuilder(message, streaming=True), reply.parser()
     for e in builder.start():
         yield e
     try:

@@ -118,14 +118,16 @@ async def messages(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, messages_api.MessagesRequest, ctx.max_body_bytes)
-    generate, tools = chat_generate(ctx, messages_api.to_chat(body))
+    chat_body = messages_api.to_chat(body)
+    generate, _ = chat_generate(ctx, chat_body)
+    reply = convert.reply_format(chat_body, generate.input_ids or (), ctx.ready().tokenizer)
     message = messages_reply.new_message(body.model, len(generate.input_ids or ()))
     session = await _start(ctx, generate)
     if body.stream:
-        events = messages_reply.stream(session, message, tools)
+        events = messages_reply.stream(session, message, reply)
         return sse.stream(_closing(session, sse.keepalive(events, tick=messages_reply.PING)))
     async with session:
-        return json_response(await _unless_gone(request, messages_reply.whole(session, message, tools)))
+        return json_response(await _unless_gone(request, messages_reply.whole(session, message, reply)))
 
 
 async def count_tokens(request: Request) -> Response:
