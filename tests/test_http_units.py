@@ -115,6 +115,17 @@ def test_metrics_expose_the_scheduler_stats_and_latencies():
     assert not any(name.startswith("sluice_rank_") for name, _ in got)  # one GPU: no rank series
 
 
+def test_metrics_show_a_hybrid_models_state_snapshots():
+    stats = {"state_prefix_tokens": 96, "state_recomputed_tokens": 4, "state_snapshots_gpu": 3,
+             "state_snapshots_host": 1, "state_snapshot_bytes_gpu": 3 << 20, "state_snapshot_bytes_host": 1 << 20}
+    got = _samples(Metrics().render(stats)[0].decode())
+    assert got[("sluice_state_prompt_tokens_total", (("kind", "resumed"),))] == 96
+    assert got[("sluice_state_prompt_tokens_total", (("kind", "recomputed"),))] == 4
+    assert got[("sluice_state_snapshots", (("tier", "host"),))] == 1
+    assert got[("sluice_state_snapshot_bytes", (("tier", "gpu"),))] == 3 << 20
+    assert not any(name.startswith("sluice_state") for name, _ in _samples(Metrics().render({})[0].decode()))
+
+
 def test_metrics_show_each_rank_of_an_expert_parallel_run():
     stats = {"ranks": 2, "moe_hit_rate": 0.5, "moe_bytes_h2d": 10, "rank0.moe_hit_rate": 0.5,
              "rank0.moe_bytes_h2d": 10, "rank1.moe_hit_rate": 0.75, "rank1.moe_bytes_h2d": 30,

@@ -47,6 +47,14 @@ STATS = (
         "kind"),
     Stat("prefill_pipeline_chunks", True, "Prefill chunks through the expert pipeline", (
         ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy")), "stage"),
+    # hybrid models: the linear layers' state snapshots in the prefix cache (scheduler/state_cache.py)
+    Stat("state_prompt_tokens", True, "Prompt tokens whose linear-layer state came from a snapshot, or was "
+         "computed again though their KV was cached", (("resumed", "state_prefix_tokens"),
+                                                      ("recomputed", "state_recomputed_tokens")), "kind"),
+    Stat("state_snapshots", False, "Recurrent-state snapshots held", (("gpu", "state_snapshots_gpu"),
+                                                                     ("host", "state_snapshots_host")), "tier"),
+    Stat("state_snapshot_bytes", False, "Bytes of the recurrent-state snapshots held", (
+        ("gpu", "state_snapshot_bytes_gpu"), ("host", "state_snapshot_bytes_host")), "tier"),
 )
 
 # One series per rank of an expert-parallel run (``--gpus N``), from the scheduler's
