@@ -327,9 +327,9 @@ def test_duplicate_request_id(server):
 def test_vanished_client_gets_its_requests_aborted(server, client):
     before = client.stats()
     other = Client(server.endpoint, timeout=WAIT_S)
-    # long enough (5 s of the fake's steps) that it is still running when its chunk finds no peer,
-    # however loaded the machine (60 tokens once finished first on a busy 2-core CI run)
-    stream = other.stream(prompt="long " * 10, max_tokens=1000, ignore_eos=True)
+    # long enough (1 s of the fake's steps, within its 256-token context) that it still runs when a chunk
+    # finds no peer on a loaded machine (60 tokens once finished first on a busy 2-core CI run)
+    stream = other.stream(prompt="long " * 10, max_tokens=200, ignore_eos=True)
     next(stream)
     other.close()  # gone without an Abort: the next chunk's send finds no peer
     deadline = time.monotonic() + WAIT_S
