@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from moe_offload.fp8 import ScaleBlock
-from moe_offload.grouped import ExpertScales, grouped_swiglu
+from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 
 
 class ExpertBanks(NamedTuple):
@@ -74,11 +74,13 @@ class Experts(Protocol):
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                pipelined: bool | None = None) -> torch.Tensor:
+                pipelined: bool | None = None, bias: ExpertBias | None = None,
+                activation: str = "silu") -> torch.Tensor:
         """``hidden [T, H]``, combine ``weights [T, k]``, expert ``ids [T, k]`` (-1: none) -> ``[T, H]``
         in ``out_dtype`` (default hidden's; see ``grouped_swiglu``); ``next_ids [T, k]``, when given,
         guesses layer ``layer + 1``'s ids (a prefetch hint: it may be wrong, and never changes a result).
-        ``pipelined`` is the batch's decision (None: from ``ids``' shape, for callers without a batch)."""
+        ``pipelined`` is the batch's decision (None: from ``ids``' shape, for callers without a batch).
+        ``bias`` (indexed by expert id) and ``activation``: gpt-oss's experts (``grouped_swiglu``)."""
         ...
 
     def stats(self) -> dict[str, int | float | str]:
@@ -106,9 +108,11 @@ class ResidentExperts:
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                pipelined: bool | None = None) -> torch.Tensor:
+                pipelined: bool | None = None, bias: ExpertBias | None = None,
+                activation: str = "silu") -> torch.Tensor:
         return grouped_swiglu(hidden, weights, ids, self.banks.w13[layer], self.banks.w2[layer],
-                              scales=self.banks.scales(layer), out_dtype=out_dtype)
+                              scales=self.banks.scales(layer), out_dtype=out_dtype, activation=activation,
+                              **bias_args(bias, ids))
 
     def stats(self) -> dict[str, int | float | str]:
         return {}

@@ -24,7 +24,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, *, scales: ExpertScales | None = None, fp8_activations: bool | None = None,
                    backend: str | None = None, out_dtype: torch.dtype | None = None,
-                   fill: SlotFill | None = None) -> torch.Tensor:
+                   fill: SlotFill | None = None, w13_bias: torch.Tensor | None = None,
+                   w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
+                   activation: str = "silu") -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
     (default hidden's). A token's k outputs are summed in float32 and rounded once (expert
     parallelism asks for float32, so that the ranks' partials, added by an all_reduce, round once).
@@ -47,16 +49,24 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     host. The decode path of float banks copies them in its gate_up launch (so the hits compute
     while the misses cross PCIe); every other path gathers them first (``gather_missing``), in
     stream order before the GEMM.
+
+    gpt-oss's experts: ``w13_bias [E, 2I]`` (gate | up) and ``w2_bias [E, H]`` are indexed by
+    ``bias_ids [T, k]`` (the routed expert ids; default ``slots``, as for resident experts), so the
+    cache and the pipeline move no bias bytes; ``activation`` is ``"silu"`` or ``"gpt_oss"``
+    (``swiglu``).
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
+    extras = _expert_extras(slots, w13, w2, w13_bias, w2_bias, bias_ids, activation)
     if fp8_activations is None:
         fp8_activations = fp8_activations_for(hidden, scales)
     if fp8_activations and scales is None:
         raise ValueError("fp8_activations needs fp8 experts (scales)")
     if not use_triton(hidden, backend):
         _gather_first(fill, w13, w2, scales, backend)
-        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype)
+        return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, **extras)
     if scales is not None:
+        if extras:
+            raise ValueError("fp8 experts with biases or the gpt_oss activation are not supported (bf16 only)")
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
         _gather_first(fill, w13, w2, scales, backend)
@@ -66,11 +76,58 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
 
     if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS:
         return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype,
-                                                         fill=fill)
+                                                         fill=fill, **extras)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     _gather_first(fill, w13, w2, scales, backend)
-    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype)
+    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype, **extras)
+
+
+class ExpertBias(NamedTuple):
+    """One layer's expert biases (gpt-oss), on the device beside the dense weights and indexed by
+    expert id: ``w13 [E, 2I]`` (gate | up), ``w2 [E, H]``."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def bias_args(bias: ExpertBias | None, ids: torch.Tensor) -> dict:
+    """``grouped_swiglu``'s bias arguments for experts routed to ``ids`` (none without biases)."""
+    return {} if bias is None else {"w13_bias": bias.w13, "w2_bias": bias.w2, "bias_ids": ids}
+
+
+ACTIVATIONS = ("silu", "gpt_oss")
+SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # gpt-oss's clamp and sigmoid gain
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``silu(gate) * up``, or gpt-oss's clamped form: ``gate = min(gate, 7)``, ``up = clamp(up,
+    -7, 7)``, ``gate * sigmoid(1.702 gate) * (up + 1)``."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=SWIGLU_LIMIT), up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+def _expert_extras(slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None,
+                   w2_bias: torch.Tensor | None, bias_ids: torch.Tensor | None, activation: str) -> dict:
+    """The optional gpt-oss arguments, checked from metadata, as keyword arguments for a path
+    (none when absent, so the paths without them keep their signatures)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}; one of {ACTIVATIONS}")
+    if (w13_bias is None) != (w2_bias is None):
+        raise ValueError("give both expert biases or neither")
+    extras = {} if activation == "silu" else {"activation": activation}
+    if w13_bias is None:
+        return extras
+    ids = slots if bias_ids is None else bias_ids
+    E, two_i, H = w13_bias.shape[0], w13.shape[1], w2.shape[1]
+    if w13_bias.shape != (E, two_i) or w2_bias.shape != (E, H) or ids.shape != slots.shape:
+        raise ValueError(f"biases w13 {tuple(w13_bias.shape)} / w2 {tuple(w2_bias.shape)} / ids {tuple(ids.shape)} "
+                         f"do not fit [E, {two_i}] / [E, {H}] / {tuple(slots.shape)}")
+    if {w13_bias.device, w2_bias.device, ids.device} != {w13.device} or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("biases and bias ids (int32/int64) must be on the experts' device")
+    return {**extras, "w13_bias": w13_bias, "w2_bias": w2_bias, "bias_ids": ids}
 
 
 class SlotFill(NamedTuple):
@@ -162,7 +219,9 @@ def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) ->
 
 def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor, scales: ExpertScales | None = None, fp8_activations: bool = False,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, *, w13_bias: torch.Tensor | None = None,
+                         w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
+                         activation: str = "silu") -> torch.Tensor:
     """Reference: one dense GEMM pair per expert used in the batch (fp8 experts dequantized to
     hidden's dtype first; with ``fp8_activations`` each GEMM's input is quantized and dequantized).
 
@@ -184,11 +243,16 @@ def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
         rows = torch.nonzero(flat_slots == slot).squeeze(-1)
         tokens = rows // top_k
         up_w, down_w = _expert_weights(w13, w2, scales, slot, compute)
-        gate_up = F.linear(hidden_in[tokens], up_w)
-        act = round_trip((F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype))
-        expert_out = F.linear(act, down_w)
+        ids = None if w13_bias is None else (slots if bias_ids is None else bias_ids).reshape(-1)[rows]
+        gate_up = _biased(F.linear(hidden_in[tokens], up_w), w13_bias, ids)
+        act = round_trip(swiglu(gate_up[:, :inter], gate_up[:, inter:], activation).to(hidden.dtype))
+        expert_out = _biased(F.linear(act, down_w), w2_bias, ids)
         out.index_add_(0, tokens, expert_out.float() * weights.reshape(-1)[rows, None])
     return out.to(out_dtype or hidden.dtype)
+
+
+def _biased(x: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias[ids].to(x.dtype)
 
 
 def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:

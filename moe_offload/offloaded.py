@@ -19,7 +19,7 @@ from moe_offload.choices import FILL_MODES, LENT_SLOT_RULES
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
-from moe_offload.grouped import ExpertScales, SlotFill, grouped_swiglu
+from moe_offload.grouped import ExpertBias, ExpertScales, SlotFill, bias_args, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
 from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 
@@ -133,7 +133,8 @@ class OffloadedExperts:
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                pipelined: bool | None = None) -> torch.Tensor:
+                pipelined: bool | None = None, bias: ExpertBias | None = None,
+                activation: str = "silu") -> torch.Tensor:
         """One MoE layer; ``next_ids [T, k]``, a guess of layer ``layer + 1``'s experts, starts their
         gather beside this layer's GEMM (only when ``fetches_ahead``: else the next real lookup
         might find no victim, and the guess is ignored). ``pipelined``: the batch's decision (None:
@@ -141,7 +142,7 @@ class OffloadedExperts:
         if pipelined is None:
             pipelined = self.pipelines(*ids.shape)
         if pipelined:
-            return self.pipeline.forward(layer, hidden, weights, ids, out_dtype)
+            return self.pipeline.forward(layer, hidden, weights, ids, out_dtype, bias, activation)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
         fill = None
         if self.fill == "gemm":
@@ -153,7 +154,8 @@ class OffloadedExperts:
         if fill is None:  # the guess's gather runs beside the GEMM
             self._prefetch(layer, next_ids)
         out = grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
-                             backend=self.cache.backend, out_dtype=out_dtype, fill=fill)
+                             backend=self.cache.backend, out_dtype=out_dtype, fill=fill, activation=activation,
+                             **bias_args(bias, ids))
         if fill is not None:  # the GEMM reads this layer's misses over PCIe: the guess's gather waits for it
             self._prefetch(layer, next_ids)
         return out

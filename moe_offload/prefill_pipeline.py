@@ -33,7 +33,7 @@ import torch
 
 from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES
 from moe_offload.expert_cache import ExpertCache
-from moe_offload.grouped import ExpertScales, grouped_swiglu
+from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import STAGE_FIELDS, share_count, stage_experts
 
@@ -180,7 +180,8 @@ class PrefillPipeline:
         self._begun = True
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, bias: ExpertBias | None = None,
+                activation: str = "silu") -> torch.Tensor:
         """One layer of a chunk: stage the next layer, wait for this one, run the grouped GEMM."""
         if layer == 0 and not self._begun:
             self._begin()
@@ -192,7 +193,8 @@ class PrefillPipeline:
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
             out = grouped_swiglu(hidden, weights, self._buffer_slots(ids), self.buf_w13[buf], self.buf_w2[buf],
-                                 scales=self.gemm_scales[buf], out_dtype=out_dtype)
+                                 scales=self.gemm_scales[buf], out_dtype=out_dtype, activation=activation,
+                                 **bias_args(bias, ids))
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
         self._begun = False

@@ -91,14 +91,30 @@ def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: in
                 target: ExpertFormat, scheme: FP8Scheme | None) -> None:
     """The transformers-5 layout, float only: a fused fp8 ``gate_up`` carries one scale grid over
     ``[2I, H]``, not the two halves' grids that Sluice's fp8 experts use."""
-    w13 = read_matrix(index, names.gate_up.format(layer=layer), dst.w13.shape, scheme)
-    w2 = read_matrix(index, names.down.format(layer=layer), dst.w2.shape, scheme)
+    w13, w2 = _read_fused(index, names, layer, dst, scheme)
     if w13.scale is not None or w2.scale is not None:
         raise ValueError(f"fused fp8 experts ({names.gate_up.format(layer=layer)}) are not supported; "
                          "Sluice reads fp8 experts stored one expert per tensor")
     for half in (0, 1):
         _put(dst, slice(None), half, to_expert_format(StoredMatrix(_half_rows(w13.weight, half)), None, target))
     _put(dst, slice(None), None, to_expert_format(w2, None, target))
+
+
+def _read_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
+                scheme: FP8Scheme | None) -> tuple[StoredMatrix, StoredMatrix]:
+    """A fused layer as ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``;
+    gpt-oss's transposed, interleaved layout (``ExpertNames``) is turned so here."""
+    if names.gate_up_bias is None:
+        return (read_matrix(index, names.gate_up.format(layer=layer), dst.w13.shape, scheme),
+                read_matrix(index, names.down.format(layer=layer), dst.w2.shape, scheme))
+    E, two_i, hidden = dst.w13.shape
+    m13 = read_matrix(index, names.gate_up.format(layer=layer), (E, hidden, two_i), scheme)
+    m2 = read_matrix(index, names.down.format(layer=layer), (E, two_i // 2, hidden), scheme)
+    if m13.scale is not None or m2.scale is not None:
+        raise ValueError(f"fp8 experts in gpt-oss's layout ({names.gate_up.format(layer=layer)}) are not supported")
+    w13, w2 = m13.weight, m2.weight
+    gate_up = w13.transpose(1, 2).unflatten(1, (-1, 2)).transpose(1, 2).flatten(1, 2)  # rows g0 u0 g1 u1 ..
+    return StoredMatrix(gate_up), StoredMatrix(w2.transpose(1, 2))
 
 
 def fill_from_safetensors(

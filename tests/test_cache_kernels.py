@@ -256,6 +256,7 @@ class GatherShape(NamedTuple):
 
 
 GATHER_SHAPES = [GatherShape(6, 4, 10, 3, 5), GatherShape(10, 7, 4, 8, 16),
+                 GatherShape(20, 14, 4, 8, 16),  # more misses than gather_missing.SPLIT
                  GatherShape(3, 3, 64, 40, 32)]  # the last needs two blocks per expert
 
 

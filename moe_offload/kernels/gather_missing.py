@@ -3,8 +3,10 @@
 On CUDA the host banks are pinned, mapped host memory (or device views of it): the kernel reads
 them through their device addresses (zero-copy over PCIe), so a decode step with misses needs no
 ``cudaMemcpy`` the host would have to size, and is capturable in a CUDA graph. The grid is fixed
-by the expert's size: program ``p`` copies block ``p`` of every planned expert, looping over the
-count read on the device, so a step without misses costs one launch of empty loops.
+by the expert's size and the plan's capacity: program ``(p, q)`` copies block ``p`` of planned
+experts ``q, q + SPLIT, ...`` below the count read on the device, so a step without misses costs one
+launch of empty loops, and a decode step's few misses are read side by side, not one after another
+(PCIe reads are latency-bound: the more in flight, the closer to the link's rate).
 
 The kernel copies raw bytes (each bank viewed as the integer type of its item size), so one kernel
 serves bf16 banks, fp8 banks (1 byte) and their float32 scale banks alike: one launch per bank.
@@ -18,6 +20,7 @@ import torch
 from moe_offload.kernels.triton_support import pdl_args, raw_bytes, use_triton
 
 BLOCK = 4096
+SPLIT = 8  # programs per block, each taking every SPLIT-th planned expert
 
 
 def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
@@ -57,8 +60,9 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
         for host, slots in banks:
             host, slots = raw_bytes(host), raw_bytes(slots)
             numel = host[0].numel()
-            _kernel()[(_num_blocks(numel),)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK,
-                                             **pdl_args(slots))
+            split = max(1, min(SPLIT, plan_src.shape[0]))
+            _kernel()[(_num_blocks(numel), split)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK,
+                                                   **pdl_args(slots))
     else:
         gather_missing_eager(plan_src, plan_dst, count, banks)
 
@@ -99,7 +103,7 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < numel
-        for j in range(0, tl.load(count_ptr)):
+        for j in range(tl.program_id(1), tl.load(count_ptr), tl.num_programs(1)):
             src = tl.load(plan_src_ptr + j).to(tl.int64)
             dst = tl.load(plan_dst_ptr + j).to(tl.int64)
             vals = tl.load(src_ptr + src * numel + offs, mask=inside)

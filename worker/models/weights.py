@@ -8,6 +8,7 @@ import torch
 
 from moe_offload.experts import ExpertBanks
 from moe_offload.fp8 import ExpertFormat, resolve_expert_format
+from moe_offload.grouped import ExpertBias
 from moe_offload.safetensors_file import checkpoint_files
 from moe_offload.expert_names import detect_names
 from moe_offload.store_fill import ExpertLayer, empty_expert_layer, load_expert_layer
@@ -15,6 +16,7 @@ from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
 from worker.loader import checkpoint_errors, load_tensors, open_checkpoint
 from worker.models import checkpoint_names as names
+from worker.models.registry import family_named
 from worker.models.hybrid_weights import (LinearAttentionWeights, SharedExpertWeights, Targets, allocate_linear,
                                           allocate_shared, hybrid_targets, offset_norm)
 from worker.quantization import checkpoint_expert_format
@@ -31,6 +33,13 @@ class LayerWeights:
     router: torch.Tensor  # [E, H]
     linear: LinearAttentionWeights | None = None  # a linear-attention layer's (hybrid families)
     shared: SharedExpertWeights | None = None  # the shared expert beside the routed ones
+    # gpt-oss (worker/models/gpt_oss.py): projection biases, per-head sink logits (float32), the
+    # router's bias and the experts' biases (indexed by expert id, on the device)
+    qkv_bias: torch.Tensor | None = None  # [q + 2 kv]
+    o_bias: torch.Tensor | None = None  # [H]
+    sinks: torch.Tensor | None = None  # [heads]
+    router_bias: torch.Tensor | None = None  # [E]
+    expert_bias: ExpertBias | None = None
 
 
 @dataclass
@@ -61,6 +70,8 @@ class ModelWeights:
     def targets(self, cfg: ModelConfig) -> Targets:
         """Checkpoint name -> destination, for every tensor but the experts (and the reorderings
         to run once they are read)."""
+        if family_named(cfg.family).targets is not None:
+            return family_named(cfg.family).targets(cfg, self)
         if cfg.is_hybrid:
             return hybrid_targets(cfg, self)
         targets = Targets()
@@ -124,7 +135,19 @@ def _allocate_layer(cfg: ModelConfig, layer: int, empty) -> LayerWeights:
         return LayerWeights(empty(H), empty(H), None, None, None, None, empty(E, H), allocate_linear(cfg, empty), shared)
     qkv_rows = cfg.q_size * (2 if cfg.attn_output_gate else 1) + 2 * cfg.kv_size
     return LayerWeights(empty(H), empty(H), empty(qkv_rows, H), empty(H, cfg.q_size), *norms, empty(E, H),
-                        shared=shared)
+                        shared=shared, **_gpt_oss_extras(cfg, qkv_rows, empty))
+
+
+def _gpt_oss_extras(cfg: ModelConfig, qkv_rows: int, empty) -> dict:
+    H, E = cfg.hidden_size, cfg.num_experts
+    extras = dict(qkv_bias=empty(qkv_rows), o_bias=empty(H)) if cfg.attention_bias else {}
+    if cfg.attention_sinks:
+        extras["sinks"] = empty(cfg.num_heads, dtype=torch.float32)
+    if cfg.router_bias:
+        extras["router_bias"] = empty(E)
+    if cfg.expert_bias:
+        extras["expert_bias"] = ExpertBias(empty(E, 2 * cfg.expert_intermediate_size), empty(E, H))
+    return extras
 
 
 def load_resident_experts(files: list[Path], cfg: ModelConfig, banks: ExpertBanks, fmt: ExpertFormat) -> None:
