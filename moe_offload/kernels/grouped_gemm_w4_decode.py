@@ -1,0 +1,281 @@
+"""The 4-bit grouped SwiGLU GEMM for decode batches (up to DECODE_MAX_PAIRS (token, slot) pairs):
+no align kernel, no sort; the plan of ``grouped_gemm_decode`` with 4-bit tiles
+(``grouped_gemm_w4_tiles``):
+
+```
+ gate_up  one token      grid (k, I / pair_n)      program (j, n): its own pair, fp32 multiply-adds
+                                                   of the decoded tile, the reduction over H unrolled
+          more tokens    grid (T*k, I / gate_up_n) a slot's first pair runs every pair on the slot
+                                                   (16-row tl.dots); the other programs exit at once
+ down     T <= 4         grid (T, H / down_n)      out[t] = sum_j w_j (act_j . w2[s_j] + b) in one fp32
+                                                   accumulator, both loops unrolled: combine folded in
+          more tokens    grid (T*k, H / slot_n)    per slot as gate_up, rows times their weight, then
+                                                   grouped_gemm.sum_over_k
+```
+
+The multiply-add tiles sum a group's products first and scale the sum once (``fma_tile``): per
+weight a decode, a widening and one multiply-add. Grids depend on shapes only, so a decode step
+is CUDA-graph capturable. Misses are gathered into their slots before (``gather_missing``): no
+fill inside these kernels. Slots outside ``[0, S)`` contribute zero.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.grouped_gemm import sum_over_k
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, _round_pairs, _slot_pairs
+from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
+                                                       kernel_consts)
+from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, e2m1_halves, group_scale,
+                                                       packed_tile, swiglu_w4_rows, w4_dot)
+from moe_offload.kernels.triton_support import pdl_args
+
+__all__ = ["DECODE_MAX_PAIRS", "W4DecodeConfig", "decode_grouped_swiglu_w4"]
+
+
+class W4DecodeConfig(NamedTuple):
+    """Tile sizes (reduction steps in weights, multiples of 32 so both formats' groups fit): the
+    per-slot gate_up's columns (each of gate and up) and step, the per-token down's columns and
+    step, warps and stages of the per-slot kernels, the per-slot down's columns and step, the
+    per-token down's warps, one token's gate_up (columns, step, warps). Unmeasured guesses:
+    ``scripts/bench_grouped_gemm_w4.py --decode-sweep``."""
+
+    gate_up_n: int = 32
+    gate_up_k: int = 128
+    down_n: int = 16
+    down_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    slot_down_n: int = 64
+    slot_down_k: int = 128
+    down_warps: int = 4
+    pair_n: int = 16
+    pair_k: int = 256
+    pair_warps: int = 4
+
+
+@triton.jit
+def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
+             BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+    """``sum_k x[k] * w[rows, k]`` over the K tile at k0, per group: ``[R, BLOCK_K/G, 1]`` fp32, each
+    group's products summed before its scale multiplies (``x_ptr`` a contiguous row, read as zero
+    unless ``x_ok``; the channel scale is the caller's)."""
+    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP)
+    ks = (k0 + (tl.arange(0, BLOCK_K // GROUP)[:, None, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :, None])
+          * 2 + tl.arange(0, 2)[None, None, :])
+    # x_ok folds into the bound: the interpreter mistypes a 0-d bool & a block bool
+    x_even, x_odd = tl.split(tl.load(x_ptr + ks, mask=ks < tl.where(x_ok, k_len, 0), other=0.0).to(tl.float32))
+    lo, hi = e2m1_halves(q)
+    part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2, keep_dims=True)
+    return part * group_scale(s, E8M0)
+
+
+@triton.jit
+def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_slots, inter,
+                            stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
+                            TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
+                            GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """One token's gate_up: program (j, n) computes act[j, n] for its own slot, the reduction over
+    ``HIDDEN`` unrolled at compile time (every step's loads issue ahead of their arithmetic); a slot
+    outside ``[0, S)`` leaves its row unwritten."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pair = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    q_slot, s_slot, live = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, slot >= 0
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP, 1), tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K // GROUP, 1), tl.float32)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        acc_g += fma_tile(x_ptr, live, q_slot, s_slot, cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn, stride_sn,
+                          BLOCK_K, GROUP, E8M0)
+        acc_u += fma_tile(x_ptr, live, q_slot, s_slot, inter + cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn,
+                          stride_sn, BLOCK_K, GROUP, E8M0)
+    gate = channel_scaled(tl.sum(tl.sum(acc_g, 2), 1), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
+    up = channel_scaled(tl.sum(tl.sum(acc_u, 2), 1), c_ptr + slot * stride_cs, inter + cols, col_ok, CHANNEL)
+    gate += bias_rows(b_ptr, ids_ptr, pair, live, cols, col_ok, num_bias, stride_b, BIAS)
+    up += bias_rows(b_ptr, ids_ptr, pair, live, inter + cols, col_ok, num_bias, stride_b, BIAS)
+    act = activate(gate, up, GPT_OSS, LIMIT, ALPHA)
+    tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_pairs, top_k,
+                            num_slots, hidden, inter, stride_xt, stride_xh, stride_qs, stride_qn, stride_ss, stride_sn,
+                            stride_cs, num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
+                            BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """act[p, n] for every pair p on this program's slot, 16 pairs a round (one read of the slot's
+    w13 tile for all of them when they fit one round)."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
+    if skip:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    for r0 in range(0, count, 16):
+        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        act = swiglu_w4_rows(x_ptr + (pairs // top_k) * stride_xt, pairs, live, q_ptr + slot * stride_qs,
+                             s_ptr + slot * stride_ss, c_ptr + slot * stride_cs, b_ptr, ids_ptr, cols, col_ok, hidden,
+                             inter, num_bias, stride_xh, stride_qn, stride_sn, stride_b, 16, BLOCK_N, BLOCK_K, GROUP,
+                             E8M0, CHANNEL, BIAS, GPT_OSS, LIMIT, ALPHA, PRECISION)
+        tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, out_ptr, num_slots,
+                          hidden, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
+                          TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h] + bias[id_j, h]), one fp32
+    accumulator, both loops unrolled. A slot outside ``[0, S)`` reads slot 0 with its act row
+    masked to zero (it was never written) and weighs 0."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP, 1), tl.float32)
+    bias = tl.zeros((BLOCK_N,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
+        ok = (slot >= 0) & (slot < num_slots)
+        weight = tl.where(ok, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
+        slot = tl.where(ok, slot, 0)
+        scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            part = fma_tile(act_ptr + pair * INTER, ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols,
+                            col_ok, step * BLOCK_K, INTER, stride_qn, stride_sn, BLOCK_K, GROUP, E8M0)
+            acc += part * (scale * weight)[:, None, None]
+        bias += weight * bias_rows(b_ptr, ids_ptr, pair, ok, cols, col_ok, num_bias, stride_b, BIAS)
+    out = tl.sum(tl.sum(acc, 2), 1) + bias
+    tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, pair_out_ptr,
+                         num_pairs, num_slots, hidden, inter, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs,
+                         num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """pair_out[p, h] = weight[p] * (act[p] . w2[s, h] + bias[id_p, h]) for every pair p on slot s."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
+    if skip:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    for r0 in range(0, count, 16):
+        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        acc = w4_dot(act_ptr + pairs * inter, live, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols, col_ok,
+                     inter, 1, stride_qn, stride_sn, 16, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
+        acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
+        acc += bias_rows(b_ptr, ids_ptr, pairs[:, None], live[:, None], cols[None, :], col_ok[None, :], num_bias,
+                         stride_b, BIAS)
+        weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
+        tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
+                 (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                             w13_scale: torch.Tensor, w13_channel_scale: torch.Tensor | None, w2: torch.Tensor,
+                             w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
+                             out_dtype: torch.dtype | None = None, config: W4DecodeConfig | None = None,
+                             w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                             bias_ids: torch.Tensor | None = None, activation: str = "swiglu") -> torch.Tensor:
+    """The decode path: ``[T, H]`` in ``out_dtype`` (default hidden's) for at most
+    ``DECODE_MAX_PAIRS`` pairs, two launches (three past ``DECODE_MAX_TOKENS`` tokens)."""
+    bank13 = W4Bank(w13, w13_scale, w13_channel_scale, w13_bias)
+    bank2 = W4Bank(w2, w2_scale, w2_channel_scale, w2_bias)
+    check_w4_args(hidden, weights, slots, bank13, bank2, fmt, activation, out_dtype, bias_ids)
+    num_tokens, top_k = slots.shape
+    if num_tokens * top_k > DECODE_MAX_PAIRS:
+        raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; got {num_tokens} x {top_k}")
+    cfg = config or W4DecodeConfig()
+    _check_config(cfg, fmt)
+    out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    slots, weights = slots.contiguous(), weights.contiguous()
+    ids = slots if bias_ids is None else bias_ids.contiguous()
+    consts = kernel_consts(fmt, hidden.dtype)
+    act = _gate_up(hidden, slots, ids, bank13, cfg, consts, activation)
+    if num_tokens <= DECODE_MAX_TOKENS:
+        _down_per_token(act, weights, slots, ids, bank2, out, cfg, consts)
+    else:
+        _down_per_slot(act, weights, slots, ids, bank2, out, cfg, consts)
+    return out
+
+
+def _check_config(cfg: W4DecodeConfig, fmt: str) -> None:
+    steps = (cfg.gate_up_k, cfg.down_k, cfg.slot_down_k, cfg.pair_k)
+    if any(k % GROUP[fmt] or k < 32 for k in steps) or min(cfg.gate_up_n, cfg.slot_down_n) < 16:
+        raise ValueError(f"decode tiles {cfg}: reduction steps must be multiples of {fmt}'s group {GROUP[fmt]} "
+                         "and >= 32, the per-slot kernels' columns >= 16 (tl.dot)")
+
+
+def _block_p(num_pairs: int) -> int:
+    return max(16, triton.next_power_of_2(num_pairs))
+
+
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank, cfg: W4DecodeConfig,
+             consts: dict, activation: str) -> torch.Tensor:
+    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+    num_tokens, top_k = slots.shape
+    num_slots, dim, inter = bank.packed.shape[0], hidden.shape[1], bank.packed.shape[1] // 2
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    (q, s, c, b), strides, bank_consts = bank_args(bank)
+    consts = {**consts, **bank_consts, **activation_consts(activation), **pdl_args(hidden)}
+    if num_tokens == 1 and hidden.stride(1) == 1:
+        _gate_up_pair_w4_kernel[(top_k, triton.cdiv(inter, cfg.pair_n))](
+            hidden, q, s, c, b, ids, act, slots, num_slots, inter, *strides, TOP_K=top_k, HIDDEN=dim,
+            BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, num_warps=cfg.pair_warps)
+        return act
+    _gate_up_slot_w4_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
+        hidden, q, s, c, b, ids, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter, hidden.stride(0),
+        hidden.stride(1), *strides, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
+        BLOCK_K=cfg.gate_up_k, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
+                    out: torch.Tensor, cfg: W4DecodeConfig, consts: dict) -> None:
+    num_tokens, top_k = slots.shape
+    num_slots, dim = bank.packed.shape[:2]
+    (q, s, c, b), strides, bank_consts = bank_args(bank)
+    _down_token_w4_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
+        act, q, s, c, b, ids, weights, slots, out, num_slots, dim, *strides, TOP_K=top_k, INTER=act.shape[1],
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, num_warps=cfg.down_warps, **pdl_args(act))
+
+
+def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
+                   out: torch.Tensor, cfg: W4DecodeConfig, consts: dict) -> None:
+    num_tokens, top_k = slots.shape
+    num_slots, dim = bank.packed.shape[:2]
+    num_pairs = num_tokens * top_k
+    pair_out = torch.empty(num_pairs, dim, dtype=act.dtype, device=out.device)
+    (q, s, c, b), strides, bank_consts = bank_args(bank)
+    _down_slot_w4_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
+        act, q, s, c, b, ids, weights, slots, pair_out, num_pairs, num_slots, dim, act.shape[1], *strides,
+        BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k, **consts, **bank_consts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(act))
+    sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)

@@ -1,0 +1,155 @@
+"""Triton pieces shared by the 4-bit grouped GEMM's prefill and decode kernels: decoding packed
+e2m1 tiles and their group scales in registers, the half-depth dots over even and odd k, and the
+epilogue (channel scale, bias rows, activation). The layout is ``grouped_gemm_w4_banks``'.
+
+A tile of packed bytes ``[R, BLOCK_K/G, G/2]`` (rows, groups, bytes) decodes with shifts and
+masks: a nibble's sign and magnitude bits put under an fp16 exponent make the fp16 number
+``e2m1 * 2^-14`` exactly (0.5 becomes the subnormal 2^-15), widened to fp32 exactly; the group's
+scale, times 2^14, multiplies it, broadcast along the group's bytes (loaded once a group). The low
+and high nibbles (even and odd k) stay apart: the activations split the same way (``tl.split`` of
+a ``[M, BLOCK_K/2, 2]`` load) and two dots of half the depth add up, so no interleave is needed.
+``e2m1 * scale`` is exact in bf16 (at most 6 significant bits; e8m0 is a power of two), so the
+16-bit dot sees the checkpoint's weights; nvfp4's channel scale multiplies the accumulator per
+output column. K need only be a multiple of G: the tail is masked by whole groups.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e2m1_halves(q):
+    """The low and high nibbles of packed bytes ``q`` as fp32, each e2m1 value times 2^-14."""
+    b = q.to(tl.int32)
+    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return (lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def group_scale(s, E8M0: tl.constexpr):
+    """Group scales as fp32 times 2^14 (undoing ``e2m1_halves``' 2^-14): e8m0 byte e is 2^(e-127),
+    so the product's exponent field is e + 14 (byte 0 included)."""
+    if E8M0:
+        return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return s.to(tl.float32) * 16384.0
+
+
+@triton.jit
+def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
+                BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Packed bytes ``[R, BLOCK_K/G, G/2]`` and their scales ``[R, BLOCK_K/G, 1]`` of rows ``rows``
+    and k in ``[k0, k0 + BLOCK_K)`` of one slot's bank (``q_ptr``, ``s_ptr`` at the slot); groups
+    past ``k_len`` (a multiple of G) and rows not ``row_ok`` read as zero."""
+    gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    ok = row_ok[:, None, None] & (gs < k_len // GROUP)[None, :, None]
+    row_q = q_ptr + rows[:, None, None].to(tl.int64) * stride_qn
+    q = tl.load(row_q + (gs * (GROUP // 2))[None, :, None] + tl.arange(0, GROUP // 2)[None, None, :], mask=ok,
+                other=0)
+    s = tl.load(s_ptr + rows[:, None, None].to(tl.int64) * stride_sn + gs[None, :, None], mask=ok, other=0.0)
+    return q, s
+
+
+@triton.jit
+def dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+    """The weights of ``packed_tile`` in fp32 (without the channel scale), transposed for a dot:
+    even k and odd k, each ``[BLOCK_K/2, R]``."""
+    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP)
+    scale = group_scale(s, E8M0)
+    lo, hi = e2m1_halves(q)
+    return (tl.trans(tl.reshape(lo * scale, (BLOCK_R, BLOCK_K // 2))),
+            tl.trans(tl.reshape(hi * scale, (BLOCK_R, BLOCK_K // 2))))
+
+
+@triton.jit
+def split_k(a_ptrs, row_ok, k0, k_len, stride_k, BLOCK_K: tl.constexpr):
+    """Activations ``[M, BLOCK_K]`` at k0 (``a_ptrs [M]`` the rows' starts; rows not ``row_ok``
+    and k past ``k_len`` read as 0), split into even and odd k, each ``[M, BLOCK_K/2]``."""
+    ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)[:, None] + tl.arange(0, 2)[None, :]
+    a = tl.load(a_ptrs[:, None, None] + ks[None, :, :] * stride_k,
+                mask=row_ok[:, None, None] & (ks < k_len)[None, :, :], other=0.0)
+    return tl.split(a)
+
+
+@triton.jit
+def w4_step(a_even, a_odd, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + a . w[cols]^T`` for the K tile at k0 (``split_k``'s halves of ``a``), the weight in
+    the activations' dtype, as the dot takes it."""
+    w_even, w_odd = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K,
+                                 GROUP, E8M0)
+    acc = tl.dot(a_even, w_even.to(a_even.dtype), acc, input_precision=PRECISION)
+    return tl.dot(a_odd, w_odd.to(a_odd.dtype), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def w4_dot(a_ptrs, row_ok, q_ptr, s_ptr, cols, col_ok, k_len, stride_ak, stride_qn, stride_sn,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+           E8M0: tl.constexpr, PRECISION: tl.constexpr):
+    """``a . w[cols]^T`` ``[M, N]`` in fp32 over all of K, rows ``a_ptrs [M]``, one slot's weight."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        a_even, a_odd = split_k(a_ptrs, row_ok, k0, k_len, stride_ak, BLOCK_K)
+        acc = w4_step(a_even, a_odd, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N,
+                      BLOCK_K, GROUP, E8M0, PRECISION)
+    return acc
+
+
+@triton.jit
+def channel_scaled(acc, c_ptr, cols, col_ok, CHANNEL: tl.constexpr):
+    """``acc`` times the slot's channel scales (``c_ptr`` at the slot) of ``cols``, if it has them."""
+    if CHANNEL:
+        acc = acc * tl.load(c_ptr + cols, mask=col_ok, other=0.0)
+    return acc
+
+
+@triton.jit
+def bias_rows(b_ptr, ids_ptr, pairs, pair_ok, cols, col_ok, num_bias, stride_b, BIAS: tl.constexpr):
+    """fp32 ``bias[bias_ids[pair], cols]`` for ``pairs`` (any shape broadcasting against ``cols``),
+    zero without biases, for pairs not ``pair_ok`` and for ids outside ``[0, num_bias)``."""
+    bias = 0.0
+    if BIAS:
+        ids = tl.load(ids_ptr + pairs, mask=pair_ok, other=-1).to(tl.int64)
+        # broadcast before combining masks: the interpreter mistypes a 0-d bool & a block bool
+        ids = tl.where(pair_ok, ids, -1) + tl.zeros_like(cols).to(tl.int64)
+        ok = (ids >= 0) & (ids < num_bias) & col_ok
+        bias = tl.load(b_ptr + ids * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
+    return bias
+
+
+@triton.jit
+def activate(gate, up, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """``silu(gate) * up``, or gpt-oss's clamped ``min(gate, L) * sigmoid(A min(gate, L)) * (clamp(up) + 1)``."""
+    if GPT_OSS:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return gate * tl.sigmoid(ALPHA * gate) * (up + 1.0)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def swiglu_w4_rows(a_ptrs, pairs, row_ok, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, cols, col_ok, hidden, inter,
+                   num_bias, stride_ak, stride_qn, stride_sn, stride_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
+                   BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """act ``[M, N]`` (fp32) of rows ``a_ptrs [M]`` (pair ids ``pairs``) and gate/up columns ``cols``
+    of one slot's w13 (pointers at the slot; up row n is row ``I + n``, its scales likewise)."""
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):  # one read of the activations for both halves
+        a_even, a_odd = split_k(a_ptrs, row_ok, k0, hidden, stride_ak, BLOCK_K)
+        gate = w4_step(a_even, a_odd, q_ptr, s_ptr, cols, col_ok, k0, hidden, stride_qn, stride_sn, gate, BLOCK_N,
+                       BLOCK_K, GROUP, E8M0, PRECISION)
+        up = w4_step(a_even, a_odd, q_ptr, s_ptr, inter + cols, col_ok, k0, hidden, stride_qn, stride_sn, up,
+                     BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
+    gate = channel_scaled(gate, c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
+    up = channel_scaled(up, c_ptr, inter + cols[None, :], col_ok[None, :], CHANNEL)
+    gate += bias_rows(b_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :], num_bias,
+                      stride_b, BIAS)
+    up += bias_rows(b_ptr, ids_ptr, pairs[:, None], row_ok[:, None], inter + cols[None, :], col_ok[None, :],
+                    num_bias, stride_b, BIAS)
+    return activate(gate, up, GPT_OSS, LIMIT, ALPHA)
