@@ -15,6 +15,7 @@ from worker.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.cuda
 GREEDY = SamplingParams()
+NEAR_TIE = 2e-2  # logits this close may swap under TF32 rounding
 SHAPE = dict(layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
              hidden=128, heads=4, kv_heads=2, head_dim=64, linear_k_heads=2, linear_v_heads=4, linear_k_dim=64,
              linear_v_dim=64, experts=8, top_k=2, inter=64, shared_inter=64)
@@ -105,8 +106,12 @@ def test_engine_session_on_gpu(hybrid):
     for turn in range(6):
         before = engine.stats()["state_prefix_tokens"]
         out = run(engine, [req(f"t{turn}", history, max_tokens=8)])[f"t{turn}"][0]
-        ref = hf_logits(hf, history + out)[len(history) - 1:-1].argmax(-1).tolist()
-        assert out == ref, turn
+        assert len(out) == 8, turn
+        ref = hf_logits(hf, history + out)[len(history) - 1:-1]
+        # each token is transformers' argmax, up to near-ties (Triton's float32 dots round as TF32)
+        chosen = ref.gather(1, torch.tensor(out)[:, None])[:, 0]
+        gap = ref.max(-1).values - chosen
+        assert (gap <= NEAR_TIE).all(), (turn, out, ref.argmax(-1).tolist(), gap.tolist())
         if turn:
             assert engine.stats()["state_prefix_tokens"] > before
         history = history + out + torch.randint(0, 120, (50,), generator=gen).tolist()
