@@ -3,7 +3,7 @@ their ``choices`` from here, so ``--help`` answers without importing torch (seco
 from __future__ import annotations
 
 POLICIES = ("lru", "lfru")  # expert cache eviction, see expert_cache.policy_for
-EXPERT_DTYPES = ("auto", "bf16", "fp8")  # see fp8.resolve_expert_format
+EXPERT_DTYPES = ("auto", "bf16", "fp8", "nvfp4", "mxfp4")  # see formats.resolve_expert_format
 # "fixed": one fixed-shape invalidate_slots launch per staged layer. "eager": the boolean-mask
 # twin (``slot_for_id[held[held >= 0]] = -1``), a hidden device->host sync on the copy stream that
 # blocks the host until the previous layer's compute is done; kept to measure what the sync costs.

@@ -8,7 +8,8 @@
  tables  slot_for_id [L*E] int32 -> slot or -1      id_of_slot [S] int32 -> id or -1
          score, last_use [S] int64 (policy)         step [1] int64          stats [L, 6] int64
          prefetch_stats [L, 6] int64: the same counters for the ahead lookups of cross-layer prefetch
- fp8     w13_scale [S, R13, C13], w2_scale [S, R2, C2] float32 beside the fp8 w13 / w2 pools
+ scales  fp8: w13_scale, w2_scale float32 grids; 4-bit: packed w13 / w2, group scales (and nvfp4's
+         per-row channel scales): formats.bank_specs, moved as bytes like the weights
 ```
 
 Everything the hot path touches stays on the device: lookups, admissions, the copy plan, the step
@@ -16,12 +17,15 @@ counter and the statistics. ``stats()`` reads the counters and is meant for off 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_offload.choices import POLICIES
 from moe_offload.experts import ExpertBanks
-from moe_offload.fp8 import FP8_DTYPE, ScaleBlock, w13_scale_shape
-from moe_offload.grouped import ExpertScales, SlotFill
+from moe_offload.expert_scales import ExpertScales
+from moe_offload.formats import ExpertFormat, ScaleBlock, bank_specs
+from moe_offload.slot_fill import SlotFill
 from moe_offload.kernels.invalidate_slots import invalidate_slots
 from moe_offload.kernels.lookup_admit import STAT_FIELDS, CacheTables, CopyPlan, LowPriority, Policy, lookup_admit
 
@@ -86,44 +90,40 @@ def resolve_cache_slots(num_experts_total: int, slot_bytes: int, size: int | Non
 
 
 def slot_bytes(w13_shape: tuple[int, int], w2_shape: tuple[int, int], dtype: torch.dtype,
-               scale_block: ScaleBlock | None = None) -> int:
-    """Bytes of one expert in its format (what a cache slot holds and a miss moves over PCIe):
-    the weights, plus for fp8 their float32 scales."""
-    weights = (w13_shape[0] * w13_shape[1] + w2_shape[0] * w2_shape[1]) * dtype.itemsize
-    if scale_block is None:
-        return weights
-    inter, hidden = w2_shape[1], w2_shape[0]
-    r13, c13 = w13_scale_shape(scale_block, inter, hidden)
-    r2, c2 = scale_block.scale_shape(hidden, inter)
-    return weights + 4 * (r13 * c13 + r2 * c2)
+               scale_block: ScaleBlock | None = None, kind: str = "") -> int:
+    """Bytes of one expert of logical shapes ``w13 [2I, H]``, ``w2 [H, I]`` in its format (what a
+    cache slot holds and a miss moves over PCIe): every bank the format holds, scales included."""
+    specs = bank_specs(ExpertFormat(dtype, scale_block, kind), w2_shape[1], w2_shape[0])
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
 
 
 class ExpertCache:
-    """Slot pools ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` (fp8 ones with float32 scale pools
-    ``w13_scale``, ``w2_scale`` per ``scale_block``) and the device tables that map expert ids
-    (``layer * E + e``) to slots. ``backend`` picks the kernels' path (see ``kernels.triton_support``)."""
+    """Slot pools ``w13 [S, ...]``, ``w2 [S, ...]`` in the experts' format and its scale pools
+    (``scales``; ``formats.bank_specs``), and the device tables that map expert ids
+    (``layer * E + e``) to slots. ``w13_shape [2I, H]`` and ``w2_shape [H, I]`` are the logical
+    matrices (4-bit banks are packed). ``backend`` picks the kernels' path (``kernels.triton_support``)."""
 
     def __init__(self, num_layers: int, num_experts: int, w13_shape: tuple[int, int], w2_shape: tuple[int, int],
                  num_slots: int, dtype: torch.dtype, device: torch.device | str, policy: str = "lfru",
-                 backend: str | None = None, scale_block: ScaleBlock | None = None):
+                 backend: str | None = None, scale_block: ScaleBlock | None = None, kind: str = ""):
         if num_slots < 1 or num_layers < 1 or num_experts < 1:
             raise ValueError(f"need layers, experts and slots >= 1, got {num_layers}, {num_experts}, {num_slots}")
-        if (dtype == FP8_DTYPE) != (scale_block is not None):
-            raise ValueError(f"{dtype} slots need a scale block exactly when they are fp8 (got {scale_block})")
+        self.format = fmt = ExpertFormat(dtype, scale_block, kind)
+        if (fmt.family != "float") != (scale_block is not None):
+            raise ValueError(f"{fmt.family} slots of {dtype} need a scale block exactly when quantized "
+                             f"(got {scale_block})")
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.policy_name = policy
         self.policy = policy_for(policy, num_layers)
         self.backend = backend
         # ==== slot pools: contents are only meaningful where id_of_slot says so ====
-        self.w13 = torch.empty((num_slots, *w13_shape), dtype=dtype, device=device)
-        self.w2 = torch.empty((num_slots, *w2_shape), dtype=dtype, device=device)
+        pools = [torch.empty((num_slots, *shape), dtype=dt, device=device)
+                 for shape, dt in bank_specs(fmt, w2_shape[1], w2_shape[0]).values()]
+        self.w13, self.w2 = pools[:2]
         self.scales = None if scale_block is None else ExpertScales(
-            torch.empty((num_slots, *w13_scale_shape(scale_block, w2_shape[1], w2_shape[0])), dtype=torch.float32,
-                        device=device),
-            torch.empty((num_slots, *scale_block.scale_shape(*w2_shape)), dtype=torch.float32, device=device),
-            scale_block)
-        self.slot_bytes = slot_bytes(w13_shape, w2_shape, dtype, scale_block)  # what one miss moves over PCIe
+            pools[2], pools[3], scale_block, kind=kind).with_tensors(pools[2:])
+        self.slot_bytes = slot_bytes(w13_shape, w2_shape, dtype, scale_block, kind)  # what one miss moves over PCIe
         # ==== tables ====
         self.tables = CacheTables(
             slot_for_id=torch.full((num_layers * num_experts,), -1, dtype=torch.int32, device=device),
@@ -139,8 +139,9 @@ class ExpertCache:
     def for_banks(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                   backend: str | None = None) -> ExpertCache:
         """A cache on ``device`` for the experts of ``banks`` (wherever those live)."""
-        return cls(banks.num_layers, banks.num_experts, tuple(banks.w13.shape[2:]), tuple(banks.w2.shape[2:]),
-                   num_slots, banks.w13.dtype, device, policy, backend, banks.scale_block)
+        inter, hidden = banks.w13.shape[2] // 2, banks.w2.shape[2]
+        return cls(banks.num_layers, banks.num_experts, (2 * inter, hidden), (hidden, inter),
+                   num_slots, banks.w13.dtype, device, policy, backend, banks.scale_block, banks.kind)
 
     @property
     def num_slots(self) -> int:
@@ -161,7 +162,7 @@ class ExpertCache:
     def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor,
              host_scales: ExpertScales | None = None) -> None:
         """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and an
-        fp8 cache's scales from ``host_scales``, ``[L*E, R, C]``)."""
+        quantized cache's scale banks from ``host_scales``, ``[L*E, ...]``)."""
         SlotFill(plan, host_w13, host_w2, host_scales).gather(self.w13, self.w2, self.scales, self.backend)
 
     def invalidate(self, slot_start: int, num_slots: int) -> None:

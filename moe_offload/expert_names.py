@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Collection, NamedTuple, Sequence
 
+from moe_offload.checkpoint_matrix import is_stored
+
 
 class ExpertNames(NamedTuple):
     """Tensor-name templates of one checkpoint style, with ``{layer}`` and ``{expert}`` to fill in.
@@ -44,7 +46,7 @@ CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, FUSED_NAMES, *_LANGUAGE_MOD
 
 def detect_names(tensor_names: Collection[str], layer: int, styles: Sequence[ExpertNames] = CHECKPOINT_STYLES) -> ExpertNames:
     for style in styles:
-        if style.probe.format(layer=layer, expert=0) in tensor_names:
+        if is_stored(style.probe.format(layer=layer, expert=0), tensor_names):
             return style
     tried = [style.probe.format(layer=layer, expert=0) for style in styles]
     raise ValueError(f"no expert weights for layer {layer} in the checkpoint; looked for {tried}")

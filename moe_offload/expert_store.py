@@ -106,10 +106,9 @@ class ExpertStore:
         return self._banks(lambda name: _bank_view(raw, self.layout.bank(name)))
 
     def _banks(self, view: Callable[[str], torch.Tensor]) -> ExpertBanks:
-        """``w13``, ``w2`` and, in an fp8 store, their scale banks."""
-        if self.layout.scale_block is None:
-            return ExpertBanks(view("w13"), view("w2"))
-        return ExpertBanks(view("w13"), view("w2"), view("w13_scale"), view("w2_scale"), self.layout.scale_block)
+        """``w13``, ``w2`` and, in a quantized store, their scale banks (whatever the format names)."""
+        banks = {spec.name: view(spec.name) for spec in self.layout.banks}
+        return ExpertBanks(**banks, scale_block=self.layout.scale_block, kind=self.layout.kind)
 
     def close(self) -> None:
         """Unregister from CUDA and let go of the mapping. Host tensors taken earlier stay valid (they

@@ -10,16 +10,17 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from moe_offload.fp8 import ScaleBlock
-from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
+from moe_offload.expert_scales import ExpertScales
+from moe_offload.formats import ExpertFormat, ScaleBlock
+from moe_offload.grouped import ExpertBias, bias_args, grouped_swiglu
 
 
 class ExpertBanks(NamedTuple):
-    """All expert weights of the model, stacked: ``w13 [L, E, 2I, H]`` (gate; up), ``w2 [L, E, H, I]``.
-
-    FP8 experts (``w13.dtype == torch.float8_e4m3fn``) carry float32 scales, one per
-    ``scale_block`` of each weight (``moe_offload.fp8``): ``w13_scale [L, E, R13, C13]``,
-    ``w2_scale [L, E, R2, C2]``. Bf16/fp16/fp32 banks have no scales.
+    """All expert weights of the model, stacked: ``w13 [L, E, 2I, H]`` (gate; up), ``w2 [L, E, H, I]``
+    in a float dtype, or in a quantized format (``moe_offload.formats``) with its scale banks beside
+    them: fp8 ``w13_scale [L, E, R13, C13]``, ``w2_scale [L, E, R2, C2]`` per ``scale_block``; 4-bit
+    (``kind``) packed ``w13 [L, E, 2I, H/2]``, ``w2 [L, E, H, I/2]`` with group scales and, for
+    nvfp4, per-row global scales ``w13_channel_scale [L, E, 2I, 1]``, ``w2_channel_scale [L, E, H, 1]``.
     """
 
     w13: torch.Tensor
@@ -27,24 +28,32 @@ class ExpertBanks(NamedTuple):
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     scale_block: ScaleBlock | None = None
+    w13_channel_scale: torch.Tensor | None = None
+    w2_channel_scale: torch.Tensor | None = None
+    kind: str = ""
 
     @property
     def quantized(self) -> bool:
         return self.w13_scale is not None
 
+    @property
+    def format(self) -> ExpertFormat:
+        return ExpertFormat(self.w13.dtype, self.scale_block, self.kind)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The banks present: ``w13``, ``w2`` and, for fp8, their scale banks."""
-        return tuple(t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None)
+        """The banks present, in store order: ``w13``, ``w2``, then their scale banks."""
+        return tuple(t for t in (getattr(self, name) for name in BANK_NAMES) if t is not None)
 
     def to(self, device: torch.device | str) -> ExpertBanks:
-        return self._replace(**{name: getattr(self, name).to(device) for name in ("w13", "w2", "w13_scale", "w2_scale")
+        return self._replace(**{name: getattr(self, name).to(device) for name in BANK_NAMES
                                 if getattr(self, name) is not None})
 
     def scales(self, layer: int) -> ExpertScales | None:
         """One layer's scales for ``grouped_swiglu`` (None for unquantized banks)."""
         if self.w13_scale is None:
             return None
-        return ExpertScales(self.w13_scale[layer], self.w2_scale[layer], self.scale_block)
+        channels = [None if t is None else t[layer] for t in (self.w13_channel_scale, self.w2_channel_scale)]
+        return ExpertScales(self.w13_scale[layer], self.w2_scale[layer], self.scale_block, *channels, self.kind)
 
     @property
     def num_layers(self) -> int:
@@ -53,6 +62,9 @@ class ExpertBanks(NamedTuple):
     @property
     def num_experts(self) -> int:
         return self.w13.shape[1]
+
+
+BANK_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "w13_channel_scale", "w2_channel_scale")
 
 
 class Experts(Protocol):

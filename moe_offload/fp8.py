@@ -20,65 +20,17 @@ quantization's scale; compressed-tensors calls the same factor ``weight_scale``)
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from moe_offload.choices import EXPERT_DTYPES
+from moe_offload.formats.expert_format import FP8_DTYPE, ScaleBlock
 
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-
-
-class ScaleBlock(NamedTuple):
-    """Rows and columns covered by one scale; ``cols == 0`` means the whole row (per channel)."""
-
-    rows: int
-    cols: int
-
-    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
-        """The scale grid of a ``[rows, cols]`` weight."""
-        return -(-rows // self.rows), (1 if self.cols == 0 else -(-cols // self.cols))
-
-    def col_block(self, cols: int) -> int:
-        """Columns per scale for a weight of ``cols`` input columns."""
-        return cols if self.cols == 0 else self.cols
 
 
 BLOCK_128 = ScaleBlock(128, 128)
 PER_CHANNEL = ScaleBlock(1, 0)
 # Activations quantized on the fly (fp8 x fp8 GEMMs): one scale per token and 128 columns.
 ACTIVATION_BLOCK = ScaleBlock(1, 128)
-
-
-class ExpertFormat(NamedTuple):
-    """How expert weights are held: a float dtype, or fp8 with scales over ``scale_block``."""
-
-    dtype: torch.dtype
-    scale_block: ScaleBlock | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return self.dtype == FP8_DTYPE
-
-    @property
-    def name(self) -> str:
-        """Short and stable (it goes into the expert store's identity): bf16, fp8-b128x128, fp8-ch."""
-        if not self.quantized:
-            return str(self.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
-        block = self.scale_block
-        return "fp8-ch" if block == PER_CHANNEL else f"fp8-b{block.rows}x{block.cols}"
-
-
-def resolve_expert_format(requested: str, checkpoint: ExpertFormat, compute_dtype: torch.dtype) -> ExpertFormat:
-    """``--expert-dtype``: ``auto`` keeps the checkpoint's format (float experts in the compute
-    dtype), ``fp8`` keeps fp8 experts as they are and quantizes float ones 128x128 when the store
-    is filled, ``bf16`` runs every expert in the compute dtype (dequantizing fp8 at fill)."""
-    if requested not in EXPERT_DTYPES:
-        raise ValueError(f"--expert-dtype {requested!r} is not one of {', '.join(EXPERT_DTYPES)}")
-    if requested == "bf16" or (requested == "auto" and not checkpoint.quantized):
-        return ExpertFormat(compute_dtype)
-    return checkpoint if checkpoint.quantized else ExpertFormat(FP8_DTYPE, BLOCK_128)
 
 
 def expand_scale(scale: torch.Tensor, block: ScaleBlock, rows: int, cols: int) -> torch.Tensor:

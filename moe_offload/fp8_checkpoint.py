@@ -20,7 +20,10 @@ from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from moe_offload.fp8 import FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, dequantize, quantize
+from moe_offload.checkpoint_matrix import StoredMatrix, read_tensor
+from moe_offload.fp8 import FP8_DTYPE, PER_CHANNEL, ScaleBlock
+from moe_offload.formats import FP4_KINDS, ExpertFormat, room_of
+from moe_offload.formats.fp4_checkpoint import FP4Scheme
 from moe_offload.safetensors_file import SafetensorsFile
 
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,28 +42,17 @@ class FP8Scheme(NamedTuple):
         """The block of the scale grids this scheme is read into."""
         return PER_CHANNEL if self.per_tensor else self.block
 
-
-class StoredMatrix(NamedTuple):
-    """A checkpoint matrix as stored: float (``scale`` None) or e4m3 with its float32 scale grid."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor | None = None
-
-
-def read_tensor(index: Mapping[str, SafetensorsFile], name: str, shape: Sequence[int]) -> torch.Tensor:
-    if name not in index:
-        raise ValueError(f"missing tensor {name}")
-    tensor = index[name].tensor(name)
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{index[name].path.name}: tensor {name} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(shape)}")
-    return tensor
+    @property
+    def format(self) -> ExpertFormat:
+        return ExpertFormat(FP8_DTYPE, self.runtime_block)
 
 
 def read_matrix(index: Mapping[str, SafetensorsFile], name: str, shape: Sequence[int],
-                scheme: FP8Scheme | None) -> StoredMatrix:
+                scheme: FP8Scheme | FP4Scheme | None) -> StoredMatrix:
     """``name`` of ``shape`` (a matrix); an e4m3 one comes with its float32 scale grid over
-    ``scheme.runtime_block``."""
+    ``scheme.runtime_block``, a 4-bit one with its parts (``formats.fp4_checkpoint``)."""
+    if isinstance(scheme, FP4Scheme):
+        return scheme.read(index, name, shape)
     weight = read_tensor(index, name, shape)
     if weight.dtype != FP8_DTYPE:
         if not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
@@ -68,7 +60,7 @@ def read_matrix(index: Mapping[str, SafetensorsFile], name: str, shape: Sequence
         return StoredMatrix(weight)
     if scheme is None:
         raise ValueError(f"tensor {name} is float8_e4m3fn but config.json declares no fp8 quantization_config")
-    return StoredMatrix(weight, _read_scale(index, name, tuple(weight.shape), scheme))
+    return StoredMatrix(weight, _read_scale(index, name, tuple(weight.shape), scheme), fmt=scheme.format)
 
 
 def _read_scale(index: Mapping[str, SafetensorsFile], name: str, shape: tuple[int, ...],
@@ -90,22 +82,22 @@ def _read_scale(index: Mapping[str, SafetensorsFile], name: str, shape: tuple[in
     return scale.float()
 
 
-def dequantized(matrix: StoredMatrix, scheme: FP8Scheme | None, dtype: torch.dtype) -> torch.Tensor:
-    """The matrix in ``dtype``: e4m3 times its scales (``fp8.dequantize``), float cast."""
-    if matrix.scale is None:
-        return matrix.weight.to(dtype)
-    return dequantize(matrix.weight, matrix.scale, scheme.runtime_block, dtype)
+def dequantized(matrix: StoredMatrix, scheme: object, dtype: torch.dtype) -> torch.Tensor:
+    """The matrix in ``dtype``: its parts dequantized by its format's room, a float one cast."""
+    return matrix.dequantized(dtype)
 
 
-def to_expert_format(matrix: StoredMatrix, scheme: FP8Scheme | None, target: ExpertFormat) -> StoredMatrix:
-    """One expert matrix (``w13``'s gate or up half, or ``w2``) in ``target``'s format: fp8 kept when
-    the blocks agree, dequantized for a float target, a float one quantized (amax) for an fp8 one.
-    Re-blocking fp8 would round twice, so it is refused."""
+def to_expert_format(matrix: StoredMatrix, scheme: object, target: ExpertFormat) -> StoredMatrix:
+    """One expert matrix (``w13``'s gate or up half, or ``w2``) in ``target``'s format: kept when
+    it is stored so, dequantized for a float target, quantized from float (or from fp8, for a 4-bit
+    target). Any other change (fp8 re-blocked, 4-bit to another format) would round twice onto a
+    grid no finer, so it is refused."""
     if not target.quantized:
-        return StoredMatrix(dequantized(matrix, scheme, target.dtype))
-    if matrix.scale is None:
-        return StoredMatrix(*quantize(matrix.weight, target.scale_block))
-    if scheme.runtime_block != target.scale_block:
-        raise ValueError(f"fp8 experts with {ExpertFormat(FP8_DTYPE, scheme.runtime_block).name} scales cannot "
-                         f"run as {target.name} without rounding twice; use the checkpoint's format or bf16")
-    return matrix
+        return StoredMatrix(matrix.dequantized(target.dtype))
+    if matrix.fmt == target:
+        return matrix
+    if matrix.fmt is not None and (target.family == "fp8" or matrix.fmt.family in FP4_KINDS):
+        raise ValueError(f"{matrix.fmt.name} scales cannot run as {target.name} without rounding twice; "
+                         "use the checkpoint's format or bf16")
+    weight = matrix.weight if matrix.fmt is None else matrix.dequantized(torch.float32)
+    return StoredMatrix(*room_of(target).quantize(target, weight), fmt=target)

@@ -12,13 +12,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moe_offload.fp8 import (ACTIVATION_BLOCK, FP8_DTYPE, ScaleBlock, dequantize, dequantize_w13, quantize,
-                             w13_scale_shape)
-from moe_offload.kernels.gather_missing import gather_missing
-from moe_offload.kernels.lookup_admit import CopyPlan
+from moe_offload.expert_scales import ExpertScales
+from moe_offload.formats import dequantize_w13, room_of
+from moe_offload.formats.fp4_gemm import grouped_swiglu_w4, has_w4_kernels
+from moe_offload.fp8 import ACTIVATION_BLOCK, dequantize, quantize
+from moe_offload.grouped_checks import check_args as _check_args
 from moe_offload.kernels.triton_support import use_triton
+from moe_offload.slot_fill import SlotFill
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = ["ExpertScales", "SlotFill", "grouped_swiglu", "grouped_swiglu_eager", "fp8_activations_for"]
 
 
 def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
@@ -59,8 +61,13 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     extras = _expert_extras(slots, w13, w2, w13_bias, w2_bias, bias_ids, activation)
     if fp8_activations is None:
         fp8_activations = fp8_activations_for(hidden, scales)
-    if fp8_activations and scales is None:
+    if fp8_activations and (scales is None or scales.kind):
         raise ValueError("fp8_activations needs fp8 experts (scales)")
+    if scales is not None and scales.kind:  # 4-bit: the room's W4A16 GEMM (eager until its kernels exist)
+        backend = backend if has_w4_kernels() else "eager"
+        if use_triton(hidden, backend):
+            _gather_first(fill, w13, w2, scales, backend)
+            return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, **extras)
     if not use_triton(hidden, backend):
         _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, **extras)
@@ -130,26 +137,6 @@ def _expert_extras(slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13
     return {**extras, "w13_bias": w13_bias, "w2_bias": w2_bias, "bias_ids": ids}
 
 
-class SlotFill(NamedTuple):
-    """Experts to copy into their cache slots before or while a GEMM reads them: ``plan``'s rows
-    ``i < count`` move ``host_w13[src_id[i]]``, ``host_w2[src_id[i]]`` (and an fp8 bank's scales)
-    into slot ``dst_slot[i]``; host banks ``[L*E, ...]`` as ``ExpertCache.fill`` takes them."""
-
-    plan: CopyPlan
-    host_w13: torch.Tensor
-    host_w2: torch.Tensor
-    host_scales: ExpertScales | None = None
-
-    def gather(self, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
-               backend: str | None = None) -> None:
-        """Copy the planned experts into the slot pools ``w13``, ``w2`` (and an fp8 cache's
-        ``scales``) now, in stream order: one ``gather_missing`` launch a bank."""
-        if (self.host_scales is None) != (scales is None):
-            raise ValueError("fp8 slots fill from host scales, float ones from none")
-        pools = {} if scales is None else {"host_scales": self.host_scales[:2], "slot_scales": scales[:2]}
-        gather_missing(*self.plan, self.host_w13, self.host_w2, w13, w2, backend, **pools)
-
-
 def _gather_first(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
                   backend: str | None) -> None:
     """A path that cannot fill as it computes copies ``fill``'s experts in before it starts."""
@@ -168,53 +155,9 @@ def fp8_activations_for(hidden: torch.Tensor, scales: ExpertScales | None) -> bo
     the reference and test precision: it stays weight-only), at least ``FP8_ACTIVATION_TOKENS``
     tokens (small decode batches keep weight-only's extra precision), and weight scale blocks whose
     columns are whole 128-column activation groups, so one pair of scales covers every K tile."""
-    if scales is None or hidden.dtype == torch.float32 or hidden.shape[0] < FP8_ACTIVATION_TOKENS:
+    if scales is None or scales.kind or hidden.dtype == torch.float32 or hidden.shape[0] < FP8_ACTIVATION_TOKENS:
         return False
     return scales.block.cols == 0 or scales.block.cols % ACTIVATION_BLOCK.cols == 0
-
-
-class ExpertScales(NamedTuple):
-    """Scales of fp8 banks: ``w13 [N, R13, C13]``, ``w2 [N, R2, C2]``, float32, per ``block``."""
-
-    w13: torch.Tensor
-    w2: torch.Tensor
-    block: ScaleBlock
-
-
-def _check_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> None:
-    """Shapes, dtypes and devices, from metadata only: the kernels do raw pointer arithmetic."""
-    if hidden.dim() != 2 or weights.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError("expected hidden [T, H], weights and slots [T, k], w13 [N, 2I, H], w2 [N, H, I]")
-    num_tokens, dim = hidden.shape
-    num_slots, inter = w2.shape[0], w2.shape[2]
-    if slots.shape != weights.shape or slots.shape[0] != num_tokens or slots.shape[1] < 1:
-        raise ValueError(f"slots {tuple(slots.shape)} and weights {tuple(weights.shape)} must both be [{num_tokens}, k>=1]")
-    if w13.shape != (num_slots, 2 * inter, dim) or w2.shape != (num_slots, dim, inter) or num_slots < 1:
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match hidden size {dim}")
-    weight_dtype = FP8_DTYPE if scales is not None else hidden.dtype
-    if hidden.dtype not in _FLOAT_DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
-        raise ValueError(f"w13 and w2 must be {weight_dtype} for hidden {hidden.dtype} "
-                         f"({'with' if scales is not None else 'without'} scales); got {w13.dtype}, {w2.dtype}")
-    if scales is not None:
-        _check_scales(scales, num_slots, inter, dim)
-    if not weights.dtype.is_floating_point or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"weights must be floating point and slots int32/int64; got {weights.dtype}, {slots.dtype}")
-    devices = {t.device for t in (hidden, weights, slots, w13, w2)}
-    if len(devices | ({scales.w13.device} if scales is not None else set())) != 1:
-        raise ValueError("hidden, weights, slots, w13, w2 (and scales) must be on one device")
-
-
-def _check_scales(scales: ExpertScales, num_slots: int, inter: int, dim: int) -> None:
-    want13 = (num_slots, *w13_scale_shape(scales.block, inter, dim))
-    want2 = (num_slots, *scales.block.scale_shape(dim, inter))
-    if tuple(scales.w13.shape) != want13 or tuple(scales.w2.shape) != want2:
-        raise ValueError(f"scales w13 {tuple(scales.w13.shape)} / w2 {tuple(scales.w2.shape)} do not fit "
-                         f"{scales.block}: want {want13} / {want2}")
-    if scales.w13.dtype != torch.float32 or scales.w2.dtype != torch.float32:
-        raise ValueError(f"scales must be float32; got {scales.w13.dtype}, {scales.w2.dtype}")
-    if scales.w13.device != scales.w2.device:
-        raise ValueError("scales w13 and w2 must be on one device")
 
 
 def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
@@ -264,5 +207,6 @@ def _expert_weights(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | 
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     if scales is None:
         return w13[slot], w2[slot]
-    return (dequantize_w13(w13[slot], scales.w13[slot], scales.block, dtype),
-            dequantize(w2[slot], scales.w2[slot], scales.block, dtype))
+    fmt, parts = scales.format, [t[slot] for t in scales.tensors()]
+    w13_parts, w2_parts = (w13[slot], *parts[0::2]), (w2[slot], *parts[1::2])
+    return dequantize_w13(fmt, w13_parts, dtype), room_of(fmt).dequantize(fmt, w2_parts, dtype)

@@ -69,9 +69,9 @@ class OffloadedExperts:
             raise ValueError("host banks must be contiguous: the gather addresses experts by id * size")
         if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in tensors):
             raise ValueError("a CUDA cache gathers from pinned (mapped) host banks; these are pageable")
-        if banks.w13.dtype != cache.w13.dtype or banks.scale_block != (cache.scales and cache.scales.block):
-            raise ValueError(f"banks of {banks.w13.dtype} ({banks.scale_block}) do not fit a cache of "
-                             f"{cache.w13.dtype} ({cache.scales and cache.scales.block})")
+        if banks.format != cache.format:
+            raise ValueError(f"banks of {banks.format.name} ({banks.scale_block}) do not fit a cache of "
+                             f"{cache.format.name} ({cache.format.scale_block})")
         if lent_slots not in LENT_SLOT_RULES:
             raise ValueError(f"lent-slot rule {lent_slots!r} is not one of {LENT_SLOT_RULES}")
         if fill not in FILL_MODES:
@@ -80,7 +80,7 @@ class OffloadedExperts:
         self.fill = fill
         self.host_w13, self.host_w2 = _by_id(banks.w13), _by_id(banks.w2)
         self.host_scales = (None if banks.scale_block is None else
-                            ExpertScales(_by_id(banks.w13_scale), _by_id(banks.w2_scale), banks.scale_block))
+                            banks.scales(0).with_tensors([_by_id(t) for t in banks.tensors()[2:]]))
         self.pipeline = (PrefillPipeline(cache, self.host_w13, self.host_w2, invalidate, stage=stage,
                                          host_scales=self.host_scales) if pipeline else None)
         self.lent_slots = lent_slots

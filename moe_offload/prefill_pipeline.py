@@ -160,7 +160,7 @@ class PrefillPipeline:
         self.buf_w2 = cache.w2[:self.lent].view(2, count, *cache.w2.shape[1:])
         # per buffer: the (pool, host, buffer) scale banks staging copies, and the GEMM's scales
         self.buf_scales = [self._scale_banks(cache, host_scales, b, count) for b in range(2)]
-        self.gemm_scales = [ExpertScales(banks[0][2], banks[1][2], host_scales.block) if banks else None
+        self.gemm_scales = [host_scales.with_tensors([buf for _, _, buf in banks]) if banks else None
                             for banks in self.buf_scales]
         device = cache.w13.device
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
@@ -246,9 +246,8 @@ class PrefillPipeline:
         """``(pool, host, buffer b's view)`` of each scale bank; empty for float experts."""
         if host_scales is None:
             return []
-        pools = cache.scales.w13, cache.scales.w2
         return [(pool, host, pool[buf * count:(buf + 1) * count])
-                for pool, host in zip(pools, (host_scales.w13, host_scales.w2))]
+                for pool, host in zip(cache.scales.tensors(), host_scales.tensors())]
 
     def reset_stats(self) -> None:
         self.staged.zero_()

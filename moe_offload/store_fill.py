@@ -13,22 +13,30 @@ import torch
 from moe_offload.expert_store import SHM_DIR, ExpertStore
 from moe_offload.expert_names import CHECKPOINT_STYLES, ExpertNames, detect_names
 from moe_offload.experts import ExpertBanks
-from moe_offload.fp8 import ExpertFormat, w13_scale_shape
-from moe_offload.fp8_checkpoint import FP8Scheme, StoredMatrix, read_matrix, to_expert_format
+from moe_offload.formats import ExpertFormat, bank_specs
+from moe_offload.checkpoint_matrix import StoredMatrix
+from moe_offload.fp8_checkpoint import FP8Scheme, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, checkpoint_files, index_files
 from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format
-from moe_offload.store_quantize import fill_dummy_fp8
+from moe_offload.store_quantize import fill_dummy_fp8, fill_dummy_quantized
 
 
 class ExpertLayer(NamedTuple):
-    """One layer's experts in one format: ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` and, for fp8, their
-    float32 scale grids ``[E, R, C]`` (``moe_offload.fp8``; ``w13``'s = gate grid on up grid)."""
+    """One layer's experts in one format: ``w13``, ``w2`` and their scale banks, named and shaped
+    as ``formats.bank_specs`` says (``[E, ...]``; ``w13``'s scales = the gate's on the up's)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    w13_channel_scale: torch.Tensor | None = None
+    w2_channel_scale: torch.Tensor | None = None
+
+    @property
+    def logical(self) -> tuple[int, int, int]:
+        """``(E, I, H)``: packed 4-bit banks are half as wide as the matrices they hold."""
+        return self.w13.shape[-3], self.w13.shape[-2] // 2, self.w2.shape[-2]
 
 
 def load_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
@@ -36,7 +44,7 @@ def load_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, lay
     """Write checkpoint layer ``layer`` into ``dst`` (any device) in ``target``'s format: fp8 experts
     kept (their scales beside them), dequantized for a float target; float experts cast, or
     quantized for an fp8 target. ``scheme`` says how the checkpoint stores fp8 (None: no fp8)."""
-    inter, hidden = dst.w2.shape[-1], dst.w2.shape[-2]
+    _, inter, hidden = dst.logical
     if names.gate_up is not None:
         _load_fused(index, names, layer, dst, target, scheme)
         return
@@ -59,27 +67,26 @@ def empty_expert_layer(geometry: ExpertGeometry, target: ExpertFormat, device: t
                        num_layers: tuple[int, ...] = ()) -> ExpertLayer:
     """Uninitialised banks of ``target``'s format, ``[*num_layers, E, ...]``."""
     lead = (*num_layers, geometry.num_experts)
-    two_i, hidden, inter = 2 * geometry.intermediate, geometry.hidden, geometry.intermediate
-    w13 = torch.empty(*lead, two_i, hidden, dtype=target.dtype, device=device)
-    w2 = torch.empty(*lead, hidden, inter, dtype=target.dtype, device=device)
-    if not target.quantized:
-        return ExpertLayer(w13, w2)
-    block = target.scale_block
-    return ExpertLayer(w13, w2, torch.empty(*lead, *w13_scale_shape(block, inter, hidden), device=device),
-                       torch.empty(*lead, *block.scale_shape(hidden, inter), device=device))
+    specs = bank_specs(target, geometry.intermediate, geometry.hidden)
+    return ExpertLayer(**{name: torch.empty(*lead, *shape, dtype=dtype, device=device)
+                          for name, (shape, dtype) in specs.items()})
+
+
+def bank_layer(banks: ExpertBanks, i: int) -> ExpertLayer:
+    """Layer ``i`` of stacked banks, as views."""
+    return ExpertLayer(*(None if t is None else t[i] for t in (getattr(banks, n) for n in ExpertLayer._fields)))
 
 
 def _put(dst: ExpertLayer, e: int | slice, half: int | None, matrix: StoredMatrix) -> None:
-    """``matrix`` into expert ``e``'s ``w2`` (``half`` None) or its gate (0) or up (1) rows of ``w13``;
-    each half of ``w13``'s scale grid is that half's own grid."""
-    if half is None:
-        weight, scale = dst.w2[e], None if dst.w2_scale is None else dst.w2_scale[e]
-    else:
-        weight = _half_rows(dst.w13[e], half)
-        scale = None if dst.w13_scale is None else _half_rows(dst.w13_scale[e], half)
-    weight.copy_(matrix.weight)
-    if scale is not None:
-        scale.copy_(matrix.scale)
+    """``matrix``'s parts into expert ``e``'s ``w2`` banks (``half`` None) or the gate (0) or up (1)
+    rows of its ``w13`` banks: each half of ``w13`` keeps its own scales."""
+    prefix = "w2" if half is None else "w13"
+    for suffix, part in zip(("", "_scale", "_channel_scale"), matrix[:3]):
+        bank = getattr(dst, prefix + suffix)
+        if (bank is None) != (part is None):
+            raise ValueError(f"a {matrix.fmt.name if matrix.fmt else 'float'} matrix does not fit the banks {prefix}")
+        if bank is not None:
+            (bank[e] if half is None else _half_rows(bank[e], half)).copy_(part)
 
 
 def _half_rows(t: torch.Tensor, half: int) -> torch.Tensor:
@@ -89,25 +96,27 @@ def _half_rows(t: torch.Tensor, half: int) -> torch.Tensor:
 
 def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
                 target: ExpertFormat, scheme: FP8Scheme | None) -> None:
-    """The transformers-5 layout, float only: a fused fp8 ``gate_up`` carries one scale grid over
-    ``[2I, H]``, not the two halves' grids that Sluice's fp8 experts use."""
+    """The transformers-5 layout, float or 4-bit (whose scales are per row, so the halves split
+    exactly): a fused fp8 ``gate_up`` carries one scale grid over ``[2I, H]``, not the two halves'
+    grids that Sluice's fp8 experts use."""
     w13, w2 = _read_fused(index, names, layer, dst, scheme)
-    if w13.scale is not None or w2.scale is not None:
+    if any(m.fmt is not None and m.fmt.family == "fp8" for m in (w13, w2)):
         raise ValueError(f"fused fp8 experts ({names.gate_up.format(layer=layer)}) are not supported; "
                          "Sluice reads fp8 experts stored one expert per tensor")
     for half in (0, 1):
-        _put(dst, slice(None), half, to_expert_format(StoredMatrix(_half_rows(w13.weight, half)), None, target))
-    _put(dst, slice(None), None, to_expert_format(w2, None, target))
+        _put(dst, slice(None), half, to_expert_format(w13.map(lambda t: _half_rows(t, half)), scheme, target))
+    _put(dst, slice(None), None, to_expert_format(w2, scheme, target))
 
 
 def _read_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
                 scheme: FP8Scheme | None) -> tuple[StoredMatrix, StoredMatrix]:
     """A fused layer as ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``;
     gpt-oss's transposed, interleaved layout (``ExpertNames``) is turned so here."""
+    E, inter, hidden = dst.logical
     if names.gate_up_bias is None:
-        return (read_matrix(index, names.gate_up.format(layer=layer), dst.w13.shape, scheme),
-                read_matrix(index, names.down.format(layer=layer), dst.w2.shape, scheme))
-    E, two_i, hidden = dst.w13.shape
+        return (read_matrix(index, names.gate_up.format(layer=layer), (E, 2 * inter, hidden), scheme),
+                read_matrix(index, names.down.format(layer=layer), (E, hidden, inter), scheme))
+    two_i = 2 * inter
     m13 = read_matrix(index, names.gate_up.format(layer=layer), (E, hidden, two_i), scheme)
     m2 = read_matrix(index, names.down.format(layer=layer), (E, two_i // 2, hidden), scheme)
     if m13.scale is not None or m2.scale is not None:
@@ -129,7 +138,7 @@ def fill_from_safetensors(
     (default: the same index), for models whose first layers are dense; ``scheme`` says how the
     checkpoint stores fp8 weights (None: it has none)."""
     banks = store.host_banks()
-    target = ExpertFormat(banks.w13.dtype, banks.scale_block)
+    target = banks.format
     layers = list(range(banks.w13.shape[0])) if layers is None else list(layers)
     if len(layers) != banks.w13.shape[0]:
         raise ValueError(f"{len(layers)} checkpoint layers given for {banks.w13.shape[0]} bank layers")
@@ -137,18 +146,13 @@ def fill_from_safetensors(
     names = detect_names(index.keys(), layers[0], styles)
     with ProgressBar(_nbytes(banks), f"loading experts of {store.identity.label}") as bar:
         for i, layer in enumerate(layers):
-            dst = _bank_layer(banks, i)
+            dst = bank_layer(banks, i)
             load_expert_layer(index, names, layer, dst, target, scheme)
             bar.advance(_nbytes(dst))
 
 
-def _bank_layer(banks: ExpertBanks, i: int) -> ExpertLayer:
-    scales = (banks.w13_scale[i], banks.w2_scale[i]) if banks.quantized else (None, None)
-    return ExpertLayer(banks.w13[i], banks.w2[i], *scales)
-
-
 def _nbytes(tensors: ExpertBanks | ExpertLayer) -> int:
-    return sum(t.nbytes for t in tensors[:4] if t is not None)
+    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
 
 _scratch = threading.local()
@@ -210,9 +214,9 @@ def open_checkpoint_experts(
 
 def open_dummy_experts(geometry: ExpertGeometry, seed: int, fmt: ExpertFormat | torch.dtype,
                        shm_dir: str | Path = SHM_DIR) -> ExpertStore:
-    """Seeded random experts in format ``fmt`` (fp8: drawn in float32 and quantized)."""
+    """Seeded random experts in format ``fmt`` (quantized ones: drawn in float32 and quantized)."""
     fmt = as_format(fmt)
-    fill = fill_dummy_fp8 if fmt.quantized else fill_dummy
+    fill = {"float": fill_dummy, "fp8": fill_dummy_fp8}.get(fmt.family, fill_dummy_quantized)
     return ExpertStore.open_or_create(
         StoreIdentity.dummy(geometry, seed, fmt), BankLayout.experts(geometry, fmt), lambda s: fill(s, seed), shm_dir
     )

@@ -36,7 +36,7 @@ def pack_header(identity: StoreIdentity, layout: BankLayout) -> bytes:
     """A header with ``complete`` unset; the creator sets it once the banks are filled."""
     block = list(layout.scale_block) if layout.scale_block else None
     meta = json.dumps({"label": identity.label, "key": identity.key, "banks": layout.to_json(),
-                       "scale_block": block}).encode()
+                       "scale_block": block, "kind": layout.kind}).encode()
     if _FIXED.size + len(meta) > HEADER_BYTES:
         raise ValueError(f"expert store header of {len(meta)} bytes does not fit in {HEADER_BYTES}")
     return _FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(meta), time.time(), 0.0) + meta
@@ -56,7 +56,7 @@ def parse_header(raw: bytes) -> Header:
     try:
         meta = json.loads(raw[_FIXED.size : _FIXED.size + meta_len])
         identity = StoreIdentity(meta["label"], meta["key"])
-        layout = BankLayout.from_json(meta["banks"], meta.get("scale_block"))
+        layout = BankLayout.from_json(meta["banks"], meta.get("scale_block"), meta.get("kind", ""))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable header metadata ({e})") from None
     return Header(identity, layout, complete == 1, created, fill_seconds)

@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.fp8 import ExpertFormat, ScaleBlock, w13_scale_shape
+from moe_offload.fp8 import w13_scale_shape
+from moe_offload.formats import ExpertFormat, ScaleBlock, bank_specs
 from moe_offload.safetensors_file import checkpoint_files
 
 FORMAT_VERSION = 1
@@ -86,35 +87,34 @@ class BankSpec(NamedTuple):
 @dataclass(frozen=True)
 class BankLayout:
     """Named banks placed one after another behind the header, each at an ALIGN boundary;
-    ``scale_block`` is that of the fp8 scale banks (None without them)."""
+    ``scale_block`` is that of the scale banks (None without them), ``kind`` names a 4-bit format."""
 
     banks: tuple[BankSpec, ...]
     scale_block: ScaleBlock | None = None
+    kind: str = ""
 
     @classmethod
     def of(cls, banks: dict[str, tuple[tuple[int, ...], torch.dtype]],
-           scale_block: ScaleBlock | None = None) -> BankLayout:
+           scale_block: ScaleBlock | None = None, kind: str = "") -> BankLayout:
         """``banks``: name -> (shape, dtype), in segment order."""
         specs, offset = [], HEADER_BYTES
         for name, (shape, dtype) in banks.items():
             spec = BankSpec(name, tuple(int(d) for d in shape), dtype, offset)
             specs.append(spec)
             offset = _align(offset + spec.nbytes)
-        return cls(tuple(specs), scale_block)
+        return cls(tuple(specs), scale_block, kind)
 
     @classmethod
     def experts(cls, geometry: ExpertGeometry, fmt: ExpertFormat | torch.dtype) -> BankLayout:
-        """``w13``, ``w2`` in the format's dtype, then for fp8 the float32 scale banks."""
-        fmt = as_format(fmt)
-        banks = {"w13": (geometry.w13_shape, fmt.dtype), "w2": (geometry.w2_shape, fmt.dtype)}
-        if fmt.quantized:
-            w13_scale, w2_scale = geometry.scale_shapes(fmt.scale_block)
-            banks.update(w13_scale=(w13_scale, torch.float32), w2_scale=(w2_scale, torch.float32))
-        return cls.of(banks, fmt.scale_block)
+        """``w13``, ``w2`` in the format's dtype, then its scale banks (``formats.bank_specs``)."""
+        fmt, lead = as_format(fmt), (geometry.num_layers, geometry.num_experts)
+        specs = bank_specs(fmt, geometry.intermediate, geometry.hidden)
+        return cls.of({name: ((*lead, *shape), dtype) for name, (shape, dtype) in specs.items()},
+                      fmt.scale_block, fmt.kind)
 
     @property
     def format(self) -> ExpertFormat:
-        return ExpertFormat(self.bank("w13").dtype, self.scale_block)
+        return ExpertFormat(self.bank("w13").dtype, self.scale_block, self.kind)
 
     @property
     def total_bytes(self) -> int:
@@ -133,9 +133,9 @@ class BankLayout:
         ]
 
     @classmethod
-    def from_json(cls, banks: list[dict], scale_block: list[int] | None = None) -> BankLayout:
+    def from_json(cls, banks: list[dict], scale_block: list[int] | None = None, kind: str = "") -> BankLayout:
         specs = tuple(BankSpec(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"]), b["offset"]) for b in banks)
-        return cls(specs, ScaleBlock(*scale_block) if scale_block else None)
+        return cls(specs, ScaleBlock(*scale_block) if scale_block else None, kind)
 
 
 def as_format(fmt: ExpertFormat | torch.dtype) -> ExpertFormat:

@@ -1,6 +1,7 @@
-"""Seeded dummy experts in fp8 (``--dummy-weights --expert-dtype fp8``): drawn in float32 as the
-bf16 ones are and quantized block-wise while the store is filled (``moe_offload.fp8``: e4m3, amax
-per block; ``w13``'s halves keep their own grids).
+"""Seeded dummy experts in a quantized format (``--dummy-weights --expert-dtype fp8|nvfp4|mxfp4``):
+drawn in float32 as the bf16 ones are and quantized while the store is filled (fp8 block-wise in
+place, ``moe_offload.fp8``; 4-bit through its room, ``moe_offload.formats``; ``w13``'s halves keep
+their own scales).
 
 One matrix at a time on a thread pool, quantized in place in its float32 scratch, so the 58 GB
 geometry store fills in fp8 about as fast as in bf16; each matrix depends on its seed only.
@@ -18,6 +19,7 @@ import torch
 
 from moe_offload.expert_store import ExpertStore
 from moe_offload.experts import ExpertBanks
+from moe_offload.formats import quantize_w13, room_of
 from moe_offload.fp8 import FP8_MAX, ScaleBlock, amax_scale, quantize
 from moe_offload.progress import ProgressBar
 
@@ -98,4 +100,32 @@ def fill_dummy_fp8(store: ExpertStore, seed: int, threads: int | None = None) ->
                               _draw((seed * 2 * count + b * count + i) % (1 << 63)))
             for b, bank in enumerate(("w13", "w2")) for i in range(count)]
     with ProgressBar(banks.w13.nbytes + banks.w2.nbytes, f"dummy fp8 experts seed={seed}") as bar:
+        _run_parallel(work, bar, threads)
+
+
+def _quantize_parts(banks: ExpertBanks, bank: str, layer: int, expert: int,
+                    fill: Callable[[torch.Tensor], object]) -> int:
+    """``fill`` a float32 scratch with one expert's logical ``w13 [2I, H]`` or ``w2 [H, I]`` and
+    write its parts in the banks' format (any room); returns the bytes written."""
+    fmt, inter, hidden = banks.format, banks.w13.shape[-2] // 2, banks.w2.shape[-2]
+    scratch = _float_scratch(torch.Size((2 * inter, hidden) if bank == "w13" else (hidden, inter)))
+    fill(scratch)
+    parts = quantize_w13(fmt, scratch) if bank == "w13" else room_of(fmt).quantize(fmt, scratch)
+    dsts = [t[layer, expert] for t in (getattr(banks, bank + s) for s in ("", "_scale", "_channel_scale"))
+            if t is not None]
+    for dst, part in zip(dsts, parts):
+        dst.copy_(part)
+    return sum(d.nbytes for d in dsts)
+
+
+def fill_dummy_quantized(store: ExpertStore, seed: int, threads: int | None = None) -> None:
+    """``fill_dummy_fp8`` for any quantized format: the same float32 draws, quantized by its room."""
+    banks = store.host_banks()
+    layers, experts = banks.w13.shape[:2]
+    count = layers * experts
+    work = [functools.partial(_quantize_parts, banks, bank, i // experts, i % experts,
+                              _draw((seed * 2 * count + b * count + i) % (1 << 63)))
+            for b, bank in enumerate(("w13", "w2")) for i in range(count)]
+    total = sum(t.nbytes for t in banks.tensors())
+    with ProgressBar(total, f"dummy {banks.format.name} experts seed={seed}") as bar:
         _run_parallel(work, bar, threads)

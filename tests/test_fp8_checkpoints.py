@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, dequantize_w13, quantize, quantize_w13
+from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, dequantize_w13, quantize, quantize_w13
+from moe_offload.formats import ExpertFormat
 from moe_offload.fp8_checkpoint import FP8Scheme
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
@@ -24,7 +25,8 @@ from worker.batch import SequenceChunk
 from worker.errors import CheckpointError
 from worker.expert_placement import ExpertOptions
 from scheduler.generate import generate
-from worker.quantization import checkpoint_expert_format, parse_quantization
+from worker.expert_format import checkpoint_expert_format
+from worker.quantization import parse_quantization
 from worker.runner import ModelRunner, RunnerConfig
 from scheduler.messages.to_scheduler import SamplingParams
 

@@ -71,7 +71,7 @@ def test_eager_grouped_swiglu_on_fp8_experts_equals_dequantized_bf16_run():
 
 
 def test_expert_dtype_resolution():
-    from moe_offload.fp8 import ExpertFormat, resolve_expert_format
+    from moe_offload.formats import ExpertFormat, resolve_expert_format
 
     bf16, fp8_ch = ExpertFormat(torch.bfloat16), ExpertFormat(FP8_DTYPE, PER_CHANNEL)
     assert resolve_expert_format("auto", bf16, torch.float32) == ExpertFormat(torch.float32)

@@ -17,7 +17,8 @@ if not torch.cuda.is_available():  # interpreted kernels are chosen when first d
 from moe_offload.expert_cache import ExpertCache, slot_bytes  # noqa: E402
 from moe_offload.expert_store import ExpertStore, remove_segment  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
-from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat, ScaleBlock, quantize, quantize_w13  # noqa: E402
+from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ScaleBlock, quantize, quantize_w13  # noqa: E402
+from moe_offload.formats import ExpertFormat  # noqa: E402
 from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402

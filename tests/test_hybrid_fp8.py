@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_offload.expert_names import detect_names
-from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, ExpertFormat, dequantize, dequantize_w13, quantize_w13
+from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, dequantize, dequantize_w13, quantize_w13
+from moe_offload.formats import ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
 from scheduler.generate import generate
@@ -27,7 +28,7 @@ from tests.tiny_hybrid import write_tiny_hybrid
 from worker.batch import SequenceChunk
 from worker.config import ModelConfig
 from worker.models.weights import ModelWeights
-from worker.quantization import checkpoint_expert_format
+from worker.expert_format import checkpoint_expert_format
 from worker.runner import ModelRunner, RunnerConfig
 from worker.runner_config import ExpertOptions
 

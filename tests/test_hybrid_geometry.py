@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, ExpertFormat
+from moe_offload.fp8 import BLOCK_128, FP8_DTYPE
+from moe_offload.formats import ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from scheduler.messages.to_scheduler import SamplingParams
 from worker.batch import SequenceChunk

@@ -5,11 +5,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_offload.formats.fp4_checkpoint import FP4Scheme
 from moe_offload.fp8_checkpoint import FP8Scheme
 from worker.errors import CheckpointError
 from worker.models.family_config import LINEAR_ATTENTION, LinearAttention
 from worker.models.registry import family_for, supported_architectures
-from worker.quantization import parse_quantization
+from worker.quantization import parse_quantization, with_modelopt_config
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -30,7 +31,7 @@ class ModelConfig:
     max_context: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    quantization: FP8Scheme | None = None  # how the checkpoint stores fp8 weights (None: all float)
+    quantization: FP8Scheme | FP4Scheme | None = None  # how the checkpoint stores quantized weights (None: all float)
     # hybrid families: each layer's token mixer; () = every layer full attention
     layer_types: tuple[str, ...] = ()
     linear: LinearAttention | None = None  # the linear-attention layers' shapes
@@ -95,7 +96,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
-        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+        return cls.from_dict(with_modelopt_config(Path(model_dir), json.loads(path.read_text())), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:

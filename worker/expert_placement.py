@@ -11,7 +11,7 @@ import torch
 from moe_offload.expert_cache import slot_bytes
 from moe_offload.expert_store import ExpertStore
 from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
-from moe_offload.fp8 import ExpertFormat
+from moe_offload.formats import ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts
 from moe_offload.store_layout import ExpertGeometry

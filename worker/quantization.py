@@ -1,5 +1,5 @@
-"""A checkpoint's ``quantization_config``: the fp8 layouts Sluice runs, and one clear refusal for
-everything else.
+"""A checkpoint's ``quantization_config`` (or ModelOpt's ``hf_quant_config.json``): the fp8 and
+4-bit layouts Sluice runs, and one clear refusal for everything else.
 
 ```
  quant_method          what Sluice accepts                                         FP8Scheme
@@ -8,6 +8,10 @@ everything else.
  compressed-tensors    weights num_bits 8, type float, symmetric, static; strategy   ("_scale", PER_CHANNEL | BLOCK_128)
                        channel, tensor or block [128, 128]; input activations
                        dynamic or absent; no output or KV-cache quantization
+ compressed-tensors    weights num_bits 4, type float: tensor_group of 16 (nvfp4)    FP4Scheme(NVFP4)
+                       or group of 32 (mxfp4)                                        FP4Scheme(MXFP4)
+ modelopt              quant_algo NVFP4, group_size 16, exclude_modules            FP4Scheme(NVFP4)
+ mxfp4 (gpt-oss)       group of 32, e8m0 scales                                      FP4Scheme(MXFP4)
 ```
 
 Sluice runs what the checkpoint's weights mean (dense ones dequantized at load, fp8 experts scaled
@@ -16,24 +20,22 @@ part of the weights, so it needs nothing from the checkpoint. Static activation 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-import torch
-
-from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ExpertFormat
+from moe_offload.formats.fp4_checkpoint import FP4Scheme, compressed_tensors_fp4, modelopt_scheme, mxfp4_scheme
+from moe_offload.fp8 import BLOCK_128, PER_CHANNEL
 from moe_offload.fp8_checkpoint import FP8Scheme
-from moe_offload.safetensors_file import checkpoint_files, index_files
-from moe_offload.expert_names import CHECKPOINT_STYLES, detect_names
 from worker.errors import CheckpointError
-from worker.loader import checkpoint_errors
 
 SUPPORTED = ("Sluice runs fp8 e4m3 weights: quant_method 'fp8' with weight_block_size [128, 128] and dynamic "
              "activations, or 'compressed-tensors' float8 weights per channel, per tensor or in 128x128 blocks "
-             "with dynamic or no activation quantization")
+             "with dynamic or no activation quantization; or 4-bit float weights: NVFP4 (modelopt, or "
+             "compressed-tensors tensor_group 16) and MXFP4 (gpt-oss's mxfp4, or compressed-tensors group 32)")
 
 
-def parse_quantization(raw: dict, source: str = "config.json") -> FP8Scheme | None:
-    """The fp8 scheme of ``config.json``'s ``quantization_config`` (None when there is none)."""
+def parse_quantization(raw: dict, source: str = "config.json") -> FP8Scheme | FP4Scheme | None:
+    """The scheme of ``config.json``'s ``quantization_config`` (None when there is none)."""
     qc = raw.get("quantization_config")
     if not qc:
         return None
@@ -42,34 +44,15 @@ def parse_quantization(raw: dict, source: str = "config.json") -> FP8Scheme | No
         scheme, problem = _hf_fp8(qc)
     elif method == "compressed-tensors":
         scheme, problem = _compressed_tensors(qc)
+    elif method == "modelopt":
+        scheme, problem = modelopt_scheme(qc)
+    elif method == "mxfp4":
+        scheme, problem = mxfp4_scheme(qc)
     else:
         scheme, problem = None, _describe_other(qc)
     if problem:
         raise CheckpointError(f"{source}: unsupported quantization ({problem}); {SUPPORTED}")
     return scheme
-
-
-def checkpoint_expert_format(model_dir: str | Path) -> ExpertFormat:
-    """The format the checkpoint's experts are stored in: fp8 with its scale block, or its float
-    dtype (layer 0, expert 0 speaks for all: quantization tools treat every expert alike)."""
-    from worker.config import ModelConfig  # config.py imports this module
-    from worker.geometry import GEOMETRIES
-
-    if str(model_dir) in GEOMETRIES:  # no checkpoint: dummy weights, bf16
-        return ExpertFormat(torch.bfloat16)
-    cfg = ModelConfig.from_dir(model_dir)
-    with checkpoint_errors():
-        index = index_files(checkpoint_files(model_dir))
-    try:
-        probe = detect_names(index.keys(), 0, CHECKPOINT_STYLES).probe.format(layer=0, expert=0)
-    except ValueError as err:
-        raise CheckpointError(f"{model_dir}: {err}") from None
-    dtype = index[probe].tensor(probe).dtype
-    if dtype != FP8_DTYPE:
-        return ExpertFormat(dtype)
-    if cfg.quantization is None:
-        raise CheckpointError(f"{model_dir}: {probe} is float8_e4m3fn but config.json has no quantization_config")
-    return ExpertFormat(FP8_DTYPE, cfg.quantization.runtime_block)
 
 
 def _hf_fp8(qc: dict) -> tuple[FP8Scheme | None, str | None]:
@@ -108,16 +91,18 @@ def _compressed_tensors(qc: dict) -> tuple[FP8Scheme | None, str | None]:
     return schemes.pop(), None
 
 
-def _ct_group(group: dict) -> tuple[FP8Scheme | None, str | None]:
+def _ct_group(group: dict) -> tuple[FP8Scheme | FP4Scheme | None, str | None]:
     weights = group.get("weights") or {}
     kind = f"{weights.get('type', '?')}{weights.get('num_bits', '?')}"
-    if kind != "float8":
+    if kind not in ("float8", "float4"):
         return None, f"{kind} weights"
     if not weights.get("symmetric", True) or weights.get("dynamic"):
         return None, "asymmetric or dynamic float8 weights"
     activations, outputs = group.get("input_activations"), group.get("output_activations")
     if outputs or (activations and not activations.get("dynamic")):
         return None, "float8 with static activation scales" if activations else "quantized output activations"
+    if kind == "float4":
+        return compressed_tensors_fp4(weights)
     strategy = weights.get("strategy")
     if strategy == "channel":
         return FP8Scheme("_scale", PER_CHANNEL), None
@@ -135,3 +120,13 @@ def _describe_other(qc: dict) -> str:
     if qc.get("load_in_4bit") or qc.get("load_in_8bit"):
         bits = 4 if qc.get("load_in_4bit") else 8
     return f"{method}, {bits}-bit" if bits else str(method)
+
+
+def with_modelopt_config(model_dir: Path, raw: dict) -> dict:
+    """``config.json``'s contents, given ModelOpt's ``hf_quant_config.json`` as its
+    ``quantization_config`` when it has none of its own."""
+    path = model_dir / "hf_quant_config.json"
+    if raw.get("quantization_config") or not path.is_file():
+        return raw
+    quantization = json.loads(path.read_text()).get("quantization") or {}
+    return {**raw, "quantization_config": {"quant_method": "modelopt", **quantization}}

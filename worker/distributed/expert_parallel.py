@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from moe_offload.experts import ExpertBanks, Experts, ResidentExperts
+from moe_offload.experts import BANK_NAMES, ExpertBanks, Experts, ResidentExperts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import ExpertShare
 from worker.distributed.placement import Placement
@@ -33,7 +33,7 @@ def owned_banks(banks: ExpertBanks, owned: torch.Tensor) -> ExpertBanks:
     ``j`` of layer ``l`` is global ``owned[l, j]``."""
     layers = torch.arange(owned.shape[0], device=owned.device)[:, None]
     return banks._replace(**{name: getattr(banks, name)[layers, owned].contiguous()
-                             for name in ("w13", "w2", "w13_scale", "w2_scale") if getattr(banks, name) is not None})
+                             for name in BANK_NAMES if getattr(banks, name) is not None})
 
 
 class ExpertParallel:

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 from moe_offload.experts import ExpertBanks
-from moe_offload.fp8 import ExpertFormat, resolve_expert_format
+from moe_offload.formats import ExpertFormat, resolve_expert_format
 from moe_offload.grouped import ExpertBias
 from moe_offload.safetensors_file import checkpoint_files
 from moe_offload.expert_names import detect_names
-from moe_offload.store_fill import ExpertLayer, empty_expert_layer, load_expert_layer
+from moe_offload.store_fill import bank_layer, empty_expert_layer, load_expert_layer
 from moe_offload.store_layout import ExpertGeometry
 from worker.config import ModelConfig
 from worker.loader import checkpoint_errors, load_tensors, open_checkpoint
@@ -19,7 +19,7 @@ from worker.models import checkpoint_names as names
 from worker.models.registry import family_named
 from worker.models.hybrid_weights import (LinearAttentionWeights, SharedExpertWeights, Targets, allocate_linear,
                                           allocate_shared, hybrid_targets, offset_norm)
-from worker.quantization import checkpoint_expert_format
+from worker.expert_format import checkpoint_expert_format
 
 
 @dataclass
@@ -65,7 +65,8 @@ class ModelWeights:
         geometry = ExpertGeometry(L, E if with_experts else 0, H, cfg.expert_intermediate_size)
         fmt = expert_format or ExpertFormat(dtype)
         banks = empty_expert_layer(geometry, fmt, device, num_layers=(L,))
-        return cls(embed, empty(H), lm_head, layers, ExpertBanks(*banks, scale_block=fmt.scale_block))
+        return cls(embed, empty(H), lm_head, layers, ExpertBanks(**banks._asdict(), scale_block=fmt.scale_block,
+                                                                 kind=fmt.kind))
 
     def targets(self, cfg: ModelConfig) -> Targets:
         """Checkpoint name -> destination, for every tensor but the experts (and the reorderings
@@ -156,6 +157,4 @@ def load_resident_experts(files: list[Path], cfg: ModelConfig, banks: ExpertBank
         index = open_checkpoint(files)
         style = detect_names(index.keys(), 0)
         for layer in range(cfg.num_layers):
-            scales = (banks.w13_scale[layer], banks.w2_scale[layer]) if banks.quantized else (None, None)
-            dst = ExpertLayer(banks.w13[layer], banks.w2[layer], *scales)
-            load_expert_layer(index, style, layer, dst, fmt, cfg.quantization)
+            load_expert_layer(index, style, layer, bank_layer(banks, layer), fmt, cfg.quantization)

@@ -1,0 +1,31 @@
+"""Experts to copy into their cache slots before or while a GEMM reads them (the decode GEMM of
+float banks copies them itself; every other path gathers them first)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from moe_offload.expert_scales import ExpertScales
+from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.kernels.lookup_admit import CopyPlan
+
+
+class SlotFill(NamedTuple):
+    """Experts to copy into their cache slots before or while a GEMM reads them: ``plan``'s rows
+    ``i < count`` move ``host_w13[src_id[i]]``, ``host_w2[src_id[i]]`` (and an fp8 bank's scales)
+    into slot ``dst_slot[i]``; host banks ``[L*E, ...]`` as ``ExpertCache.fill`` takes them."""
+
+    plan: CopyPlan
+    host_w13: torch.Tensor
+    host_w2: torch.Tensor
+    host_scales: ExpertScales | None = None
+
+    def gather(self, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
+               backend: str | None = None) -> None:
+        """Copy the planned experts into the slot pools ``w13``, ``w2`` (and an fp8 cache's
+        ``scales``) now, in stream order: one ``gather_missing`` launch a bank."""
+        if (self.host_scales is None) != (scales is None):
+            raise ValueError("quantized slots fill from host scales, float ones from none")
+        pools = {} if scales is None else {"host_scales": self.host_scales.tensors(), "slot_scales": scales.tensors()}
+        gather_missing(*self.plan, self.host_w13, self.host_w2, w13, w2, backend, **pools)
