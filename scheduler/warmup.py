@@ -13,6 +13,7 @@ import time
 import torch
 
 from scheduler.engine import Engine
+from worker import compile_watch
 from worker.batch import SequenceChunk
 from worker.runner import ModelRunner
 from scheduler.messages.to_scheduler import SamplingParams
@@ -36,6 +37,7 @@ def warm_up(engine: Engine) -> float:
     runner.reset_stats()  # the experts' counters count served requests only
     runner.clear_routing_record()  # warm-up tokens sit on real pages: a replay would route requests by them
     seconds = time.perf_counter() - start
+    compile_watch.arm()  # from here a compilation or a new plan is a slow step: count and log it
     log.info("warm-up: prefill chunks, decode, sampling and page copies compiled, %d decode graphs "
              "captured, in %.1f s", graphs, seconds)
     return seconds

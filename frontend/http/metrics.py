@@ -47,6 +47,9 @@ STATS = (
         "kind"),
     Stat("prefill_pipeline_chunks", True, "Prefill chunks through the expert pipeline", (
         ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy")), "stage"),
+    Stat("compilations_after_warmup", True, "Kernels compiled and attention plans built while serving, after "
+         "the warm-up (each a slow step)", (("triton", "compiles_after_warmup"), ("cudnn_plan", "plans_after_warmup")),
+         "kind"),
     # hybrid models: the linear layers' state snapshots in the prefix cache (scheduler/state_cache.py)
     Stat("state_prompt_tokens", True, "Prompt tokens whose linear-layer state came from a snapshot, or was "
          "computed again though their KV was cached", (("resumed", "state_prefix_tokens"),

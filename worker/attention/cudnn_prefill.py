@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from worker import compile_watch
 from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 # Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
@@ -80,6 +81,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     ``[1, heads, n, D]`` and the natural-log log-sum-exp ``[1, heads, n, 1]`` (float32). Causal: top-left
     aligned. CUDA runs cuDNN's fused kernel; elsewhere the eager softmax (the twin)."""
     if q.is_cuda:
+        compile_watch.WATCH.note_plan("cuDNN attention", (*q.shape[1:3], k.shape[2], causal))
         try:
             o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                          scale=scale)[:2]
