@@ -11,17 +11,20 @@ from moe_offload.checkpoint_matrix import is_stored
 class ExpertNames(NamedTuple):
     """Tensor-name templates of one checkpoint style, with ``{layer}`` and ``{expert}`` to fill in.
     A per-expert style names ``gate [I, H]``, ``up [I, H]`` and ``down [H, I]``; a fused style names
-    ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]`` once per layer."""
+    ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]`` once per layer. gpt-oss's
+    fused style, told apart by its ``gate_up_bias``, is transposed: ``gate_up [E, H, 2I]`` with gate
+    and up alternating by column, ``down [E, I, H]`` (its biases are the worker's dense weights)."""
 
     down: str
     gate: str | None = None
     up: str | None = None
     gate_up: str | None = None
+    gate_up_bias: str | None = None
 
     @property
     def probe(self) -> str:
         """The name whose presence identifies the style."""
-        return self.gate_up or self.gate
+        return self.gate_up_bias or self.gate_up or self.gate
 
 
 _MIXTRAL = "model.layers.{layer}.block_sparse_moe.experts.{expert}."
@@ -32,6 +35,7 @@ QWEN3_MOE_NAMES = ExpertNames(
     down=_QWEN3_MOE + "down_proj.weight", gate=_QWEN3_MOE + "gate_proj.weight", up=_QWEN3_MOE + "up_proj.weight"
 )
 FUSED_NAMES = ExpertNames(down=_FUSED + "down_proj", gate_up=_FUSED + "gate_up_proj")  # transformers 5
+GPT_OSS_NAMES = FUSED_NAMES._replace(gate_up_bias=_FUSED + "gate_up_proj_bias")
 
 
 def under(prefix: str, names: ExpertNames) -> ExpertNames:
@@ -41,7 +45,7 @@ def under(prefix: str, names: ExpertNames) -> ExpertNames:
 
 
 _LANGUAGE_MODEL = tuple(under("model.language_model.", n) for n in (QWEN3_MOE_NAMES, FUSED_NAMES))
-CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, FUSED_NAMES, *_LANGUAGE_MODEL)
+CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, GPT_OSS_NAMES, FUSED_NAMES, *_LANGUAGE_MODEL)
 
 
 def detect_names(tensor_names: Collection[str], layer: int, styles: Sequence[ExpertNames] = CHECKPOINT_STYLES) -> ExpertNames:

@@ -63,6 +63,10 @@ class ModelRouting:
         pass
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``router``: the weight ``[E, H]``, or a ``(weight, bias [E])`` pair (gpt-oss)."""
+        if isinstance(router, tuple):
+            weight, bias = router
+            return route(self.project(hidden, weight) + bias, self.top_k, self.renormalize)
         return route(self.project(hidden, router), self.top_k, self.renormalize)
 
     def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 from moe_offload.formats.fp4_checkpoint import FP4Scheme
 from moe_offload.fp8_checkpoint import FP8Scheme
 from worker.errors import CheckpointError
-from worker.models.family_config import LINEAR_ATTENTION, LinearAttention
+from worker.models.family_config import LINEAR_ATTENTION, SLIDING_ATTENTION, LinearAttention, Yarn
 from worker.models.registry import family_for, supported_architectures
 from worker.quantization import parse_quantization, with_modelopt_config
 
@@ -40,6 +40,15 @@ class ModelConfig:
     shared_expert_size: int = 0  # intermediate size of a shared expert beside the routed ones (0: none)
     norm_offset: bool = False  # RMSNorms scale by (1 + weight): folded into the weights at load
     weight_prefix: str = "model."  # where the text model's weights start ("model.language_model." in a VLM)
+    # gpt-oss: biases on q/k/v/o, the router and the experts; a learned sink logit per head; windowed
+    # layers; the clamped SwiGLU ("gpt_oss", see moe_offload.grouped); YaRN rotary
+    attention_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = 0  # keys a "sliding_attention" layer sees, its own token included
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    yarn: Yarn | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -47,6 +56,10 @@ class ModelConfig:
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    def window(self, layer: int) -> int:
+        """Keys a query of ``layer`` attends to, its own included (0: the whole sequence)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION else 0
 
     @property
     def full_layers(self) -> list[int]:

@@ -1,41 +1,10 @@
-"""Attention backends over the paged KV pool, chosen by name from a small registry."""
+"""Attention backends over the paged KV pool, chosen by name from a small registry
+(``worker.attention.registry``, which the backends import; this package imports them to register
+them)."""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from worker.attention.registry import BACKENDS, AttentionBackend, create_backend, register
+from worker.attention import torch_backend  # noqa: F401  (registers "torch")
+from worker.attention import triton_backend  # noqa: F401  (registers "triton": the paged kernels)
 
-import torch
-
-from worker.batch import ForwardBatch
-from worker.kv.gpu_pool import KVPool
-
-
-class AttentionBackend(Protocol):
-    pool: KVPool
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """Attend ``q [T, heads, D]`` over each sequence's cached and new tokens (causal), return
-        ``[T, heads, D]``. The new ``k, v [T, kv_heads, D]`` are in the pool already (the model
-        stores them in the same launch as its RoPE); a prefill without a cached prefix reads them
-        from ``k, v`` instead."""
-        ...
-
-
-BACKENDS: dict[str, Callable[[KVPool, float], AttentionBackend]] = {}
-
-
-def register(name: str):
-    def wrap(factory):
-        BACKENDS[name] = factory
-        return factory
-    return wrap
-
-
-def create_backend(name: str, pool: KVPool, scale: float) -> AttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
-    return BACKENDS[name](pool, scale)
-
-
-from worker.attention import torch_backend  # noqa: E402,F401  (registers "torch")
-from worker.attention import triton_backend  # noqa: E402,F401  (registers "triton": the paged kernels)
+__all__ = ["BACKENDS", "AttentionBackend", "create_backend", "register"]

@@ -32,3 +32,11 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise ValueError("a page table longer than 2^31 tokens overflows the kernel's token index")
     if len({t.device for t in (q, k_cache, v_cache, page_table, seq_lens)}) != 1:
         raise ValueError("q, the caches, page_table and seq_lens must be on one device")
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """gpt-oss's sink logits: float32 ``[heads]`` on q's device, contiguous (the kernels index them)."""
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32
+                              or sinks.device != q.device or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be float32 [{q.shape[1]}] on {q.device}; got {tuple(sinks.shape)} "
+                         f"{sinks.dtype} on {sinks.device}")

@@ -53,11 +53,12 @@ def softmax_step(acc, l, m, s, v, qk_scale, IEEE: tl.constexpr, UPCAST: tl.const
 
 @triton.jit
 def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok, d, d_live,
-           pos, seq_len, lo, hi, qk_scale,
+           pos, seq_len, lo, hi, qk_scale, window,
            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-           IEEE: tl.constexpr, UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+           IEEE: tl.constexpr, UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, WINDOWED: tl.constexpr):
     """Online softmax over keys [lo, hi) in BLOCK_N tiles. MASKED: the causal (and seq_len) mask per
-    query; without it every key of [lo, hi) is visible."""
+    query; without it every key of [lo, hi) is visible. WINDOWED: a query also sees only the
+    ``window`` keys ending at its own position (gpt-oss's sliding layers)."""
     for t0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         t = t0 + tl.arange(0, BLOCK_N)
         row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE)
@@ -65,7 +66,10 @@ def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page
         v = load_rows(v_ptr, row, d, d_live, EVEN_D)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
         if MASKED:
-            s = tl.where((t[None, :] <= pos[:, None]) & (t < seq_len)[None, :], s, -1e30)
+            visible = (t[None, :] <= pos[:, None]) & (t < seq_len)[None, :]
+            if WINDOWED:
+                visible = visible & (t[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, -1e30)
         acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
     return acc, l, m
 
@@ -95,17 +99,20 @@ def attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, strid
 
 
 @triton.jit
-def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_ptr, lens_ptr, blocks_ptr,
+def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_ptr, lens_ptr, blocks_ptr, sink_ptr,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                    stride_page, stride_tok, stride_head, table_stride_b, num_pages, max_tokens, qk_scale,
-                   tokens, heads, splits,
+                   tokens, heads, splits, window,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                    UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, QK_AHEAD: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr):
     """Program (block, kv head, split): split s of ``splits`` takes its share of the block's
     mask-free key tiles; the last split also takes the diagonal. SPLIT: write the normalised partial
-    output and its log2-sum-exp for the merge, else the output itself (``splits`` is then 1)."""
+    output and its log2-sum-exp for the merge, else the output itself (``splits`` is then 1).
+    WINDOWED (gpt-oss's sliding layers): no mask-free tiles; the last split walks the masked keys
+    from the block's first query's window on. HAS_SINK: each head's sink logit joins the last
+    split's denominator (so the merge counts it once)."""
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,6 +141,9 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_p
     full = (prefix + m0 + 1) // BLOCK_N * BLOCK_N  # keys every query of the block sees
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     tiles = (full // BLOCK_N).to(tl.int64)  # split bounds in whole tiles, from device lengths
+    if WINDOWED:  # no mask-free tiles; the masked walk starts at the block's first window
+        full = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        tiles = tiles * 0
     lo = (split * tiles // splits * BLOCK_N).to(tl.int32)
     mid = ((split + 1) * tiles // splits * BLOCK_N).to(tl.int32)
     diag = tl.where(split == splits - 1, full, hi)  # the other splits' diagonal loop is empty
@@ -142,11 +152,19 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_p
                                  d, d_live, lo, mid, qk_scale, PAGE, BLOCK_N, BLOCK_D == HEAD_DIM, IEEE, UPCAST)
     else:
         acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                           d, d_live, pos, seq_len, lo, mid, qk_scale, PAGE, BLOCK_N, False, BLOCK_D == HEAD_DIM,
-                           IEEE, UPCAST, WARP_SPECIALIZE)
+                           d, d_live, pos, seq_len, lo, mid, qk_scale, window, PAGE, BLOCK_N, False,
+                           BLOCK_D == HEAD_DIM, IEEE, UPCAST, WARP_SPECIALIZE, False)
     acc, l, m = attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page, stride_tok,
-                       d, d_live, pos, seq_len, diag, hi, qk_scale, PAGE, BLOCK_N, True, BLOCK_D == HEAD_DIM, IEEE,
-                       UPCAST, WARP_SPECIALIZE)
+                       d, d_live, pos, seq_len, diag, hi, qk_scale, window, PAGE, BLOCK_N, True, BLOCK_D == HEAD_DIM,
+                       IEEE, UPCAST, WARP_SPECIALIZE, WINDOWED)
+    if HAS_SINK:  # the last split counts each head's sink once, rescaled to the larger maximum
+        last = split == splits - 1
+        sink = tl.load(sink_ptr + head, mask=row_live, other=0.0) * 1.4426950408889634
+        top = tl.where(last, tl.maximum(m, sink), m)
+        rescale = tl.exp2(m - top)
+        acc = acc * rescale[:, None]
+        l = l * rescale + tl.where(last, tl.exp2(tl.minimum(sink - top, 0.0)), 0.0)
+        m = top
     live = row_live[:, None] & d_live[None, :]
     if SPLIT:  # a split without keys (l = 0) stores zeros and weight exp2(-1e30): nothing in the merge
         seen = l > 0

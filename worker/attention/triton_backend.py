@@ -6,6 +6,8 @@
     rows with a cached prefix, otherwise    paged_prefill_attention  (worker.attention.triton_prefill)
     rows without one                        SDPA's fused causal kernel over the new K/V, which are
                                             contiguous already (flash attention on a GPU)
+    gpt-oss (sinks, windows), any prefill   paged_prefill_attention: neither SDPA nor cuDNN's fused
+                                            kernel (as torch calls it) takes a sink
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from worker.attention import cudnn_prefill, register
+from worker.attention import cudnn_prefill
+from worker.attention.registry import register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
@@ -42,11 +45,16 @@ class TritonAttention:
         self._plan: PrefillPlan | None = None
         self.cudnn = True  # until cuDNN refuses a call: then the paged kernel for every prefix
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, *,
+                sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         if batch.is_decode:
-            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale)
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale,
+                                          sinks=sinks, window=window)
+        if sinks is not None or window:  # SDPA and cuDNN take no sinks: gpt-oss prefills through the pages
+            plan = self._prefill_plan(batch, q, k_cache, cudnn=False)
+            return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
+                                           self.scale, blocks=plan.blocks, sinks=sinks, window=window)
         if batch.seq_lens_host == batch.q_lens:  # no cached prefix: the new keys are all there is
             return causal_self_attention(q, k, v, batch.q_lens, self.scale)
         plan = self._prefill_plan(batch, q, k_cache)
@@ -61,10 +69,11 @@ class TritonAttention:
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=plan.blocks)
 
-    def _prefill_plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor) -> PrefillPlan:
-        if self._plan is None or self._plan.batch is not batch:
+    def _prefill_plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
+                      cudnn: bool = True) -> PrefillPlan:
+        if self._plan is None or self._plan.batch is not batch or (not cudnn and self._plan.blocks is None):
             prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
-            cudnn = self.cudnn and cudnn_prefill.usable(q, batch.q_lens, prefixes)
+            cudnn = cudnn and self.cudnn and cudnn_prefill.usable(q, batch.q_lens, prefixes)
             self._plan = PrefillPlan(batch, prefixes, None if cudnn else _block_table(batch, q, k_cache, prefixes))
         return self._plan
 

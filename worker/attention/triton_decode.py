@@ -23,7 +23,7 @@ import functools
 import torch
 
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
-from worker.attention.paged_checks import check_paged_inputs
+from worker.attention.paged_checks import check_paged_inputs, check_sinks
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
@@ -44,14 +44,18 @@ def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | Non
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                           backend: str | None = None) -> torch.Tensor:
+                           backend: str | None = None, sinks: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer):
     row b attends to its first ``seq_lens[b]`` tokens through ``page_table [B, max_pages]``.
     Returns ``[B, heads, D]`` in q's dtype. CUDA tensors run the kernel, others the eager twin
-    (``backend`` forces one, see ``moe_offload.kernels.triton_support``)."""
+    (``backend`` forces one, see ``moe_offload.kernels.triton_support``). gpt-oss: ``sinks
+    [heads]`` float32 logits join each head's denominator; ``window`` > 0 keeps the last ``window``
+    tokens only (the splits before them store an empty partial)."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
+    check_sinks(sinks, q)
     if not use_triton(q, backend):
-        return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale)
+        return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale, sinks, window)
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
@@ -65,23 +69,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     denom = torch.empty_like(m)
     acc = torch.empty(B, heads, splits, block_d, dtype=torch.float32, device=q.device)
     partial, reduce = _kernels()
+    sink_ptr = sinks if sinks is not None else m  # unused without HAS_SINK
     partial[(B, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, m, denom, acc, out, out.stride(0), out.stride(1),
+        q, k_cache, v_cache, page_table, seq_lens, sink_ptr, m, denom, acc, out, out.stride(0), out.stride(1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        num_pages, max_tokens, split_tokens, scale * _LOG2E,
+        num_pages, max_tokens, split_tokens, scale * _LOG2E, window,
         HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=splits, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, **pdl_args(q))
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_SINK=sinks is not None,
+        num_warps=4, **pdl_args(q))
     reduce[(B, heads)](
-        m, denom, acc, seq_lens, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
+        m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
         HEADS=heads, HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=max(16, next_pow2(splits)), BLOCK_D=block_d,
-        CHUNK=REDUCE_CHUNK, num_warps=4, **pdl_args(q))
+        CHUNK=REDUCE_CHUNK, HAS_SINK=sinks is not None, num_warps=4, **pdl_args(q))
     return out
 
 
 def paged_decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """The twin: gather every row's pages, mask past ``seq_len``, softmax in float32 with the
-    kernel's clamps (``seq_len`` 0 gives zeros)."""
+                                 page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                 sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """The twin: gather every row's pages, mask past ``seq_len`` (and before its window), softmax in
+    float32 with the kernel's clamps (``seq_len`` 0 gives zeros), a sink in each denominator."""
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
@@ -90,11 +97,19 @@ def paged_decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     values = v_cache[pages].reshape(B, max_tokens, kv_heads, D).float()
     qf = q.float().view(B, kv_heads, heads // kv_heads, D)
     scores = torch.einsum("bkgd,bskd->bkgs", qf, keys) * scale
-    live = torch.arange(max_tokens, device=q.device)[None, :] < seq_lens.long().clamp(0, max_tokens)[:, None]
+    lens = seq_lens.long().clamp(0, max_tokens)[:, None]
+    t = torch.arange(max_tokens, device=q.device)[None, :]
+    live = (t < lens) & (t >= lens - window) if window else t < lens
     scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
-    probs = torch.exp(scores - scores.amax(-1, keepdim=True).clamp_min(-1e30))
+    top = scores.amax(-1, keepdim=True).clamp_min(-1e30)
+    sink = None if sinks is None else sinks.float().view(1, kv_heads, -1, 1)
+    if sink is not None:
+        top = torch.maximum(top, sink)
+    probs = torch.exp(scores - top)
+    denom = probs.sum(-1, keepdim=True)
     # a row with tokens has a probability of exactly 1 at its maximum, so the clamp only zeroes empty rows
-    out = torch.einsum("bkgs,bskd->bkgd", probs, values) / probs.sum(-1, keepdim=True).clamp_min(1.0)
+    denom = denom.clamp_min(1.0) if sink is None else denom + torch.exp(sink - top)
+    out = torch.einsum("bkgs,bskd->bkgd", probs, values) / denom
     return out.reshape(B, heads, D).to(q.dtype)
 
 
@@ -113,13 +128,13 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
+    def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
                               out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
                               stride_head, table_stride_b,
-                              num_pages, max_tokens, split_tokens, qk_scale,
+                              num_pages, max_tokens, split_tokens, qk_scale, window,
                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                               NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see triton_support.pdl_args
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -136,11 +151,14 @@ def _kernels():
         seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
         start = split * split_tokens
         end = tl.minimum(start + split_tokens, seq_len)
+        first = start
+        if window > 0:  # keys before the window: a split wholly before it stores an empty partial
+            first = tl.maximum(start, seq_len - window)
         # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
         m = tl.full([BLOCK_G], -1e30, tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
+        for t0 in range(first, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_live = t < end
             page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
@@ -165,21 +183,26 @@ def _kernels():
             acc = acc * alpha[:, None] + pv
             m = m_new
         if seq_len <= split_tokens:  # the row's one split: its output, normalised; the merge skips the row
-            out = acc / tl.maximum(l, 1.0)[:, None]  # l >= 1 when the row has a token; 0 leaves zeros
+            if HAS_SINK:  # the sink's mass joins the denominator, rescaled to the larger maximum
+                sink = tl.load(sink_ptr + head, mask=g_live, other=0.0) * 1.4426950408889634
+                top = tl.maximum(m, sink)
+                acc = acc * tl.exp2(m - top)[:, None]
+                l = l * tl.exp2(m - top) + tl.exp2(sink - top)
+            out = acc / tl.maximum(l, 1.0)[:, None]  # l >= 1 when the row has a token or a sink; 0 leaves zeros
             tl.store(out_ptr + b * out_stride_b + head[:, None] * out_stride_h + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
             return
         part = (b * HEADS + head) * NUM_SPLITS + split
-        keep = g_live & (start + 0 * g < end)  # a vector compare: the interpreter rejects a broadcast scalar mask
+        keep = g_live & (start + 0 * g < seq_len)  # a vector compare: the interpreter rejects a broadcast scalar mask
         tl.store(m_ptr + part, m, mask=keep)
         tl.store(l_ptr + part, l, mask=keep)
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
 
     @triton.jit
-    def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, out_stride_b, out_stride_h,
+    def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out_stride_b, out_stride_h,
                              max_tokens, split_tokens, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                             CHUNK: tl.constexpr, PDL: tl.constexpr):
+                             CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see triton_support.pdl_args
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -195,6 +218,10 @@ def _kernels():
         d = tl.arange(0, BLOCK_D)
         acc = tl.zeros([BLOCK_D], tl.float32)
         total = tl.zeros((), tl.float32)
+        if HAS_SINK:  # the sink's mass joins the denominator
+            sink = tl.load(sink_ptr + h) * 1.4426950408889634
+            top = tl.maximum(top, sink)
+            total += tl.exp2(sink - top)
         for s0 in range(0, active, CHUNK):
             sc = s0 + tl.arange(0, CHUNK)
             live = sc < active

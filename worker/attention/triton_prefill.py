@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.kernels.triton_support import interpreting, next_pow2, use_triton
-from worker.attention.paged_checks import check_paged_inputs
+from worker.attention.paged_checks import check_paged_inputs, check_sinks
 from worker.attention.split_kv import MAX_SPLITS, merge_splits, multiprocessors, partial_buffers, split_count
 
 _LOG2E = 1.4426950408889634
@@ -115,17 +115,20 @@ def prefill_block_table(q_lens: list[int], group: int, device: torch.device, til
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                             seq_lens: torch.Tensor, q_lens: list[int], scale: float, *,
                             blocks: PrefillBlocks | None = None, tile: PrefillTile | None = None,
-                            splits: int | None = None, backend: str | None = None) -> torch.Tensor:
+                            splits: int | None = None, backend: str | None = None,
+                            sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """``q [T, heads, D]`` (rows packed in order, ``q_lens`` from the host) over ``k_cache, v_cache
     [num_pages, page, kv_heads, D]`` (one layer) through ``page_table [B, max_pages]``; query i of
     row b sits at position ``seq_lens[b] - q_lens[b] + i`` and sees keys up to it. Returns
     ``[T, heads, D]`` in q's dtype. ``blocks`` (from ``prefill_block_table``) saves rebuilding the
     block list per layer and carries its tile and split-KV choice; without it ``splits`` (default 1)
     is used. ``tile`` (default: the blocks', else ``tile_for(q.dtype, D)``) is for tuning. CUDA
-    tensors run the kernel, others the eager twin."""
+    tensors run the kernel, others the eager twin. gpt-oss: ``sinks [heads]`` (float32 logits in
+    each denominator) and ``window`` (> 0: a query sees the ``window`` keys ending at its own)."""
     _check(q, k_cache, v_cache, page_table, seq_lens, q_lens)
+    check_sinks(sinks, q)
     if not use_triton(q, backend):
-        return paged_prefill_attention_eager(q, k_cache, v_cache, page_table, seq_lens, q_lens, scale)
+        return paged_prefill_attention_eager(q, k_cache, v_cache, page_table, seq_lens, q_lens, scale, sinks, window)
     if blocks is not None and splits is not None:
         raise ValueError("pass splits to prefill_block_table when passing blocks")
     group = q.shape[1] // k_cache.shape[2]
@@ -140,13 +143,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                             multiprocessors(q.device))
     out = torch.empty_like(q)
     parts = partial_buffers(n_splits, q) if n_splits > 1 else None
-    _launch(q, k_cache, v_cache, page_table, seq_lens, blocks, tile, scale, out, parts)
+    _launch(q, k_cache, v_cache, page_table, seq_lens, blocks, tile, scale, out, parts, sinks, window)
     return out if parts is None else merge_splits(*parts, out, backend="triton")
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
             seq_lens: torch.Tensor, blocks: PrefillBlocks, tile: PrefillTile, scale: float, out: torch.Tensor,
-            parts: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+            parts: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor | None = None,
+            window: int = 0) -> None:
     """One launch over ``(blocks, kv_heads, splits)``: into ``out``, or into the partial buffers."""
     T, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
@@ -155,20 +159,23 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     splits = part_o.shape[0] if parts is not None else 1
     _kernel()[(blocks.table.shape[0], kv_heads, splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, seq_lens, blocks.table,
+        sinks if sinks is not None else seq_lens,  # unused without HAS_SINK
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        num_pages, page_table.shape[1] * page, scale * _LOG2E, T, heads, splits,
+        num_pages, page_table.shape[1] * page, scale * _LOG2E, T, heads, splits, window,
         GROUP=group, BLOCK_G=next_pow2(group), HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), PAGE=page,
         BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype == torch.bfloat16, WARP_SPECIALIZE=tile.warp_specialize,
-        QK_AHEAD=tile.qk_ahead, SPLIT=parts is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        QK_AHEAD=tile.qk_ahead and not window, SPLIT=parts is not None, WINDOWED=window > 0,
+        HAS_SINK=sinks is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def paged_prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   page_table: torch.Tensor, seq_lens: torch.Tensor, q_lens: list[int],
-                                  scale: float) -> torch.Tensor:
-    """The twin: per row, gather its pages, mask keys past each query's position, softmax in float32,
-    with the kernel's clamp of ``seq_lens`` (device arithmetic only, so it never syncs either)."""
+                                  scale: float, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """The twin: per row, gather its pages, mask keys past each query's position (and before its
+    window), softmax in float32 with each head's sink in the denominator, with the kernel's clamp
+    of ``seq_lens`` (device arithmetic only, so it never syncs either)."""
     T, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
@@ -182,13 +189,23 @@ def paged_prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         seq_len = seq_lens[b].long().clamp(n, max_tokens)
         pos = seq_len - n + torch.arange(n, device=q.device)  # [n] absolute positions of the queries
         visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < seq_len)  # [n, S]
+        if window:
+            visible &= key_pos[None, :] > pos[:, None] - window
         qf = q[start:start + n].float().view(n, kv_heads, group, D)
         scores = torch.einsum("nkgd,skd->kgns", qf, keys) * scale
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        probs = _softmax(scores.masked_fill(~visible, float("-inf")), sinks)
         o = torch.einsum("kgns,skd->nkgd", probs, values)
         out[start:start + n] = o.reshape(n, heads, D).to(q.dtype)
         start += n
     return out
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``[kv_heads, group, n, S]``, each head's sink in its denominator."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(*scores.shape[:2], 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

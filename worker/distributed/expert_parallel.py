@@ -77,7 +77,9 @@ class ExpertParallel:
 
     def forward(self, layer: int, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 next_ids: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                pipelined: bool | None = None) -> torch.Tensor:
+                pipelined: bool | None = None, bias=None, activation: str = "silu") -> torch.Tensor:
+        if bias is not None or activation != "silu":
+            raise ValueError("expert parallelism over gpt-oss's experts (biases, clamped SwiGLU) is not supported yet")
         # a guess of the next layer is prefetched only where it is this rank's expert;
         # float32 partials: their sum rounds once, as one rank's sum over k would
         guess = None if next_ids is None else self.own_ids(layer + 1, next_ids)

@@ -8,6 +8,20 @@ from dataclasses import dataclass
 from worker.errors import CheckpointError
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+SLIDING_ATTENTION = "sliding_attention"  # full attention over the last ``sliding_window`` tokens only
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN rotary scaling as transformers' ``_compute_yarn_parameters`` reads it (gpt-oss: factor
+    32 over 4,096, beta 32 / 1, no truncation); cos and sin are scaled by ``attention_factor``."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ class MoETransformer:
         self.cfg = cfg
         self.weights = weights
         self.attention = attention
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device, cfg.rotary_dim)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device, cfg.rotary_dim,
+                             cfg.yarn)
         self.experts = experts
         self.routing = routing or ModelRouting(cfg.top_k, cfg.renormalize, linear)
         self.states = states
@@ -62,9 +63,10 @@ class MoETransformer:
             else:
                 mixer_out, x = self._attention(i, lw, x, moe_out, batch)
             h, x = add_rms_norm(x, mixer_out, lw.post_norm, eps)
-            weights, ids = self.routing(i, h, lw.router)
-            guess = self.routing.predict(i + 1, h, w.layers[i + 1].router) if ahead and i + 1 < len(w.layers) else None
-            moe_out = self.experts.forward(i, h, weights, ids, guess, pipelined=batch.pipelined)
+            weights, ids = self.routing(i, h, router(lw))
+            guess = self.routing.predict(i + 1, h, router(w.layers[i + 1])) if ahead and i + 1 < len(w.layers) else None
+            moe_out = self.experts.forward(i, h, weights, ids, guess, pipelined=batch.pipelined, bias=lw.expert_bias,
+                                           activation=self.cfg.expert_activation)
             if lw.shared is not None:
                 moe_out = moe_out + shared_expert(h, lw.shared)
         # the last residual add joins the final norm (of every token: prefill's extra rows cost nothing)
@@ -86,6 +88,8 @@ class MoETransformer:
         cfg = self.cfg
         T, kv_layer = x.shape[0], self.kind_index[layer]
         qkv, x = add_rms_norm_linear(x, moe_out, lw.input_norm, cfg.rms_norm_eps, lw.qkv)
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
         q, k, v = qkv[:, :cfg.q_size + 2 * cfg.kv_size].split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -93,10 +97,17 @@ class MoETransformer:
         norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm else (None, None)
         write = KVWrite(v, *self.attention.pool.layer_slots(kv_layer), batch.out_loc)
         q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
-        out = self.attention.forward(kv_layer, q, k, v, batch).reshape(T, cfg.q_size)
+        out = self.attention.forward(kv_layer, q, k, v, batch, sinks=lw.sinks, window=cfg.window(layer))
+        out = out.reshape(T, cfg.q_size)
         if cfg.attn_output_gate:
             out = out * torch.sigmoid(qkv[:, cfg.q_size + 2 * cfg.kv_size:])
-        return linear(out, lw.o), x
+        out = linear(out, lw.o)
+        return (out if lw.o_bias is None else out + lw.o_bias), x
+
+
+def router(lw: LayerWeights) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What ``Routing`` takes: the router's weight, with its bias where it has one (gpt-oss)."""
+    return lw.router if lw.router_bias is None else (lw.router, lw.router_bias)
 
 
 def shared_expert(h: torch.Tensor, w: SharedExpertWeights) -> torch.Tensor:

@@ -16,6 +16,9 @@ class Family(NamedTuple):
     config_fields: Callable[[dict, dict, str], dict]
     # the part of config.json that describes the text model (a multimodal checkpoint nests it)
     text_config: Callable[[dict], dict] = lambda raw: raw
+    # (ModelConfig, ModelWeights) -> Targets, for a family whose dense weights are not the classic
+    # or hybrid layouts of ``worker.models.weights`` (None: those)
+    targets: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -32,6 +35,11 @@ def family_for(architectures: list[str]) -> Family | None:
     return next((FAMILIES[a] for a in architectures if a in FAMILIES), None)
 
 
+def family_named(name: str) -> Family:
+    _load()
+    return next(f for f in FAMILIES.values() if f.name == name)
+
+
 def supported_architectures() -> list[str]:
     _load()
     return list(FAMILIES)
@@ -39,4 +47,4 @@ def supported_architectures() -> list[str]:
 
 def _load() -> None:
     """Import the family modules (each registers itself); late, so that config stays import-light."""
-    from worker.models import classic, qwen3_hybrid  # noqa: F401
+    from worker.models import classic, gpt_oss, qwen3_hybrid  # noqa: F401

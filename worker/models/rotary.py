@@ -18,11 +18,13 @@ indexes and would raise instead.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
 
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
+from worker.models.family_config import Yarn
 from worker.models.norm import rms_norm_eager
 
 
@@ -36,15 +38,18 @@ class Rotary:
     reordering both alike, and no kernel needs a second layout."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device,
-                 rotary_dim: int = 0):
+                 rotary_dim: int = 0, yarn: Yarn | None = None):
         rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        scale = 1.0
+        if yarn is not None:
+            inv_freq, scale = yarn_inv_freq(yarn, theta, rotary_dim)
         half = torch.zeros(head_dim // 2)
         half[:rotary_dim // 2] = inv_freq  # the pass-through dims turn by a frequency of 0
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), half)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.cos = (emb.cos() * scale).to(device)
+        self.sin = (emb.sin() * scale).to(device)
 
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -54,6 +59,27 @@ class Rotary:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+
+def yarn_inv_freq(yarn: Yarn, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and cos/sin scale, as transformers' ``_compute_yarn_parameters``: each
+    frequency blends the original (extrapolated) and the ``factor``-slower (interpolated) one by a
+    ramp over the dims between ``beta_fast`` and ``beta_slow`` rotations in the original context."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    scale = yarn.attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+    return inv_freq, float(scale)
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""Sluice's gpt-oss against Hugging Face transformers' ``GptOssForCausalLM`` (eager attention, the
+one with sinks) on tiny random checkpoints (CPU, fp32): sinks and biases far from zero, a window
+shorter than the prompts; ragged, chunked and decode steps past the window, greedy text, a second
+turn from the prefix cache, and what Sluice refuses."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from scheduler.engine import Engine, EngineConfig
+from scheduler.messages.to_scheduler import SamplingParams
+from tests.test_engine import req, run
+from tests.tiny_gpt_oss import FULL, SLIDING, hf_greedy, hf_logits, write_tiny_gpt_oss
+from worker.batch import SequenceChunk
+from worker.config import ModelConfig
+from worker.errors import CheckpointError
+from worker.runner import ModelRunner, RunnerConfig
+
+VOCAB, TOL, GREEDY = 128, 1e-4, SamplingParams()
+
+# window 8 (shorter than every multi-token prompt below) and 5; GQA 2 and 4; YaRN and plain rope
+SHAPES = {
+    "SF-gqa2-w8-yarn": dict(seed=0, layer_types=(SLIDING, FULL)),
+    "FSSF-gqa4-w5-d32-top2": dict(seed=1, layer_types=(FULL, SLIDING, SLIDING, FULL), heads=8, kv_heads=2,
+                                  head_dim=32, window=5, top_k=2, experts=4),
+    "SS-mha-w8-norope-scaling": dict(seed=2, layer_types=(SLIDING, SLIDING), heads=4, kv_heads=4, yarn=False),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(SHAPES.values()), ids=list(SHAPES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    return path, write_tiny_gpt_oss(path, **request.param)
+
+
+@pytest.fixture
+def tiny(checkpoint):
+    path, hf = checkpoint
+    return hf, ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=512))
+
+
+def pages(runner: ModelRunner, tokens: int) -> list[int]:
+    return runner.kv_pool.allocate(runner.kv_pool.pages_for(tokens))
+
+
+def step(runner: ModelRunner, chunks: list[SequenceChunk]):
+    return runner.forward(chunks, [GREEDY] * len(chunks), [0] * len(chunks))
+
+
+def check(logits: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = rel_err(logits, ref)
+    assert err < TOL, f"{what}: relative error {err:.2e}"
+
+
+def test_the_checkpoint_exercises_every_part(checkpoint):
+    """Sinks and biases far from zero, and the clamps bite: otherwise parity proves little."""
+    _, hf = checkpoint
+    attn, experts = hf.model.layers[0].self_attn, hf.model.layers[0].mlp.experts
+    assert attn.sinks.abs().mean() > 0.5 and attn.q_proj.bias.abs().mean() > 0.2
+    assert experts.gate_up_proj_bias.abs().mean() > 0.2 and experts.down_proj_bias.abs().mean() > 0.2
+    h = hf.model.embed_tokens(torch.tensor(random_ids(64, seed=5)))
+    with torch.no_grad():
+        gate_up = hf.model.layers[0].post_attention_layernorm(h) @ experts.gate_up_proj[0]
+    assert (gate_up[:, ::2] > 7).any() and (gate_up[:, 1::2].abs() > 7).any()
+
+
+def test_ragged_prefill_matches_hf(tiny):
+    hf, runner = tiny
+    prompts = [random_ids(n, seed=n) for n in (1, 7, 13, 22)]
+    out = step(runner, [SequenceChunk(p, 0, pages(runner, len(p))) for p in prompts])
+    for b, p in enumerate(prompts):
+        ref = hf_logits(hf, p)[-1]
+        check(out.logits[b], ref, f"prompt of {len(p)}")
+        assert out.next_tokens[b].item() == ref.argmax().item()
+
+
+@pytest.mark.parametrize("length,ends", [(40, (9, 21)), (40, (1, 3, 6, 10, 15, 21)), (40, (4, 8, 12, 16))],
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_chunked_prefill_then_decode_past_the_window(tiny, length, ends):
+    """Every chunk reads the prefix's pages; every step's logits equal the full forward's."""
+    hf, runner = tiny
+    ids = random_ids(length, seed=length)
+    ref = hf_logits(hf, ids)
+    seq_pages = pages(runner, length)
+    for start, end in zip((0,) + ends, ends):
+        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages)])
+        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
+    for pos in range(ends[-1], length):
+        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
+        check(out.logits[0], ref[pos], f"decode at {pos}")
+
+
+def test_mixed_decode_batch_matches_hf(tiny):
+    hf, runner = tiny
+    lengths, decode = (3, 10, 17, 30), 3
+    seqs = [random_ids(n + decode, seed=100 + n) for n in lengths]
+    refs = [hf_logits(hf, s) for s in seqs]
+    seq_pages = [pages(runner, len(s)) for s in seqs]
+    step(runner, [SequenceChunk(s[:n], 0, pg) for s, n, pg in zip(seqs, lengths, seq_pages)])
+    for i in range(decode):
+        out = step(runner, [SequenceChunk([s[n + i]], n + i, pg) for s, n, pg in zip(seqs, lengths, seq_pages)])
+        for b, (ref, n) in enumerate(zip(refs, lengths)):
+            check(out.logits[b], ref[n + i], f"sequence {b} decoding at {n + i}")
+
+
+def test_greedy_text_matches_hf(tiny):
+    """Two prompts generate 32 tokens each, batched, feeding back the runner's own tokens."""
+    hf, runner = tiny
+    prompts, n = [random_ids(6, seed=3), random_ids(11, seed=4)], 32
+    want = [hf_greedy(hf, p, n) for p in prompts]
+    seq_pages = [pages(runner, len(p) + n) for p in prompts]
+    out = step(runner, [SequenceChunk(p, 0, pg) for p, pg in zip(prompts, seq_pages)])
+    got = [[int(t)] for t in out.next_tokens.tolist()]
+    while len(got[0]) < n:
+        out = step(runner, [SequenceChunk([g[-1]], len(p) + len(g) - 1, pg) for p, g, pg in zip(prompts, got, seq_pages)])
+        for g, t in zip(got, out.next_tokens.tolist()):
+            g.append(int(t))
+    assert got == want
+
+
+def test_second_turn_from_the_prefix_cache(checkpoint):
+    """The engine serves two turns; the second's prompt is the first's, its reply and new tokens,
+    so it prefills only past the cached prefix (in chunks of 8), and answers as transformers."""
+    path, hf = checkpoint
+    runner = ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=1024,
+                                      max_prefill_tokens=8))
+    engine = Engine(runner, EngineConfig(max_running=4))
+    history = random_ids(19, seed=7)
+    for turn in range(2):
+        out = run(engine, [req(f"t{turn}", history, max_tokens=12, ignore_eos=True)])[f"t{turn}"]
+        assert out[0] == hf_greedy(hf, history, 12), f"turn {turn}"
+        cached = sum(u.cached_prompt_tokens for u in out[2])
+        assert cached >= (len(history) - 1) // 4 * 4 if turn else cached == 0, (turn, cached)
+        history = history + out[0] + random_ids(9, seed=8 + turn)
+
+
+# ==== what the family reads, and what it refuses in one line ====
+
+@pytest.fixture(scope="module")
+def config(checkpoint) -> dict:
+    path, _ = checkpoint
+    return json.loads((path / "config.json").read_text())
+
+
+def test_config_reads_the_family(config):
+    cfg = ModelConfig.from_dict(copy.deepcopy(config))
+    assert cfg.family == "gpt_oss" and cfg.expert_activation == "gpt_oss" and cfg.attention_sinks
+    assert [cfg.window(i) for i in range(cfg.num_layers)] == [
+        config["sliding_window"] if t == SLIDING else 0 for t in config["layer_types"]]
+
+
+def mxfp4(raw: dict) -> None:
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+
+
+def other_limit(raw: dict) -> None:
+    raw["swiglu_limit"] = 10.0
+
+
+def unknown_layer(raw: dict) -> None:
+    raw["layer_types"] = raw["layer_types"][:-1] + ["chunked_attention"]
+
+
+def longrope(raw: dict) -> None:
+    raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 150000.0}
+
+
+@pytest.mark.parametrize("edit,named", [(mxfp4, "MXFP4"), (other_limit, "swiglu_limit"),
+                                        (unknown_layer, "chunked_attention"), (longrope, "longrope")])
+def test_unsupported_config_is_refused(config, edit, named):
+    raw = copy.deepcopy(config)
+    edit(raw)
+    with pytest.raises(CheckpointError) as refused:
+        ModelConfig.from_dict(raw)
+    message = str(refused.value)
+    assert named in message and "\n" not in message, message

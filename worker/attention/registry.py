@@ -1,0 +1,41 @@
+"""The attention backend protocol and the registry the backends join by name: below the backends,
+so that each imports it and nothing imports back up (``worker/attention/__init__.py`` imports
+the backends to register them)."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from worker.batch import ForwardBatch
+from worker.kv.gpu_pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    pool: KVPool
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, *,
+                sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        """Attend ``q [T, heads, D]`` over each sequence's cached and new tokens (causal), return
+        ``[T, heads, D]``. The new ``k, v [T, kv_heads, D]`` are in the pool already (the model
+        stores them in the same launch as its RoPE); a prefill without a cached prefix reads them
+        from ``k, v`` instead. gpt-oss: ``sinks [heads]`` (float32) are logits that join each
+        softmax's denominator with no value; ``window`` > 0 limits a query to the ``window``
+        keys ending at its own position."""
+        ...
+
+
+BACKENDS: dict[str, Callable[[KVPool, float], AttentionBackend]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        BACKENDS[name] = factory
+        return factory
+    return wrap
+
+
+def create_backend(name: str, pool: KVPool, scale: float) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
+    return BACKENDS[name](pool, scale)
