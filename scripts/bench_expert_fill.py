@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -87,6 +88,64 @@ def graph_timed(run, reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+class Banks(NamedTuple):
+    """Host banks (pinned), the GPU slots they fill, and a batch-1 decode step's inputs."""
+    host_w13: torch.Tensor
+    host_w2: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    hidden: torch.Tensor
+    weights: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def expert_bytes(self) -> int:
+        return (self.host_w13[0].numel() + self.host_w2[0].numel()) * self.host_w13.element_size()
+
+
+def make_banks(dim: int, inter: int) -> Banks:
+    gen = torch.Generator().manual_seed(0)
+    host_w13 = (torch.randn(HOST_EXPERTS, 2 * inter, dim, generator=gen) * dim**-0.5).bfloat16().pin_memory()
+    host_w2 = (torch.randn(HOST_EXPERTS, dim, inter, generator=gen) * inter**-0.5).bfloat16().pin_memory()
+    w13 = torch.zeros(SLOTS, 2 * inter, dim, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.zeros(SLOTS, dim, inter, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(TOP_K, device="cuda").view(1, TOP_K)  # misses take slots [0, m), hits the rest
+    return Banks(host_w13, host_w2, w13, w2, torch.randn(1, dim, device="cuda").bfloat16(),
+                 torch.rand(1, TOP_K, device="cuda"), slots)
+
+
+def fill_ways(b: Banks, misses: int, plan: list, sweep: bool) -> dict:
+    """Each way of bringing ``misses`` experts in, as a function of the repetition."""
+    def memcpy(rep: int) -> None:
+        for j, src in enumerate(range(rep * misses, (rep + 1) * misses)):
+            b.w13[j].copy_(b.host_w13[src % HOST_EXPERTS], non_blocking=True)
+            b.w2[j].copy_(b.host_w2[src % HOST_EXPERTS], non_blocking=True)
+
+    def gemm(cfg: DecodeConfig | None):
+        return lambda rep: decode_grouped_swiglu(b.hidden, b.weights, b.slots, b.w13, b.w2, cfg,
+                                                 fill=SlotFill(plan[rep], b.host_w13, b.host_w2))
+
+    ways = {"memcpy": memcpy,
+            "gather": lambda rep: gather_missing(*plan[rep], b.host_w13, b.host_w2, b.w13, b.w2),
+            "gemm": lambda rep: grouped_swiglu(b.hidden, b.weights, b.slots, b.w13, b.w2,
+                                               fill=SlotFill(plan[rep], b.host_w13, b.host_w2))}
+    for tiles in SWEEP if sweep else []:
+        ways["gemm " + " ".join(f"{k}={v}" for k, v in tiles.items())] = gemm(DecodeConfig(**tiles))
+    return ways
+
+
+def time_ways(b: Banks, misses: int, alone: float, reps: int, sweep: bool) -> list[dict]:
+    plan = plans(misses, reps + 1)
+    mb, bound = misses * b.expert_bytes / 1e6, misses * b.expert_bytes / PCIE_BYTES_PER_S * 1e6
+    rows = []
+    for way, run in fill_ways(b, misses, plan, sweep).items():
+        us = timed(run, reps)
+        fill_us = us - alone if way.startswith("gemm") else us
+        rows.append(dict(misses=misses, way=way, mb=mb, us=us, alone=alone, fill_us=fill_us,
+                         gb_s=mb / fill_us * 1e3, bound_us=bound, ratio=bound / us))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -96,43 +155,11 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time other tiles of the GEMM's fill")
     p.add_argument("--json")
     args = p.parse_args()
-    dim, inter = args.hidden, args.inter
-    gen = torch.Generator().manual_seed(0)
-    host_w13 = (torch.randn(HOST_EXPERTS, 2 * inter, dim, generator=gen) * dim**-0.5).bfloat16().pin_memory()
-    host_w2 = (torch.randn(HOST_EXPERTS, dim, inter, generator=gen) * inter**-0.5).bfloat16().pin_memory()
-    w13 = torch.zeros(SLOTS, 2 * inter, dim, dtype=torch.bfloat16, device="cuda")
-    w2 = torch.zeros(SLOTS, dim, inter, dtype=torch.bfloat16, device="cuda")
-    hidden = torch.randn(1, dim, device="cuda").bfloat16()
-    weights = torch.rand(1, TOP_K, device="cuda")
-    slots = torch.arange(TOP_K, device="cuda").view(1, TOP_K)  # misses take slots [0, m), hits the rest
-    expert_bytes = (host_w13[0].numel() + host_w2[0].numel()) * host_w13.element_size()
-    alone = graph_timed(lambda: grouped_swiglu(hidden, weights, slots, w13, w2), args.reps)
-    rows = []
-    for misses in args.misses:
-        plan = plans(misses, args.reps + 1)
-
-        def memcpy(rep: int) -> None:
-            for j, src in enumerate(range(rep * misses, (rep + 1) * misses)):
-                w13[j].copy_(host_w13[src % HOST_EXPERTS], non_blocking=True)
-                w2[j].copy_(host_w2[src % HOST_EXPERTS], non_blocking=True)
-
-        ways = {"memcpy": memcpy,
-                "gather": lambda rep: gather_missing(*plan[rep], host_w13, host_w2, w13, w2),
-                "gemm": lambda rep: grouped_swiglu(hidden, weights, slots, w13, w2,
-                                                   fill=SlotFill(plan[rep], host_w13, host_w2))}
-        for tiles in SWEEP if args.sweep else []:
-            cfg = DecodeConfig(**tiles)
-            ways["gemm " + " ".join(f"{k}={v}" for k, v in tiles.items())] = lambda rep, cfg=cfg: decode_grouped_swiglu(
-                hidden, weights, slots, w13, w2, cfg, fill=SlotFill(plan[rep], host_w13, host_w2))
-        bound = misses * expert_bytes / PCIE_BYTES_PER_S * 1e6
-        for way, run in ways.items():
-            us = timed(run, args.reps)
-            fill_us = us - alone if way.startswith("gemm") else us
-            rows.append(dict(misses=misses, way=way, mb=misses * expert_bytes / 1e6, us=us, alone=alone,
-                             fill_us=fill_us, gb_s=misses * expert_bytes / fill_us / 1e3, bound_us=bound,
-                             ratio=bound / us))
-    print(f"{torch.cuda.get_device_name()}, experts {2 * inter}x{dim} + {dim}x{inter} bf16, "
-          f"{expert_bytes / 1e6:.2f} MB each; the batch-1 GEMM alone (8 hits): {alone:.1f} us")
+    b = make_banks(args.hidden, args.inter)
+    alone = graph_timed(lambda: grouped_swiglu(b.hidden, b.weights, b.slots, b.w13, b.w2), args.reps)
+    rows = [row for misses in args.misses for row in time_ways(b, misses, alone, args.reps, args.sweep)]
+    print(f"{torch.cuda.get_device_name()}, experts {2 * args.inter}x{args.hidden} + {args.hidden}x{args.inter} "
+          f"bf16, {b.expert_bytes / 1e6:.2f} MB each; the batch-1 GEMM alone (8 hits): {alone:.1f} us")
     print_table([("misses", "misses", ">6"), ("way", "way", ">16"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
                  ("fill us", "fill_us", ">8.1f"), ("GB/s", "gb_s", ">6.1f"), ("bound us", "bound_us", ">8.1f"),
                  ("ratio", "ratio", ">6.3f")], rows)
