@@ -359,9 +359,3 @@ class _Pending:
         if exc_type is not None and isinstance(self._request, requests.Generate):
             if not isinstance(exc, ServerError):
                 await self._client.abort(self._request.rid)
-
-
-if __name__ == "__main__":
-    from frontend.cli import main
-
-    raise SystemExit(main())
