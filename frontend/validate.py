@@ -130,4 +130,5 @@ def to_scheduler(request: Generate, rid: str, ids: list[int], model: ModelInfo,
         max_tokens=min(request.max_tokens, room),
         eos_token_ids=list(model.eos_token_ids),
         ignore_eos=request.ignore_eos,
+        grammar=request.grammar,
     )

@@ -13,6 +13,11 @@ One call of ``step``:
   3. read back the previous step's sampled tokens (pinned copy + event, one step late);
   4. turn them into updates, finish requests, and release their pages.
 
+Constrained requests (``scheduler.grammar``) break the lateness for themselves: a step that
+carries a grammar mask is read back before the next launch (its requests' masks need their
+tokens), and the next launch fills the mask rows of the constrained requests in it. Unconstrained
+requests still take part in every step.
+
 A step that raises fails the requests in it (``failures`` lists them; their pages go back, none to
 the prefix cache) and the engine goes on; an error that poisons the device is raised.
 """
@@ -27,6 +32,7 @@ import torch
 
 from scheduler.config import EngineConfig
 from scheduler.faults import FaultHooks, poisons_device
+from scheduler.grammar import HostMask
 from scheduler.messages.from_scheduler import TokenUpdate
 from scheduler.page_manager import PageManager
 from scheduler.request import Request
@@ -34,6 +40,7 @@ from scheduler.state_cache import PENDING_PREFILL
 from worker.batch import SequenceChunk, to_device
 from worker.memory_plan import MemoryPlan
 from worker.runner import ModelRunner
+from worker.token_mask import TokenMask
 
 log = logging.getLogger("sluice.scheduler")
 
@@ -43,6 +50,7 @@ class _Launched(NamedTuple):
     samples: list[bool]  # the entry's sampled token is an output token (not a mid-prompt chunk)
     tokens: torch.Tensor  # [B] on the host (pinned on CUDA), valid once ``event`` completes
     event: torch.cuda.Event | None
+    masked: bool = False  # carries a grammar mask: read back before the next launch
 
 
 class Failure(NamedTuple):
@@ -71,6 +79,7 @@ class Engine:
         self.device = runner.device
         self.token_buffer = torch.zeros(config.max_running, dtype=torch.int64, device=self.device)
         self.free_rows = list(range(config.max_running - 1, -1, -1))
+        self.mask = HostMask(config.max_running, runner.model_config.vocab_size, self.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.in_flight: _Launched | None = None
@@ -138,9 +147,7 @@ class Engine:
         names = ", ".join(r.rid for r in reqs)
         log.error("a step failed (requests %s); failing them and serving on", names, exc_info=exc)
         for req in reqs:
-            self._drop_failed(req)
-            self.failures.append(Failure(req.rid, f"internal error in the scheduler: {type(exc).__name__}: {exc}"))
-            self.counters["requests_failed"] += 1
+            self._fail(req, f"internal error in the scheduler: {type(exc).__name__}: {exc}")
 
     def _drop_failed(self, req: Request) -> None:
         # Its KV may be half written: nothing of it goes to the prefix cache.
@@ -156,13 +163,22 @@ class Engine:
 
     def _step(self) -> list[TokenUpdate]:
         self._admit()
+        updates = self._read_masked()
         launched = self._launch()
         if not self.config.overlap and launched is not None:
             launched, self.in_flight = None, launched
         previous, self.in_flight = self.in_flight, launched
-        updates = self._process(previous) if previous else []
+        updates += self._process(previous) if previous else []
         self._requeue_preempted()
         return updates
+
+    def _read_masked(self) -> list[TokenUpdate]:
+        """The in-flight step's tokens now when it carries a grammar mask: its constrained
+        requests need them for their next mask, whose host rows it must not be reading."""
+        if self.in_flight is None or not self.in_flight.masked:
+            return []
+        previous, self.in_flight = self.in_flight, None
+        return self._process(previous)
 
     def _admit(self) -> None:
         while self.waiting and self.free_rows and len(self.running) < self.config.max_running:
@@ -206,7 +222,15 @@ class Engine:
             req.launched_outputs += req.prefill_done
         if not chunks:
             return self._launch_after_copies()
-        out = self.runner.forward(chunks, params, steps, self.token_buffer)
+        rows = self._mask_rows(reqs, samples)
+        if rows and -2 in rows:  # a grammar left no token: those requests failed, the rest go on
+            keep = [b for b, row in enumerate(rows) if row != -2]
+            reqs[:], chunks, params, steps, samples, rows = [[x[b] for b in keep] for x in (
+                list(reqs), chunks, params, steps, samples, rows)]
+            if not chunks:
+                return None
+        mask = TokenMask(self.mask.to_device(), rows) if rows and max(rows) >= 0 else None
+        out = self.runner.forward(chunks, params, steps, self.token_buffer, mask)
         self.pages.launched()
         if self.pages.states is not None:
             self._take_snapshots(reqs, chunks)
@@ -214,18 +238,40 @@ class Engine:
         self.token_buffer.index_copy_(0, rows, out.next_tokens)
         self.counters["steps"] += 1
         if self.device.type != "cuda":  # a copy: a static decode step's outputs are views the next step overwrites
-            return _Launched(reqs, samples, out.next_tokens.clone(), None)
+            return _Launched(reqs, samples, out.next_tokens.clone(), None, mask is not None)
         host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
         host.copy_(out.next_tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _Launched(reqs, samples, host, event)
+        return _Launched(reqs, samples, host, event, mask is not None)
+
+    def _mask_rows(self, reqs: list[Request], samples: list[bool]) -> list[int]:
+        """Fill the host mask rows of the constrained requests that sample in this step; each
+        entry's mask row: its token-buffer row, -1 unconstrained, -2 failed here (its grammar
+        allows no token). Empty when no request is constrained."""
+        matchers = [(r.grammar, r.slot) for r, s in zip(reqs, samples) if s and r.grammar is not None]
+        if not matchers:
+            return []
+        empty = set(self.mask.fill(matchers))
+        for req in reqs:
+            if req.slot in empty:
+                self._fail(req, f"the grammar allows no next token after {len(req.output)} tokens "
+                                "(an unsatisfiable schema?)")
+        return [-2 if r.slot in empty else r.slot if s and r.grammar is not None else -1
+                for r, s in zip(reqs, samples)]
+
+    def _fail(self, req: Request, message: str) -> None:
+        self._drop_failed(req)
+        self.failures.append(Failure(req.rid, message))
+        self.counters["requests_failed"] += 1
 
     def _chunk_for(self, req: Request, budget: int) -> SequenceChunk | None:
         """``req``'s share of the step being launched: a decode token, a prefill chunk within
         ``budget`` tokens, or None (it waits)."""
         state = self.states.running_slot(req.slot) if self.states is not None else -1
         if req.wants_decode:
+            if req.awaits_token:
+                return None
             pos = len(req.prompt) + req.launched_outputs - 1
             if not self._page_for(req, pos):
                 return None
@@ -316,7 +362,9 @@ class Engine:
         for req, sampled, token in zip(launched.reqs, launched.samples, launched.tokens.tolist()):
             if not sampled or req.finished:
                 continue
-            req.output.append(token)
+            if not req.accept(token):
+                self._fail(req, f"the grammar refused sampled token {token}: {req.grammar.get_error()}")
+                continue
             self.counters["generated_tokens"] += 1
             reason = req.finish_reason()
             first = not req.sent_first

@@ -14,6 +14,7 @@ from scheduler.messages.to_scheduler import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Request:
     finished: bool = False
     preempted: bool = False  # gave its pages back to make room; waits to be admitted again
     preemptions: int = 0
+    # constrained decoding: the grammar's matcher (scheduler.grammar); the request samples only what
+    # it allows, never a step ahead of its last token, and finishes when it is complete
+    grammar: LLMatcher | None = None
 
     def __post_init__(self):
         if self.prefill_len < 0:
@@ -78,8 +82,20 @@ class Request:
     def wants_decode(self) -> bool:
         return self.prefill_done and self.launched_outputs < self.max_tokens and not self.finished
 
+    def accept(self, token: int) -> bool:
+        """Append a token read back; False when the request's grammar refuses it."""
+        self.output.append(token)
+        return self.grammar is None or self.grammar.consume_token(token)
+
+    @property
+    def awaits_token(self) -> bool:
+        """A constrained request whose last launched token is not read yet: its mask needs it."""
+        return self.grammar is not None and self.launched_outputs > len(self.output)
+
     def finish_reason(self) -> str | None:
         if self.output and self.output[-1] in self.eos_ids and not self.ignore_eos:
+            return "stop"
+        if self.grammar is not None and self.grammar.is_stopped():
             return "stop"
         if len(self.output) >= self.max_tokens:
             return "length"

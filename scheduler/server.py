@@ -16,6 +16,7 @@ import msgspec
 import zmq
 
 from scheduler.engine import Engine
+from scheduler.grammar import GrammarError, Grammars
 from scheduler.heartbeat import HeartbeatThread
 from scheduler.messages import ProtocolError, from_scheduler, to_scheduler
 from scheduler.request import Request
@@ -39,6 +40,7 @@ class SchedulerServer:
         self.push.connect(push_endpoint)
         self.heartbeat = HeartbeatThread(self.ctx, push_endpoint)
         self.running = True
+        self._grammars: Grammars | None = None  # loaded with the first constrained request
 
     def send(self, message) -> None:
         self.push.send(from_scheduler.encode(message))
@@ -104,9 +106,19 @@ class SchedulerServer:
         if error is None:
             req = Request(msg.rid, list(msg.input_ids), params, msg.max_tokens, frozenset(msg.eos_token_ids),
                           msg.ignore_eos)
-            error = self.engine.submit(req)
+            try:
+                req.grammar = self.grammars().compile(msg.grammar) if msg.grammar is not None else None
+            except GrammarError as exc:
+                error = str(exc)
+            error = error or self.engine.submit(req)
         if error:
             self.send(from_scheduler.RequestError(rid=msg.rid, message=error))
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            info = self.model_info
+            self._grammars = Grammars.from_dir(info.tokenizer_path, info.vocab_size, info.eos_token_ids)
+        return self._grammars
 
     def refusal(self, msg: to_scheduler.TokenizedRequest, params: to_scheduler.SamplingParams) -> str | None:
         """Why the engine cannot take ``msg`` (the frontend checked it already; this side must not

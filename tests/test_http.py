@@ -116,10 +116,12 @@ def test_tool_results_render_through_the_template(oai):
         'user:weather?|assistant:<call get_weather {"city": "Paris"}>|tool(get_weather):sunny|')
 
 
-def test_forcing_a_tool_call_is_refused(oai):
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+def test_forcing_a_tool_call_the_request_cannot_make_is_refused(oai):
+    with pytest.raises(openai.BadRequestError, match="no tool named 'get_time'"):
         oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
-                                    tools=[WEATHER], tool_choice="required")
+                                    tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], tool_choice="required")
 
 
 def test_http_needs_the_key(server):

@@ -191,8 +191,11 @@ def test_model_alias_is_served_and_unknown_models_are_not(claude, server):
 
 
 REFUSALS = [
-    ({"tool_choice": {"type": "any"}, "tools": [WEATHER]}, "tool_choice 'any' forces a tool call"),
-    ({"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": [WEATHER]}, "constrained decoding"),
+    ({"tool_choice": {"type": "tool"}, "tools": [WEATHER]}, "tool_choice 'tool' needs the tool's name"),
+    ({"tool_choice": {"type": "tool", "name": "get_time"}, "tools": [WEATHER]}, "no tool named 'get_time'"),
+    ({"tool_choice": {"type": "any"}, "tools": [{**WEATHER, "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "not": {"required": ["x"]}}}]}, 'Unimplemented keys: ["not"]'),
+    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}, "tools": [WEATHER]}, "disable_parallel"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking 'enabled' is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "of type 'image' is not supported"),
@@ -201,7 +204,7 @@ REFUSALS = [
     ({"top_a": 0.5}, "unknown field `top_a`"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "weight": 2}]}]}, "unknown field `weight`"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}, "runs no server tools"),
-    ({"tools": [{**WEATHER, "strict": True}]}, "constrained decoding"),
+    ({"tools": [{**WEATHER, "strict": True}]}, "constrains a forced call"),
     ({"output_config": {"effort": "low"}}, "output_config is not supported"),
     ({"messages": USER + [{"role": "assistant", "content": "The answer is"}]}, "prefill"),
     ({"max_tokens": None}, "max_tokens"),

@@ -24,6 +24,7 @@ MESSAGES = [
             eos_token_ids=[2],
             ignore_eos=True,
             sampling=to_scheduler.SamplingParams(temperature=0.0, top_k=40, top_p=0.9, seed=123),
+            grammar=to_scheduler.Grammar(lark='start: %json {"type": "object"}', what="response_format json_object"),
         ),
     ),
     (to_scheduler, to_scheduler.AbortRequest(rid="r1")),
@@ -82,7 +83,8 @@ def test_round_trip(module, message):
     frame = module.encode(message)
     assert module.decode(frame) == message
     raw = msgspec.msgpack.decode(frame)
-    assert raw["type"] == type(message).__struct_config__.tag and raw["v"] == 1
+    version = getattr(module, "PROTOCOL_VERSION", getattr(module, "API_VERSION", None))
+    assert raw["type"] == type(message).__struct_config__.tag and raw["v"] == version
 
 
 @pytest.mark.parametrize("module", CODECS, ids=lambda m: m.__name__)
@@ -96,7 +98,7 @@ def test_random_bytes_raise_protocol_error_only(module, frame):
 
 
 def test_messages_of_one_direction_do_not_decode_as_the_other():
-    with pytest.raises(ProtocolError, match="unknown"):
+    with pytest.raises(ProtocolError, match="unknown|version 1 is not supported"):
         to_scheduler.decode(from_scheduler.encode(from_scheduler.Heartbeat(pid=1, time=0.0)))
     with pytest.raises(ProtocolError, match="unknown"):
         requests.decode(replies.encode(replies.Chunk(rid="x")))
@@ -179,7 +181,7 @@ def test_bad_scheduler_frames():
         to_scheduler.decode(
             _raw(
                 type="tokenized_request",
-                v=1,
+                v=to_scheduler.PROTOCOL_VERSION,
                 rid="a",
                 input_ids=[1],
                 max_tokens=1,
@@ -219,7 +221,7 @@ def test_defaults_are_documented_values():
         False,
     )
     t = to_scheduler.decode(
-        _raw(type="tokenized_request", v=1, rid="a", input_ids=[1], max_tokens=2)
+        _raw(type="tokenized_request", v=to_scheduler.PROTOCOL_VERSION, rid="a", input_ids=[1], max_tokens=2)
     )
     assert (
         t.sampling == to_scheduler.SamplingParams() and t.eos_token_ids == [] and not t.ignore_eos
@@ -236,3 +238,9 @@ def test_deeply_nested_frames_and_non_integer_versions_are_protocol_errors(codec
         with pytest.raises(ProtocolError, match="must be an integer") as info:
             codec.decode(_raw(type=codec.tags[0], v=v, rid="r7"))
         assert info.value.rid == "r7"
+
+
+def test_a_version_1_scheduler_frame_is_refused():
+    """Version 2 added TokenizedRequest.grammar: a version-1 peer would drop the constraint."""
+    with pytest.raises(ProtocolError, match="version 1 is not supported"):
+        to_scheduler.decode(_raw(type="shutdown", v=1))

@@ -7,9 +7,11 @@ step fills from one pinned host tensor (one non-blocking copy, then device slici
 
 ```
  inputs[bucket] int64 | ids | buffer_slot | positions | out_loc | seq_lens | top_k | seed | step | state_slot |
-                      temp,top_p (f32 pairs) |
+                      mask_row | temp,top_p (f32 pairs) |
  page_table [max_batch, max_pages] int64 (shared; a step writes [:bucket, :its widest row])
  tokens [capacity] int64: a device copy of the scheduler's token buffer; rows with a buffer_slot read it
+ mask [rows, ceil(V/32)] int32: a device copy of the step's grammar mask (worker.token_mask); rows
+                      with mask_row -1 (unconstrained, padding) skip it, so unmasked steps copy nothing
 ```
 
 Rows past the batch duplicate row 0 (token, position, pages, sampling) except that their KV goes to
@@ -33,9 +35,10 @@ from worker.batch import ForwardBatch, SequenceChunk
 from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.sampling import Sampling, SamplingTensors, sample, seed32
+from worker.token_mask import TokenMask, mask_words
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-INT_FIELDS = 9  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step, state_slot; then f32 pairs
+INT_FIELDS = 10  # ids, buffer_slot, positions, out_loc, seq_lens, top_k, seed, step, state_slot, mask_row; f32 pairs
 _MASK32 = 0xFFFFFFFF  # seeds and steps as SamplingTensors.build keeps them
 
 
@@ -76,6 +79,7 @@ class DecodeGraphs:
         self.page_table = torch.zeros(max(self.buckets, default=0), self.max_pages, dtype=torch.int64,
                                       device=self.device)
         self.tokens = torch.zeros(64, dtype=torch.int64, device=self.device)
+        self.mask = torch.zeros(64, mask_words(self.vocab), dtype=torch.int32, device=self.device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.captured: dict[int, _Captured] = {}
 
@@ -87,14 +91,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
-            token_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, V], next_tokens [B])``: views of the graph's outputs, valid until the next
         ``run`` (use them, or copy them, before the next step is launched)."""
         B = len(chunks)
         bucket = next(b for b in self.buckets if b >= B)
-        host, width, reads = self._pack(chunks, sampling, steps, bucket, token_buffer is not None)
+        rows = mask.rows if mask is not None else [-1] * B
+        host, width, reads = self._pack(chunks, sampling, steps, rows, bucket, token_buffer is not None)
         if reads:
             self._mirror(token_buffer, reads)
+        if mask is not None and max(rows) >= 0:
+            self._mirror_mask(mask.words)
         step = self.captured.get(bucket) or self.capture(bucket)
         dev = host.to(self.device, non_blocking=True)
         n = step.inputs.numel()
@@ -122,6 +129,7 @@ class DecodeGraphs:
         fields[1].fill_(-1)  # no buffer slot
         fields[4].fill_(1)  # seq_len 1: the row's own token on the scratch page
         fields[5].fill_(self.vocab)
+        fields[9].fill_(-1)  # no mask row
         floats[1].fill_(1.0)  # top_p
         self.page_table[:bucket].zero_()
         if not self.use_graphs:
@@ -148,7 +156,8 @@ class DecodeGraphs:
         batch = ForwardBatch(ids, f[2], f[3], rows, self.page_table[:bucket], f[4], num_tokens=bucket,
                              is_decode=True, state_slots=f[8] if self.hybrid else None)
         logits = self.model.forward(batch)
-        tensors = SamplingTensors(floats[0], f[5], floats[1], f[6], f[7], all_greedy=False)
+        tensors = SamplingTensors(floats[0], f[5], floats[1], f[6], f[7], all_greedy=False, mask=self.mask,
+                                  mask_rows=f[9])
         return logits, sample(logits, tensors)
 
     def _eager(self, step: _Captured) -> None:
@@ -164,8 +173,8 @@ class DecodeGraphs:
 
     # ==== on the host ====
 
-    def _pack(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int], bucket: int,
-              has_buffer: bool) -> tuple[torch.Tensor, int, int]:
+    def _pack(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int], mask_rows: list[int],
+              bucket: int, has_buffer: bool) -> tuple[torch.Tensor, int, int]:
         """One host tensor: the input block, then the page table ``[bucket, width]``. Returns it, the
         width, and how many token-buffer rows the batch reads (0: none)."""
         P = self.page_size
@@ -185,7 +194,7 @@ class DecodeGraphs:
         rows = [t + [0] * (width - len(t)) for t in table]
         ints = [ids, slots, pos, loc, lens, [p.top_k or self.vocab for p in sampling],
                 [seed32(p) for p in sampling], [s & _MASK32 for s in steps], [max(c.state_slot, 0) for c in chunks]]
-        flat = [v for field in ints for v in field + field[:1] * pad]
+        flat = [v for field in ints for v in field + field[:1] * pad] + mask_rows + [-1] * pad
         flat[3 * bucket + len(chunks):4 * bucket] = [0] * pad  # padded rows write the scratch slot ...
         flat[8 * bucket + len(chunks):9 * bucket] = [0] * pad  # ... and the scratch state
         floats = [p.temperature for p in sampling] + [sampling[0].temperature] * pad
@@ -205,3 +214,13 @@ class DecodeGraphs:
             self.tokens = torch.zeros(1 << (reads - 1).bit_length(), dtype=torch.int64, device=self.device)
             self.captured.clear()
         self.tokens[:reads].copy_(token_buffer[:reads])
+
+    def _mirror_mask(self, words: torch.Tensor) -> None:
+        """Copy the step's mask words into the graphs' own (device to device); more rows than seen
+        so far reallocate it, which drops the graphs that read the old one."""
+        if words.shape[1] != self.mask.shape[1]:
+            raise ValueError(f"mask words {tuple(words.shape)} for a vocabulary of {self.vocab}")
+        if words.shape[0] > self.mask.shape[0]:
+            self.mask = torch.zeros(words.shape, dtype=torch.int32, device=self.device)
+            self.captured.clear()
+        self.mask[:words.shape[0]].copy_(words, non_blocking=True)

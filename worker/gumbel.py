@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
+# the shape of a draw, shared by the sampler's kernel and its twin: a draw picks one of the row's
+# BLOCK-wide blocks, then a token in it; a program's pass over a 152k row is latency-bound, so the
+# more loads in flight the better (4096: 32 us a greedy row on an H200)
+BLOCK = 16384
+ROUND_SEED = 0x632BE5AB  # round r of a draw hashes with seed + r * ROUND_SEED
 
 
 def gumbel_noise_eager(seed: torch.Tensor, step: int | torch.Tensor, token: torch.Tensor) -> torch.Tensor:

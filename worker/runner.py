@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.experts import Experts
-from moe_offload.formats import ExpertFormat, resolve_expert_format
+from moe_offload.fp8 import ExpertFormat, resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
@@ -22,10 +22,11 @@ from worker.kv.state_pool import StatePool
 from worker.memory_plan import MemoryPlan, PlanInputs, host_available_bytes, plan_memory
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
-from worker.expert_format import checkpoint_expert_format
+from worker.quantization import checkpoint_expert_format
 from worker.routing import make_routing, save_record
 from worker.runner_config import RunnerConfig
 from worker.sampling import Sampling, SamplingTensors, sample
+from worker.token_mask import TokenMask
 
 log = logging.getLogger("sluice.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,15 +85,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
-                token_buffer: torch.Tensor | None = None) -> ForwardOutput:
+                token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> ForwardOutput:
         """Run one step. ``steps[b]`` is the index of the token sequence b draws next (seeded
-        sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``. Decode
-        batches replayed from a CUDA graph return views that the next step overwrites."""
+        sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``; ``mask``
+        constrains the sequences it names a row for (grammars). Decode batches replayed from a CUDA
+        graph return views that the next step overwrites."""
+        if mask is not None:
+            mask.check(len(chunks))
         if self.graphs is not None and self.graphs.supports(chunks):
-            return ForwardOutput(*self.graphs.run(chunks, sampling, steps, token_buffer))
+            return ForwardOutput(*self.graphs.run(chunks, sampling, steps, token_buffer, mask))
         batch = build_batch(chunks, self.page_size, self.device, token_buffer, self.pipeline_from)
         logits = self.model.forward(batch)
-        tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device)
+        tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device, mask)
         return ForwardOutput(logits, sample(logits, tensors))
 
     def stats(self) -> dict[str, int | float | str]:

@@ -18,7 +18,7 @@ weighs the blocks of the next draw:
 
 A draw is a block by its mass, then a token in it by Gumbel-max: noise is hashed for one block's
 tokens, not for the whole row. Randomness is ``worker.gumbel``'s hash of (seed + round, step,
-token), blocks hashing as tokens ``V + b``. The twin (``worker.sampling.sample_eager``) runs the
+token), blocks hashing as tokens ``V + b``. The twin (``worker.sampling.sample_eager``, which imports this file lazily) runs the
 same rounds with torch ops; sums differ in the order of their additions, so a draw within a
 rounding error of a block boundary or of the ``top_p`` cut may differ from it.
 """
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.triton_support import pdl_args
-from worker.sampling import BLOCK, ROUND_SEED
+from worker.gumbel import BLOCK, ROUND_SEED
 
 
 def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

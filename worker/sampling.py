@@ -2,7 +2,8 @@
 
 Randomness is a counter-based hash of (seed, step, token id), not a generator's state, so a
 request's draws depend only on its own seed and step: batching it with others, or replaying it,
-gives the same tokens, and no generator state ever has to be read on the host.
+gives the same tokens, and no generator state ever has to be read on the host. A grammar mask
+(``worker.token_mask``), when the step has one, sets the logits of disallowed tokens to -inf first.
 """
 from __future__ import annotations
 
@@ -12,13 +13,10 @@ from typing import Protocol
 import torch
 
 from moe_offload.kernels.triton_support import use_triton
-from worker.gumbel import gumbel_noise_eager
+from worker.gumbel import BLOCK, ROUND_SEED, gumbel_noise_eager
+from worker.token_mask import TokenMask, apply_token_mask
 
 _MASK32 = 0xFFFFFFFF
-# a draw picks one of the row's BLOCK-wide blocks, then a token in it; a program's pass over a
-# 152k row is latency-bound, so the more loads in flight the better (4096: 32 us a greedy row on an H200)
-BLOCK = 16384
-ROUND_SEED = 0x632BE5AB  # round r of a draw hashes with seed + r * ROUND_SEED
 
 
 class Sampling(Protocol):
@@ -46,21 +44,29 @@ class SamplingTensors:
     seed: torch.Tensor  # [B] int64
     step: torch.Tensor  # [B] int64, the index of the token being drawn
     all_greedy: bool
+    mask: torch.Tensor | None = None  # [R, ceil(V/32)] int32 grammar mask words (None: no row is constrained)
+    mask_rows: torch.Tensor | None = None  # [B] int64, each row's mask row, -1 where unconstrained
 
     @classmethod
-    def build(cls, params: list[Sampling], steps: list[int], vocab: int, device: torch.device) -> SamplingTensors:
+    def build(cls, params: list[Sampling], steps: list[int], vocab: int, device: torch.device,
+              mask: TokenMask | None = None) -> SamplingTensors:
         floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+        rows = mask.rows if mask is not None else [-1] * len(params)
         ints = torch.tensor([[min(p.top_k or vocab, vocab) for p in params], [seed32(p) for p in params],
-                             [s & _MASK32 for s in steps]], dtype=torch.int64)
+                             [s & _MASK32 for s in steps], rows], dtype=torch.int64)
         if device.type == "cuda":
             floats = floats.pin_memory().to(device, non_blocking=True)
             ints = ints.pin_memory().to(device, non_blocking=True)
-        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], all_greedy=all(p.temperature == 0 for p in params))
+        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], all_greedy=all(p.temperature == 0 for p in params),
+                   mask=mask.words if mask is not None else None, mask_rows=ints[3] if mask is not None else None)
 
 
 def sample(logits: torch.Tensor, s: SamplingTensors, *, backend: str | None = None) -> torch.Tensor:
     """``logits [B, V]`` float32 -> next tokens ``[B]`` int64, never reading the device on the host
-    (``worker.sample_kernel``); the twin runs elsewhere."""
+    (``worker.sample_kernel``); the twin runs elsewhere. Masked tokens go to -inf in ``logits``
+    first (in place)."""
+    if s.mask is not None:
+        apply_token_mask(logits, s.mask, s.mask_rows, backend=backend)
     if s.all_greedy:
         return logits.argmax(dim=-1)
     if use_triton(logits, backend) and logits.shape[1] > 0:

@@ -7,6 +7,7 @@ from typing import Annotated, Union
 import msgspec
 
 from scheduler.messages.codec import Codec
+from scheduler.messages.to_scheduler import Grammar
 
 API_VERSION = 1
 
@@ -46,6 +47,7 @@ class Generate(_Message, tag="generate", kw_only=True):
     stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
     stream: bool = False
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # constrained decoding (the HTTP APIs build it; see frontend.http.grammars)
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]

@@ -16,9 +16,10 @@ from frontend.http.errors import ApiError
 from frontend.http.parsers import ReplyFormat
 from frontend.http.schemas import ChatRequest, CompletionRequest, ContentPart, Message, _Sampling
 from frontend.tokenizer import RENDER_VARIABLES, ChatTemplateError, ChatTokenizer
+from scheduler.messages.to_scheduler import Grammar
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_CONSTRAINED = "it needs constrained decoding, which Sluice does not have yet"
+_CONSTRAINED = "use response_format (json_object or json_schema) for constrained output"
 _SAMPLER = "the sampler does not implement it"
 # Fields that would change the output and that Sluice does not implement: refused unless absent
 # or set to the value that changes nothing (which some clients always send).
@@ -31,8 +32,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (1.0, _SAMPLER),
     "min_p": (0.0, _SAMPLER),
     "logit_bias": ({}, _SAMPLER),
-    "response_format": ({"type": "text"}, "only {\"type\": \"text\"} is; json_object and json_schema "
-                        "need constrained decoding, which Sluice does not have yet"),
     "structured_outputs": (None, _CONSTRAINED),
     **{f"guided_{kind}": (None, _CONSTRAINED) for kind in (
         "json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
@@ -53,13 +52,10 @@ def check_request(body: _Sampling, served_name: str) -> None:
 
 
 def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
-    """The tools the template sees. Forcing a call ("required", a named function) would need
-    constrained decoding, which Sluice does not have, so it is refused rather than ignored."""
+    """The tools the template sees (a forced call, "required" or a named function, is constrained
+    by ``frontend.http.constrain``)."""
     if not body.tools or body.tool_choice == "none":
         return None
-    if body.tool_choice not in (None, "auto"):
-        raise ApiError(400, "tool_choice must be 'auto' or 'none' (forcing a call is not "
-                       "supported)", param="tool_choice")
     return [msgspec.to_builtins(t) for t in body.tools]
 
 
@@ -157,10 +153,10 @@ def completion_prompt(body: CompletionRequest) -> dict[str, Any]:
 
 
 def to_generate(body: _Sampling, prompt: dict[str, Any], max_tokens: int | None,
-                default_max_tokens: int) -> requests.Generate:
+                default_max_tokens: int, grammar: Grammar | None = None) -> requests.Generate:
     """The internal request, converted (and so range-checked) as a decoded ZMQ frame would be."""
     fields: dict[str, Any] = {"rid": "http", **prompt, "stream": body.stream,
-                              "ignore_eos": body.ignore_eos,
+                              "ignore_eos": body.ignore_eos, "grammar": grammar,
                               "max_tokens": default_max_tokens if max_tokens is None else max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(body, name) is not None:

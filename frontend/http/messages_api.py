@@ -13,9 +13,11 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.http.errors import ApiError
-from frontend.http.schemas import CalledFunction, ChatRequest, FunctionDef, Message, Tool, ToolCall
+from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, NamedFunction,
+                                  NamedToolChoice, Tool, ToolCall)
 
-CONSTRAINED = "needs constrained decoding, which Sluice does not have yet"
+CONSTRAINED = ("is not supported: Sluice constrains a forced call (tool_choice 'any' or 'tool'), "
+               "not the calls a model makes on its own")
 
 
 class _In(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -112,12 +114,11 @@ def check(body: MessagesPrompt) -> None:
         raise ApiError(400, f"thinking {body.thinking.type!r} is not supported: Sluice does not split "
                        "reasoning into thinking blocks yet (send {\"type\": \"disabled\"})", param="thinking")
     choice = body.tool_choice
-    if choice is not None and choice.type in ("any", "tool"):
-        raise ApiError(400, f"tool_choice {choice.type!r} forces a tool call, which {CONSTRAINED}; "
-                       "use 'auto' or 'none'", param="tool_choice")
-    if choice is not None and choice.disable_parallel_tool_use:
-        raise ApiError(400, "tool_choice.disable_parallel_tool_use is not supported (the model "
-                       "decides how many calls it makes)", param="tool_choice")
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise ApiError(400, "tool_choice 'tool' needs the tool's name", param="tool_choice.name")
+    if choice is not None and choice.disable_parallel_tool_use and choice.type not in ("any", "tool"):
+        raise ApiError(400, "tool_choice.disable_parallel_tool_use is not supported with 'auto' (the model "
+                       "decides how many calls it makes; 'any' and 'tool' force exactly one)", param="tool_choice")
 
 
 def to_chat(body: MessagesPrompt) -> ChatRequest:
@@ -134,7 +135,16 @@ def to_chat(body: MessagesPrompt) -> ChatRequest:
         sampling = dict(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                         top_p=body.top_p, top_k=body.top_k, stream=body.stream)
     return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
-                       tool_choice=body.tool_choice.type if body.tool_choice else None, **sampling)
+                       tool_choice=_tool_choice(body.tool_choice), **sampling)
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:
+    """Chat's tool_choice: ``any`` is "required", ``tool`` names its function (both constrained)."""
+    if choice is None or choice.type in ("auto", "none"):
+        return choice.type if choice else None
+    if choice.type == "any":
+        return "required"
+    return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
@@ -147,7 +157,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
                            "tools (custom tools are served)", param=where)
         t = _typed(tool, CustomTool, where)
         if t.strict:
-            raise ApiError(400, f"{where}.strict {CONSTRAINED}", param=where)
+            raise ApiError(400, f"{where}.strict {CONSTRAINED}", param=f"{where}.strict")
         out.append(Tool(type="function", function=FunctionDef(
             name=t.name, description=t.description, parameters=t.input_schema)))
     return out

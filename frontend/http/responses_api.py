@@ -16,9 +16,9 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.http.errors import ApiError
-from frontend.http.responses_objects import ResponseObject, TextConfigOut
-from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, Tool,
-                                   ToolCall)
+from frontend.http.responses_objects import ResponseObject, TextConfigOut, TextFormatOut
+from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, NamedFunction,
+                                   NamedToolChoice, Tool, ToolCall)
 
 log = logging.getLogger("sluice.http")
 
@@ -26,7 +26,6 @@ log = logging.getLogger("sluice.http")
 HOSTED_TOOLS = ("web_search", "file_search", "computer", "code_interpreter", "image_generation",
                 "mcp", "tool_search")
 TEXT_PARTS = ("input_text", "output_text", "text")
-CONSTRAINED = "needs constrained decoding, which Sluice does not have yet"
 
 
 class _In(msgspec.Struct, kw_only=True):
@@ -34,7 +33,17 @@ class _In(msgspec.Struct, kw_only=True):
 
 
 class TextFormat(_In, kw_only=True):
-    type: str
+    type: str  # text, json_object or json_schema (with name, schema, strict)
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        """Chat's ``response_format`` for it (``frontend.http.constrain`` reads that)."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema, "strict": self.strict}}
 
 
 class TextConfig(_In, kw_only=True):
@@ -125,8 +134,6 @@ def check(body: ResponsesRequest) -> None:
             raise ApiError(400, stateless.format(name), param=name)
     if body.store:
         raise ApiError(400, "stateless: store is not supported (send store: false)", param="store")
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise ApiError(400, f"text.format {body.text.format.type!r} {CONSTRAINED}", param="text.format")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise ApiError(400, "text.verbosity is not supported (only 'medium', the default)",
                        param="text.verbosity")
@@ -153,7 +160,7 @@ def to_chat(body: ResponsesRequest) -> ChatRequest:
     messages = [Message(role="system", content=body.instructions)] if body.instructions else []
     messages += input_messages(body.input)
     return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
-                       tool_choice=_tool_choice(body.tool_choice),
+                       tool_choice=_tool_choice(body.tool_choice), response_format=_format(body),
                        max_completion_tokens=body.max_output_tokens, temperature=body.temperature,
                        top_p=body.top_p, stream=body.stream,
                        reasoning_effort="none" if _effort(body) == "none" else None)
@@ -163,12 +170,21 @@ def _effort(body: ResponsesRequest) -> str | None:
     return body.reasoning.effort if body.reasoning is not None else None
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> Literal["auto", "none"]:
-    if choice in (None, "auto", "none"):
+def _format(body: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = body.text.format if body.text is not None else None
+    return fmt.response_format() if fmt is not None else None
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | NamedToolChoice:
+    """Chat's tool_choice: "required" and ``{"type": "function", "name": ...}`` force a call
+    (constrained decoding); hosted and allowed-tools choices are refused."""
+    if choice in (None, "auto", "none", "required"):
         return choice or "auto"
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice["name"]))
     what = repr(choice) if isinstance(choice, str) else f"of type {choice.get('type')!r}"
-    raise ApiError(400, f"tool_choice {what} forces a call, which {CONSTRAINED}; use 'auto' or "
-                   "'none'", param="tool_choice")
+    raise ApiError(400, f"tool_choice {what} is not supported (auto, none, required, or a function by "
+                   "name)", param="tool_choice")
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
@@ -277,7 +293,14 @@ def frame(body: ResponsesRequest) -> ResponseObject:
         id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress",
         model=body.model, instructions=body.instructions, output=[],
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        tool_choice=_tool_choice(body.tool_choice),
+        tool_choice=body.tool_choice or "auto",
         tools=declared_tools(body.tools),
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-        metadata=body.metadata or {}, text=TextConfigOut(), usage=None)
+        metadata=body.metadata or {}, text=_text_out(body), usage=None)
+
+
+def _text_out(body: ResponsesRequest) -> TextConfigOut:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None:
+        return TextConfigOut()
+    return TextConfigOut(format=TextFormatOut(type=fmt.type, name=fmt.name, schema=fmt.schema, strict=fmt.strict))

@@ -54,8 +54,11 @@ TextItem = Union[MessageOut, ReasoningOut]  # an item of one text part, streamed
 OutputItem = Union[MessageOut, ReasoningOut, FunctionCallOut]
 
 
-class TextFormatOut(_Out, kw_only=True, frozen=True):
-    type: Literal["text"] = "text"
+class TextFormatOut(_Out, kw_only=True, frozen=True, omit_defaults=True):
+    type: str = "text"  # text, json_object or json_schema, as requested
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextConfigOut(_Out, kw_only=True):
@@ -108,7 +111,7 @@ class ResponseObject(_Out, kw_only=True):
     instructions: str | None
     output: list[OutputItem]
     parallel_tool_calls: bool
-    tool_choice: Literal["auto", "none"]
+    tool_choice: str | dict[str, Any]  # as the request sent it
     tools: list[dict[str, Any]]  # as declared, less the hosted tools that were dropped
     max_output_tokens: int | None
     temperature: float | None

@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from frontend.api import requests
-from frontend.http import chat, completions, convert, responses_api, responses_reply, sse
+from frontend.http import chat, completions, constrain, convert, responses_api, responses_reply, sse
 from frontend.http import messages_api, messages_objects, messages_reply
 from frontend.http import responses as r
 from frontend.http.context import HttpContext
@@ -57,8 +57,9 @@ def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generat
     convert.check_request(body, ctx.served_name(body.model))
     tools = convert.chat_tools(body)
     ids = convert.chat_prompt_ids(body, tools, frontend.tokenizer)
+    grammar = constrain.chat_grammar(body, tools, convert.reply_format(body, ids, frontend.tokenizer))
     generate = convert.to_generate(body, {"input_ids": ids}, convert.chat_max_tokens(body),
-                                   frontend.model.max_context_tokens)
+                                   frontend.model.max_context_tokens, grammar)
     return generate, bool(tools)
 
 
@@ -102,8 +103,9 @@ async def text_completions(request: Request) -> Response:
     convert.check_request(body, ctx.served_name(body.model))
     if body.echo or body.suffix or (body.best_of or 1) > 1:
         raise ApiError(400, "echo, suffix and best_of are not supported")
+    grammar = constrain.response_format_grammar(body.response_format, None)
     generate = convert.to_generate(body, convert.completion_prompt(body), body.max_tokens,
-                                   convert.COMPLETION_DEFAULT_MAX_TOKENS)
+                                   convert.COMPLETION_DEFAULT_MAX_TOKENS, grammar)
     response_ids = r.ResponseIds.new("cmpl", body.model)
     session = await _start(ctx, generate)
     if body.stream:

@@ -16,7 +16,8 @@ Flow:
    <engine args>``; the engine args are the frontend's unknown CLI options, passed verbatim.
 2. The scheduler loads the model and sends ``Ready(pid, model)`` once; from then on it sends a
    ``Heartbeat`` (or any message) at least every ``HEARTBEAT_INTERVAL_S``.
-3. Each client request becomes a ``TokenizedRequest`` with a frontend-unique ``rid``. The scheduler
+3. Each client request becomes a ``TokenizedRequest`` with a frontend-unique ``rid`` (and, when
+   constrained, a ``Grammar``). The scheduler
    answers with ``TokenUpdate``s inside ``TokenBatch``es (one batch per step), the last one with
    ``finished=True`` and a ``finish_reason``, or with one ``RequestError``.
 4. ``AbortRequest(rid)`` (client abort, stop string matched, client gone) frees the request; the

@@ -13,8 +13,8 @@ PROTOCOL_VERSION = 1
 # The scheduler sends a Heartbeat at least this often once Ready is sent; any message counts as one.
 HEARTBEAT_INTERVAL_S = 1.0
 
-# "stop": an EOS id was sampled (it is the last id of token_ids); "length": max_tokens reached;
-# "abort": the scheduler gave the request up on its own (it never needs to answer AbortRequest).
+# "stop": an EOS id was sampled (it is the last id of token_ids), or the request's grammar is
+# complete; "length": max_tokens reached; "abort": the scheduler gave the request up on its own (it never needs to answer AbortRequest).
 FinishReason = Literal["stop", "length", "abort"]
 
 StatValue = Union[bool, int, float, str, None]

@@ -8,7 +8,8 @@ import msgspec
 
 from scheduler.messages.codec import Codec
 
-PROTOCOL_VERSION = 1
+# 2: TokenizedRequest.grammar (a scheduler of version 1 would ignore it and not constrain the output)
+PROTOCOL_VERSION = 2
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 _INT64_MAX = 2**63 - 1
@@ -34,6 +35,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+class Grammar(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the output, in llguidance's Lark dialect (a JSON schema is ``start: %json
+    {...}``): the scheduler masks every token the grammar does not allow, and the request finishes
+    ("stop") when the grammar is complete. ``what`` names it for errors ("response_format
+    json_schema", "tool_choice required")."""
+
+    lark: Annotated[str, msgspec.Meta(min_length=1)]
+    what: str = "grammar"
+
+
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = PROTOCOL_VERSION
 
@@ -48,6 +59,7 @@ class TokenizedRequest(_Message, tag="tokenized_request", kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     eos_token_ids: list[NonNegInt] = []
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # constrained decoding (the scheduler refuses one it cannot compile)
 
 
 class AbortRequest(_Message, tag="abort_request", kw_only=True):

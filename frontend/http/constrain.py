@@ -1,0 +1,57 @@
+"""A Chat request's constraint on its output (Responses and Messages adapt into Chat requests, so
+this is theirs too): ``response_format`` json_object / json_schema, or a forced tool call
+(``tool_choice`` "required" or a named function), as the scheduler's ``Grammar``; None when the
+output is free. The grammars themselves are built and checked in ``frontend.http.grammars``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from frontend.http import grammars
+from frontend.http.errors import ApiError
+from frontend.http.parsers import ReplyFormat
+from frontend.http.schemas import ChatRequest, NamedToolChoice
+from scheduler.messages.to_scheduler import Grammar
+
+
+def chat_grammar(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: ReplyFormat) -> Grammar | None:
+    call = forced_call(body, tools, reply)
+    output = response_format_grammar(body.response_format, reply)
+    if call is not None and output is not None:
+        raise ApiError(400, "tool_choice forces a call and response_format constrains the text: send one "
+                       "of them", param="response_format")
+    return call or output
+
+
+def forced_call(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: ReplyFormat) -> Grammar | None:
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    what = f"tool_choice {name!r}" if name else f"tool_choice {choice!r}"
+    if not tools:
+        raise ApiError(400, f"{what} needs tools", param="tool_choice")
+    grammars.refuse_in_reasoning(reply, what, "tool_choice")
+    return grammars.tool_call_grammar(tools, name, reply, what)
+
+
+def response_format_grammar(fmt: dict[str, Any] | None, reply: ReplyFormat | None) -> Grammar | None:
+    """``{"type": "text"}`` (None), ``json_object`` or ``json_schema`` (``{"json_schema": {"name",
+    "schema", "strict"}}``); any other type is a 400."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    what, param = f"response_format {kind}", "response_format"
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema", param=param)
+        schema = spec["schema"]
+    else:
+        raise ApiError(400, f"response_format of type {kind!r} is not supported (text, json_object or "
+                       "json_schema)", param=param)
+    if reply is not None:
+        grammars.refuse_in_reasoning(reply, what, param)
+    return grammars.json_grammar(schema, what, param)

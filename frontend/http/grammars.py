@@ -1,0 +1,83 @@
+"""What the APIs constrain, as the scheduler's ``Grammar`` (llguidance's Lark, ``scheduler.grammar``
+compiles it): ``response_format`` json_object / json_schema (Chat; ``text.format`` of Responses)
+and forced tool calls (``tool_choice`` "required" or a named function; Anthropic's ``any`` and
+``tool``), written in the model's call markup, Hermes / Qwen JSON ``<tool_call>`` blocks, with
+the arguments held to the tool's parameters schema.
+
+Every grammar is checked here first, so that a schema with an unsupported keyword, an
+unsatisfiable one or one too large gets a 400 naming what is wrong before anything is queued.
+JSON is written as ``json.dumps`` writes it (", " and ": ", no other whitespace): whitespace left
+free lets a model pad forever.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import llguidance
+
+from frontend.http.errors import ApiError
+from frontend.http.parsers import ReplyFormat
+from scheduler.messages.to_scheduler import Grammar
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+MAX_GRAMMAR_CHARS = 256 << 10  # a schema past this is refused before it is compiled
+# the scheduler's bounds (scheduler.grammar.LIMITS): a grammar that passes here compiles there
+LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
+OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
+
+
+def json_grammar(schema: Any, what: str, param: str) -> Grammar:
+    """``schema`` (a JSON schema object; ``{"type": "object"}`` for json_object) as a grammar."""
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{what}: the schema must be a JSON object", param=param)
+    return checked(Grammar(lark=f"start: %json {_schema_text(schema)}", what=what), param)
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, reply: ReplyFormat, what: str,
+                      param: str = "tool_choice") -> Grammar:
+    """One call, of the tool ``name`` (None: any of ``tools``), in the template's markup."""
+    if reply.markup.calls != "json":
+        raise ApiError(400, f"{what} is not supported for this model: its chat template writes calls in the "
+                       "XML format, and forced calls are built for the JSON <tool_call> format only", param=param)
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise ApiError(400, f"{what}: no tool named {name!r} among the request's tools", param=param)
+    calls = [_call_schema(t["function"]) for t in chosen]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    lark = f"start: {json.dumps(OPEN_CALL)} %json {_schema_text(schema)} {json.dumps(CLOSE_CALL)}"
+    return checked(Grammar(lark=lark, what=what), param)
+
+
+def refuse_in_reasoning(reply: ReplyFormat, what: str, param: str) -> None:
+    """A prompt that opened ``<think>`` wants reasoning before the constrained output, which the
+    grammars here do not allow for: refused rather than forcing JSON into the reasoning."""
+    if reply.in_reasoning:
+        raise ApiError(400, f"{what} is not supported while the model reasons first (the prompt opens <think>); "
+                       "turn thinking off, e.g. chat_template_kwargs {\"enable_thinking\": false}", param=param)
+
+
+def checked(grammar: Grammar, param: str) -> Grammar:
+    """``grammar``, or a 400 with llguidance's reason (unimplemented keys, unsatisfiable, too large)."""
+    if len(grammar.lark) > MAX_GRAMMAR_CHARS:
+        raise ApiError(400, f"{grammar.what}: the schema is too large ({len(grammar.lark)} characters of grammar; "
+                       f"at most {MAX_GRAMMAR_CHARS})", param=param)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=LIMITS)
+    if failed:
+        reason = re.sub(r"^at \d+\(\d+\): ", "", messages[0].split("\n")[0]) if messages else "it does not compile"
+        raise ApiError(400, f"{grammar.what} is not supported: {reason}", param=param)
+    return grammar
+
+
+def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A Hermes call object: ``{"name": NAME, "arguments": {...}}``, the arguments by the tool's schema."""
+    parameters = function.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    """The schema with the JSON layout options, as JSON text (a client's own x-guidance is replaced)."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)

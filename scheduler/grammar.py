@@ -1,0 +1,83 @@
+"""Constrained decoding on the scheduler's side, with llguidance (chosen by measurement:
+docs/architecture.md, "Constrained decoding"): a request's ``Grammar`` compiles against the
+model's tokenizer into a matcher; before each step that samples for the request, the matcher
+fills the request's row of the host mask; each token read back is consumed, and a complete
+grammar finishes the request.
+
+```
+ host (pinned) words [max_running, ceil(V/32)] int32   row = the request's token-buffer row
+   fill rows of the step's constrained requests (one call, llguidance's threads, GIL released)
+   -> one non-blocking copy into the device words -> worker.token_mask in sampling (and graphs)
+```
+
+The host rows are written only when no step that reads them is in flight: the engine reads a
+masked step's tokens before it launches the next (a constrained request needs them anyway).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import llguidance
+import llguidance.torch as llt
+import torch
+
+from scheduler.messages.to_scheduler import Grammar
+from worker.token_mask import mask_words
+
+# llguidance's defaults bound a grammar's size and each step's work; a schema past them is an
+# error (a 400), never a hang: see LLParserLimits
+LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or that allows no token."""
+
+
+class Grammars:
+    """The model's tokenizer as llguidance reads it (its ids padded to the model's vocabulary),
+    and the compiler of requests' grammars."""
+
+    def __init__(self, tokenizer_json: str, vocab: int, eos_ids: Sequence[int]):
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids) or None)
+        except ValueError as exc:
+            raise GrammarError(f"constrained decoding cannot read this model's tokenizer: {exc}") from None
+        self.vocab = vocab
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str | Path, vocab: int, eos_ids: Sequence[int]) -> Grammars:
+        try:
+            text = (Path(tokenizer_dir) / "tokenizer.json").read_text()
+        except OSError as exc:
+            raise GrammarError(f"constrained decoding needs the model's tokenizer.json: {exc}") from None
+        return cls(text, vocab, eos_ids)
+
+    def compile(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """A fresh matcher for ``grammar``, or GrammarError naming what is wrong with it."""
+        matcher = llguidance.LLMatcher(self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
+                                       log_level=0, limits=LIMITS)
+        if matcher.is_error():
+            raise GrammarError(f"{grammar.what}: {matcher.get_error()}")
+        return matcher
+
+
+class HostMask:
+    """The step's grammar mask: a pinned host row per token-buffer row, and its device copy."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(rows, mask_words(vocab), dtype=torch.int32, pin_memory=cuda)
+        self.device_words = torch.zeros_like(self.host, device=device) if cuda else self.host
+        self.executor = llguidance.LLExecutor()
+
+    def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> list[int]:
+        """Fill the rows of ``(matcher, row)``; returns the rows their grammar leaves no token in."""
+        llt.fill_next_token_bitmask_par(self.executor, matchers, self.host)
+        return [row for m, row in matchers if m.is_error() or not bool(self.host[row].any())]
+
+    def to_device(self) -> torch.Tensor:
+        """The words on the device (one non-blocking copy on CUDA)."""
+        if self.device_words is not self.host:
+            self.device_words.copy_(self.host, non_blocking=True)
+        return self.device_words

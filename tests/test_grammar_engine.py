@@ -1,0 +1,132 @@
+"""Constrained decoding through the engine on a tiny random model with a byte-level tokenizer: a
+random model writes anything, so every reply that parses and validates is the mask's doing.
+Greedy and sampled, alone and batched with unconstrained requests (which must come out as they
+would alone), with overlap on and off; a grammar that leaves no token fails its request only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from frontend.http.grammars import json_grammar, tool_call_grammar
+from frontend.http.parsers import ReplyFormat
+from frontend.http.parsers.json_calls import parse_tool_calls
+from scheduler.engine import Engine, EngineConfig
+from scheduler.grammar import GrammarError, Grammars
+from scheduler.messages.to_scheduler import Grammar, SamplingParams
+from scheduler.request import Request
+from tests.fake_scheduler import EOS_ID, SPECIALS, write_byte_tokenizer
+from tests.test_engine import run
+from tests.tiny_models import write_tiny
+from worker.runner import ModelRunner, RunnerConfig
+
+VOCAB = 256 + len(SPECIALS)
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Lima"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "note": {"type": "string", "maxLength": 6},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["city", "days", "note", "tags"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+PROMPT = list(b"<|user|>\nthe weather as JSON\n<|assistant|>\n")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-grammar")
+    write_tiny(path, "mixtral", seed=3, layers=2, vocab=VOCAB, hidden=64, experts=4, top_k=2)
+    write_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir) -> Grammars:
+    return Grammars.from_dir(model_dir, VOCAB, [EOS_ID])
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir) -> ModelRunner:
+    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", page_size=4, kv_tokens=4096,
+                                    max_prefill_tokens=16))
+
+
+def engine_on(runner: ModelRunner, config: dict) -> Engine:
+    """An engine without a prefix cache, so that engines in turn on one runner find its pool whole."""
+    return Engine(runner, EngineConfig(prefix_cache=False, **config))
+
+
+def text(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+def constrained(rid: str, grammars: Grammars, grammar: Grammar, temperature: float = 0.0, seed: int = 0,
+                max_tokens: int = 160) -> Request:
+    req = Request(rid, PROMPT, SamplingParams(temperature=temperature, seed=seed), max_tokens, frozenset({EOS_ID}))
+    req.grammar = grammars.compile(grammar)
+    return req
+
+
+def free(rid: str, prompt: list[int], max_tokens: int = 20) -> Request:
+    return Request(rid, prompt, SamplingParams(), max_tokens, frozenset({EOS_ID}))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_and_sampled_replies_parse_and_validate(runner, grammars, overlap):
+    grammar = json_grammar(SCHEMA, "response_format json_schema", "response_format")
+    reqs = [constrained("greedy", grammars, grammar)]
+    reqs += [constrained(f"t{i}", grammars, grammar, temperature=1.0, seed=i) for i in range(6)]
+    results = run(engine_on(runner, dict(max_running=8, overlap=overlap)), reqs)
+    for rid, (tokens, reason, _) in results.items():
+        assert reason == "stop", (rid, text(tokens))
+        jsonschema.validate(json.loads(text(tokens)), SCHEMA)
+    assert len({text(r[0]) for r in results.values()}) > 2  # sampling still samples
+
+
+def test_unconstrained_requests_are_neither_changed_nor_held_back(runner, grammars):
+    prompts = [list(b"alpha beta"), list(b"one two three four"), list(b"x")]
+    alone = run(engine_on(runner, dict(max_running=8)), [free(str(i), p) for i, p in enumerate(prompts)])
+    engine = engine_on(runner, dict(max_running=8))
+    grammar = json_grammar(SCHEMA, "response_format json_schema", "response_format")
+    mixed = [free(str(i), p) for i, p in enumerate(prompts)]
+    mixed += [constrained(f"c{i}", grammars, grammar, temperature=1.0, seed=i, max_tokens=200) for i in range(3)]
+    steps, seen = 0, {}
+    for r in mixed:
+        assert engine.submit(r) is None
+    while engine.has_work:
+        steps += 1
+        for u in engine.step():
+            seen.setdefault(u.rid, []).extend(u.token_ids)
+            if u.finished and u.rid in alone:
+                seen[u.rid + ".step"] = steps
+    for rid, (tokens, _, _) in alone.items():
+        assert seen[rid] == tokens
+        assert seen[rid + ".step"] <= len(tokens) + 3  # one step per token (+ prefill, overlap), not two
+    for rid in ("c0", "c1", "c2"):
+        jsonschema.validate(json.loads(text(seen[rid])), SCHEMA)
+    engine.check_pages()
+
+
+def test_a_forced_tool_call_parses_and_its_arguments_validate(runner, grammars):
+    reply = ReplyFormat.of(None, "", {"get_weather": WEATHER["function"]["parameters"]})
+    grammar = tool_call_grammar([WEATHER], None, reply, "tool_choice 'required'")
+    reqs = [constrained(f"s{i}", grammars, grammar, temperature=1.0, seed=i) for i in range(4)]
+    for rid, (tokens, reason, _) in run(engine_on(runner, dict(max_running=4)), reqs).items():
+        content, calls = parse_tool_calls(text(tokens))
+        assert reason == "stop" and content is None and [c.name for c in calls] == ["get_weather"], text(tokens)
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_grammar_that_allows_no_token_fails_its_request_only(runner, grammars):
+    with pytest.raises(GrammarError, match="test grammar"):
+        grammars.compile(Grammar(lark='start: "ok" <[300]>', what="test grammar"))  # no token 300
+    engine = engine_on(runner, dict(max_running=4))
+    stuck = constrained("stuck", grammars, Grammar(lark='start: "a"', what="test"))
+    assert not stuck.grammar.consume_token(ord("z"))  # a matcher in error allows nothing
+    results = run(engine, [stuck, free("fine", list(b"abc"))])
+    assert results["fine"][1] in ("stop", "length") and results["stuck"] == [[], None, []]
+    [failure] = engine.take_failures()
+    assert failure.rid == "stuck" and "allows no next token" in failure.message
