@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.experts import Experts
-from moe_offload.fp8 import ExpertFormat, resolve_expert_format
+from moe_offload.formats import ExpertFormat, resolve_expert_format
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
@@ -22,7 +22,7 @@ from worker.kv.state_pool import StatePool
 from worker.memory_plan import MemoryPlan, PlanInputs, host_available_bytes, plan_memory
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
-from worker.quantization import checkpoint_expert_format
+from worker.expert_format import checkpoint_expert_format
 from worker.routing import make_routing, save_record
 from worker.runner_config import RunnerConfig
 from worker.sampling import Sampling, SamplingTensors, sample
