@@ -14,7 +14,9 @@ at once. Launches: align (which sorts in registers up to IN_KERNEL_SORT_MAX pair
 are sorted by torch.sort first), gate_up+SiLU, down (times the combine weight), sum over k.
 
 Callers go through ``moe_offload.grouped.grouped_swiglu``, which checks the arguments. Fp8 banks
-take ``grouped_gemm_fp8``, which shares this file's alignment and sum over k.
+take ``grouped_gemm_fp8``, which shares this file's alignment and sum over k. gpt-oss's experts add
+a bias row (by the pair's expert id) to each dot and take the clamped activation; the epilogue
+pieces (``bias_rows``, ``activate``) are the 4-bit kernels' (``grouped_gemm_w4_tiles``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
+from moe_offload.kernels.grouped_gemm_w4_tiles import activate, bias_rows
 from moe_offload.kernels.triton_support import pdl_args
 
 
@@ -184,6 +188,15 @@ def swiglu_rows(a_ptrs, row_ok, g_ptrs, u_ptrs, col_ok, hidden, stride_xh, strid
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """silu(a . g) * (a . u) of ``BLOCK_M`` rows (``a_ptrs [M, 1]``, rows not ``row_ok`` read as 0)
     and ``BLOCK_N`` columns of one slot's gate and up weights (``g_ptrs``, ``u_ptrs`` ``[1, N]``)."""
+    acc_g, acc_u = gate_up_rows(a_ptrs, row_ok, g_ptrs, u_ptrs, col_ok, hidden, stride_xh, stride_wh,
+                                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    return acc_g * tl.sigmoid(acc_g) * acc_u
+
+
+@triton.jit
+def gate_up_rows(a_ptrs, row_ok, g_ptrs, u_ptrs, col_ok, hidden, stride_xh, stride_wh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``(a . g, a . u)`` in float32, before the activation (``swiglu_rows``' arguments)."""
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -195,7 +208,7 @@ def swiglu_rows(a_ptrs, row_ok, g_ptrs, u_ptrs, col_ok, hidden, stride_xh, strid
         u = tl.load(u_ptrs + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
         acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-    return acc_g * tl.sigmoid(acc_g) * acc_u
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -214,33 +227,42 @@ def down_rows(a_ptrs, a_mask, w_ptrs, col_ok, inter, stride_wi,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
-                    num_pairs, top_k, hidden, inter, num_blocks,
+def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, ids_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
+                    num_pairs, top_k, hidden, inter, num_blocks, num_bias,
                     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n])."""
+                    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr, GPT_OSS: tl.constexpr,
+                    LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """act[row, n] = silu(x[token] . w13[slot, n]) * (x[token] . w13[slot, I + n]); gpt-oss: each
+    dot plus its bias row (``b13 [E, 2I]`` at the pair's expert id), the clamped activation."""
     rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, inter, total_ptr, sorted_pairs_ptr, slots_ptr,
                                                        BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)
+    row_ok = pairs < num_pairs
+    tokens = tl.where(row_ok, pairs // top_k, 0).to(tl.int64)
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
-    act = swiglu_rows(x_ptr + tokens[:, None] * stride_xt, pairs < num_pairs, g_ptrs, g_ptrs + inter * stride_wn,
-                      col_ok, hidden, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    acc_g, acc_u = gate_up_rows(x_ptr + tokens[:, None] * stride_xt, row_ok, g_ptrs, g_ptrs + inter * stride_wn,
+                                col_ok, hidden, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if BIAS:
+        acc_g += bias_rows(b13_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :],
+                           num_bias, 2 * inter, BIAS)
+        acc_u += bias_rows(b13_ptr + inter, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :],
+                           col_ok[None, :], num_bias, 2 * inter, BIAS)
+    act = activate(acc_g, acc_u, GPT_OSS, LIMIT, ALPHA)
     # Padding rows are stored too (as zeros) so the down GEMM reads no uninitialised memory.
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr, weights_ptr,
-                 num_pairs, hidden, inter, num_blocks,
+def _down_kernel(act_ptr, w2_ptr, b2_ptr, ids_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr, weights_ptr,
+                 num_pairs, hidden, inter, num_blocks, num_bias,
                  stride_ws, stride_wh, stride_wi,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h]), one row per (token, k) pair;
-    ``sum_over_k`` adds up a token's k rows afterwards."""
+                 GROUP_M: tl.constexpr, PRECISION: tl.constexpr, BIAS: tl.constexpr):
+    """out[pair, h] = weight[pair] * (act[row] . w2[slot, h] (+ b2[id, h])), one row per (token, k)
+    pair; ``sum_over_k`` adds up a token's k rows afterwards."""
     rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, hidden, total_ptr, sorted_pairs_ptr, slots_ptr,
                                                        BLOCK_M, BLOCK_N, GROUP_M)
     if done:
@@ -249,6 +271,9 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_pt
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
     acc = down_rows(act_ptr + rows[:, None].to(tl.int64) * inter, row_ok[:, None], w_ptrs, col_ok, inter,
                     stride_wi, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if BIAS:
+        acc += bias_rows(b2_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :],
+                         num_bias, hidden, BIAS)
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :]
@@ -278,8 +303,11 @@ def _sum_k_kernel(pair_out_ptr, slots_ptr, out_ptr, num_slots, hidden, top_k,
 
 def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                          w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The Triton path of ``grouped_swiglu``; arguments are already checked."""
+                         out_dtype: torch.dtype | None = None, w13_bias: torch.Tensor | None = None,
+                         w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
+                         activation: str = "silu") -> torch.Tensor:
+    """The Triton path of ``grouped_swiglu``; arguments are already checked (gpt-oss's biases,
+    indexed by ``bias_ids``, and activation as there)."""
     num_tokens, top_k = slots.shape
     num_slots, inter, dim = w2.shape[0], w2.shape[2], hidden.shape[1]
     num_pairs = num_tokens * top_k
@@ -290,24 +318,45 @@ def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
     slots = slots.reshape(-1).contiguous()
     weights = weights.reshape(-1).contiguous()
     align = align_by_slot(slots, num_slots, cfg.block_m)
+    bias = _bias_args(w13, w2, slots, w13_bias, w2_bias, bias_ids)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     act = torch.empty(align.sorted_pairs.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     n1 = cfg.block_n // 2
     grid1 = (align.num_blocks * triton.cdiv(inter, n1),)
-    _gate_up_kernel[grid1](hidden, w13, act, align.sorted_pairs, align.total, slots,
-                           num_pairs, top_k, dim, inter, align.num_blocks,
+    _gate_up_kernel[grid1](hidden, w13, bias.b13, bias.ids, act, align.sorted_pairs, align.total, slots,
+                           num_pairs, top_k, dim, inter, align.num_blocks, bias.num,
                            hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
                            BLOCK_M=cfg.block_m, BLOCK_N=n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                           PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           PRECISION=precision, BIAS=bias.on, **activation_consts(activation),
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair_out = torch.empty(num_pairs, dim, dtype=hidden.dtype, device=hidden.device)
     grid2 = (align.num_blocks * triton.cdiv(dim, cfg.block_n),)
-    _down_kernel[grid2](act, w2, pair_out, align.sorted_pairs, align.total, slots, weights,
-                        num_pairs, dim, inter, align.num_blocks,
+    _down_kernel[grid2](act, w2, bias.b2, bias.ids, pair_out, align.sorted_pairs, align.total, slots, weights,
+                        num_pairs, dim, inter, align.num_blocks, bias.num,
                         w2.stride(0), w2.stride(1), w2.stride(2),
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                        PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        PRECISION=precision, BIAS=bias.on, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     sum_over_k(pair_out, slots, out, num_slots, top_k)
     return out
+
+
+class BiasArgs(NamedTuple):
+    """The kernels' bias arguments: ``b13 [E, 2I]``, ``b2 [E, H]``, the flat ``ids`` they are
+    indexed by and ``E``; without biases, stand-in pointers the kernels never read (``on`` False)."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
+    ids: torch.Tensor
+    num: int
+    on: bool
+
+
+def _bias_args(w13: torch.Tensor, w2: torch.Tensor, slots: torch.Tensor, w13_bias: torch.Tensor | None,
+               w2_bias: torch.Tensor | None, bias_ids: torch.Tensor | None) -> BiasArgs:
+    if w13_bias is None:
+        return BiasArgs(w13, w2, slots, 0, False)
+    ids = (slots if bias_ids is None else bias_ids).reshape(-1).contiguous()
+    return BiasArgs(w13_bias.contiguous(), w2_bias.contiguous(), ids, w13_bias.shape[0], True)
 
 
 def sum_over_k(pair_out: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, num_slots: int, top_k: int) -> None:
