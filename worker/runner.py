@@ -11,6 +11,7 @@ import torch
 
 from moe_offload.experts import Experts
 from moe_offload.formats import ExpertFormat, resolve_expert_format
+from worker import compile_watch
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
@@ -58,6 +59,7 @@ class ForwardOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, config: RunnerConfig):
         self.config = config
+        self.compiles = compile_watch.install()
         self.device = torch_device(config)
         self.dtype = torch_dtype(config, self.device)
         self.memory = DeviceMemory.of(self.device, config.gpu_memory_limit)
@@ -100,8 +102,9 @@ class ModelRunner:
         return ForwardOutput(logits, sample(logits, tensors))
 
     def stats(self) -> dict[str, int | float | str]:
-        """The experts' counters (cache and prefill pipeline, when offloaded); reads the device."""
-        return self.experts.stats()
+        """The experts' counters (cache and prefill pipeline, when offloaded; reads the device) and
+        what was compiled or planned after warm-up."""
+        return {**self.experts.stats(), **self.compiles.stats()}
 
     def reset_stats(self) -> None:
         self.experts.reset_stats()
