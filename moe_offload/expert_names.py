@@ -23,8 +23,8 @@ class ExpertNames(NamedTuple):
 
     @property
     def probe(self) -> str:
-        """The name whose presence identifies the style."""
-        return self.gate_up_bias or self.gate_up or self.gate
+        """The weight whose presence identifies the style (with ``gate_up_bias``, where it has one)."""
+        return self.gate_up or self.gate
 
 
 _MIXTRAL = "model.layers.{layer}.block_sparse_moe.experts.{expert}."
@@ -50,7 +50,8 @@ CHECKPOINT_STYLES = (MIXTRAL_NAMES, QWEN3_MOE_NAMES, GPT_OSS_NAMES, FUSED_NAMES,
 
 def detect_names(tensor_names: Collection[str], layer: int, styles: Sequence[ExpertNames] = CHECKPOINT_STYLES) -> ExpertNames:
     for style in styles:
-        if is_stored(style.probe.format(layer=layer, expert=0), tensor_names):
+        marker = style.gate_up_bias is None or style.gate_up_bias.format(layer=layer) in tensor_names
+        if marker and is_stored(style.probe.format(layer=layer, expert=0), tensor_names):
             return style
     tried = [style.probe.format(layer=layer, expert=0) for style in styles]
     raise ValueError(f"no expert weights for layer {layer} in the checkpoint; looked for {tried}")

@@ -111,19 +111,24 @@ def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: in
 def _read_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
                 scheme: FP8Scheme | None) -> tuple[StoredMatrix, StoredMatrix]:
     """A fused layer as ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``;
-    gpt-oss's transposed, interleaved layout (``ExpertNames``) is turned so here."""
+    gpt-oss's layouts (``ExpertNames``: float transposed, gate and up alternating; MXFP4 blocks by
+    rows, alternating) are turned so here."""
     E, inter, hidden = dst.logical
-    if names.gate_up_bias is None:
-        return (read_matrix(index, names.gate_up.format(layer=layer), (E, 2 * inter, hidden), scheme),
-                read_matrix(index, names.down.format(layer=layer), (E, hidden, inter), scheme))
-    two_i = 2 * inter
-    m13 = read_matrix(index, names.gate_up.format(layer=layer), (E, hidden, two_i), scheme)
-    m2 = read_matrix(index, names.down.format(layer=layer), (E, two_i // 2, hidden), scheme)
+    gate_up = names.gate_up.format(layer=layer)
+    if names.gate_up_bias is None or gate_up + "_blocks" in index:  # gpt-oss's MXFP4 is [E, 2I, H] already,
+        m13 = read_matrix(index, gate_up, (E, 2 * inter, hidden), scheme)  # its rows gate and up alternating
+        m2 = read_matrix(index, names.down.format(layer=layer), (E, hidden, inter), scheme)
+        return (m13 if names.gate_up_bias is None else m13.map(_deinterleave_rows)), m2
+    m13 = read_matrix(index, gate_up, (E, hidden, 2 * inter), scheme)  # float: transposed
+    m2 = read_matrix(index, names.down.format(layer=layer), (E, inter, hidden), scheme)
     if m13.scale is not None or m2.scale is not None:
-        raise ValueError(f"fp8 experts in gpt-oss's layout ({names.gate_up.format(layer=layer)}) are not supported")
-    w13, w2 = m13.weight, m2.weight
-    gate_up = w13.transpose(1, 2).unflatten(1, (-1, 2)).transpose(1, 2).flatten(1, 2)  # rows g0 u0 g1 u1 ..
-    return StoredMatrix(gate_up), StoredMatrix(w2.transpose(1, 2))
+        raise ValueError(f"fp8 experts in gpt-oss's layout ({gate_up}) are not supported")
+    return StoredMatrix(_deinterleave_rows(m13.weight.transpose(1, 2))), StoredMatrix(m2.weight.transpose(1, 2))
+
+
+def _deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, ...]`` rows g0 u0 g1 u1 ... -> gate rows, then up rows."""
+    return t.unflatten(1, (-1, 2)).transpose(1, 2).flatten(1, 2)
 
 
 def fill_from_safetensors(

@@ -1,7 +1,7 @@
 """Sluice's gpt-oss against Hugging Face transformers' ``GptOssForCausalLM`` (eager attention, the
 one with sinks) on tiny random checkpoints (CPU, fp32): sinks and biases far from zero, a window
 shorter than the prompts; ragged, chunked and decode steps past the window, greedy text, a second
-turn from the prefix cache, and what Sluice refuses."""
+turn from the prefix cache, the released MXFP4 layout, and what Sluice refuses."""
 from __future__ import annotations
 
 import copy
@@ -13,11 +13,12 @@ import torch
 from scheduler.engine import Engine, EngineConfig
 from scheduler.messages.to_scheduler import SamplingParams
 from tests.test_engine import req, run
-from tests.tiny_gpt_oss import FULL, SLIDING, hf_greedy, hf_logits, write_tiny_gpt_oss
+from tests.tiny_gpt_oss import FULL, SLIDING, hf_greedy, hf_logits, write_tiny_gpt_oss, write_tiny_gpt_oss_mxfp4
 from worker.batch import SequenceChunk
 from worker.config import ModelConfig
 from worker.errors import CheckpointError
 from worker.runner import ModelRunner, RunnerConfig
+from worker.runner_config import ExpertOptions
 
 VOCAB, TOL, GREEDY = 128, 1e-4, SamplingParams()
 
@@ -160,10 +161,6 @@ def test_config_reads_the_family(config):
         config["sliding_window"] if t == SLIDING else 0 for t in config["layer_types"]]
 
 
-def mxfp4(raw: dict) -> None:
-    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-
-
 def other_limit(raw: dict) -> None:
     raw["swiglu_limit"] = 10.0
 
@@ -176,7 +173,7 @@ def longrope(raw: dict) -> None:
     raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 150000.0}
 
 
-@pytest.mark.parametrize("edit,named", [(mxfp4, "MXFP4"), (other_limit, "swiglu_limit"),
+@pytest.mark.parametrize("edit,named", [(other_limit, "swiglu_limit"),
                                         (unknown_layer, "chunked_attention"), (longrope, "longrope")])
 def test_unsupported_config_is_refused(config, edit, named):
     raw = copy.deepcopy(config)
@@ -185,3 +182,35 @@ def test_unsupported_config_is_refused(config, edit, named):
         ModelConfig.from_dict(raw)
     message = str(refused.value)
     assert named in message and "\n" not in message, message
+
+
+# ==== the released MXFP4 layout ====
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    return path, write_tiny_gpt_oss_mxfp4(path, seed=3, layer_types=(SLIDING, FULL, SLIDING))
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(mxfp4_checkpoint):
+    """Experts kept in MXFP4 (the eager twin dequantizes them); prefill in chunks, then decode past
+    the window, against transformers with the experts it dequantizes from the same blocks."""
+    path, hf = mxfp4_checkpoint
+    runner = ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=256))
+    assert runner.expert_format.name == "mxfp4"
+    ids = random_ids(30, seed=11)
+    ref = hf_logits(hf, ids)
+    seq_pages = pages(runner, len(ids))
+    for start, end in ((0, 9), (9, 20)):
+        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages)])
+        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
+    for pos in range(20, 30):
+        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
+        check(out.logits[0], ref[pos], f"decode at {pos}")
+
+
+def test_fp8_experts_of_gpt_oss_are_refused(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(CheckpointError, match="fp8 experts with biases"):
+        ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=64,
+                                 experts=ExpertOptions(expert_dtype="fp8")))

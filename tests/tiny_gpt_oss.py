@@ -59,3 +59,35 @@ def _randomise(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.6)
             else:
                 p.normal_(0.0, 0.08)
+
+
+def write_tiny_gpt_oss_mxfp4(path: Path, **kw):
+    """A tiny checkpoint in the released MXFP4 layout: every layer's ``mlp.experts.gate_up_proj``
+    and ``down_proj`` replaced by ``*_blocks [E, N, K/32, 16]`` (uint8, two e2m1 a byte, low nibble
+    first) and ``*_scales [E, N, K/32]`` (e8m0) over the transposed matrices (rows by output), the
+    biases and every other tensor as they are, ``quantization_config`` as the release declares it.
+    Returns the HF model whose experts are transformers' own dequantization of those blocks
+    (``convert_moe_packed_tensors``), the reference for a run of the checkpoint."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moe_offload.fp4 import quantize_mxfp4
+
+    model = write_tiny_gpt_oss(path, **kw)
+    state = load_file(path / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        matrix = state.pop(name).transpose(1, 2).contiguous()  # [E, N, K]: the release quantizes rows
+        packed, scale = quantize_mxfp4(matrix)
+        E, N, K = matrix.shape
+        state[name + "_blocks"], state[name + "_scales"] = packed.view(E, N, K // 32, 16), scale
+        param = model.get_parameter(name)
+        with torch.no_grad():
+            param.copy_(convert_moe_packed_tensors(state[name + "_blocks"], scale, dtype=torch.float32))
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return model

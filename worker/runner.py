@@ -23,6 +23,7 @@ from worker.kv.state_pool import StatePool
 from worker.memory_plan import MemoryPlan, PlanInputs, host_available_bytes, plan_memory
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
+from worker.errors import CheckpointError
 from worker.expert_format import checkpoint_expert_format
 from worker.routing import make_routing, save_record
 from worker.runner_config import RunnerConfig
@@ -140,7 +141,11 @@ class ModelRunner:
         whatever the directory holds)."""
         dummy = self.config.experts.dummy_weights
         stored = ExpertFormat(self.dtype) if dummy else checkpoint_expert_format(self.config.model_dir)
-        return resolve_expert_format(self.config.experts.expert_dtype, stored, self.dtype)
+        fmt = resolve_expert_format(self.config.experts.expert_dtype, stored, self.dtype)
+        if self.model_config.expert_bias and fmt.family == "fp8":  # no fp8 kernel takes biases
+            raise CheckpointError(f"{self.config.model_dir}: fp8 experts with biases (gpt-oss) are not supported; "
+                                  f"use --expert-dtype bf16 or the checkpoint's own format")
+        return fmt
 
     def _load_weights(self) -> ModelWeights:
         c, cfg = self.config, self.model_config

@@ -33,11 +33,9 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
     from moe_offload.kernels import grouped_gemm_w4
     from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS
 
-    if extras:
-        raise ValueError(f"{scales.kind} experts with biases or the gpt_oss activation have no W4A16 kernel yet")
     ch13 = None if scales.w13_channel is None else scales.w13_channel[..., 0]
     ch2 = None if scales.w2_channel is None else scales.w2_channel[..., 0]
     args = (hidden, weights, slots, w13, scales.w13, ch13, w2, scales.w2, ch2)
     gemm = (grouped_gemm_w4.decode_grouped_swiglu_w4 if slots.numel() <= DECODE_MAX_PAIRS
             else grouped_gemm_w4.fused_grouped_swiglu_w4)
-    return gemm(*args, fmt=scales.kind, out_dtype=out_dtype or hidden.dtype)
+    return gemm(*args, fmt=scales.kind, out_dtype=out_dtype or hidden.dtype, **extras)  # gpt-oss: biases, activation

@@ -17,8 +17,10 @@ Loading lays it out for the one decoder (``worker.models.moe_transformer``): q/k
 the same way and kept on the GPU beside the dense weights (``moe_offload.grouped.ExpertBias``,
 indexed by expert id, so the expert cache and the prefill pipeline move no bias bytes).
 
-The released checkpoints store the experts in MXFP4 (``*_blocks``, ``*_scales``); until the expert
-store reads MXFP4 they are refused in one line, and bf16/fp32 checkpoints run.
+The released checkpoints store the experts in MXFP4 (``*_blocks [E, 2I, H/32, 16]``, ``*_scales``,
+rows by output, gate and up alternating): ``moe_offload.formats`` reads them as they are (their
+rows de-interleaved at load) and the W4A16 kernels take the biases and the activation; bf16/fp32
+checkpoints (``gate_up_proj [E, H, 2I]``) run too. fp8 experts with biases are refused.
 """
 from __future__ import annotations
 
@@ -31,10 +33,6 @@ SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # the activation's constants, fixed in 
 
 def _fields(text: dict, raw: dict, source: str) -> dict:
     problems = []
-    quant = (raw.get("quantization_config") or {}).get("quant_method")
-    if quant == "mxfp4":
-        problems.append("MXFP4 experts (the released gpt-oss layout, *_blocks/*_scales) until Sluice reads "
-                        "MXFP4; use a bf16 checkpoint of the model")
     types = tuple(text.get("layer_types") or [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION
                                               for i in range(text["num_hidden_layers"])])
     if set(types) - {SLIDING_ATTENTION, FULL_ATTENTION} or len(types) != text["num_hidden_layers"]:
