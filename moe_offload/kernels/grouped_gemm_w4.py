@@ -25,13 +25,13 @@ from moe_offload.kernels.grouped_gemm_w4_decode import DECODE_MAX_PAIRS, decode_
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, channel_scaled, swiglu_w4_rows, w4_dot
 from moe_offload.kernels.triton_support import use_triton
 
-__all__ = ["ACTIVATIONS", "DECODE_MAX_PAIRS", "W4Bank", "decode_grouped_swiglu_w4", "default_config",
-           "fused_grouped_swiglu_w4", "grouped_swiglu_w4", "grouped_swiglu_w4_eager"]
+__all__ = ["ACTIVATIONS", "DECODE_MAX_PAIRS", "GROUP", "BlockConfig", "W4Bank", "decode_grouped_swiglu_w4",
+           "default_config", "fused_grouped_swiglu_w4", "grouped_swiglu_w4", "grouped_swiglu_w4_eager"]
 
 
 def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
     """W4A16 tiles for H200, unmeasured first guesses (``scripts/bench_grouped_gemm_w4.py --sweep``):
-    BLOCK_K 128 (four nvfp4 or two mxfp4 groups a tile) while the weights' bytes dominate; for
+    BLOCK_K 128 (eight nvfp4 or four mxfp4 groups a tile) while the weights' bytes dominate; for
     large batches 128-row blocks, so each decoded weight tile serves 128 rows of MMA."""
     return pick_config(num_tokens, dtype, _W4_CONFIGS)
 
@@ -41,9 +41,9 @@ _W4_CONFIGS = ((128, BlockConfig(16, 128, 128, 16, 4, 3)), (512, BlockConfig(64,
 
 
 def check_config(config: BlockConfig, fmt: str) -> None:
-    if config.block_k % GROUP[fmt] or config.block_k < 32:
-        raise ValueError(f"BLOCK_K {config.block_k} must be a multiple of {fmt}'s group {GROUP[fmt]} and >= 32 "
-                         "(each half-depth dot needs 16)")
+    if config.block_k % GROUP[fmt] or config.block_k < 32 or config.block_k & (config.block_k - 1):
+        raise ValueError(f"BLOCK_K {config.block_k} must be a power of two, a multiple of {fmt}'s group "
+                         f"{GROUP[fmt]} and >= 32 (each half-depth dot needs 16)")
     if min(config.block_m, config.block_n // 2) < 16:
         raise ValueError(f"tiles {config} are below tl.dot's 16 (block_n counts gate and up columns)")
 

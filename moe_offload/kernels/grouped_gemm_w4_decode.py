@@ -52,7 +52,7 @@ class W4DecodeConfig(NamedTuple):
     num_stages: int = 3
     slot_down_n: int = 64
     slot_down_k: int = 128
-    down_warps: int = 4
+    down_warps: int = 8
     pair_n: int = 16
     pair_k: int = 256
     pair_warps: int = 4
@@ -228,9 +228,9 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
 
 def _check_config(cfg: W4DecodeConfig, fmt: str) -> None:
     steps = (cfg.gate_up_k, cfg.down_k, cfg.slot_down_k, cfg.pair_k)
-    if any(k % GROUP[fmt] or k < 32 for k in steps) or min(cfg.gate_up_n, cfg.slot_down_n) < 16:
-        raise ValueError(f"decode tiles {cfg}: reduction steps must be multiples of {fmt}'s group {GROUP[fmt]} "
-                         "and >= 32, the per-slot kernels' columns >= 16 (tl.dot)")
+    if any(k % GROUP[fmt] or k < 32 or k & (k - 1) for k in steps) or min(cfg.gate_up_n, cfg.slot_down_n) < 16:
+        raise ValueError(f"decode tiles {cfg}: reduction steps must be powers of two, multiples of {fmt}'s group "
+                         f"{GROUP[fmt]} and >= 32, the per-slot kernels' columns >= 16 (tl.dot)")
 
 
 def _block_p(num_pairs: int) -> int:

@@ -1,0 +1,238 @@
+"""Time the 4-bit W4A16 grouped SwiGLU GEMM (nvfp4, mxfp4) beside the bf16 and fp8 kernels, same
+shapes and routing, against the bounds they chase.
+
+    python scripts/bench_grouped_gemm_w4.py [--geometry qwen3-30b,gpt-oss] [--tokens 1,8,2048,8192]
+                                            [--dtypes bf16,fp8,nvfp4,mxfp4] [--sweep] [--decode-sweep]
+                                            [--json out.json]
+
+Each op is captured in a CUDA graph and the replay timed with ``triton.testing.do_bench`` (which
+flushes L2 between runs, so decode reads its experts from HBM). Rows: bf16 and fp8 through
+``grouped_swiglu`` (fp8 picks weight-only below 64 tokens, fp8 x fp8 above, as served: the
+row says which), nvfp4 and mxfp4 through ``grouped_swiglu_w4`` (decode path up to 64 pairs,
+prefill path above). Banks are random bytes and scales (timing does not depend on the values).
+
+HBM bound = bytes of the experts the routing touches (weights in their format, plus scales) /
+4.3e12 B/s; compute bound = 6*T*k*H*I FLOPs / 7.86e14 FLOP/s (bf16 matmul, measured; the fp8a8
+rows assume twice that, unmeasured); ratio = max(bounds) / time (1 = at the bound). "vs bf16" and
+"vs fp8" are those rows' times over this row's (above 1: faster). ``--sweep`` times 4-bit prefill
+tiles (block_m, block_n, block_k, group_m, warps, stages) at the prefill sizes, ``--decode-sweep``
+the decode tiles (``W4DecodeConfig`` fields changed from the defaults) at the decode sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from moe_offload.fp8 import BLOCK_128, quantize, quantize_w13  # noqa: E402
+from moe_offload.grouped import ExpertScales, fp8_activations_for, grouped_swiglu  # noqa: E402
+from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
+from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, default_config,  # noqa: E402
+                                                 fused_grouped_swiglu_w4, grouped_swiglu_w4)
+from moe_offload.kernels.grouped_gemm_w4_decode import W4DecodeConfig, decode_grouped_swiglu_w4  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 7.86e14
+GEOMETRIES = {"qwen3-30b": dict(hidden=2048, inter=768, experts=128, top_k=8),
+              "gpt-oss": dict(hidden=2880, inter=2880, experts=128, top_k=4)}
+SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4), (64, 128, 128, 16, 4, 3),
+         (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
+DECODE_SWEEP = [dict(), dict(pair_k=128), dict(pair_n=32, pair_warps=8), dict(pair_n=8), dict(down_warps=16),
+                dict(down_n=8, down_warps=4), dict(down_n=32, down_k=128), dict(gate_up_n=64, gate_up_k=64),
+                dict(slot_down_n=128, slot_down_k=64)]
+
+
+def float_banks(geo: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, i = geo["experts"], geo["hidden"], geo["inter"]
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).bfloat16()
+    return w13, w2
+
+
+def fp8_banks(w13: torch.Tensor, w2: torch.Tensor) -> tuple:
+    q13, s13 = quantize_w13(w13, BLOCK_128)
+    q2, s2 = quantize(w2, BLOCK_128)
+    return q13, q2, ExpertScales(s13, s2, BLOCK_128)
+
+
+def w4_banks(geo: dict, fmt: str) -> tuple:
+    """``(w13, w13_scale, w13_channel, w2, w2_scale, w2_channel)``: random codes and scales."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    e = geo["experts"]
+
+    def bank(rows, k):
+        packed = torch.randint(0, 256, (e, rows, k // 2), device="cuda", generator=gen, dtype=torch.uint8)
+        groups = (e, rows, k // GROUP[fmt])
+        if fmt == "mxfp4":
+            return packed, torch.randint(116, 122, groups, device="cuda", generator=gen, dtype=torch.uint8), None
+        scale = (torch.rand(groups, device="cuda", generator=gen) + 0.5).to(torch.float8_e4m3fn)
+        return packed, scale, torch.full((e, rows), 1 / (3 * math.sqrt(k)), device="cuda")
+
+    return (*bank(2 * geo["inter"], geo["hidden"]), *bank(geo["hidden"], geo["inter"]))
+
+
+def bytes_per_expert(banks: tuple) -> int:
+    return sum(t[0].numel() * t.element_size() for t in banks if isinstance(t, torch.Tensor))
+
+
+def routing(num_tokens: int, geo: dict) -> tuple[torch.Tensor, ...]:
+    """Seeded by size, so every dtype and tile config sees the same routing: distinct experts
+    per token, as top-k routing gives."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, geo["hidden"], device="cuda", generator=gen).bfloat16()
+    logits = torch.rand(num_tokens, geo["experts"], device="cuda", generator=gen)
+    slots = logits.topk(geo["top_k"], dim=-1).indices
+    weights = torch.softmax(torch.randn(num_tokens, geo["top_k"], device="cuda", generator=gen), dim=-1)
+    return hidden, weights, slots
+
+
+def time_us(fn) -> float:
+    """CUDA-graph replay time of ``fn`` in microseconds (compiled and warmed first)."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay) * 1e3
+
+
+def op_for(dtype: str, banks: tuple, hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor):
+    """The served op for a dtype, and its row label (fp8 says whether it quantized activations)."""
+    if dtype == "bf16":
+        return lambda: grouped_swiglu(hidden, weights, slots, *banks), "bf16"
+    if dtype == "fp8":
+        q13, q2, scales = banks
+        label = "fp8a8" if fp8_activations_for(hidden, scales) else "fp8"
+        return lambda: grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales), label
+    return lambda: grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=dtype), dtype
+
+
+def bench_one(geo_name: str, geo: dict, num_tokens: int, dtype: str, banks: tuple) -> dict:
+    hidden, weights, slots = routing(num_tokens, geo)
+    fn, label = op_for(dtype, banks, hidden, weights, slots)
+    time = time_us(fn)
+    touched = len(torch.unique(slots))
+    hbm_us = touched * bytes_per_expert(banks[:2] if dtype == "bf16" else _flat(banks)) / HBM_BYTES_PER_S * 1e6
+    peak = BF16_FLOPS_PER_S * (2 if label == "fp8a8" else 1)
+    compute_us = 6 * num_tokens * geo["top_k"] * geo["hidden"] * geo["inter"] / peak * 1e6
+    return {"geometry": geo_name, "dtype": label, "tokens": num_tokens, "experts_touched": touched, "time_us": time,
+            "hbm_bound_us": hbm_us, "compute_bound_us": compute_us, "ratio": max(hbm_us, compute_us) / time}
+
+
+def _flat(banks: tuple) -> tuple:
+    """fp8 banks are ``(q13, q2, ExpertScales)``: weights and their scale grids."""
+    if isinstance(banks[-1], ExpertScales):
+        return banks[0], banks[1], banks[2].w13, banks[2].w2
+    return banks
+
+
+def sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> list[dict]:
+    hidden, weights, slots = routing(num_tokens, geo)
+    rows = []
+    for tiles in SWEEP:
+        config = BlockConfig(*tiles)
+        time = time_us(lambda: fused_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
+        rows.append({"geometry": geo_name, "variant": fmt, "tokens": num_tokens, "config": list(tiles),
+                     "default": config == default_config(num_tokens, hidden.dtype), "time_us": time})
+    return rows
+
+
+def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> list[dict]:
+    hidden, weights, slots = routing(num_tokens, geo)
+    rows = []
+    for change in DECODE_SWEEP:
+        config = W4DecodeConfig(**change)
+        time = time_us(lambda: decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
+        rows.append({"geometry": geo_name, "variant": f"{fmt}-decode", "tokens": num_tokens, "config": change,
+                     "default": not change, "time_us": time})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    base = {(r["geometry"], r["tokens"], r["dtype"]): r["time_us"] for r in rows}
+    print(f"{'geometry':>10} {'dtype':>6} {'tokens':>6} {'experts':>7} {'time us':>9} {'HBM us':>8} {'compute us':>10} "
+          f"{'bound/time':>10} {'vs bf16':>8} {'vs fp8':>7}")
+    for r in sorted(rows, key=lambda r: (r["geometry"], r["tokens"], r["dtype"])):
+        key = (r["geometry"], r["tokens"])
+        vs = [base.get((*key, d)) for d in ("bf16", "fp8a8" if (*key, "fp8a8") in base else "fp8")]
+        vs = [f"{v / r['time_us']:.2f}" if v and r["dtype"] not in ("bf16", "fp8", "fp8a8") else "" for v in vs]
+        print(f"{r['geometry']:>10} {r['dtype']:>6} {r['tokens']:6d} {r['experts_touched']:7d} {r['time_us']:9.1f} "
+              f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f} {vs[0]:>8} {vs[1]:>7}")
+
+
+def print_sweep(rows: list[dict], title: str) -> None:
+    print(f"\n{title}; * = default, < = best")
+    for key in sorted({(r["geometry"], r["variant"], r["tokens"]) for r in rows}):
+        mine = [r for r in rows if (r["geometry"], r["variant"], r["tokens"]) == key]
+        best = min(r["time_us"] for r in mine)
+        for r in mine:
+            mark = ("*" if r["default"] else " ") + ("<" if r["time_us"] == best else " ")
+            print(f"{key[0]:>10} {key[1]:>13} {key[2]:6d} {str(r['config']):>44} {r['time_us']:9.1f} us {mark}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--geometry", default="qwen3-30b,gpt-oss", help=f"comma-separated, of {list(GEOMETRIES)}")
+    parser.add_argument("--tokens", default="1,8,2048,8192", help="comma-separated batch sizes")
+    parser.add_argument("--dtypes", default="bf16,fp8,nvfp4,mxfp4", help="comma-separated expert formats")
+    parser.add_argument("--sweep", action="store_true", help="also time 4-bit prefill tiles at prefill sizes")
+    parser.add_argument("--decode-sweep", action="store_true", help="also time 4-bit decode tiles at decode sizes")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    return parser.parse_args()
+
+
+def run_geometry(name: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    geo, tokens = GEOMETRIES[name], [int(t) for t in args.tokens.split(",")]
+    dtypes = args.dtypes.split(",")
+    rows, sweeps = [], []
+    if {"bf16", "fp8"} & set(dtypes):
+        w13, w2 = float_banks(geo)
+        for dtype, banks in (("bf16", (w13, w2)), ("fp8", None)):
+            if dtype in dtypes:
+                banks = banks or fp8_banks(w13, w2)
+                rows += [bench_one(name, geo, t, dtype, banks) for t in tokens]
+        del w13, w2
+    for fmt in (d for d in dtypes if d in GROUP):
+        banks = w4_banks(geo, fmt)
+        rows += [bench_one(name, geo, t, fmt, banks) for t in tokens]
+        decode_sizes = [t for t in tokens if t * geo["top_k"] <= DECODE_MAX_PAIRS]
+        if args.sweep:
+            sweeps += [r for t in tokens if t not in decode_sizes for r in sweep(name, geo, t, fmt, banks)]
+        if args.decode_sweep:
+            sweeps += [r for t in decode_sizes for r in decode_sweep(name, geo, t, fmt, banks)]
+    torch.cuda.empty_cache()
+    return rows, sweeps
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    rows, sweeps = [], []
+    for name in args.geometry.split(","):
+        more_rows, more_sweeps = run_geometry(name, args)
+        rows, sweeps = rows + more_rows, sweeps + more_sweeps
+    print_rows(rows)
+    if sweeps:
+        print_sweep(sweeps, "4-bit tile sweep (prefill: block_m, block_n, block_k, group_m, warps, stages; "
+                            "decode: W4DecodeConfig changes)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"geometries": GEOMETRIES, "rows": rows, "sweep": sweeps}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
