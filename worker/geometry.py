@@ -2,7 +2,23 @@
 checkpoint on disk). ``--model qwen3-30b-geometry`` selects one instead of a directory."""
 from __future__ import annotations
 
-LIN, FULL = "linear_attention", "full_attention"
+LIN, FULL, SLIDE = "linear_attention", "full_attention", "sliding_attention"
+
+
+def _gpt_oss(layers: int, experts: int, **kw) -> dict:
+    """gpt-oss's shapes: sliding (128) and full layers alternating, 64 query / 8 KV heads of 64,
+    experts of 2880 with biases, top-4, YaRN as released; MXFP4 experts of 2880 are 13 MB each
+    (``--expert-dtype mxfp4``; bf16 50 MB)."""
+    return dict(
+        architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, num_hidden_layers=layers,
+        layer_types=[SLIDE if i % 2 == 0 else FULL for i in range(layers)], sliding_window=128,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880,
+        num_local_experts=experts, num_experts_per_tok=4, attention_bias=True, swiglu_limit=7.0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=4096),
+        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
+        eos_token_id=200002,  # <|return|>, the release's stop token
+    ) | kw
 
 GEOMETRIES: dict[str, dict] = {
     # Qwen3-30B-A3B's shapes; experts ~58 GB in bf16, ~9.4 MB each
@@ -48,4 +64,11 @@ GEOMETRIES: dict[str, dict] = {
         num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
         torch_dtype="float32", eos_token_id=255,
     ),
+    # gpt-oss-120b: 36 layers x 128 experts (MXFP4 about 61 GB of experts); gpt-oss-20b: 24 x 32
+    "gpt-oss-120b-geometry": _gpt_oss(36, 128),
+    "gpt-oss-20b-geometry": _gpt_oss(24, 32),
+    # the same structure at toy size, for CPU tests of the dummy path
+    "tiny-gpt-oss-geometry": _gpt_oss(4, 8, vocab_size=256, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, intermediate_size=32, sliding_window=8,
+                                      max_position_embeddings=4096, torch_dtype="float32", eos_token_id=255),
 }
