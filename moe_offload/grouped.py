@@ -172,7 +172,7 @@ def grouped_swiglu_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
     oracle, never the GPU hot path.
     """
     num_tokens, top_k = slots.shape
-    inter = w2.shape[-1]
+    inter = w13.shape[-2] // 2  # rows: 4-bit banks are packed along K
     out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
     flat_slots = slots.reshape(-1)
     # fp8 x fp8 as the kernel does it: exact fp8 products summed in fp32, the intermediate
