@@ -48,9 +48,10 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     ranks' experts to -1) and requires the rest in range.
 
     ``fill``: experts an expert-cache lookup admitted into ``slots``, still to be copied in from the
-    host. The decode path of float banks copies them in its gate_up launch (so the hits compute
-    while the misses cross PCIe); every other path gathers them first (``gather_missing``), in
-    stream order before the GEMM.
+    host. The decode path of float banks, and the batch-1 path of fp8 banks
+    (``grouped_gemm_decode_fp8``), copy them in their gate_up launch (so the hits compute while the
+    misses cross PCIe); every other path gathers them first (``gather_missing``), in stream order
+    before the GEMM.
 
     gpt-oss's experts: ``w13_bias [E, 2I]`` (gate | up) and ``w2_bias [E, H]`` are indexed by
     ``bias_ids [T, k]`` (the routed expert ids; default ``slots``, as for resident experts), so the
@@ -74,8 +75,12 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     if scales is not None:
         if extras:
             raise ValueError("fp8 experts with biases or the gpt_oss activation are not supported (bf16 only)")
+        from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
+        if decode_fp8.supports(hidden, scales, fp8_activations):  # one token: fills as it computes
+            return decode_fp8.decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales,
+                                                        out_dtype=out_dtype, fill=fill)
         _gather_first(fill, w13, w2, scales, backend)
         return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
                                         out_dtype=out_dtype)

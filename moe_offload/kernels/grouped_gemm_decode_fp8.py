@@ -1,0 +1,234 @@
+"""One token's grouped SwiGLU over fp8 experts (weight-only): the batch-1 decode step.
+
+The general fp8 path (``grouped_gemm_fp8``) aligns the pairs by slot and runs 16-row ``tl.dot``
+tiles with 15 dead rows at one token, four launches, and an expert-cache miss is gathered before
+it starts. At one token the float path's shape is the right one (``grouped_gemm_decode``): every
+(slot, column tile) its own program, float32 multiply-adds with the reduction unrolled, the k
+outputs summed inside the down projection, two launches; and with a fill, the gate_up launch
+copies the missed experts' weights in as it runs, so the hits compute while the misses cross
+PCIe. Here the weights are e4m3 bytes, each widened and multiplied by its scale block's float32
+scale as it is loaded (a k step lies inside one scale block: the step is at most the block's
+columns), so a step reads half the bytes of bf16's.
+
+```
+ [scales of the planned experts]  gather_missing, two small launches (a fill only)
+ gate_up    grid (k + copy rows, I / BLOCK_N)   program (j, n): act[j, n], its w13 tile filled first
+                                                when the plan admits its slot; copy programs move
+                                                the planned experts' w2 rows
+ down       grid (1, H / BLOCK_N)               out[h] = sum_j weight_j * act_j . w2[slot_j, h]
+```
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.expert_scales import ExpertScales
+from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.kernels.grouped_gemm_decode import _fill_w2_rows, _fill_w13_tile
+from moe_offload.kernels.triton_support import pdl_args
+from moe_offload.slot_fill import SlotFill
+
+
+class DecodeFp8Config(NamedTuple):
+    """Tile sizes: gate_up columns, k step and warps; down columns, k step and warps; a fill's copy
+    step (bytes) and w2 rows per copy program. The k steps shrink to a scale block's columns."""
+
+    pair_n: int = 16
+    pair_k: int = 128
+    pair_warps: int = 4
+    down_n: int = 16
+    down_k: int = 128
+    down_warps: int = 8
+    fill_k: int = 512
+    fill_rows: int = 16
+
+
+@triton.jit
+def _scale_row(s_ptr, rows, k0, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr):
+    """The float32 scales of weight rows ``rows`` at reduction column ``k0`` (per channel: the
+    row's one scale)."""
+    col = 0 if SCALE_COLS == 0 else k0 // SCALE_COLS
+    return tl.load(s_ptr + (rows // SCALE_ROWS).to(tl.int64) * stride_sr + col)
+
+
+@triton.jit
+def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
+                             stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w13_bytes_ptr, w2_bytes_ptr,
+                             plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s,
+                             TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                             EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
+                             FILL_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (j, n): act[j, n] = silu(x . gate) * (x . up) for slot j's columns n, from e4m3
+    weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if FILL:
+        if tl.program_id(0) >= TOP_K:
+            _fill_w2_rows(host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, TOP_K, HIDDEN, inter,
+                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
+            return
+    pair = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    if FILL:  # w13 rows are HIDDEN bytes long and contiguous
+        _fill_w13_tile(host13_ptr, w13_bytes_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot,
+                       tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13, stride_ws, HIDDEN, PLAN, BLOCK_N, FILL_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * HIDDEN
+    u_rows = g_rows + inter * HIDDEN
+    s_slot = s13_ptr + slot * stride_ss
+    acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN:
+            x = tl.load(x_ptr + ks)
+            g = tl.load(g_rows + ks[:, None])
+            u = tl.load(u_rows + ks[:, None])
+        else:
+            x = tl.load(x_ptr + ks, mask=ks < HIDDEN, other=0.0)
+            w_mask = (ks < HIDDEN)[:, None] & col_ok[None, :]
+            g = tl.load(g_rows + ks[:, None], mask=w_mask, other=0.0)
+            u = tl.load(u_rows + ks[:, None], mask=w_mask, other=0.0)
+        rows = tl.where(col_ok, cols, 0)
+        s_g = _scale_row(s_slot, rows, step * BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr)
+        s_u = _scale_row(s_slot + up_scale_row * stride_sr, rows, step * BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr)
+        x = x.to(tl.float32)[:, None]
+        acc_g += x * (g.to(tl.float32) * s_g[None, :])
+        acc_u += x * (u.to(tl.float32) * s_u[None, :])
+    gate = tl.sum(acc_g, 0)
+    act = gate * tl.sigmoid(gate) * tl.sum(acc_u, 0)
+    tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
+                     stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                     EVEN: tl.constexpr, PDL: tl.constexpr):
+    """out[h] = sum_j (weight_j * act_j) . (w2[slot_j, h] x scale), one float32 accumulator; a
+    slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never written)."""
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    rows = tl.where(col_ok, cols, 0)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slots_ptr + j).to(tl.int64)
+        ok = (slot >= 0) & (slot < num_slots)
+        weight = tl.where(ok, tl.load(weights_ptr + j).to(tl.float32), 0.0)
+        slot = tl.where(ok, slot, 0)
+        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN:
+                a = tl.load(act_ptr + j * INTER + ks)
+                w = tl.load(w_rows + ks[:, None])
+            else:
+                a = tl.load(act_ptr + j * INTER + ks, mask=ks < INTER, other=0.0)
+                w = tl.load(w_rows + ks[:, None], mask=(ks < INTER)[:, None] & col_ok[None, :], other=0.0)
+            s = _scale_row(s2_ptr + slot * stride_ss, rows, step * BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr)
+            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+            acc += a[:, None] * (w.to(tl.float32) * s[None, :])
+    tl.store(out_ptr + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def supports(hidden: torch.Tensor, scales: ExpertScales | None, fp8_activations: bool) -> bool:
+    """Whether this call takes the batch-1 fp8 path: one contiguous token over fp8 (not 4-bit)
+    weights, weight-only, with float32 scale grids."""
+    return (scales is not None and not scales.kind and not fp8_activations and hidden.shape[0] == 1
+            and hidden.is_contiguous() and scales.w13.dtype == torch.float32)
+
+
+def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
+                              w2: torch.Tensor, scales: ExpertScales, config: DecodeFp8Config | None = None,
+                              out_dtype: torch.dtype | None = None, fill: SlotFill | None = None) -> torch.Tensor:
+    """``hidden [1, H]`` over fp8 ``w13 [N, 2I, H]``, ``w2 [N, H, I]`` and their ``scales`` (arguments
+    checked by ``grouped_swiglu``) -> ``[1, H]`` in ``out_dtype`` (default hidden's). ``fill``: the
+    planned experts' scales are gathered first, their weights copied in by the gate_up launch."""
+    cfg = config or DecodeFp8Config()
+    _check(hidden, w13, w2, scales, fill)
+    out = torch.empty(1, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
+    slots, weights = slots.contiguous(), weights.contiguous()
+    if fill is not None:
+        hs, ss = fill.host_scales, scales
+        gather_missing(*fill.plan, hs.w13, hs.w2, ss.w13, ss.w2)
+    act = _gate_up(hidden, slots, w13, w2, scales, cfg, fill)
+    _down(act, weights, slots, w2, scales, out, cfg)
+    return out
+
+
+def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
+           fill: SlotFill | None) -> None:
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("the batch-1 fp8 path reads contiguous w13 and w2 banks")
+    if hidden.shape[0] != 1 or not hidden.is_contiguous():
+        raise ValueError(f"the batch-1 fp8 path takes one contiguous token, got {tuple(hidden.shape)}")
+    if fill is None:
+        return
+    if fill.host_scales is None or fill.host_scales.kind:
+        raise ValueError("fp8 slots fill from the host's fp8 scales")
+    for host, pool in ((fill.host_w13, w13), (fill.host_w2, w2)):
+        if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
+            raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
+                             f"{tuple(pool.shape)} {pool.dtype}")
+
+
+def _step(k: int, scale_cols: int) -> int:
+    """A k step inside one scale block: ``k`` (a power of two) capped at the largest power of two
+    that divides the block's columns."""
+    return k if scale_cols == 0 else min(k, scale_cols & -scale_cols)
+
+
+def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeFp8Config,
+               grid_n: int) -> tuple[tuple, dict, int]:
+    """As ``grouped_gemm_decode._fill_args``, over the banks' bytes."""
+    w13_bytes, w2_bytes = w13.view(torch.uint8), w2.view(torch.uint8)
+    if fill is None:
+        return (w13_bytes, w2_bytes, w13_bytes, w2_bytes, w13, w13, w13, 0, 0, 0, 0), dict(
+            FILL=False, PLAN=1, FILL_ROWS=1, FILL_K=1), 0
+    src, dst, count = fill.plan
+    args = (fill.host_w13.view(torch.uint8), fill.host_w2.view(torch.uint8), w13_bytes, w2_bytes, src, dst, count,
+            src.numel(), fill.host_w13.stride(0), fill.host_w2.stride(0), w2.stride(0))
+    consts = dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_ROWS=cfg.fill_rows,
+                  FILL_K=cfg.fill_k)
+    return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
+
+
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
+             cfg: DecodeFp8Config, fill: SlotFill | None) -> torch.Tensor:
+    top_k, (num_slots, two_inter, dim) = slots.shape[1], w13.shape
+    inter, block = two_inter // 2, scales.block
+    act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    grid_n = triton.cdiv(inter, cfg.pair_n)
+    fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+    block_k = _step(cfg.pair_k, block.cols)
+    s13 = scales.w13
+    _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
+        hidden, w13, s13, act, slots, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0),
+        s13.stride(1), *fill_args, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=block_k,
+        SCALE_ROWS=block.rows, SCALE_COLS=block.cols, EVEN=dim % block_k == 0 and inter % cfg.pair_n == 0,
+        **fill_consts, num_warps=cfg.pair_warps, **pdl_args(hidden))
+    return act
+
+
+def _down(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
+          out: torch.Tensor, cfg: DecodeFp8Config) -> None:
+    num_slots, dim, inter = w2.shape
+    block, s2 = scales.block, scales.w2
+    block_k = _step(cfg.down_k, block.cols)
+    _down_fp8_kernel[(1, triton.cdiv(dim, cfg.down_n))](
+        act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
+        TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=block_k, SCALE_ROWS=block.rows,
+        SCALE_COLS=block.cols, EVEN=inter % block_k == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps,
+        **pdl_args(act))

@@ -1,0 +1,160 @@
+"""The batch-1 fp8 decode path (moe_offload/kernels/grouped_gemm_decode_fp8.py) against the eager
+twin: interpreted on the CPU in float32 (the interpreter loads e4m3 and widens it exactly), with
+scale blocks of several shapes, slots out of range and fills from host banks; compiled in bf16,
+sync-free, from pinned host banks and graph-captured on a GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, ScaleBlock  # noqa: E402
+from moe_offload.grouped import ExpertScales, SlotFill, grouped_swiglu, grouped_swiglu_eager  # noqa: E402
+from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
+from tests.test_grouped_gemm_fp8 import make_fp8_banks, rel_err  # noqa: E402
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+TRIALS = 20  # on a GPU; interpreted, 6 a configuration (each fill case and a bad slot, twice)
+INTERPRETED_TRIALS = 6
+FILL_CASES = ["none", "some", "all"]
+# scale blocks: several rows and columns at interpreter sizes, columns that are no power of two
+# (the k step shrinks to 16), per channel
+BLOCKS = [ScaleBlock(16, 16), ScaleBlock(8, 48), PER_CHANNEL]
+# slots, hidden, inter, top-k, tiles: on the tiles, and off them (hidden and inter not multiples)
+SHAPES = [(12, 96, 32, 4), (9, 80, 24, 3)]
+SMALL = dict(pair_n=8, pair_k=32, down_n=8, down_k=32, fill_k=16, fill_rows=4)
+
+
+def decode_fp8():
+    from moe_offload.kernels import grouped_gemm_decode_fp8
+
+    return grouped_gemm_decode_fp8
+
+
+def routing(gen: torch.Generator, top_k: int, num_slots: int, device: str, trial: int):
+    """Distinct slots as a router picks them; every fourth trial one slot out of range (-1 or N),
+    which contributes zero."""
+    slots = torch.randperm(num_slots, generator=gen)[:top_k].view(1, top_k)
+    if trial % 4 == 3:
+        slots[0, 0] = -1 if trial % 8 == 3 else num_slots
+    return torch.rand(1, top_k, generator=gen).to(device), slots.to(device)
+
+
+def fill_case(banks, host, slots: torch.Tensor, trial: int, gen: torch.Generator):
+    """A plan that misses none, some or all of the routed slots (each from a distinct host
+    expert), and the pools and scales it must leave."""
+    (w13, w2, scales), (h13, h2, hscales) = banks, host
+    routed = slots[(slots >= 0) & (slots < w13.shape[0])].unique().cpu()
+    count = {"none": 0, "some": max(1, len(routed) // 2), "all": len(routed)}[FILL_CASES[trial % 3]]
+    missed = routed[torch.randperm(len(routed), generator=gen)[:count]]
+    src = torch.full((slots.numel(),), -1, dtype=torch.int32)
+    dst = src.clone()
+    src[:count] = torch.randperm(h13.shape[0], generator=gen)[:count].int()
+    dst[:count] = missed.int()
+    want = [t.clone() for t in (w13, w2, scales.w13, scales.w2)]
+    for pool, bank in zip(want, (h13, h2, hscales.w13, hscales.w2)):
+        pool[missed.to(pool.device)] = bank[src[:count].long()].to(pool.device)
+    dev = w13.device
+    plan = CopyPlan(src.to(dev), dst.to(dev), torch.tensor([count], dtype=torch.int32, device=dev))
+    return SlotFill(plan, h13, h2, hscales), want
+
+
+def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_device=None, sync_free=False):
+    num_slots, dim, inter, top_k = shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    cases = []
+    for trial in range(trials):
+        gen = torch.Generator().manual_seed(trial)
+        banks = make_fp8_banks(num_slots, dim, inter, block, device, seed=trial)
+        host = make_fp8_banks(num_slots + 6, dim, inter, block, device, seed=trial + 50)
+        if host_device == "cpu":
+            host = (host[0].cpu().pin_memory(), host[1].cpu().pin_memory(),
+                    ExpertScales(host[2].w13.cpu().pin_memory(), host[2].w2.cpu().pin_memory(), block))
+        weights, slots = routing(gen, top_k, num_slots, device, trial)
+        hidden = torch.randn(1, dim, generator=gen).to(device, dtype)
+        fill, want = fill_case(banks, host, slots, trial, gen) if trial % 2 else (None, None)
+        cases.append((hidden, weights, slots, banks, fill, want))
+    if sync_free:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [decode_fp8().decode_grouped_swiglu_fp8(h, w, s, b[0], b[1], b[2], config, fill=f)
+                for h, w, s, b, f, _ in cases]
+    finally:
+        torch.cuda.set_sync_debug_mode("default") if sync_free else None
+    for trial, (out, (hidden, weights, slots, banks, fill, want)) in enumerate(zip(outs, cases)):
+        if want is not None:
+            assert all(torch.equal(got, w) for got, w in zip((banks[0], banks[1], banks[2].w13, banks[2].w2), want))
+        ok = (slots >= 0) & (slots < num_slots)
+        ref = grouped_swiglu_eager(hidden, weights * ok, slots.clamp(0, num_slots - 1), *banks[:2], banks[2])
+        assert rel_err(out, ref) < tol, (trial, block)
+
+
+@interpreted
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_parity_with_fills_interpreted(shape, block):
+    run_trials(shape, block, torch.float32, "cpu", trials=INTERPRETED_TRIALS,
+               config=decode_fp8().DecodeFp8Config(**SMALL))
+
+
+@interpreted
+def test_public_op_takes_the_batch1_path_for_one_token(monkeypatch):
+    """``grouped_swiglu`` over fp8 banks: one token takes this path (fill included), two tokens the
+    general fp8 kernels."""
+    calls = []
+    real = decode_fp8().decode_grouped_swiglu_fp8
+    monkeypatch.setattr(decode_fp8(), "decode_grouped_swiglu_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w13, w2, scales = make_fp8_banks(6, 64, 16, ScaleBlock(16, 16))
+    for tokens in (1, 2):
+        weights, slots = torch.rand(tokens, 2), torch.tensor([[1, 4], [0, 5]][:tokens])
+        hidden = torch.randn(tokens, 64)
+        out = grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales, backend="triton")
+        assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)) < 1e-5
+    assert calls == [1]
+
+
+def test_refuses_what_it_cannot_read():
+    w13, w2, scales = make_fp8_banks(4, 32, 16, ScaleBlock(16, 16))
+    with pytest.raises(ValueError, match="one contiguous token"):
+        decode_fp8().decode_grouped_swiglu_fp8(torch.randn(2, 32), torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.long),
+                                              w13, w2, scales)
+    plan = CopyPlan(*(torch.zeros(2, dtype=torch.int32) for _ in range(2)), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="host's fp8 scales"):
+        decode_fp8().decode_grouped_swiglu_fp8(torch.randn(1, 32), torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long),
+                                              w13, w2, scales, fill=SlotFill(plan, w13, w2))
+
+
+# ==== GPU ====
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=str)
+@pytest.mark.parametrize("shape", [(128, 2048, 768, 8), (64, 2048, 512, 8), (40, 576, 1536, 2)], ids=str)
+def test_bf16_from_pinned_host_banks_sync_free(shape, block):
+    """qwen3-30b's, qwen3.5-35b-a3b's and the default model's shapes: 20 routings with fills from
+    pinned host banks under the sync check."""
+    run_trials(shape, block, torch.bfloat16, "cuda", trials=2, host_device="cpu")  # compiles
+    run_trials(shape, block, torch.bfloat16, "cuda", host_device="cpu", sync_free=True)
+
+
+@pytest.mark.cuda
+def test_graph_replay_with_new_routing():
+    w13, w2, scales = make_fp8_banks(64, 2048, 512, BLOCK_128, "cuda")
+    hidden = torch.randn(1, 2048, device="cuda").bfloat16()
+    weights, slots = torch.rand(1, 8, device="cuda"), torch.randperm(64, device="cuda")[:8].view(1, 8)
+    run = decode_fp8().decode_grouped_swiglu_fp8
+    run(hidden, weights, slots, w13, w2, scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(hidden, weights, slots, w13, w2, scales)
+    for seed in range(5):
+        slots.copy_(torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:8].view(1, 8))
+        hidden.copy_(torch.randn(1, 2048).bfloat16())
+        graph.replay()
+        ref = grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)
+        assert rel_err(out, ref) < 2e-2, seed
