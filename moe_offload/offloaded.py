@@ -3,8 +3,8 @@
 Decode-sized batches take two device-side steps and never wait on the host: lookup/admit (one
 launch per layer: hits, victims, copy plan, routing rewritten to slots), then the grouped SwiGLU
 GEMM over the slot pools, whose gate_up launch copies the planned experts from the host banks into
-their slots as it reads them (``fill="gemm"``; with ``"gather"``, and for fp8 banks, a gather
-launch copies them first). With ``prefetch``, the model's guess of the next layer's experts is
+their slots as it reads them (``fill="gemm"``; fp8 banks at batch 1 too, their scales gathered
+first; with ``"gather"``, and for other fp8 and 4-bit batches, a gather launch copies them first). With ``prefetch``, the model's guess of the next layer's experts is
 admitted and gathered on a copy stream while that GEMM runs (``"gather"``) or after it
 (``"gemm"``: the GEMM is then reading over PCIe itself) (``expert_prefetch``).
 Prefill-sized batches route to nearly every expert of a layer; they run through the prefill
