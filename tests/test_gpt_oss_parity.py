@@ -214,3 +214,20 @@ def test_fp8_experts_of_gpt_oss_are_refused(checkpoint):
     with pytest.raises(CheckpointError, match="fp8 experts with biases"):
         ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=64,
                                  experts=ExpertOptions(expert_dtype="fp8")))
+
+
+def test_triton_backend_routes_gpt_oss_through_the_paged_paths(checkpoint):
+    """The "triton" backend (here its twins, on the CPU): every prefill, with a prefix or not, goes
+    through the paged prefill with sinks and windows, decode through the paged decode."""
+    path, hf = checkpoint
+    runner = ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=256,
+                                      attention="triton"))
+    ids = random_ids(30, seed=12)
+    ref = hf_logits(hf, ids)
+    seq_pages = pages(runner, len(ids))
+    for start, end in ((0, 13), (13, 25)):
+        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages)])
+        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
+    for pos in range(25, 30):
+        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
+        check(out.logits[0], ref[pos], f"decode at {pos}")
