@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats import dequantize_w13, room_of
-from moe_offload.formats.fp4_gemm import grouped_swiglu_w4, has_w4_kernels
+from moe_offload.formats.fp4_gemm import grouped_swiglu_w4
 from moe_offload.fp8 import ACTIVATION_BLOCK, dequantize, quantize
 from moe_offload.grouped_checks import check_args as _check_args
 from moe_offload.kernels.triton_support import use_triton
@@ -64,11 +64,9 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
         fp8_activations = fp8_activations_for(hidden, scales)
     if fp8_activations and (scales is None or scales.kind):
         raise ValueError("fp8_activations needs fp8 experts (scales)")
-    if scales is not None and scales.kind:  # 4-bit: the room's W4A16 GEMM (eager until its kernels exist)
-        backend = backend if has_w4_kernels() else "eager"
-        if use_triton(hidden, backend):
-            _gather_first(fill, w13, w2, scales, backend)
-            return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, **extras)
+    if scales is not None and scales.kind and use_triton(hidden, backend):  # 4-bit: the room's W4A16 GEMM
+        _gather_first(fill, w13, w2, scales, backend)
+        return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, backend, **extras)
     if not use_triton(hidden, backend):
         _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, **extras)
