@@ -15,12 +15,15 @@ from scheduler.messages.to_scheduler import Grammar
 
 
 def chat_grammar(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: ReplyFormat) -> Grammar | None:
+    """A forced call wins over ``response_format``, which shapes text the reply then has none of;
+    a format with tools the model may call allows either the format or a call."""
     call = forced_call(body, tools, reply)
+    if call is not None:
+        return call
     output = response_format_grammar(body.response_format, reply)
-    if call is not None and output is not None:
-        raise ApiError(400, "tool_choice forces a call and response_format constrains the text: send one "
-                       "of them", param="response_format")
-    return call or output
+    if output is None or not tools:
+        return output
+    return grammars.json_or_call_grammar(_schema(body.response_format), tools, reply, output.what, "response_format")
 
 
 def forced_call(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: ReplyFormat) -> Grammar | None:
@@ -42,16 +45,21 @@ def response_format_grammar(fmt: dict[str, Any] | None, reply: ReplyFormat | Non
     if kind == "text":
         return None
     what, param = f"response_format {kind}", "response_format"
-    if kind == "json_object":
-        schema: Any = {"type": "object"}
-    elif kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise ApiError(400, "response_format json_schema needs json_schema.schema", param=param)
-        schema = spec["schema"]
-    else:
-        raise ApiError(400, f"response_format of type {kind!r} is not supported (text, json_object or "
-                       "json_schema)", param=param)
+    schema = _schema(fmt)
     if reply is not None:
         grammars.refuse_in_reasoning(reply, what, param)
     return grammars.json_grammar(schema, what, param)
+
+
+def _schema(fmt: dict[str, Any]) -> Any:
+    """The schema of a json_object or json_schema ``response_format``."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format of type {kind!r} is not supported (text, json_object or "
+                       "json_schema)", param="response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise ApiError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return spec["schema"]

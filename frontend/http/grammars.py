@@ -1,6 +1,6 @@
 """What the APIs constrain, as the scheduler's ``Grammar`` (llguidance's Lark, ``scheduler.grammar``
-compiles it): ``response_format`` json_object / json_schema (Chat; ``text.format`` of Responses)
-and forced tool calls (``tool_choice`` "required" or a named function; Anthropic's ``any`` and
+compiles it): ``response_format`` json_object / json_schema (Chat; ``text.format`` of Responses),
+with tools offered either that output or a call, and forced tool calls (``tool_choice`` "required" or a named function; Anthropic's ``any`` and
 ``tool``), written in the model's call markup, Hermes / Qwen JSON ``<tool_call>`` blocks, with
 the arguments held to the tool's parameters schema.
 
@@ -30,24 +30,41 @@ OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
 
 def json_grammar(schema: Any, what: str, param: str) -> Grammar:
     """``schema`` (a JSON schema object; ``{"type": "object"}`` for json_object) as a grammar."""
-    if not isinstance(schema, dict):
-        raise ApiError(400, f"{what}: the schema must be a JSON object", param=param)
-    return checked(Grammar(lark=f"start: %json {_schema_text(schema)}", what=what), param)
+    return checked(Grammar(lark=f"start: {_json_rule(schema, what, param)}", what=what), param)
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, reply: ReplyFormat, what: str,
                       param: str = "tool_choice") -> Grammar:
     """One call, of the tool ``name`` (None: any of ``tools``), in the template's markup."""
+    return checked(Grammar(lark=f"start: {_call_rule(tools, name, reply, what, param)}", what=what), param)
+
+
+def json_or_call_grammar(schema: Any, tools: list[dict[str, Any]], reply: ReplyFormat, what: str,
+                         param: str) -> Grammar:
+    """The output ``schema`` asks for, or one call of any of ``tools`` (a response format with
+    tools the model may call: an agent with an output type and tools)."""
+    output = _json_rule(schema, what, param)
+    call = _call_rule(tools, None, reply, f"{what} with tools", param)
+    return checked(Grammar(lark=f"start: output | call\noutput: {output}\ncall: {call}", what=what), param)
+
+
+def _json_rule(schema: Any, what: str, param: str) -> str:
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{what}: the schema must be a JSON object", param=param)
+    return f"%json {_schema_text(schema)}"
+
+
+def _call_rule(tools: list[dict[str, Any]], name: str | None, reply: ReplyFormat, what: str, param: str) -> str:
     if reply.markup.calls != "json":
         raise ApiError(400, f"{what} is not supported for this model: its chat template writes calls in the "
-                       "XML format, and forced calls are built for the JSON <tool_call> format only", param=param)
+                       "XML format, and constrained calls are built for the JSON <tool_call> format only",
+                       param=param)
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise ApiError(400, f"{what}: no tool named {name!r} among the request's tools", param=param)
     calls = [_call_schema(t["function"]) for t in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    lark = f"start: {json.dumps(OPEN_CALL)} %json {_schema_text(schema)} {json.dumps(CLOSE_CALL)}"
-    return checked(Grammar(lark=lark, what=what), param)
+    return f"{json.dumps(OPEN_CALL)} %json {_schema_text(schema)} {json.dumps(CLOSE_CALL)}"
 
 
 def refuse_in_reasoning(reply: ReplyFormat, what: str, param: str) -> None:

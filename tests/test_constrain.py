@@ -1,0 +1,117 @@
+"""The APIs' constraints as grammars (frontend/http/constrain.py, grammars.py): which request gets
+which grammar, the refusals by name (unsupported schema keywords, unsatisfiable or huge schemas,
+a tool that is not there, the XML call format), and what the grammars accept, checked with
+llguidance on a byte-level tokenizer."""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import msgspec
+import pytest
+
+from frontend.http import constrain, grammars
+from frontend.http.errors import ApiError
+from frontend.http.parsers import ReplyFormat
+from frontend.http.schemas import ChatRequest
+from tests.fake_scheduler import write_byte_tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+JSON_REPLY = ReplyFormat.of(None, "", {})
+XML_TEMPLATE = "<tool_call><function=x><parameter=y>"
+
+
+def body(**fields) -> ChatRequest:
+    return msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, ChatRequest)
+
+
+def grammar_of(reply: ReplyFormat = JSON_REPLY, **fields):
+    b = body(**fields)
+    tools = [msgspec.to_builtins(t) for t in b.tools] if b.tools and b.tool_choice != "none" else None
+    return constrain.chat_grammar(b, tools, reply)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> llguidance.LLTokenizer:
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"))
+    return llguidance.LLTokenizer((path / "tokenizer.json").read_text())
+
+
+def accepts(tokenizer, grammar, text: str) -> bool:
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark))
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+def test_free_output_has_no_grammar():
+    assert grammar_of() is None
+    assert grammar_of(response_format={"type": "text"}, tools=[WEATHER]) is None
+    assert grammar_of(tools=[WEATHER], tool_choice="auto") is None
+
+
+def test_response_formats(tokenizer):
+    obj = grammar_of(response_format={"type": "json_object"})
+    assert obj.what == "response_format json_object"
+    assert accepts(tokenizer, obj, '{"a": [1, "x"]}') and not accepts(tokenizer, obj, "[1]")
+    assert not accepts(tokenizer, obj, '{"a":1}')  # the layout is json.dumps's: no whitespace left free
+    schema = grammar_of(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA,
+                                                                                "strict": True}})
+    assert accepts(tokenizer, schema, '{"n": 3}') and not accepts(tokenizer, schema, '{"n": "3"}')
+
+
+def test_forced_calls_and_a_format_with_tools(tokenizer):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    required = grammar_of(tools=[WEATHER, TIME], tool_choice="required")
+    assert accepts(tokenizer, required, call) and not accepts(tokenizer, required, '{"n": 1}')
+    assert accepts(tokenizer, required, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    named = grammar_of(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert not accepts(tokenizer, named, call) and named.what == "tool_choice 'get_time'"
+    assert not accepts(tokenizer, required, call.replace('"Lima"', "7"))  # arguments by the tool's schema
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    either = grammar_of(tools=[WEATHER], response_format=fmt)
+    assert accepts(tokenizer, either, call) and accepts(tokenizer, either, '{"n": 1}')
+    assert grammar_of(tools=[WEATHER], tool_choice="required", response_format=fmt).what == "tool_choice 'required'"
+
+
+REFUSALS = [
+    (dict(response_format={"type": "regex"}), "response_format", "'regex' is not supported"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format",
+     "needs json_schema.schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": True}}), "response_format",
+     "must be a JSON object"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "array", "contains": {"type": "integer"}}}}}}),
+     "response_format", 'Unimplemented keys: ["contains"]'),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {
+        "type": "integer", "minimum": 5, "maximum": 2}}}), "response_format", "Unsatisfiable schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,9}@x"} for i in range(8000)}}}}),
+     "response_format", "too large"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "no tool named 'nope'"),
+]
+
+
+@pytest.mark.parametrize("fields, param, match", REFUSALS)
+def test_refusals_name_what_is_wrong(fields, param, match):
+    with pytest.raises(ApiError) as err:
+        grammar_of(**fields)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert match in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_model_that_reasons_first_or_writes_xml_calls_is_refused():
+    thinking = ReplyFormat.of("<think></think>", "<|im_start|>assistant\n<think>\n", {})
+    with pytest.raises(ApiError, match="reasons first"):
+        grammar_of(thinking, response_format={"type": "json_object"})
+    with pytest.raises(ApiError, match="XML format"):
+        grammar_of(ReplyFormat.of(XML_TEMPLATE, "", {}), tools=[WEATHER], tool_choice="required")
+
+
+def test_a_client_x_guidance_cannot_loosen_the_layout(tokenizer):
+    schema = {**SCHEMA, "x-guidance": {"whitespace_flexible": True}}
+    grammar = grammars.json_grammar(schema, "response_format json_schema", "response_format")
+    assert json.loads(grammar.lark.split("%json ", 1)[1])["x-guidance"] == grammars.JSON_OPTIONS
