@@ -6,8 +6,9 @@ the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes 
         [--fill gemm gather] [--sampling greedy sampled] [--gpus 1 2] [--device cpu]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
-checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8``) gets its own
-runner and rows; the bounds count an expert's bytes in its format (fp8: weights plus scales), the
+checkpoint directory. Each ``--expert-dtype`` (e.g. ``--expert-dtype bf16 fp8 nvfp4 mxfp4``) gets its
+own runner and rows; the bounds count an expert's bytes in its format (fp8: weights plus scales;
+4-bit: packed weights, group scales and nvfp4's channel scales), the
 misses' bytes as the cache moved them. Dummy weights route nearly the same experts every step; ``--routing
 synthetic`` gives them Qwen3-30B-A3B's decode statistics, so that the offloaded rows measure misses.
 Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the lent slots once;
@@ -43,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.expert_cache import slot_bytes
 from moe_offload.choices import EXPERT_DTYPES, FILL_MODES, LENT_SLOT_RULES, POLICIES
 from moe_offload.kernels.triton_support import PDL_ENV
 from moe_offload.synthetic_routing import synthetic_trace
@@ -77,8 +77,8 @@ def expert_bytes(runner: ModelRunner) -> int:
     cache = getattr(runner.experts, "cache", None)
     if cache is not None:
         return cache.slot_bytes
-    banks = runner.experts.banks
-    return slot_bytes(tuple(banks.w13.shape[2:]), tuple(banks.w2.shape[2:]), banks.w13.dtype, banks.scale_block)
+    banks = runner.experts.banks  # every bank of the format (4-bit: packed weights and scales)
+    return sum(t.nbytes for t in banks.tensors()) // (banks.num_layers * banks.num_experts)
 
 
 def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
@@ -348,7 +348,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
                    help="run as on a card this size")
     p.add_argument("--expert-dtype", nargs="+", default=[ExpertOptions.expert_dtype], choices=EXPERT_DTYPES,
-                   help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
+                   help="expert formats to compare, e.g. bf16 fp8 nvfp4 mxfp4 (each its own store and runner)")
     p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
     p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")

@@ -4,7 +4,7 @@ for each chunk size, cache fraction, invalidation mode, with and without a cache
 
     python scripts/bench_prefill.py [--model qwen3-30b-geometry | qwen3.5-35b-a3b-geometry] [--fractions 0.25 0.5]
         [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--auto]
-        [--expert-dtype bf16 fp8] [--json FILE] [--device cpu]
+        [--expert-dtype bf16 fp8 nvfp4 mxfp4] [--json FILE] [--device cpu]
 
 Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
 part of the cache (slots [2E, S)) is filled evenly across layers, as a decode phase would leave it;
@@ -17,7 +17,8 @@ does (the choice per chunk, shown as auto-k / auto-m). First a short table compa
 stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
 Each ``--expert-dtype`` gets its own runner and rows (fp8: the experts quantized 128x128, half the
 slot bytes, so the same fraction of experts takes half the cache memory); the PCIe bound counts
-the bytes actually staged, fp8 weights plus their scales. A hybrid model (qwen3.5-35b-a3b-geometry)
+the bytes actually staged, fp8 weights plus their scales (4-bit: nvfp4 / mxfp4 quantized at fill,
+packed weights plus group scales, about 3.6x fewer bytes than bf16). A hybrid model (qwen3.5-35b-a3b-geometry)
 prefills its one sequence in a recurrent-state slot; a chunk after the cached prefix starts from a
 copy of the prefix's state, restored (untimed) before each run. ``--device cpu`` runs the same steps
 on the host (the tests' end-to-end check; its times mean nothing).
@@ -73,9 +74,9 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
     cache, num_experts = experts.cache, experts.cache.num_experts
     host = experts.store.host_banks()  # pinned (registered) CPU views: what cudaMemcpyAsync reads
     host_banks = [b.view(-1, *b.shape[2:]) for b in host.tensors()]
-    pools = [cache.w13, cache.w2, *(cache.scales[:2] if cache.scales is not None else ())]
+    pools = [cache.w13, cache.w2, *(cache.scales.tensors() if cache.scales is not None else ())]
     device_host = [experts.host_w13, experts.host_w2,
-                   *(experts.host_scales[:2] if experts.host_scales is not None else ())]
+                   *(experts.host_scales.tensors() if experts.host_scales is not None else ())]
     scratch = torch.zeros(cache.num_layers, 2, dtype=torch.int64, device="cuda")
     layer_bytes = num_experts * cache.slot_bytes
 
@@ -88,7 +89,7 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
         torch.cuda.synchronize()
         return reps * layer_bytes / (time.perf_counter() - start) / 1e9
 
-    scales = [(pool, bank, pool[:num_experts]) for pool, bank in zip(pools[2:], device_host[2:])]  # fp8 only
+    scales = [(pool, bank, pool[:num_experts]) for pool, bank in zip(pools[2:], device_host[2:])]  # quantized only
     rows = []
     for n in programs:
         gbs = timed(lambda layer: stage_experts(layer, num_experts, cache.num_slots, cache.tables.slot_for_id,
@@ -246,7 +247,7 @@ def main() -> None:
     p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
     p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
-                   help="expert formats to compare, e.g. bf16 fp8 (each its own store and runner)")
+                   help="expert formats to compare, e.g. bf16 fp8 nvfp4 mxfp4 (each its own store and runner)")
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
                    help="run as on a card this size")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
