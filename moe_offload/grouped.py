@@ -84,9 +84,9 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
                                         out_dtype=out_dtype)
     from moe_offload.kernels import grouped_gemm_decode
 
-    if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS and not extras:  # gpt-oss: the general kernels
+    if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS:
         return grouped_gemm_decode.decode_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype,
-                                                         fill=fill)
+                                                         fill=fill, **extras)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     _gather_first(fill, w13, w2, scales, backend)

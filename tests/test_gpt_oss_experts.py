@@ -84,7 +84,7 @@ SHAPES = [(5, 4, 8, 32, 16), (40, 4, 6, 64, 48), (1, 4, 8, 32, 16), (3, 2, 4, 48
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("case", ["random", "duplicates", "zero_weights"])
 def test_kernels_match_twin_interpreted(shape, case):
-    """Decode-sized batches take the general kernels too (the decode kernels have no biases)."""
+    """Decode batches (one token; a few: per-token and per-slot downs) and a prefill-sized one."""
     check(shape, case, torch.float32, "cpu", 1e-5)
 
 

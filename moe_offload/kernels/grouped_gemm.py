@@ -318,7 +318,7 @@ def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
     slots = slots.reshape(-1).contiguous()
     weights = weights.reshape(-1).contiguous()
     align = align_by_slot(slots, num_slots, cfg.block_m)
-    bias = _bias_args(w13, w2, slots, w13_bias, w2_bias, bias_ids)
+    bias = bias_args_of(w13, w2, slots, w13_bias, w2_bias, bias_ids)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     act = torch.empty(align.sorted_pairs.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     n1 = cfg.block_n // 2
@@ -351,7 +351,7 @@ class BiasArgs(NamedTuple):
     on: bool
 
 
-def _bias_args(w13: torch.Tensor, w2: torch.Tensor, slots: torch.Tensor, w13_bias: torch.Tensor | None,
+def bias_args_of(w13: torch.Tensor, w2: torch.Tensor, slots: torch.Tensor, w13_bias: torch.Tensor | None,
                w2_bias: torch.Tensor | None, bias_ids: torch.Tensor | None) -> BiasArgs:
     if w13_bias is None:
         return BiasArgs(w13, w2, slots, 0, False)

@@ -31,7 +31,8 @@ hits compute while the misses cross PCIe, in one launch, and the downs read ever
 
 The per-token down reads a slot's w2 once per token that uses it, so it pays for slots that
 several tokens share; DECODE_MAX_TOKENS keeps it to batches where few do. Slots outside ``[0, N)``
-contribute zero, as on the general path. Callers go through ``moe_offload.grouped.grouped_swiglu``,
+contribute zero, as on the general path. gpt-oss's experts add bias rows by expert id and take the
+clamped activation (the epilogue pieces of ``grouped_gemm_w4_tiles``). Callers go through ``moe_offload.grouped.grouped_swiglu``,
 which checks the arguments and keeps the eager twin (``grouped_swiglu_eager``).
 """
 from __future__ import annotations
@@ -43,7 +44,9 @@ import triton
 import triton.language as tl
 
 from moe_offload.grouped import SlotFill
-from moe_offload.kernels.grouped_gemm import down_rows, sum_over_k, swiglu_rows
+from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, sum_over_k
+from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
+from moe_offload.kernels.grouped_gemm_w4_tiles import activate, bias_rows
 from moe_offload.kernels.triton_support import pdl_args
 
 # Batches of up to this many pairs take this path: every program scans all pairs' slots, and
@@ -155,10 +158,13 @@ def _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, firs
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                            host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
-                           stride_h2, stride_w2s, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           stride_h2, stride_w2s, b13_ptr, ids_ptr, num_bias,
+                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
-                           FILL_K: tl.constexpr, PDL: tl.constexpr):
-    """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s.
+                           FILL_K: tl.constexpr, BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr,
+                           ALPHA: tl.constexpr, PDL: tl.constexpr):
+    """act[p, n] = silu(x[p // k] . w13[s, n]) * (x[p // k] . w13[s, I + n]) for every pair p on slot s
+    (gpt-oss: each dot plus its bias row at the pair's expert id, the clamped activation).
 
     FILL: the lookup's planned experts are copied in as they are read (``SlotFill``)."""
     if PDL:  # see triton_support.pdl_args
@@ -180,8 +186,15 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     for r0 in range(0, count, 16):
         pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
-        act = swiglu_rows(x_ptr + (pairs // top_k)[:, None] * stride_xt, live, g_ptrs, g_ptrs + inter * stride_wn,
-                          col_ok, hidden, stride_xh, stride_wh, 16, BLOCK_N, BLOCK_K, PRECISION)
+        acc_g, acc_u = gate_up_rows(x_ptr + (pairs // top_k)[:, None] * stride_xt, live, g_ptrs,
+                                    g_ptrs + inter * stride_wn, col_ok, hidden, stride_xh, stride_wh, 16, BLOCK_N,
+                                    BLOCK_K, PRECISION)
+        if BIAS:
+            acc_g += bias_rows(b13_ptr, ids_ptr, pairs[:, None], live[:, None], cols[None, :], col_ok[None, :],
+                               num_bias, 2 * inter, BIAS)
+            acc_u += bias_rows(b13_ptr + inter, ids_ptr, pairs[:, None], live[:, None], cols[None, :],
+                               col_ok[None, :], num_bias, 2 * inter, BIAS)
+        act = activate(acc_g, acc_u, GPT_OSS, LIMIT, ALPHA)
         tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
@@ -189,10 +202,12 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 @triton.jit
 def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
                                 stride_wh, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
-                                plan_len, stride_h13, stride_h2, stride_w2s, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                                plan_len, stride_h13, stride_h2, stride_w2s, b13_ptr, ids_ptr, num_bias,
+                                TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                                 FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
-                                FILL_K: tl.constexpr, PDL: tl.constexpr):
+                                FILL_K: tl.constexpr, BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr,
+                                ALPHA: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, as the per-token
     down does (the reduction over ``HIDDEN`` unrolled at compile time, float32 multiply-adds, no
     tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
@@ -234,15 +249,20 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
         x = x.to(tl.float32)[:, None]
         acc_g += x * g.to(tl.float32)
         acc_u += x * u.to(tl.float32)
-    gate = tl.sum(acc_g, 0)
-    act = gate * tl.sigmoid(gate) * tl.sum(acc_u, 0)
+    gate, up = tl.sum(acc_g, 0), tl.sum(acc_u, 0)
+    if BIAS:  # the pair as a vector: bias_rows broadcasts ids against the columns
+        pair_v = pair + 0 * cols
+        gate += bias_rows(b13_ptr, ids_ptr, pair_v, col_ok, cols, col_ok, num_bias, 2 * inter, BIAS)
+        up += bias_rows(b13_ptr + inter, ids_ptr, pair_v, col_ok, cols, col_ok, num_bias, 2 * inter, BIAS)
+    act = activate(gate, up, GPT_OSS, LIMIT, ALPHA)
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
-                        stride_ws, stride_wh, stride_wi, TOP_K: tl.constexpr, INTER: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                        stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, TOP_K: tl.constexpr,
+                        INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                        BIAS: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
     Both loops (the k slots, the reduction over ``INTER``) are unrolled at compile time, so no
@@ -260,10 +280,14 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    biased = tl.zeros((BLOCK_N,), tl.float32)  # gpt-oss: sum_j weight_j b2[id_j]
     for j in tl.static_range(TOP_K):
         slot = tl.load(slots_ptr + token * TOP_K + j).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
         weight = tl.where(ok, tl.load(weights_ptr + token * TOP_K + j).to(tl.float32), 0.0)
+        if BIAS:
+            pair_v = token * TOP_K + j + 0 * cols
+            biased += weight * bias_rows(b2_ptr, ids_ptr, pair_v, col_ok, cols, col_ok, num_bias, hidden, BIAS)
         w_row = w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
         a_row = act_ptr + (token * TOP_K + j) * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
@@ -276,13 +300,14 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
                 w = tl.load(w_row + ks[:, None] * stride_wi, mask=(ks < INTER)[:, None] & col_ok[None, :], other=0.0)
             a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
             acc += a[:, None] * w.to(tl.float32)
-    tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + token * hidden + cols, (tl.sum(acc, 0) + biased).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
-                             inter, stride_ws, stride_wh, stride_wi, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                             inter, stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, BLOCK_P: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                             BIAS: tl.constexpr, PDL: tl.constexpr):
     """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
@@ -297,6 +322,9 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
         pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
         acc = down_rows(act_ptr + pairs[:, None] * inter, live[:, None], w_ptrs, col_ok, inter, stride_wi,
                         16, BLOCK_N, BLOCK_K, PRECISION)
+        if BIAS:
+            acc += bias_rows(b2_ptr, ids_ptr, pairs[:, None], live[:, None], cols[None, :], col_ok[None, :],
+                             num_bias, hidden, BIAS)
         weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
         tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
                  (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
@@ -304,13 +332,16 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
 
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, config: DecodeConfig | None = None,
-                          out_dtype: torch.dtype | None = None, fill: SlotFill | None = None) -> torch.Tensor:
+                          out_dtype: torch.dtype | None = None, fill: SlotFill | None = None,
+                          w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                          bias_ids: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """The decode path of ``grouped_swiglu`` (float banks, at most DECODE_MAX_PAIRS pairs), the
     output in ``out_dtype`` (default hidden's; the per-slot path's k rows stay in hidden's dtype
     until their sum, as on the align path); arguments are already checked, ``fill``'s here.
 
     ``fill``: the gate_up launch copies the planned experts into their slots as it runs (module
-    docstring); the pools must be contiguous."""
+    docstring); the pools must be contiguous. gpt-oss's biases (by ``bias_ids``) and activation as
+    in ``grouped_swiglu``."""
     num_tokens, top_k = slots.shape
     if num_tokens * top_k > DECODE_MAX_PAIRS:
         raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
@@ -322,11 +353,12 @@ def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: to
     if num_tokens == 0:  # nothing routed: a lookup planned nothing
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
-    act = _gate_up(hidden, slots, w13, w2, cfg, fill)
+    bias = bias_args_of(w13, w2, slots, w13_bias, w2_bias, bias_ids)
+    act = _gate_up(hidden, slots, w13, w2, cfg, fill, bias, activation)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, w2, out, cfg)
+        _down_per_token(act, weights, slots, w2, out, cfg, bias)
     else:
-        _down_per_slot(act, weights, slots, w2, out, cfg)
+        _down_per_slot(act, weights, slots, w2, out, cfg, bias)
     return out
 
 
@@ -368,7 +400,7 @@ def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: 
 
 
 def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
-             fill: SlotFill | None) -> torch.Tensor:
+             fill: SlotFill | None, bias: BiasArgs, activation: str) -> torch.Tensor:
     """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
@@ -378,39 +410,41 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
         fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
         _decode_gate_up_pair_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
-            TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
-            EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, num_warps=cfg.pair_warps,
-            **pdl_args(hidden))
+            bias.b13, bias.ids, bias.num, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
+            EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, BIAS=bias.on,
+            **activation_consts(activation), num_warps=cfg.pair_warps, **pdl_args(hidden))
         return act
     grid_n = triton.cdiv(inter, cfg.gate_up_n)
     fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
     _decode_gate_up_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
-        BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
-        PRECISION=_precision(hidden.dtype), **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(hidden))
+        bias.b13, bias.ids, bias.num, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
+        BLOCK_K=cfg.gate_up_k, PRECISION=_precision(hidden.dtype), **fill_consts, BIAS=bias.on,
+        **activation_consts(activation), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
     return act
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                    out: torch.Tensor, cfg: DecodeConfig) -> None:
+                    out: torch.Tensor, cfg: DecodeConfig, bias: BiasArgs) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
-        act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), TOP_K=top_k,
-        INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0,
-        num_warps=cfg.down_warps, **pdl_args(act))
+        act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), bias.b2, bias.ids,
+        bias.num, TOP_K=top_k, INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
+        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, BIAS=bias.on, num_warps=cfg.down_warps,
+        **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                   out: torch.Tensor, cfg: DecodeConfig) -> None:
+                   out: torch.Tensor, cfg: DecodeConfig, bias: BiasArgs) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     num_pairs = num_tokens * top_k
     pair_out = torch.empty(num_pairs, dim, dtype=act.dtype, device=out.device)
     _decode_slot_down_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
         act, w2, weights, slots, pair_out, num_pairs, num_slots, dim, inter, w2.stride(0), w2.stride(1),
-        w2.stride(2), BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
-        PRECISION=_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(act))
+        w2.stride(2), bias.b2, bias.ids, bias.num, BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n,
+        BLOCK_K=cfg.slot_down_k, PRECISION=_precision(act.dtype), BIAS=bias.on, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_args(act))
     sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)
