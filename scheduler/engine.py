@@ -222,14 +222,9 @@ class Engine:
             req.launched_outputs += req.prefill_done
         if not chunks:
             return self._launch_after_copies()
-        rows = self._mask_rows(reqs, samples)
-        if rows and -2 in rows:  # a grammar left no token: those requests failed, the rest go on
-            keep = [b for b, row in enumerate(rows) if row != -2]
-            reqs[:], chunks, params, steps, samples, rows = [[x[b] for b in keep] for x in (
-                list(reqs), chunks, params, steps, samples, rows)]
-            if not chunks:
-                return None
-        mask = TokenMask(self.mask.to_device(), rows) if rows and max(rows) >= 0 else None
+        mask = self._mask(reqs, samples, chunks, params, steps)
+        if not chunks:  # each request of the step failed its grammar
+            return None
         out = self.runner.forward(chunks, params, steps, self.token_buffer, mask)
         self.pages.launched()
         if self.pages.states is not None:
@@ -244,6 +239,17 @@ class Engine:
         event = torch.cuda.Event()
         event.record()
         return _Launched(reqs, samples, host, event, mask is not None)
+
+    def _mask(self, reqs: list[Request], samples: list[bool], *lists: list) -> TokenMask | None:
+        """The step's grammar mask (None: no request in it samples under a grammar). A request
+        whose grammar allows no token fails and leaves the step: ``reqs``, ``samples`` and the
+        ``lists`` of the step lose its entry, in place."""
+        rows = self._mask_rows(reqs, samples)
+        keep = [b for b, row in enumerate(rows) if row != -2]
+        if len(keep) < len(rows):
+            for x in (reqs, samples, rows, *lists):
+                x[:] = [x[b] for b in keep]
+        return TokenMask(self.mask.to_device(), rows) if rows and max(rows) >= 0 else None
 
     def _mask_rows(self, reqs: list[Request], samples: list[bool]) -> list[int]:
         """Fill the host mask rows of the constrained requests that sample in this step; each
