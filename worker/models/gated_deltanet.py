@@ -17,13 +17,13 @@ recurrent update; both start from the state in the sequence's slot and leave the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
 from worker.kv.state_pool import StatePool
 from worker.linear_attention.conv import causal_conv1d, conv1d_step
 from worker.linear_attention.gated_delta import gated_delta_chunk, gated_delta_step
+from worker.linear_attention.gates import delta_gates, gated_rms_norm
 from worker.models.hybrid_weights import LinearAttentionWeights
 from worker.models.linear import linear
 
@@ -47,8 +47,7 @@ class GatedDeltaNet:
         q = q.reshape(T, la.num_k_heads, la.head_k_dim)
         k = k.reshape(T, la.num_k_heads, la.head_k_dim)
         v = v.reshape(T, la.num_v_heads, la.head_v_dim)
-        beta = torch.sigmoid(b)
-        g = -w.A_log.exp() * F.softplus(a.float() + w.dt_bias)
+        g, beta = delta_gates(a, b, w.A_log, w.dt_bias)
         if batch.is_decode:
             o = gated_delta_step(q, k, v, g, beta, ssm, slots)
         else:
@@ -56,9 +55,3 @@ class GatedDeltaNet:
         o = gated_rms_norm(o, z.reshape(T, la.num_v_heads, la.head_v_dim), w.norm, self.eps)
         return linear(o.reshape(T, la.value_dim), w.out)
 
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each head's output, scaled by ``weight``, times SiLU of the gate (in float32)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return ((weight * xf.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
