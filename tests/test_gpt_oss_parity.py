@@ -231,3 +231,12 @@ def test_triton_backend_routes_gpt_oss_through_the_paged_paths(checkpoint):
     for pos in range(25, 30):
         out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
         check(out.logits[0], ref[pos], f"decode at {pos}")
+
+
+def test_generation_config_adds_its_stop_ids(checkpoint, tmp_path):
+    """gpt-oss's generation_config.json names <|call|> and <|endoftext|> beside config.json's
+    <|return|>: a tool call must end the reply too."""
+    path, _ = checkpoint
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [127, 120, 125]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (127, 120, 125)

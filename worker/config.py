@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moe_offload.formats.fp4_checkpoint import FP4Scheme
@@ -109,7 +109,9 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
-        return cls.from_dict(with_modelopt_config(Path(model_dir), json.loads(path.read_text())), source=str(path))
+        cfg = cls.from_dict(with_modelopt_config(Path(model_dir), json.loads(path.read_text())), source=str(path))
+        extra = [i for i in _generation_eos(Path(model_dir)) if i not in cfg.eos_token_ids]
+        return replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(extra)) if extra else cfg
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
@@ -144,6 +146,18 @@ class ModelConfig:
 def rope_theta(raw: dict) -> float:
     params = raw.get("rope_parameters") or {}
     return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+
+
+def _generation_eos(model_dir: Path) -> tuple[int, ...]:
+    """The stop ids of ``generation_config.json`` (what transformers' ``generate`` stops on; gpt-oss
+    names harmony's ``<|call|>`` and ``<|endoftext|>`` there beside config.json's ``<|return|>``)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        return _int_tuple(json.loads(path.read_text()).get("eos_token_id"))
+    except (ValueError, AttributeError):
+        return ()
 
 
 def _int_tuple(value) -> tuple[int, ...]:
