@@ -221,3 +221,11 @@ def test_offloaded_fp4_generation_equals_resident_on_the_gpu(tiny):
     for prompt in ([5, 9, 11, 3], list(range(1, 40))):
         want = generate(resident, prompt, GREEDY, 8).token_ids
         assert generate(offloaded, prompt, GREEDY, 8).token_ids == want
+
+
+def test_experts_a_4bit_format_cannot_hold_are_refused_before_loading(tmp_path):
+    write_tiny(tmp_path, "mixtral", layers=1, hidden=64, inter=48, experts=4)
+    assert cpu_runner(tmp_path, expert_dtype="nvfp4").weights.experts.format == NVFP4  # 48 = 3 groups of 16
+    with pytest.raises(CheckpointError, match="--expert-dtype mxfp4: mxfp4 needs input dims that are multiples "
+                                              "of 32; got 48"):
+        cpu_runner(tmp_path, expert_dtype="mxfp4", cache_fraction=0.5)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from moe_offload.expert_names import CHECKPOINT_STYLES, detect_names
-from moe_offload.formats import ExpertFormat
+from moe_offload.formats import ExpertFormat, bank_specs
 from moe_offload.formats.fp4_checkpoint import FP4Scheme
 from moe_offload.fp8 import FP8_DTYPE
 from moe_offload.safetensors_file import checkpoint_files, index_files
@@ -44,3 +44,12 @@ def checkpoint_expert_format(model_dir: str | Path) -> ExpertFormat:
     if cfg.quantization is None or isinstance(cfg.quantization, FP4Scheme):
         raise CheckpointError(f"{model_dir}: {probe} is float8_e4m3fn but config.json has no quantization_config for fp8")
     return ExpertFormat(FP8_DTYPE, cfg.quantization.runtime_block)
+
+
+def check_fits(cfg: ModelConfig, fmt: ExpertFormat) -> None:
+    """Refuse, in one line, experts whose shapes the format cannot hold (4-bit: K a multiple of its
+    group, 16 or 32), before anything is allocated."""
+    try:
+        bank_specs(fmt, cfg.expert_intermediate_size, cfg.hidden_size)
+    except ValueError as err:
+        raise CheckpointError(f"--expert-dtype {fmt.name}: {err}") from None

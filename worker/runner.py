@@ -24,7 +24,7 @@ from worker.memory_plan import MemoryPlan, PlanInputs, host_available_bytes, pla
 from worker.models.moe_transformer import MoETransformer
 from worker.models.weights import ModelWeights
 from worker.errors import CheckpointError
-from worker.expert_format import checkpoint_expert_format
+from worker.expert_format import check_fits, checkpoint_expert_format
 from worker.routing import make_routing, save_record
 from worker.runner_config import RunnerConfig
 from worker.sampling import Sampling, SamplingTensors, sample
@@ -145,6 +145,7 @@ class ModelRunner:
         if self.model_config.expert_bias and fmt.family == "fp8":  # no fp8 kernel takes biases
             raise CheckpointError(f"{self.config.model_dir}: fp8 experts with biases (gpt-oss) are not supported; "
                                   f"use --expert-dtype bf16 or the checkpoint's own format")
+        check_fits(self.model_config, fmt)
         return fmt
 
     def _load_weights(self) -> ModelWeights:
