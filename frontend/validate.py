@@ -26,6 +26,7 @@ from scheduler.messages.to_scheduler import SamplingParams, TokenizedRequest
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PROMPT_CHARS = 1_000_000  # default of --max-prompt-chars: a 128k-token prompt is ~500k chars
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1000
+MAX_GRAMMAR_CHARS = 256 << 10  # a grammar compiles on the scheduler's thread: its size is bounded first
 MAX_TEMPERATURE = 1e6  # logits / 1e6 is already uniform; larger is the same draw
 
 
@@ -74,6 +75,9 @@ def check_request(request: Generate, vocab_size: int, max_prompt_chars: int = MA
                        f"context of {context_tokens} tokens")
     if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
         raise _refuse(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    if request.grammar is not None and len(request.grammar.lark) > MAX_GRAMMAR_CHARS:
+        raise _refuse(f"{request.grammar.what}: the grammar has {len(request.grammar.lark)} characters; at most "
+                      f"{MAX_GRAMMAR_CHARS}")
     if request.input_ids is not None:
         if len(request.input_ids) > max_prompt_chars:  # before looking at each id
             raise _refuse(f"input_ids has {len(request.input_ids)} ids; this server takes at most "

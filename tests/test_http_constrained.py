@@ -154,3 +154,20 @@ def test_an_agents_sdk_agent_with_an_output_type_and_a_function_tool(server):
     assert forced.final_output == "sunny" and len(calls) == 1 and isinstance(calls[0], str)
     answered = agents.Runner.run_sync(agent("none"), "Will it be sunny in Paris?", max_turns=2)
     assert isinstance(answered.final_output, Forecast) and len(calls) == 1
+
+
+def test_bad_grammars_from_a_zmq_client_are_errors_and_serving_goes_on(server, oai):
+    from frontend.client import ServerError
+    from scheduler.messages.to_scheduler import Grammar
+
+    with Client(server[0].endpoint, timeout=WAIT_S) as client:
+        with pytest.raises(ServerError, match="Invalid type: strin"):  # the scheduler's compile refuses it
+            client.generate(prompt="hi", max_tokens=8, grammar=Grammar(lark='start: %json {"type": "strin"}'))
+        with pytest.raises(ServerError, match="at most"):  # the frontend's size cap, before it is queued
+            client.generate(prompt="hi", max_tokens=8, grammar=Grammar(lark="start: " + '"a" ' * 100_000))
+        done = client.generate(prompt="hi", max_tokens=8, grammar=Grammar(lark='start: "yes" | "no"'))
+        assert done.text in ("yes", "no") and done.finish_reason == "stop"
+        with client.stream(prompt="hi", max_tokens=200, grammar=Grammar(lark="start: /[a-z ]{150}/")) as s:
+            next(s)  # left after its first chunk: the request is aborted (the module's end checks the pages)
+    reply = oai.chat.completions.create(model=NAME, messages=ASK, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")

@@ -85,6 +85,7 @@ def build_generate(
     stop: Sequence[str] = (),
     ignore_eos: bool = False,
     stream: bool = False,
+    grammar: requests.Grammar | None = None,  # constrained decoding (llguidance's Lark; frontend.http.grammars)
 ) -> requests.Generate:
     chat = None
     if messages is not None:
@@ -102,6 +103,7 @@ def build_generate(
         stop=list(stop),
         ignore_eos=ignore_eos,
         stream=stream,
+        grammar=grammar,
     )
 
 

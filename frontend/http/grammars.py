@@ -19,10 +19,10 @@ import llguidance
 
 from frontend.http.errors import ApiError
 from frontend.http.parsers import ReplyFormat
+from frontend.validate import MAX_GRAMMAR_CHARS
 from scheduler.messages.to_scheduler import Grammar
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-MAX_GRAMMAR_CHARS = 256 << 10  # a schema past this is refused before it is compiled
 # the scheduler's bounds (scheduler.grammar.LIMITS): a grammar that passes here compiles there
 LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
 OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
