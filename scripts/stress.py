@@ -1,5 +1,6 @@
 """Attack a running Sluice server and check that it survives: random frames, type and range fuzz of
 every Generate field, huge values, nested structures, multi-frame messages, 50 MB frames,
+grammars (broken, unsatisfiable, huge, mistyped),
 concurrent load with aborts and disconnects, and (``--kill``) kill -9 of either process.
 
     scripts/serve.sh --pid-file /tmp/sluice.pid &            # then, once it is ready:
@@ -36,7 +37,7 @@ REPLY_S = 30.0  # an attack frame that gets no reply within this is counted as u
 HUGE_INTS = [2**63, 2**63 - 1, 2**64 - 1, -(2**63)]  # msgpack holds no int outside [-2**63, 2**64)
 ODD_VALUES = [None, True, "1", "", "x" * 1000, [], [1, 2], {}, {"a": 1}, 1.5, float("inf"), float("-inf"),
               float("nan"), -1, 0, *HUGE_INTS]
-FIELDS = ["rid", "prompt", "messages", "input_ids", "temperature", "top_k", "top_p", "seed", "max_tokens",
+FIELDS = ["grammar", "rid", "prompt", "messages", "input_ids", "temperature", "top_k", "top_p", "seed", "max_tokens",
           "stop", "stream", "ignore_eos", "v", "type"]
 
 
@@ -78,6 +79,31 @@ def multi_frame(rng: random.Random) -> Iterator[list[bytes]]:
         yield [b"lead", _gen()] if rng.random() < 0.5 else [_gen(), _gen()]
 
 
+GRAMMARS = [
+    'start: %json {"type": "strin"}',  # not a schema
+    'start: %json {"allOf": [{"type": "string"}, {"type": "integer"}]}',  # unsatisfiable
+    'start: %json {"type": "array", "uniqueItems": true}',  # unimplemented
+    'start: "ok" <[999999]>',  # a token the vocabulary lacks
+    "start: " + '"a" ' * 70_000,  # under the size cap, large to compile
+    "start: " + '"a" ' * 100_000,  # over it
+    'start: %json {"type": "object", "properties": {' + ", ".join(
+        f'"p{i}": {{"type": "string", "pattern": "[a-z]{{1,30}}@[a-z]{{2,9}}"}}' for i in range(1500)) + "}}",
+    "start: /(a|b){1,100000}/",
+    'start: "yes" | "no"',  # a fine one
+    "start:",
+    "",
+]
+
+
+def grammars(rng: random.Random) -> Iterator[list[bytes]]:
+    """Constrained requests (the frame carries the scheduler's Grammar): broken, unsatisfiable,
+    huge, mistyped, and fine."""
+    while True:
+        lark = rng.choice(GRAMMARS)
+        grammar = rng.choice([{"lark": lark}, {"lark": lark, "what": "stress"}, {"lark": 7}, "start: x", [lark]])
+        yield [_gen(grammar=grammar, max_tokens=rng.choice([2, 50]))]
+
+
 def big_frames(rng: random.Random) -> Iterator[list[bytes]]:
     while True:
         yield [_gen(prompt="x" * 50_000_000) if rng.random() < 0.5 else _gen(input_ids=[1] * 5_000_000)]
@@ -89,6 +115,7 @@ ATTACKS: dict[str, Callable[[random.Random], Iterator[list[bytes]]]] = {
     "nested structures": nested,
     "multi-frame": multi_frame,
     "50 MB frames": big_frames,
+    "grammars": grammars,
 }
 
 
