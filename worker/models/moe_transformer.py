@@ -1,8 +1,9 @@
 """The decoder every family runs: pre-norm layers of a token mixer, then a sparse MoE MLP.
 
 The mixer is GQA attention with RoPE over paged KV (per-head q/k RMSNorm for the Qwen families;
-with an output gate and partial rotary for the hybrids), or, in a hybrid model's linear layers,
-a Gated DeltaNet over a recurrent state (``worker.models.gated_deltanet``). The MLP: a ``Routing``
+with an output gate and partial rotary for the hybrids; with q/k/v/o biases, per-head sinks and
+sliding windows for gpt-oss), or, in a hybrid model's linear layers, a Gated DeltaNet over a
+recurrent state (``worker.models.gated_deltanet``). The MLP: a ``Routing``
 picks each token's experts (the model's router by default), an ``Experts`` backend of
 ``moe_offload`` runs them, and a sigmoid-gated shared expert, where the family has one, runs
 beside them on the GPU."""
