@@ -43,7 +43,7 @@ GEOMETRIES = {"qwen3-30b": dict(hidden=2048, inter=768, experts=128, top_k=8),
               "gpt-oss": dict(hidden=2880, inter=2880, experts=128, top_k=4)}
 SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4), (64, 128, 128, 16, 4, 3),
          (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
-DECODE_SWEEP = [dict(), dict(pair_k=128), dict(pair_n=32, pair_warps=8), dict(pair_n=8), dict(down_warps=16),
+DECODE_SWEEP = [dict(), dict(pair_k=128), dict(pair_n=32, pair_warps=8), dict(pair_n=8), dict(down_warps=8),
                 dict(down_n=8, down_warps=4), dict(down_n=32, down_k=128), dict(gate_up_n=64, gate_up_k=64),
                 dict(slot_down_n=128, slot_down_k=64)]
 

@@ -88,6 +88,8 @@ def _check_bank(name: str, bank: W4Bank, fmt: str, num_slots: int, k: int) -> No
         raise ValueError(f"{name} bias {tuple(bias.shape)} {bias.dtype}: want [E, {rows}] float")
     if any(t is not None and t.stride(-1) != 1 for t in bank):
         raise ValueError(f"{name}: every bank needs a unit stride along its last dimension")
+    if packed.storage_offset() % 4 or packed.stride(0) % 4 or packed.stride(1) % 4:
+        raise ValueError(f"{name}: packed rows must start on 4-byte boundaries (the kernels read words)")
 
 
 # ==== launch plumbing ====
@@ -102,13 +104,15 @@ def activation_consts(activation: str) -> dict:
 
 
 def bank_args(bank: W4Bank) -> tuple[tuple, tuple, dict]:
-    """A bank's pointers (the packed bytes stand in for an absent channel scale or bias: never
-    read), its strides over slots and rows and bias rows, and its constexprs."""
-    channel = bank.packed if bank.channel_scale is None else bank.channel_scale
-    bias = bank.packed[0] if bank.bias is None else bank.bias
-    ptrs = (bank.packed, bank.scale, channel, bias)
-    strides = (bank.packed.stride(0), bank.packed.stride(1), bank.scale.stride(0), bank.scale.stride(1),
-               channel.stride(0), bias.shape[0], bias.stride(0))
+    """A bank's pointers (packed codes as int32 words; the scales stand in for an absent channel
+    scale or bias: never read), its strides over slots and rows (words for the codes), its bias
+    rows, and its constexprs."""
+    words = bank.packed.view(torch.int32)  # the kernels decode 8 codes a word
+    channel = bank.scale if bank.channel_scale is None else bank.channel_scale
+    bias = bank.scale[0] if bank.bias is None else bank.bias
+    ptrs = (words, bank.scale, channel, bias)
+    strides = (words.stride(0), words.stride(1), bank.scale.stride(0), bank.scale.stride(1), channel.stride(0),
+               bias.shape[0], bias.stride(0))
     return ptrs, strides, dict(CHANNEL=bank.channel_scale is not None, BIAS=bank.bias is not None)
 
 

@@ -14,7 +14,7 @@ no align kernel, no sort; the plan of ``grouped_gemm_decode`` with 4-bit tiles
 ```
 
 The multiply-add tiles sum a group's products first and scale the sum once (``fma_tile``): per
-weight a decode, a widening and one multiply-add. Grids depend on shapes only, so a decode step
+weight about 1.4 integer operations of decoding, a widening and one multiply-add. Grids depend on shapes only, so a decode step
 is CUDA-graph capturable. Misses are gathered into their slots before (``gather_missing``): no
 fill inside these kernels. Slots outside ``[0, S)`` contribute zero.
 """
@@ -30,7 +30,7 @@ from moe_offload.kernels.grouped_gemm import sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, _round_pairs, _slot_pairs
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
-from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, e2m1_halves, group_scale,
+from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
                                                        packed_tile, swiglu_w4_rows, w4_dot)
 from moe_offload.kernels.triton_support import pdl_args
 
@@ -52,25 +52,23 @@ class W4DecodeConfig(NamedTuple):
     num_stages: int = 3
     slot_down_n: int = 64
     slot_down_k: int = 128
-    down_warps: int = 8
+    down_warps: int = 16
     pair_n: int = 16
     pair_k: int = 256
     pair_warps: int = 4
 
 
 @triton.jit
-def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
+def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_R: tl.constexpr,
              BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
-    """``sum_k x[k] * w[rows, k]`` over the K tile at k0, per group: ``[R, BLOCK_K/G, 1]`` fp32, each
-    group's products summed before its scale multiplies (``x_ptr`` a contiguous row, read as zero
-    unless ``x_ok``; the channel scale is the caller's)."""
+    """``sum_k x[k] * w[rows, k]`` over the K tile at k0, per group: ``[R, BLOCK_K/G]`` fp32, each
+    group's products summed (in one thread) before its scale multiplies (``x_ptr`` a contiguous
+    row, read as zero unless ``x_ok``; the channel scale is the caller's)."""
     q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP)
-    ks = (k0 + (tl.arange(0, BLOCK_K // GROUP)[:, None, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :, None])
-          * 2 + tl.arange(0, 2)[None, None, :])
+    ks = k0 + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     # x_ok folds into the bound: the interpreter mistypes a 0-d bool & a block bool
-    x_even, x_odd = tl.split(tl.load(x_ptr + ks, mask=ks < tl.where(x_ok, k_len, 0), other=0.0).to(tl.float32))
-    lo, hi = e2m1_halves(q)
-    part = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], 2, keep_dims=True)
+    x = tl.load(x_ptr + ks, mask=ks < tl.where(x_ok, k_len, 0), other=0.0).to(tl.float32)
+    part = tl.sum(group_values(q, BLOCK_R, BLOCK_K, GROUP) * x[None, :, :], 2)
     return part * group_scale(s, E8M0)
 
 
@@ -94,15 +92,15 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     q_slot, s_slot, live = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, slot >= 0
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP, 1), tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K // GROUP, 1), tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
         acc_g += fma_tile(x_ptr, live, q_slot, s_slot, cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn, stride_sn,
-                          BLOCK_K, GROUP, E8M0)
+                          BLOCK_N, BLOCK_K, GROUP, E8M0)
         acc_u += fma_tile(x_ptr, live, q_slot, s_slot, inter + cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn,
-                          stride_sn, BLOCK_K, GROUP, E8M0)
-    gate = channel_scaled(tl.sum(tl.sum(acc_g, 2), 1), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
-    up = channel_scaled(tl.sum(tl.sum(acc_u, 2), 1), c_ptr + slot * stride_cs, inter + cols, col_ok, CHANNEL)
+                          stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
+    gate = channel_scaled(tl.sum(acc_g, 1), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
+    up = channel_scaled(tl.sum(acc_u, 1), c_ptr + slot * stride_cs, inter + cols, col_ok, CHANNEL)
     gate += bias_rows(b_ptr, ids_ptr, pair, live, cols, col_ok, num_bias, stride_b, BIAS)
     up += bias_rows(b_ptr, ids_ptr, pair, live, inter + cols, col_ok, num_bias, stride_b, BIAS)
     act = activate(gate, up, GPT_OSS, LIMIT, ALPHA)
@@ -151,7 +149,7 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP, 1), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     bias = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
@@ -162,10 +160,10 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
         scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             part = fma_tile(act_ptr + pair * INTER, ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols,
-                            col_ok, step * BLOCK_K, INTER, stride_qn, stride_sn, BLOCK_K, GROUP, E8M0)
-            acc += part * (scale * weight)[:, None, None]
+                            col_ok, step * BLOCK_K, INTER, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
+            acc += part * (scale * weight)[:, None]
         bias += weight * bias_rows(b_ptr, ids_ptr, pair, ok, cols, col_ok, num_bias, stride_b, BIAS)
-    out = tl.sum(tl.sum(acc, 2), 1) + bias
+    out = tl.sum(acc, 1) + bias
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 

@@ -1,16 +1,17 @@
 """Triton pieces shared by the 4-bit grouped GEMM's prefill and decode kernels: decoding packed
-e2m1 tiles and their group scales in registers, the half-depth dots over even and odd k, and the
-epilogue (channel scale, bias rows, activation). The layout is ``grouped_gemm_w4_banks``'.
+e2m1 tiles and their group scales in registers, the dot over a decoded tile, and the epilogue
+(channel scale, bias rows, activation). The layout is ``grouped_gemm_w4_banks``'.
 
-A tile of packed bytes ``[R, BLOCK_K/G, G/2]`` (rows, groups, bytes) decodes with shifts and
-masks: a nibble's sign and magnitude bits put under an fp16 exponent make the fp16 number
-``e2m1 * 2^-14`` exactly (0.5 becomes the subnormal 2^-15), widened to fp32 exactly; the group's
-scale, times 2^14, multiplies it, broadcast along the group's bytes (loaded once a group). The low
-and high nibbles (even and odd k) stay apart: the activations split the same way (``tl.split`` of
-a ``[M, BLOCK_K/2, 2]`` load) and two dots of half the depth add up, so no interleave is needed.
-``e2m1 * scale`` is exact in bf16 (at most 6 significant bits; e8m0 is a power of two), so the
-16-bit dot sees the checkpoint's weights; nvfp4's channel scale multiplies the accumulator per
-output column. K need only be a multiple of G: the tail is masked by whole groups.
+A tile is read as int32 words ``[R, BLOCK_K/G, G/8]`` (rows, groups, words: eight codes a word,
+one 8- or 16-byte load a group) and decoded with masks and shifts, two codes an operation: a
+code's sign and magnitude bits put under an fp16 exponent make the fp16 number
+``e2m1 * 2^-14`` exactly (0.5 becomes the subnormal 2^-15), and each half of a word is one such
+number, widened to fp32 exactly (``HADD2.F32`` selects the half). Joins put the eight values of a
+word back in k order, in registers. The group's scale, times 2^14, multiplies once a group
+(loaded once, broadcast along the group). ``e2m1 * scale`` is exact in bf16 (at most 6
+significant bits; e8m0 is a power of two), so the 16-bit dot sees the checkpoint's weights;
+nvfp4's channel scale multiplies the accumulator per output column. K need only be a multiple of
+G: the tail is masked by whole groups.
 """
 from __future__ import annotations
 
@@ -18,19 +19,38 @@ import triton
 import triton.language as tl
 
 
+# The sign bits of both halves of a word (0x80008000 as an int32, so the word stays int32).
+_HIGH_SIGNS = tl.constexpr(-0x7FFF8000)
+
+
 @triton.jit
-def e2m1_halves(q):
-    """The low and high nibbles of packed bytes ``q`` as fp32, each e2m1 value times 2^-14."""
-    b = q.to(tl.int32)
-    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
-    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-    return (lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-            hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+def _halves(v):
+    """An int32 holding two fp16 bit patterns -> (low, high) as fp32 (exact)."""
+    return (v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def e2m1_words(w):
+    """int32 words of packed codes (k = 8i + 0..7: byte j's low nibble is k = 2j) -> fp32
+    ``[..., 2, 2, 2]`` in k order, each e2m1 value times 2^-14. Each mask-and-shift puts the
+    nibbles of bytes 0 and 2 (or 1 and 3) under the fp16 exponent of a word's two halves at once:
+    eleven integer operations for eight values."""
+    k04 = ((w & 0x00070007) << 9) | ((w & 0x00080008) << 12)
+    k26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
+    k15 = ((w & 0x00700070) << 5) | ((w & 0x00800080) << 8)
+    k37 = ((w & 0x70007000) >> 3) | (w & _HIGH_SIGNS)
+    k0, k4 = _halves(k04)
+    k2, k6 = _halves(k26)
+    k1, k5 = _halves(k15)
+    k3, k7 = _halves(k37)
+    # join appends a minor dimension: the last join's is k's lowest bit
+    return tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
 
 
 @triton.jit
 def group_scale(s, E8M0: tl.constexpr):
-    """Group scales as fp32 times 2^14 (undoing ``e2m1_halves``' 2^-14): e8m0 byte e is 2^(e-127),
+    """Group scales as fp32 times 2^14 (undoing ``e2m1_words``' 2^-14): e8m0 byte e is 2^(e-127),
     so the product's exponent field is e + 14 (byte 0 included)."""
     if E8M0:
         return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
@@ -40,49 +60,49 @@ def group_scale(s, E8M0: tl.constexpr):
 @triton.jit
 def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """Packed bytes ``[R, BLOCK_K/G, G/2]`` and their scales ``[R, BLOCK_K/G, 1]`` of rows ``rows``
-    and k in ``[k0, k0 + BLOCK_K)`` of one slot's bank (``q_ptr``, ``s_ptr`` at the slot); groups
-    past ``k_len`` (a multiple of G) and rows not ``row_ok`` read as zero."""
+    """Packed words ``[R, BLOCK_K/G, G/8]`` (int32, ``q_ptr`` and ``stride_qn`` in words) and the
+    group scales ``[R, BLOCK_K/G]`` of rows ``rows`` and k in ``[k0, k0 + BLOCK_K)`` of one slot's
+    bank (the pointers at the slot); groups past ``k_len`` (a multiple of G) and rows not
+    ``row_ok`` read as zero."""
     gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    ok = row_ok[:, None, None] & (gs < k_len // GROUP)[None, :, None]
-    row_q = q_ptr + rows[:, None, None].to(tl.int64) * stride_qn
-    q = tl.load(row_q + (gs * (GROUP // 2))[None, :, None] + tl.arange(0, GROUP // 2)[None, None, :], mask=ok,
-                other=0)
-    s = tl.load(s_ptr + rows[:, None, None].to(tl.int64) * stride_sn + gs[None, :, None], mask=ok, other=0.0)
+    ok = row_ok[:, None] & (gs < k_len // GROUP)[None, :]
+    words = (gs * (GROUP // 8))[None, :, None] + tl.arange(0, GROUP // 8)[None, None, :]
+    q = tl.load(q_ptr + rows[:, None, None].to(tl.int64) * stride_qn + words, mask=ok[:, :, None], other=0)
+    s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + gs[None, :], mask=ok, other=0.0)
     return q, s
+
+
+@triton.jit
+def group_values(q, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """``packed_tile``'s words as fp32 ``[R, BLOCK_K/G, G]`` in k order (times 2^-14, unscaled)."""
+    return tl.reshape(e2m1_words(q), (BLOCK_R, BLOCK_K // GROUP, GROUP))
 
 
 @triton.jit
 def dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_R: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
     """The weights of ``packed_tile`` in fp32 (without the channel scale), transposed for a dot:
-    even k and odd k, each ``[BLOCK_K/2, R]``."""
+    ``[BLOCK_K, R]``."""
     q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP)
-    scale = group_scale(s, E8M0)
-    lo, hi = e2m1_halves(q)
-    return (tl.trans(tl.reshape(lo * scale, (BLOCK_R, BLOCK_K // 2))),
-            tl.trans(tl.reshape(hi * scale, (BLOCK_R, BLOCK_K // 2))))
+    w = group_values(q, BLOCK_R, BLOCK_K, GROUP) * group_scale(s, E8M0)[:, :, None]
+    return tl.trans(tl.reshape(w, (BLOCK_R, BLOCK_K)))
 
 
 @triton.jit
-def split_k(a_ptrs, row_ok, k0, k_len, stride_k, BLOCK_K: tl.constexpr):
+def w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """``acc + a . w[cols]^T`` for the K tile at k0 (``a`` the activations' tile, ``[M, BLOCK_K]``),
+    the weight in the activations' dtype, as the dot takes it."""
+    w = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
+    return tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def a_tile(a_ptrs, row_ok, k0, k_len, stride_k, BLOCK_K: tl.constexpr):
     """Activations ``[M, BLOCK_K]`` at k0 (``a_ptrs [M]`` the rows' starts; rows not ``row_ok``
-    and k past ``k_len`` read as 0), split into even and odd k, each ``[M, BLOCK_K/2]``."""
-    ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)[:, None] + tl.arange(0, 2)[None, :]
-    a = tl.load(a_ptrs[:, None, None] + ks[None, :, :] * stride_k,
-                mask=row_ok[:, None, None] & (ks < k_len)[None, :, :], other=0.0)
-    return tl.split(a)
-
-
-@triton.jit
-def w4_step(a_even, a_odd, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc + a . w[cols]^T`` for the K tile at k0 (``split_k``'s halves of ``a``), the weight in
-    the activations' dtype, as the dot takes it."""
-    w_even, w_odd = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K,
-                                 GROUP, E8M0)
-    acc = tl.dot(a_even, w_even.to(a_even.dtype), acc, input_precision=PRECISION)
-    return tl.dot(a_odd, w_odd.to(a_odd.dtype), acc, input_precision=PRECISION)
+    and k past ``k_len`` read as 0)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(a_ptrs[:, None] + ks[None, :] * stride_k, mask=row_ok[:, None] & (ks < k_len)[None, :], other=0.0)
 
 
 @triton.jit
@@ -92,9 +112,9 @@ def w4_dot(a_ptrs, row_ok, q_ptr, s_ptr, cols, col_ok, k_len, stride_ak, stride_
     """``a . w[cols]^T`` ``[M, N]`` in fp32 over all of K, rows ``a_ptrs [M]``, one slot's weight."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        a_even, a_odd = split_k(a_ptrs, row_ok, k0, k_len, stride_ak, BLOCK_K)
-        acc = w4_step(a_even, a_odd, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N,
-                      BLOCK_K, GROUP, E8M0, PRECISION)
+        a = a_tile(a_ptrs, row_ok, k0, k_len, stride_ak, BLOCK_K)
+        acc = w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N, BLOCK_K, GROUP,
+                      E8M0, PRECISION)
     return acc
 
 
@@ -141,11 +161,11 @@ def swiglu_w4_rows(a_ptrs, pairs, row_ok, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, c
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):  # one read of the activations for both halves
-        a_even, a_odd = split_k(a_ptrs, row_ok, k0, hidden, stride_ak, BLOCK_K)
-        gate = w4_step(a_even, a_odd, q_ptr, s_ptr, cols, col_ok, k0, hidden, stride_qn, stride_sn, gate, BLOCK_N,
-                       BLOCK_K, GROUP, E8M0, PRECISION)
-        up = w4_step(a_even, a_odd, q_ptr, s_ptr, inter + cols, col_ok, k0, hidden, stride_qn, stride_sn, up,
-                     BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
+        a = a_tile(a_ptrs, row_ok, k0, hidden, stride_ak, BLOCK_K)
+        gate = w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, hidden, stride_qn, stride_sn, gate, BLOCK_N, BLOCK_K,
+                       GROUP, E8M0, PRECISION)
+        up = w4_step(a, q_ptr, s_ptr, inter + cols, col_ok, k0, hidden, stride_qn, stride_sn, up, BLOCK_N, BLOCK_K,
+                     GROUP, E8M0, PRECISION)
     gate = channel_scaled(gate, c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
     up = channel_scaled(up, c_ptr, inter + cols[None, :], col_ok[None, :], CHANNEL)
     gate += bias_rows(b_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :], num_bias,
