@@ -16,18 +16,18 @@ masked step's tokens before it launches the next (a constrained request needs th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import llguidance
-import llguidance.torch as llt
 import torch
 
 from scheduler.messages.to_scheduler import Grammar
 from worker.token_mask import mask_words
 
-# llguidance's defaults bound a grammar's size and each step's work; a schema past them is an
-# error (a 400), never a hang: see LLParserLimits
-LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
+if TYPE_CHECKING:  # imported when the first constrained request comes: serving needs it for nothing else
+    import llguidance
+
+# bounds on a grammar's size and on its compile (LLParserLimits): past them it is an error, never a hang
+LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
 
 
 class GrammarError(ValueError):
@@ -40,8 +40,12 @@ class Grammars:
 
     def __init__(self, tokenizer_json: str, vocab: int, eos_ids: Sequence[int]):
         try:
+            import llguidance
+        except ImportError:
+            raise GrammarError("constrained decoding needs the llguidance package (pip install llguidance)") from None
+        try:
             self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids) or None)
-        except ValueError as exc:
+        except Exception as exc:  # whatever the library raises for a tokenizer it cannot read
             raise GrammarError(f"constrained decoding cannot read this model's tokenizer: {exc}") from None
         self.vocab = vocab
 
@@ -55,8 +59,10 @@ class Grammars:
 
     def compile(self, grammar: Grammar) -> llguidance.LLMatcher:
         """A fresh matcher for ``grammar``, or GrammarError naming what is wrong with it."""
+        import llguidance
+
         matcher = llguidance.LLMatcher(self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
-                                       log_level=0, limits=LIMITS)
+                                       log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
             raise GrammarError(f"{grammar.what}: {matcher.get_error()}")
         return matcher
@@ -69,10 +75,14 @@ class HostMask:
         cuda = device.type == "cuda"
         self.host = torch.zeros(rows, mask_words(vocab), dtype=torch.int32, pin_memory=cuda)
         self.device_words = torch.zeros_like(self.host, device=device) if cuda else self.host
-        self.executor = llguidance.LLExecutor()
+        self.executor: llguidance.LLExecutor | None = None
 
     def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> list[int]:
         """Fill the rows of ``(matcher, row)``; returns the rows their grammar leaves no token in."""
+        import llguidance
+        import llguidance.torch as llt
+
+        self.executor = self.executor or llguidance.LLExecutor()
         llt.fill_next_token_bitmask_par(self.executor, matchers, self.host)
         return [row for m, row in matchers if m.is_error() or not bool(self.host[row].any())]
 

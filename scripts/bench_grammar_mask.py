@@ -3,6 +3,8 @@ engine's decode tok/s with every request constrained against none.
 
     python scripts/bench_grammar_mask.py                 # CPU: mask costs, then decode on the tiny model
     python scripts/bench_grammar_mask.py --device cuda   # the decode part on the GPU (default model)
+    python scripts/bench_grammar_mask.py --device cuda --skip-mask --model qwen3-30b-geometry \
+        --tokenizer WORK_DIR/tokenizer-151936/tokenizer.json   # where the default model's package is missing
     python scripts/bench_grammar_mask.py --json out.json
 
 Mask cost: a matcher walks a valid document token by token; each step fills one row of an int32
@@ -54,8 +56,9 @@ def smollm2_tokenizer() -> Path:
 
 
 def qwen_size_tokenizer(out: Path, vocab: int = QWEN_VOCAB, seed: int = 0) -> Path:
-    """SmolLM2's BPE grown to ``vocab`` ids by merging a space-led piece with a following piece."""
-    path = out / f"tokenizer-{vocab}.json"
+    """SmolLM2's BPE grown to ``vocab`` ids in all (its specials keep ids 0..16) by merging a
+    space-led piece with a following word piece."""
+    path = out / f"tokenizer-{vocab}" / "tokenizer.json"
     if path.is_file():
         return path
     spec = json.loads(smollm2_tokenizer().read_text())
@@ -63,18 +66,14 @@ def qwen_size_tokenizer(out: Path, vocab: int = QWEN_VOCAB, seed: int = 0) -> Pa
     words = sorted(model["vocab"], key=model["vocab"].get)
     heads = [w for w in words if w.startswith("Ġ") and len(w) > 2]
     tails = [w for w in words if w.isalpha() and len(w) > 1]
-    rng, next_id = random.Random(seed), len(words) + len(spec["added_tokens"])
+    rng, next_id = random.Random(seed), len(words)
     while next_id < vocab:
         a, b = rng.choice(heads), rng.choice(tails)
         if a + b not in model["vocab"]:
             model["vocab"][a + b] = next_id
             model["merges"].append([a, b])
             next_id += 1
-    for added in spec["added_tokens"]:  # the specials move past the grown vocabulary
-        model["vocab"].pop(added["content"], None)
-    for i, added in enumerate(spec["added_tokens"]):
-        added["id"] = len(model["vocab"]) + i
-    out.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
     return path
 
@@ -210,15 +209,19 @@ def decode_table(args) -> list[dict]:
 
     from scheduler.grammar import Grammars
     from scheduler.messages.to_scheduler import Grammar
-    from worker.runner import ModelRunner, RunnerConfig
+    from worker.expert_placement import ExpertOptions
+    from worker.geometry import GEOMETRIES
     from worker.geometry_tokenizer import tokenizer_dir
+    from worker.runner import ModelRunner, RunnerConfig
 
     model = bench_model(args)
     if args.device == "cpu":
         torch.set_num_threads(1)  # a small model gains nothing from more, and shared cores spin against each other
-    runner = ModelRunner(RunnerConfig(model, device=args.device, kv_tokens=16384))
+    experts = ExpertOptions(dummy_weights=model in GEOMETRIES, cache_fraction=1.0)
+    runner = ModelRunner(RunnerConfig(model, device=args.device, kv_tokens=16384, experts=experts))
     cfg = runner.model_config
-    grammars = Grammars.from_dir(tokenizer_dir(model), cfg.vocab_size, cfg.eos_token_ids)
+    tokenizer = args.tokenizer.parent if args.tokenizer else tokenizer_dir(model)
+    grammars = Grammars.from_dir(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
     lark = f"start: %json {json.dumps(LONG_SCHEMA)}"
     rows = []
     for batch in args.batch:
@@ -228,16 +231,18 @@ def decode_table(args) -> list[dict]:
             free = max(free, decode_rate(runner, None, batch, args.decode_tokens))
             constrained = max(constrained, decode_rate(runner, lambda: grammars.compile(Grammar(lark=lark)), batch,
                                                        args.decode_tokens))
-        rows.append(dict(model=Path(model).name, device=args.device, batch=batch, free_tok_s=free,
+        rows.append(dict(model=Path(model).name, tokenizer_ids=grammars.tokenizer.vocab_size, device=args.device,
+                         batch=batch, free_tok_s=free,
                          constrained_tok_s=constrained, ratio=constrained / free))
     return rows
 
 
 def print_decode_table(rows: list[dict]) -> None:
-    print(f"\n{'model':<22}{'device':<8}{'batch':>6}{'none tok/s':>12}{'constrained':>13}{'ratio':>7}  (goal >= 0.90 at batch 8)")
+    print(f"\n{'model':<22}{'tokenizer ids':>14}{'device':>8}{'batch':>6}{'none tok/s':>12}{'constrained':>13}"
+          f"{'ratio':>7}  (goal >= 0.90 at batch 8)")
     for r in rows:
-        print(f"{r['model']:<22}{r['device']:<8}{r['batch']:>6}{r['free_tok_s']:>12.1f}{r['constrained_tok_s']:>13.1f}"
-              f"{r['ratio']:>7.2f}")
+        print(f"{r['model']:<22}{r['tokenizer_ids']:>14,}{r['device']:>8}{r['batch']:>6}{r['free_tok_s']:>12.1f}"
+              f"{r['constrained_tok_s']:>13.1f}{r['ratio']:>7.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,17 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/sluice-bench-grammar"),
                    help="where the Qwen-size tokenizer is built (once)")
     p.add_argument("--skip-decode", action="store_true", help="only the mask costs")
+    p.add_argument("--skip-mask", action="store_true", help="only the decode part (no SmolLM2 GGUF needed)")
+    p.add_argument("--tokenizer", type=Path, help="the decode part's grammars read this tokenizer.json (default: "
+                   "the model's; e.g. WORK_DIR/tokenizer-151936/tokenizer.json with qwen3-30b-geometry)")
     p.add_argument("--model", help="the decode part's model (default: the default model on CUDA, a tiny one on CPU)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per request in the decode part")
     p.add_argument("--repeats", type=int, default=2, help="runs of each decode case (the best counts)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    tokenizers = {"smollm2 (49,152)": smollm2_tokenizer(),
-                  f"qwen-size ({QWEN_VOCAB:,})": qwen_size_tokenizer(args.work_dir)}
-    rows = mask_table(tokenizers)
-    print_mask_table(rows)
-    out = {"mask": rows}
+    out = {}
+    if not args.skip_mask:
+        tokenizers = {"smollm2 (49,152)": smollm2_tokenizer(),
+                      f"qwen-size ({QWEN_VOCAB:,})": qwen_size_tokenizer(args.work_dir)}
+        out["mask"] = mask_table(tokenizers)
+        print_mask_table(out["mask"])
     if not args.skip_decode:
         out["decode"] = decode_table(args)
         print_decode_table(out["decode"])

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import msgspec
 import pytest
 
-from frontend.http import constrain, grammars
-from frontend.http.errors import ApiError
-from frontend.http.parsers import ReplyFormat
-from frontend.http.schemas import ChatRequest
-from tests.fake_scheduler import write_byte_tokenizer
+llguidance = pytest.importorskip("llguidance")  # the GPU machines may lack it
+
+from frontend.http import constrain, grammars  # noqa: E402
+from frontend.http.errors import ApiError  # noqa: E402
+from frontend.http.parsers import ReplyFormat  # noqa: E402
+from frontend.http.schemas import ChatRequest  # noqa: E402
+from tests.fake_scheduler import write_byte_tokenizer  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

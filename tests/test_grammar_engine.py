@@ -7,20 +7,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
-from frontend.http.grammars import json_grammar, tool_call_grammar
-from frontend.http.parsers import ReplyFormat
-from frontend.http.parsers.json_calls import parse_tool_calls
-from scheduler.engine import Engine, EngineConfig
-from scheduler.grammar import GrammarError, Grammars
-from scheduler.messages.to_scheduler import Grammar, SamplingParams
-from scheduler.request import Request
-from tests.fake_scheduler import EOS_ID, SPECIALS, write_byte_tokenizer
-from tests.test_engine import run
-from tests.tiny_models import write_tiny
-from worker.runner import ModelRunner, RunnerConfig
+jsonschema = pytest.importorskip("jsonschema")  # a dev dependency; the GPU machines may lack it
+pytest.importorskip("llguidance")  # constrained decoding's library; the GPU machines may lack it
+
+from frontend.http.grammars import json_grammar, tool_call_grammar  # noqa: E402
+from frontend.http.parsers import ReplyFormat  # noqa: E402
+from frontend.http.parsers.json_calls import parse_tool_calls  # noqa: E402
+from scheduler.engine import Engine, EngineConfig  # noqa: E402
+from scheduler.grammar import GrammarError, Grammars  # noqa: E402
+from scheduler.messages.to_scheduler import Grammar, SamplingParams  # noqa: E402
+from scheduler.request import Request  # noqa: E402
+from tests.fake_scheduler import EOS_ID, SPECIALS, write_byte_tokenizer  # noqa: E402
+from tests.test_engine import run  # noqa: E402
+from tests.tiny_models import write_tiny  # noqa: E402
+from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 VOCAB = 256 + len(SPECIALS)
 SCHEMA = {"type": "object", "properties": {

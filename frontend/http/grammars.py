@@ -15,8 +15,6 @@ import json
 import re
 from typing import Any
 
-import llguidance
-
 from frontend.http.errors import ApiError
 from frontend.http.parsers import ReplyFormat
 from frontend.validate import MAX_GRAMMAR_CHARS
@@ -24,7 +22,7 @@ from scheduler.messages.to_scheduler import Grammar
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
 # the scheduler's bounds (scheduler.grammar.LIMITS): a grammar that passes here compiles there
-LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
+LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
 OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
 
 
@@ -80,8 +78,14 @@ def checked(grammar: Grammar, param: str) -> Grammar:
     if len(grammar.lark) > MAX_GRAMMAR_CHARS:
         raise ApiError(400, f"{grammar.what}: the schema is too large ({len(grammar.lark)} characters of grammar; "
                        f"at most {MAX_GRAMMAR_CHARS})", param=param)
+    try:
+        import llguidance  # here: a server that is never asked for a grammar never loads it
+    except ImportError:
+        raise ApiError(501, f"{grammar.what} needs the llguidance package, which this server lacks "
+                       "(pip install llguidance)", param=param) from None
+
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=LIMITS)
+        llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=llguidance.LLParserLimits(**LIMITS))
     if failed:
         reason = re.sub(r"^at \d+\(\d+\): ", "", messages[0].split("\n")[0]) if messages else "it does not compile"
         raise ApiError(400, f"{grammar.what} is not supported: {reason}", param=param)
