@@ -43,7 +43,7 @@ EVENTS = ("planned", "fetched")
 
 class ExpertPrefetch:
     """Admits and gathers a predicted next layer's experts into ``cache`` from the host banks
-    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and ``host_scales`` for an fp8 cache)."""
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and ``host_scales`` for a quantized cache)."""
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
                  host_scales: ExpertScales | None = None, streams: PipelineStreams | None = None):

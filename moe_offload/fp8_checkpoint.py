@@ -47,8 +47,11 @@ class FP8Scheme(NamedTuple):
         return ExpertFormat(FP8_DTYPE, self.runtime_block)
 
 
+Scheme = FP8Scheme | FP4Scheme  # how a checkpoint stores its quantized weights (None: all float)
+
+
 def read_matrix(index: Mapping[str, SafetensorsFile], name: str, shape: Sequence[int],
-                scheme: FP8Scheme | FP4Scheme | None) -> StoredMatrix:
+                scheme: Scheme | None) -> StoredMatrix:
     """``name`` of ``shape`` (a matrix); an e4m3 one comes with its float32 scale grid over
     ``scheme.runtime_block``, a 4-bit one with its parts (``formats.fp4_checkpoint``)."""
     if isinstance(scheme, FP4Scheme):

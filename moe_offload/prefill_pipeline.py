@@ -8,7 +8,7 @@ copy stream while the compute stream runs the layer before.
 ```
 
 The buffer is the cache's slots ``[0, 2E)``, lent as ``w13 [2, E, 2I, H]`` / ``w2 [2, E, H, I]``
-(and for fp8 experts the same slots of the scale pools, staged beside the weights);
+(and for quantized experts the same slots of every scale pool, staged beside the weights as bytes);
 buffer ``b`` holds layer ``L`` (``b = L % 2``) indexed by expert id, so the grouped GEMM takes the
 routed ids as slots. Staging copies experts resident elsewhere in the cache device-to-device and
 reads only the rest over PCIe (``kernels.stage_experts``); the host never reads a count.
@@ -131,7 +131,7 @@ class PrefillPipeline:
     The cache must have at least ``2n + E`` slots for the ``n`` experts of ``share`` per layer
     (``2n`` lent, ``E`` for decode lookups, the least one of them admits; ``3E`` unshared); a
     smaller one raises ``ValueError`` (``place_experts`` then runs without the pipeline).
-    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are read from (device-addressable on CUDA), with ``host_scales`` ``[L*E, R, C]`` for an fp8 cache.
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` are the banks the misses are read from (device-addressable on CUDA), with ``host_scales`` (every scale bank, ``[L*E, ...]``) for a quantized cache.
     Layers must come in order ``0, 1, ..., L-1`` per chunk.
     """
 
@@ -147,7 +147,7 @@ class PrefillPipeline:
         if stage not in STAGE_MODES:
             raise ValueError(f"stage mode {stage!r} is not one of {STAGE_MODES}")
         if (host_scales is None) != (cache.scales is None):
-            raise ValueError("an fp8 cache stages from host scales, a float one from none")
+            raise ValueError("a quantized cache stages from host scales, a float one from none")
         self.stage = stage
         self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
         self.chunks = {"kernel": 0, "memcpy": 0}  # chunks staged each way

@@ -15,7 +15,7 @@ from moe_offload.expert_names import CHECKPOINT_STYLES, ExpertNames, detect_name
 from moe_offload.experts import ExpertBanks
 from moe_offload.formats import ExpertFormat, bank_specs
 from moe_offload.checkpoint_matrix import StoredMatrix
-from moe_offload.fp8_checkpoint import FP8Scheme, read_matrix, to_expert_format
+from moe_offload.fp8_checkpoint import Scheme, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, checkpoint_files, index_files
 from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format
@@ -40,10 +40,11 @@ class ExpertLayer(NamedTuple):
 
 
 def load_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
-                      target: ExpertFormat, scheme: FP8Scheme | None = None) -> None:
-    """Write checkpoint layer ``layer`` into ``dst`` (any device) in ``target``'s format: fp8 experts
-    kept (their scales beside them), dequantized for a float target; float experts cast, or
-    quantized for an fp8 target. ``scheme`` says how the checkpoint stores fp8 (None: no fp8)."""
+                      target: ExpertFormat, scheme: Scheme | None = None) -> None:
+    """Write checkpoint layer ``layer`` into ``dst`` (any device) in ``target``'s format: quantized
+    experts kept (their scales beside them) or dequantized for a float target; float experts cast,
+    or quantized (``fp8_checkpoint.to_expert_format``). ``scheme`` says how the checkpoint stores
+    quantized weights (None: it has none)."""
     _, inter, hidden = dst.logical
     if names.gate_up is not None:
         _load_fused(index, names, layer, dst, target, scheme)
@@ -56,7 +57,7 @@ def load_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, lay
 
 
 def read_expert_layer(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, geometry: ExpertGeometry,
-                      target: ExpertFormat, scheme: FP8Scheme | None = None) -> ExpertLayer:
+                      target: ExpertFormat, scheme: Scheme | None = None) -> ExpertLayer:
     """Checkpoint layer ``layer`` in ``target``'s format, in new CPU tensors."""
     dst = empty_expert_layer(geometry, target, torch.device("cpu"))
     load_expert_layer(index, names, layer, dst, target, scheme)
@@ -95,7 +96,7 @@ def _half_rows(t: torch.Tensor, half: int) -> torch.Tensor:
 
 
 def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
-                target: ExpertFormat, scheme: FP8Scheme | None) -> None:
+                target: ExpertFormat, scheme: Scheme | None) -> None:
     """The transformers-5 layout, float or 4-bit (whose scales are per row, so the halves split
     exactly): a fused fp8 ``gate_up`` carries one scale grid over ``[2I, H]``, not the two halves'
     grids that Sluice's fp8 experts use."""
@@ -109,7 +110,7 @@ def _load_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: in
 
 
 def _read_fused(index: dict[str, SafetensorsFile], names: ExpertNames, layer: int, dst: ExpertLayer,
-                scheme: FP8Scheme | None) -> tuple[StoredMatrix, StoredMatrix]:
+                scheme: Scheme | None) -> tuple[StoredMatrix, StoredMatrix]:
     """A fused layer as ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``;
     gpt-oss's layouts (``ExpertNames``: float transposed, gate and up alternating; MXFP4 blocks by
     rows, alternating) are turned so here."""
@@ -136,12 +137,12 @@ def fill_from_safetensors(
     files: Sequence[str | Path],
     styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
     layers: Sequence[int] | None = None,
-    scheme: FP8Scheme | None = None,
+    scheme: Scheme | None = None,
 ) -> None:
     """Fill the store's banks from a (sharded) checkpoint, in the banks' format (their dtype, and
-    their scales' block for fp8). ``layers[i]`` is the checkpoint layer of bank layer ``i``
+    their scale banks). ``layers[i]`` is the checkpoint layer of bank layer ``i``
     (default: the same index), for models whose first layers are dense; ``scheme`` says how the
-    checkpoint stores fp8 weights (None: it has none)."""
+    checkpoint stores quantized weights (None: it has none)."""
     banks = store.host_banks()
     target = banks.format
     layers = list(range(banks.w13.shape[0])) if layers is None else list(layers)
@@ -180,7 +181,7 @@ def fill_dummy(store: ExpertStore, seed: int, threads: int | None = None) -> Non
     for spec in store.layout.banks:
         if not spec.dtype.is_floating_point or spec.dtype.itemsize < 2:
             raise ValueError(f"bank {spec.name} is {spec.dtype}; dummy weights need a float dtype "
-                             f"(fp8 stores are filled by store_quantize.fill_dummy_fp8)")
+                             f"(quantized stores are filled by store_quantize)")
         bank = store.bank(spec.name)
         chunks.extend(bank.reshape(-1, *bank.shape[-2:]).unbind(0) if bank.dim() > 2 else [bank])
     seeds = [(seed * len(chunks) + i) % (1 << 63) for i in range(len(chunks))]
@@ -203,11 +204,11 @@ def open_checkpoint_experts(
     styles: Sequence[ExpertNames] = CHECKPOINT_STYLES,
     layers: Sequence[int] | None = None,
     shm_dir: str | Path = SHM_DIR,
-    scheme: FP8Scheme | None = None,
+    scheme: Scheme | None = None,
 ) -> ExpertStore:
     """The store of a checkpoint directory (or file) with its experts in ``fmt``: reused if it
-    exists, else read once (``scheme``: how the checkpoint stores fp8 weights, see
-    ``fill_from_safetensors``; float experts stored as fp8 are quantized while the store fills)."""
+    exists, else read once (``scheme``: how the checkpoint stores quantized weights, see
+    ``fill_from_safetensors``; experts run in another format are converted while the store fills)."""
     files, fmt = checkpoint_files(path), as_format(fmt)
     return ExpertStore.open_or_create(
         StoreIdentity.checkpoint(path, fmt),

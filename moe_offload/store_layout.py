@@ -4,14 +4,14 @@ that records both at the start of the segment is ``store_header.py``).
 ```
  0              HEADER_BYTES         (every offset a multiple of ALIGN)                total_bytes
  ┌──────────────┬──────────────────────┬─────┬──────────────────────┬─────┐
- │ header       │ bank w13 [L,E,2I,H]  │ pad │ bank w2 [L,E,H,I]    │ pad │ fp8 only: w13_scale, w2_scale
+ │ header       │ bank w13 [L,E,2I,H]  │ pad │ bank w2 [L,E,H,I]    │ pad │ quantized: w13_scale, w2_scale, ...
  └──────────────┴──────────────────────┴─────┴──────────────────────┴─────┘
  header: magic 8s | version u32 | complete u32 | json_len u64 | created f64 | fill_seconds f64 | json
 ```
 
-Each bank has its own dtype: fp8 experts (``moe_offload.fp8``) hold ``w13``/``w2`` in
-``float8_e4m3fn`` and their float32 scale grids ``w13_scale [L,E,R13,C13]``, ``w2_scale [L,E,R2,C2]``
-in the same segment; the layout records the scale block.
+Each bank has its own dtype and shape, as the experts' format says (``formats.bank_specs``): fp8
+``w13``/``w2`` in ``float8_e4m3fn`` with float32 scale grids; 4-bit packed uint8 ``w13``/``w2`` with
+group scales and nvfp4's channel scales; the layout records the scale block and the 4-bit kind.
 
 `complete` is written last, after the data and `fill_seconds`, so a crashed fill is never taken
 for a usable store.
@@ -27,7 +27,6 @@ from typing import NamedTuple
 
 import torch
 
-from moe_offload.fp8 import w13_scale_shape
 from moe_offload.formats import ExpertFormat, ScaleBlock, bank_specs
 from moe_offload.safetensors_file import checkpoint_files
 
@@ -65,12 +64,6 @@ class ExpertGeometry(NamedTuple):
     @property
     def w2_shape(self) -> tuple[int, int, int, int]:
         return (self.num_layers, self.num_experts, self.hidden, self.intermediate)
-
-    def scale_shapes(self, block: ScaleBlock) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The fp8 scale banks ``w13_scale``, ``w2_scale`` of this geometry for ``block``."""
-        lead = (self.num_layers, self.num_experts)
-        return ((*lead, *w13_scale_shape(block, self.intermediate, self.hidden)),
-                (*lead, *block.scale_shape(self.hidden, self.intermediate)))
 
 
 class BankSpec(NamedTuple):

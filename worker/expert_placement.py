@@ -1,7 +1,7 @@
 """Where the experts run from: all resident on the device, or in the shared-memory expert store
 behind a GPU expert cache of as many slots as the memory plan gives (``--moe-cache-size`` /
 ``--moe-cache-fraction`` / ``--moe-cache-auto``); and in which format (``--expert-dtype``: bf16, or
-fp8 with block scales, see ``moe_offload.fp8``)."""
+fp8 with block scales, nvfp4, mxfp4: ``moe_offload.formats``)."""
 from __future__ import annotations
 
 import logging
@@ -32,7 +32,7 @@ def expert_slot_bytes(cfg: ModelConfig, fmt: ExpertFormat) -> int:
 
 def open_store(cfg: ModelConfig, model_dir: str, options: ExpertOptions, fmt: ExpertFormat,
                device: torch.device) -> ExpertStore | None:
-    """The expert store, filled in ``fmt`` (a float checkpoint run in fp8 is quantized once, at
+    """The expert store, filled in ``fmt`` (a checkpoint run in another format is converted once, at
     fill) and registered with CUDA; None when the experts are loaded with the weights."""
     if not options.uses_store:
         return None
