@@ -16,6 +16,7 @@ from scheduler.engine import Engine
 from worker import compile_watch
 from worker.batch import SequenceChunk
 from worker.runner import ModelRunner
+from worker.token_mask import TokenMask, mask_words
 from scheduler.messages.to_scheduler import SamplingParams
 
 log = logging.getLogger("sluice.scheduler")
@@ -45,8 +46,8 @@ def warm_up(engine: Engine) -> float:
 
 def _warm_runner(runner: ModelRunner) -> int:
     """One sequence through a full prefill chunk, a mid chunk and a small chunk over its cached
-    prefix, then decode steps (greedy and sampled); then every decode graph bucket."""
-    room = min(runner.model_config.max_context, (runner.kv_pool.num_pages - 1) * runner.page_size) - 2
+    prefix, then decode steps (greedy, sampled, under a grammar mask); then every decode graph bucket."""
+    room = min(runner.model_config.max_context, (runner.kv_pool.num_pages - 1) * runner.page_size) - 3
     on_gpu = runner.device.type == "cuda"
     sizes = (runner.plan.prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
     pages = list(range(1, runner.kv_pool.num_pages))  # page 0 is the scratch page
@@ -57,8 +58,10 @@ def _warm_runner(runner: ModelRunner) -> int:
             continue
         runner.forward([_chunk(n, done, pages, runner.page_size, state)], [GREEDY], [0])
         done += n
-    for params in (GREEDY, SAMPLED):
-        runner.forward([_chunk(1, done, pages, runner.page_size, state)], [params], [1])
+    allow_all = torch.full((1, mask_words(runner.model_config.vocab_size)), -1, dtype=torch.int32,
+                           device=runner.device)
+    for params, mask in ((GREEDY, None), (SAMPLED, None), (SAMPLED, TokenMask(allow_all, [0]))):  # grammars' too
+        runner.forward([_chunk(1, done, pages, runner.page_size, state)], [params], [1], mask=mask)
         done += 1
     if runner.graphs is None:
         return 0
