@@ -24,28 +24,21 @@ _HIGH_SIGNS = tl.constexpr(-0x7FFF8000)
 
 
 @triton.jit
-def _halves(v):
-    """An int32 holding two fp16 bit patterns -> (low, high) as fp32 (exact)."""
-    return (v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-            (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
-
-
-@triton.jit
 def e2m1_words(w):
-    """int32 words of packed codes (k = 8i + 0..7: byte j's low nibble is k = 2j) -> fp32
-    ``[..., 2, 2, 2]`` in k order, each e2m1 value times 2^-14. Each mask-and-shift puts the
-    nibbles of bytes 0 and 2 (or 1 and 3) under the fp16 exponent of a word's two halves at once:
-    eleven integer operations for eight values."""
+    """int32 words ``[R, NG, W]`` of packed codes (k = 8i + 0..7: byte j's low nibble is k = 2j)
+    -> fp32 ``[R, NG, W, 8]`` in k order, each e2m1 value times 2^-14. Each mask-and-shift puts
+    the codes of bytes 0 and 2 (or 1 and 3) under the fp16 exponents of a word's two halves at
+    once: eleven integer operations for eight values."""
     k04 = ((w & 0x00070007) << 9) | ((w & 0x00080008) << 12)
-    k26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
     k15 = ((w & 0x00700070) << 5) | ((w & 0x00800080) << 8)
+    k26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
     k37 = ((w & 0x70007000) >> 3) | (w & _HIGH_SIGNS)
-    k0, k4 = _halves(k04)
-    k2, k6 = _halves(k26)
-    k1, k5 = _halves(k15)
-    k3, k7 = _halves(k37)
-    # join appends a minor dimension: the last join's is k's lowest bit
-    return tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7)))
+    # [..., a, b] holds k = 2a + b in the low halves, 4 + 2a + b in the high ones
+    halves = tl.join(tl.join(k04, k26), tl.join(k15, k37))
+    low = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    values = tl.permute(tl.join(low, high), (0, 1, 2, 5, 3, 4))  # the half is k's top bit
+    return tl.reshape(values, (w.shape[0], w.shape[1], w.shape[2], 8))
 
 
 @triton.jit
