@@ -132,3 +132,34 @@ def test_a_grammar_that_allows_no_token_fails_its_request_only(runner, grammars)
     assert results["fine"][1] in ("stop", "length") and results["stuck"] == [[], None, []]
     [failure] = engine.take_failures()
     assert failure.rid == "stuck" and "allows no next token" in failure.message
+
+
+@pytest.mark.cuda
+def test_constrained_engine_steps_on_the_gpu_launch_without_syncs(model_dir, grammars):
+    """Through the decode graphs, every launch (masks filled, copied, applied) under sync debug
+    "error"; the replies validate and the unconstrained one is the same as alone."""
+    import torch
+
+    runner = ModelRunner(RunnerConfig(str(model_dir), device="cuda", dtype="float32", page_size=16, kv_tokens=4096,
+                                      max_prefill_tokens=16))
+    runner.graphs.capture_all()
+    alone = run(engine_on(runner, dict(max_running=8)), [free("free", list(b"one two three"), 40)])
+    engine = engine_on(runner, dict(max_running=8))
+    launch = engine._launch
+
+    def strict():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine._launch = strict
+    grammar = json_grammar(SCHEMA, "response_format json_schema", "response_format")
+    reqs = [constrained(f"c{i}", grammars, grammar, temperature=1.0 if i else 0.0, seed=i) for i in range(5)]
+    results = run(engine, reqs + [free("free", list(b"one two three"), 40)])
+    assert results["free"][0] == alone["free"][0]
+    for rid in (r.rid for r in reqs):
+        tokens, reason, _ = results[rid]
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text(tokens)), SCHEMA)
