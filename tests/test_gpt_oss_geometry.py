@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from moe_offload.formats import ExpertFormat
+from moe_offload.formats import MXFP4, ExpertFormat
 from moe_offload.offloaded import OffloadedExperts
 from scheduler.messages.to_scheduler import SamplingParams
 from tests.test_hybrid_geometry import run_script
@@ -33,6 +33,8 @@ def test_gpt_oss_geometries_have_the_releases_shapes():
     assert big.yarn.factor == 32 and big.yarn.original_max_positions == 4096 and not big.yarn.truncate
     assert big.num_kv_layers == 36  # every layer keeps KV pages (sliding layers too, for now)
     assert expert_slot_bytes(big, ExpertFormat(torch.bfloat16)) == 3 * 2880 * 2880 * 2  # 49.8 MB
+    # MXFP4: two weights a byte and an e8m0 scale per 32 (13.2 MB; the memory plan's unit)
+    assert expert_slot_bytes(big, MXFP4) == 3 * 2880 * 2880 // 2 + 3 * 2880 * 2880 // 32
 
 
 def tiny_runner(**experts) -> ModelRunner:

@@ -27,7 +27,7 @@ __all__ = ["ExpertOptions", "expert_slot_bytes", "open_store", "place_experts"]
 def expert_slot_bytes(cfg: ModelConfig, fmt: ExpertFormat) -> int:
     """Bytes of one expert in ``fmt``: what a cache slot holds (the memory plan's unit)."""
     hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
-    return slot_bytes((2 * inter, hidden), (hidden, inter), fmt.dtype, fmt.scale_block)
+    return slot_bytes((2 * inter, hidden), (hidden, inter), fmt.dtype, fmt.scale_block, fmt.kind)
 
 
 def open_store(cfg: ModelConfig, model_dir: str, options: ExpertOptions, fmt: ExpertFormat,
