@@ -1,8 +1,8 @@
 """What the APIs constrain, as the scheduler's ``Grammar`` (llguidance's Lark, ``scheduler.grammar``
 compiles it): ``response_format`` json_object / json_schema (Chat; ``text.format`` of Responses),
-with tools offered either that output or a call, and forced tool calls (``tool_choice`` "required" or a named function; Anthropic's ``any`` and
-``tool``), written in the model's call markup, Hermes / Qwen JSON ``<tool_call>`` blocks, with
-the arguments held to the tool's parameters schema.
+with tools offered either that output or a call; and forced tool calls (``tool_choice``
+"required" or a named function; Anthropic's ``any`` and ``tool``), written in the model's call
+markup, Hermes / Qwen JSON ``<tool_call>`` blocks, the arguments held to the tool's schema.
 
 Every grammar is checked here first, so that a schema with an unsupported keyword, an
 unsatisfiable one or one too large gets a 400 naming what is wrong before anything is queued.
