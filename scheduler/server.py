@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 
 import msgspec
@@ -40,7 +41,11 @@ class SchedulerServer:
         self.push.connect(push_endpoint)
         self.heartbeat = HeartbeatThread(self.ctx, push_endpoint)
         self.running = True
-        self._grammars: Grammars | None = None  # loaded with the first constrained request
+        # the tokenizer as llguidance reads it takes seconds for a 150k vocabulary: read beside the
+        # loop from the start, so that the first constrained request does not stall every other
+        self._grammars: Grammars | GrammarError | None = None
+        self._grammars_loading = threading.Thread(target=self._load_grammars, name="grammars", daemon=True)
+        self._grammars_loading.start()
 
     def send(self, message) -> None:
         self.push.send(from_scheduler.encode(message))
@@ -115,10 +120,18 @@ class SchedulerServer:
             self.send(from_scheduler.RequestError(rid=msg.rid, message=error))
 
     def grammars(self) -> Grammars:
-        if self._grammars is None:
-            info = self.model_info
-            self._grammars = Grammars.from_dir(info.tokenizer_path, info.vocab_size, info.eos_token_ids)
+        """The compiler of grammars (waits for its loading); GrammarError when it cannot be made."""
+        self._grammars_loading.join()
+        if isinstance(self._grammars, GrammarError):
+            raise self._grammars
         return self._grammars
+
+    def _load_grammars(self) -> None:
+        info = self.model_info
+        try:
+            self._grammars = Grammars.from_dir(info.tokenizer_path, info.vocab_size, info.eos_token_ids)
+        except GrammarError as exc:
+            self._grammars = exc
 
     def refusal(self, msg: to_scheduler.TokenizedRequest, params: to_scheduler.SamplingParams) -> str | None:
         """Why the engine cannot take ``msg`` (the frontend checked it already; this side must not
