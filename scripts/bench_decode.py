@@ -132,6 +132,14 @@ def progress(what: str, since: float) -> None:
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
 
 
+def profile_and_finish(engine: Engine, profile_steps: int, top_kernels: int) -> dict:
+    profiled = kernel_profile(engine, profile_steps, top_kernels)
+    while engine.has_work:  # finish, so the next run finds every page free
+        engine.step()
+    engine.check_pages()
+    return profiled
+
+
 def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_tokens: int, seed: int,
                profile_steps: int = 0, top_kernels: int = 0, prefill_every: int = 0, prefill_tokens: int = 0,
                sampling: SamplingParams = SamplingParams()) -> dict:
@@ -159,11 +167,7 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
         engine.step()
     sync()
     if profile_steps:
-        profiled = kernel_profile(engine, profile_steps, top_kernels)
-        while engine.has_work:  # finish, so the next run finds every page free
-            engine.step()
-        engine.check_pages()
-        return profiled
+        return profile_and_finish(engine, profile_steps, top_kernels)
     before = cache_totals(runner)
     seconds, prefill_s, prefill_steps = timed_steps(engine, reqs, prefill_every,
                                                     lambda n: request(f"prefill{n}", prefill_tokens, 1))

@@ -190,6 +190,18 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
     return rows
 
 
+def bench_pipelines(args: argparse.Namespace, experts: OffloadedExperts) -> dict[str, PrefillPipeline]:
+    """The staging ways to time, by row name: the kernel under each invalidation mode, and the
+    copy engine (``--memcpy``) and the serving choice (``--auto``) when asked."""
+    banks, scales = (experts.cache, experts.host_w13, experts.host_w2), experts.host_scales
+    pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel", host_scales=scales) for mode in args.invalidate}
+    if args.memcpy:  # the whole layer by the copy engine, hits included
+        pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy", host_scales=scales)
+    if args.auto:  # the serving default: kernel or copy engine per chunk
+        pipelines["auto"] = PrefillPipeline(*banks, stage="auto", host_scales=scales)
+    return pipelines
+
+
 def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str, stage_rows: list[dict]) -> list[dict]:
     longest = max(args.chunks)
     experts = ExpertOptions(cache_fraction=fraction, dummy_weights=args.model in GEOMETRIES, expert_dtype=expert_dtype)
@@ -201,12 +213,7 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
         raise SystemExit(f"cache fraction {fraction}: no prefill pipeline (fully resident, or below 3E slots)")
-    banks, scales = (experts.cache, experts.host_w13, experts.host_w2), experts.host_scales
-    pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel", host_scales=scales) for mode in args.invalidate}
-    if args.memcpy:  # the whole layer by the copy engine, hits included
-        pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy", host_scales=scales)
-    if args.auto:  # the serving default: kernel or copy engine per chunk
-        pipelines["auto"] = PrefillPipeline(*banks, stage="auto", host_scales=scales)
+    pipelines = bench_pipelines(args, experts)
     warm_cache(experts, seed=1)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(0, vocab, (args.prefix + longest,), generator=torch.Generator().manual_seed(0)).tolist()

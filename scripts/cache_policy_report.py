@@ -221,6 +221,20 @@ def print_table(rows: list[dict], title: str) -> None:
               + "".join(f" {rate[p] / rate['min'] if rate['min'] else float('nan'):>9.3f}" for p in ratios))
 
 
+def workload(args: argparse.Namespace) -> tuple[int, int, list, object, str]:
+    """Layers, experts, steps, lane use (synthetic only) and a title, from a trace or synthetic."""
+    if args.trace:
+        trace = RoutingTrace.load(args.trace)
+        title = f"trace {args.trace}: {trace.num_layers} layers, {trace.num_experts} experts, top {trace.top_k}"
+        return trace.num_layers, trace.num_experts, trace_steps(trace), None, title
+    layers, experts = args.layers, args.experts
+    steps = synthetic_steps(layers, experts, args.top_k, args.batch, args.steps, args.seed, args.prefill_every)
+    lane_use = synthetic_lane_use(layers, experts, args.top_k, args.batch, args.steps + 1 + LANES_LOOKAHEAD, args.seed)
+    title = (f"synthetic routing: {layers} layers, {experts} experts, top {args.top_k}, batch {args.batch}, "
+             f"{args.steps} steps")
+    return layers, experts, steps, lane_use, title
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", help="a routing trace written by --record-routing (default: the synthetic router)")
@@ -243,18 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: the engine's)")
     p.add_argument("--json", help="write [{cache, policy, hit_rate}, ...] here")
     args = p.parse_args(argv)
-    if args.trace:
-        trace = RoutingTrace.load(args.trace)
-        layers, experts, steps = trace.num_layers, trace.num_experts, trace_steps(trace)
-        lane_use = None
-        title = f"trace {args.trace}: {trace.num_layers} layers, {experts} experts, top {trace.top_k}"
-    else:
-        layers, experts = args.layers, args.experts
-        steps = synthetic_steps(layers, experts, args.top_k, args.batch, args.steps, args.seed, args.prefill_every)
-        lane_use = synthetic_lane_use(layers, experts, args.top_k, args.batch, args.steps + 1 + LANES_LOOKAHEAD,
-                                      args.seed)
-        title = (f"synthetic routing: {layers} layers, {experts} experts, top {args.top_k}, batch {args.batch}, "
-                 f"{args.steps} steps")
+    layers, experts, steps, lane_use, title = workload(args)
     chunks = sum(step is None for step in steps)
     lfru = dict(credit_quarter_steps=args.lfru_credit, cap_steps=args.lfru_cap,
                 pair_credit_quarter_steps=args.lfru_pair_credit)
