@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.grouped import SlotFill
+from moe_offload.slot_fill import SlotFill
 from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import activate, bias_rows

@@ -38,7 +38,7 @@ from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _pair_tile
 from moe_offload.kernels.quant_fp8 import ACT_GROUP, quantize_activations
 
 if TYPE_CHECKING:
-    from moe_offload.grouped import ExpertScales
+    from moe_offload.expert_scales import ExpertScales
 
 
 def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
