@@ -70,6 +70,7 @@ class Engine:
         self.prefill_tokens = plan.prefill_tokens
         self.failures: list[Failure] = []  # requests a step failed since the caller last took them
         self._launching: list[Request] = []  # the batch being prepared or launched
+        self._read_early: list[TokenUpdate] = []  # this step's updates read before its launch (grammars)
         self.states = runner.state_pool  # hybrid models: a recurrent-state slot per token-buffer row
         if self.states is not None and config.max_running > self.states.running:
             raise ValueError(f"--max-running {config.max_running} exceeds the model's {self.states.running} "
@@ -125,7 +126,7 @@ class Engine:
 
     def step(self) -> list[TokenUpdate]:
         previous = self.in_flight.reqs if self.in_flight else []
-        self._launching = []
+        self._launching, self._read_early = [], []
         try:
             return self._step()
         except Exception as exc:
@@ -135,7 +136,7 @@ class Engine:
             self.in_flight, self._launching = None, []
             self._contain(exc, in_step)
             self._requeue_preempted()
-            return []
+            return self._read_early  # read before the failure: a request they finished is told so
 
     def take_failures(self) -> list[Failure]:
         failures, self.failures = self.failures, []
@@ -163,12 +164,12 @@ class Engine:
 
     def _step(self) -> list[TokenUpdate]:
         self._admit()
-        updates = self._read_masked()
+        updates = self._read_early = self._read_masked()
         launched = self._launch()
         if not self.config.overlap and launched is not None:
             launched, self.in_flight = None, launched
         previous, self.in_flight = self.in_flight, launched
-        updates += self._process(previous) if previous else []
+        updates = updates + (self._process(previous) if previous else [])
         self._requeue_preempted()
         return updates
 

@@ -161,6 +161,27 @@ def test_a_grammar_that_allows_no_token_fails_its_request_only(runner, grammars)
     assert failure.rid == "stuck" and "allows no next token" in failure.message
 
 
+def test_tokens_read_before_a_failed_launch_still_go_out(runner, grammars, monkeypatch):
+    """A masked step is read before the next launch; when that launch raises, what was read (here
+    the constrained request's last token, which finishes it) is still returned."""
+    engine = engine_on(runner, dict(max_running=4))
+    done = Request("done", list(b"xyz"), SamplingParams(), 2, frozenset({EOS_ID}))  # both prefill in one step
+    done.grammar = grammars.compile(Grammar(lark="start: /[a-z]{20}/"))
+    other = free("other", list(b"abc"), 10)
+    forward, calls = runner.forward, []
+
+    def third_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(runner, "forward", third_fails)
+    results = run(engine, [done, other])
+    assert results["done"][1] == "length" and len(results["done"][0]) == 2
+    assert [f.rid for f in engine.take_failures()] == ["other"] and results["other"][1] is None
+
+
 @pytest.mark.cuda
 def test_constrained_engine_steps_on_the_gpu_launch_without_syncs(model_dir, grammars):
     """Through the decode graphs, every launch (masks filled, copied, applied) under sync debug
