@@ -10,7 +10,9 @@ accumulators, and ``activation="gpt_oss"`` clamps (``gate <= 7``, ``|up| <= 7``)
 ``gate * sigmoid(1.702 gate) * (up + 1)``.
 
 No 4-bit path fills missing experts as it computes: a cache lookup's misses are gathered into
-their slots first (``gather_missing``, one raw-byte launch a bank), in stream order.
+their slots first (``gather_missing``, one raw-byte launch a bank), in stream order. With fp16
+activations the dots take the decoded weights in fp16, which holds nvfp4's products and e8m0
+scales within 2^-24..2^13 (beyond, bf16 or fp32 activations keep the range).
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def _gate_up_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, sort
         return
     row_ok = pairs < num_pairs
     tokens = tl.where(row_ok, pairs // top_k, 0).to(tl.int64)
-    act = swiglu_w4_rows(x_ptr + tokens * stride_xt, pairs, row_ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
+    first = tl.load(sorted_pairs_ptr + tl.min(rows, 0))  # a live block's first row is a real pair
+    act = swiglu_w4_rows(x_ptr + tokens * stride_xt, row_ok, first, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
                          c_ptr + slot * stride_cs, b_ptr, ids_ptr, cols, col_ok, hidden, inter, num_bias, stride_xh,
                          stride_qn, stride_sn, stride_b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, E8M0, CHANNEL, BIAS,
                          GPT_OSS, LIMIT, ALPHA, PRECISION)
@@ -89,8 +92,8 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
     acc = w4_dot(act_ptr + rows.to(tl.int64) * inter, row_ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
                  cols, col_ok, inter, 1, stride_qn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
     acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
-    acc += bias_rows(b_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :], num_bias,
-                     stride_b, BIAS)
+    first = tl.load(sorted_pairs_ptr + tl.min(rows, 0))  # the block's pairs share its slot, so its bias id
+    acc += bias_rows(b_ptr, ids_ptr, first, first >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b, BIAS)
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :],
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -9,7 +9,9 @@ which is the CPU path and the kernels' parity oracle.
 ```
 
 Biases are rows of ``bias_ids [T, k]`` (default the slots: per-slot biases), so a cache of 4-bit
-slots can index biases kept resident by expert id; an id outside ``[0, E)`` adds nothing.
+slots can index biases kept resident by expert id; an id outside ``[0, E)`` adds nothing. Pairs on
+one slot must carry one bias id (a slot holds one expert): the grouped kernels read a slot's
+bias row once, from one of its pairs.
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def check_w4_args(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tens
         raise ValueError("expected hidden [T, H], weights and slots [T, k]")
     num_tokens, dim = hidden.shape
     if slots.shape != weights.shape or slots.shape[0] != num_tokens or slots.shape[1] < 1:
-        raise ValueError(f"slots {tuple(slots.shape)} and weights {tuple(weights.shape)} must both be [{num_tokens}, k>=1]")
+        raise ValueError(f"slots {tuple(slots.shape)} and weights {tuple(weights.shape)} must both be "
+                         f"[{num_tokens}, k>=1]")
     if hidden.dtype not in _FLOAT_DTYPES or (out_dtype is not None and out_dtype not in _FLOAT_DTYPES):
         raise ValueError(f"hidden and out_dtype must be one of {_FLOAT_DTYPES}; got {hidden.dtype}, {out_dtype}")
     if not weights.dtype.is_floating_point or slots.dtype not in (torch.int32, torch.int64):
@@ -77,13 +80,15 @@ def _check_bank(name: str, bank: W4Bank, fmt: str, num_slots: int, k: int) -> No
     packed, scale, channel, bias = bank
     rows = packed.shape[1]
     if packed.dtype != torch.uint8 or scale.dtype != SCALE_DTYPE[fmt]:
-        raise ValueError(f"{name}: {fmt} banks are uint8 with {SCALE_DTYPE[fmt]} scales; got {packed.dtype}, {scale.dtype}")
+        raise ValueError(f"{name}: {fmt} banks are uint8 with {SCALE_DTYPE[fmt]} scales; "
+                         f"got {packed.dtype}, {scale.dtype}")
     if tuple(scale.shape) != (num_slots, rows, k // GROUP[fmt]):
         raise ValueError(f"{name} scale {tuple(scale.shape)} does not fit [{num_slots}, {rows}, {k // GROUP[fmt]}]")
     if (channel is None) != (fmt == "mxfp4"):
         raise ValueError(f"{name}: nvfp4 needs a channel scale [S, N], mxfp4 has none")
     if channel is not None and (tuple(channel.shape) != (num_slots, rows) or channel.dtype != torch.float32):
-        raise ValueError(f"{name} channel scale {tuple(channel.shape)} {channel.dtype}: want float32 [{num_slots}, {rows}]")
+        raise ValueError(f"{name} channel scale {tuple(channel.shape)} {channel.dtype}: "
+                         f"want float32 [{num_slots}, {rows}]")
     if bias is not None and (bias.dim() != 2 or bias.shape[1] != rows or bias.dtype not in _FLOAT_DTYPES):
         raise ValueError(f"{name} bias {tuple(bias.shape)} {bias.dtype}: want [E, {rows}] float")
     if any(t is not None and t.stride(-1) != 1 for t in bank):

@@ -82,8 +82,8 @@ def dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BL
 
 
 @triton.jit
-def w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
-            PRECISION: tl.constexpr):
+def w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, PRECISION: tl.constexpr):
     """``acc + a . w[cols]^T`` for the K tile at k0 (``a`` the activations' tile, ``[M, BLOCK_K]``),
     the weight in the activations' dtype, as the dot takes it."""
     w = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
@@ -121,8 +121,9 @@ def channel_scaled(acc, c_ptr, cols, col_ok, CHANNEL: tl.constexpr):
 
 @triton.jit
 def bias_rows(b_ptr, ids_ptr, pairs, pair_ok, cols, col_ok, num_bias, stride_b, BIAS: tl.constexpr):
-    """fp32 ``bias[bias_ids[pair], cols]`` for ``pairs`` (any shape broadcasting against ``cols``),
-    zero without biases, for pairs not ``pair_ok`` and for ids outside ``[0, num_bias)``."""
+    """fp32 ``bias[bias_ids[pair], cols]`` for ``pairs`` (one pair, or any shape broadcasting
+    against ``cols``), zero without biases, for pairs not ``pair_ok`` and for ids outside
+    ``[0, num_bias)``."""
     bias = 0.0
     if BIAS:
         ids = tl.load(ids_ptr + pairs, mask=pair_ok, other=-1).to(tl.int64)
@@ -144,13 +145,14 @@ def activate(gate, up, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.con
 
 
 @triton.jit
-def swiglu_w4_rows(a_ptrs, pairs, row_ok, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, cols, col_ok, hidden, inter,
+def swiglu_w4_rows(a_ptrs, row_ok, bias_pair, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, cols, col_ok, hidden, inter,
                    num_bias, stride_ak, stride_qn, stride_sn, stride_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
                    BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
                    PRECISION: tl.constexpr):
-    """act ``[M, N]`` (fp32) of rows ``a_ptrs [M]`` (pair ids ``pairs``) and gate/up columns ``cols``
-    of one slot's w13 (pointers at the slot; up row n is row ``I + n``, its scales likewise)."""
+    """act ``[M, N]`` (fp32) of rows ``a_ptrs [M]`` and gate/up columns ``cols`` of one slot's w13
+    (pointers at the slot; up row n is row ``I + n``, its scales likewise); the bias row is
+    ``bias_pair``'s, one of the slot's pairs (a slot holds one expert: its pairs share a bias id)."""
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):  # one read of the activations for both halves
@@ -161,8 +163,8 @@ def swiglu_w4_rows(a_ptrs, pairs, row_ok, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, c
                      GROUP, E8M0, PRECISION)
     gate = channel_scaled(gate, c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
     up = channel_scaled(up, c_ptr, inter + cols[None, :], col_ok[None, :], CHANNEL)
-    gate += bias_rows(b_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :], num_bias,
-                      stride_b, BIAS)
-    up += bias_rows(b_ptr, ids_ptr, pairs[:, None], row_ok[:, None], inter + cols[None, :], col_ok[None, :],
-                    num_bias, stride_b, BIAS)
+    gate += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b,
+                      BIAS)
+    up += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, inter + cols[None, :], col_ok[None, :], num_bias,
+                    stride_b, BIAS)
     return activate(gate, up, GPT_OSS, LIMIT, ALPHA)
