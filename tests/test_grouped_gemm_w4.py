@@ -139,9 +139,10 @@ def run_op(path, hidden, weights, slots, banks, fmt, extras, config=None):
 
 
 def trial_cases(banks, fmt, trials, token_counts, top_ks, dtypes, seed, device="cpu", gpt_oss_every=2,
-                gain_gpt_oss=1.0):
-    """``trials`` inputs (tokens, top-k, dtype in turn; every other trial biases, every
-    ``gpt_oss_every``-th the clamped activation) with the twin's output."""
+                gain_gpt_oss=1.0, extras="mixed"):
+    """``trials`` inputs (tokens, top-k, dtype in turn) with the twin's output. ``extras``: "mixed"
+    gives every other trial biases and every ``gpt_oss_every``-th the clamped activation, "plain"
+    none, "gpt_oss" both always."""
     gen = torch.Generator().manual_seed(seed)
     num_slots, dim = banks.w2.shape[:2]
     for trial in range(trials):
@@ -149,11 +150,13 @@ def trial_cases(banks, fmt, trials, token_counts, top_ks, dtypes, seed, device="
         dtype = dtypes[trial % len(dtypes)]  # with 5 dtypes, bias (odd trials) and gpt_oss (every
         # third) meet each dtype
         weights, slots = make_routing(gen, num_tokens, min(top_k, num_slots), num_slots, device)
-        gpt_oss = trial % gpt_oss_every == gpt_oss_every - 1
-        extras = make_extras(gen, banks, slots, with_bias=trial % 2 == 1, gpt_oss=gpt_oss)
+        mixed = extras == "mixed"
+        gpt_oss = trial % gpt_oss_every == gpt_oss_every - 1 if mixed else extras == "gpt_oss"
+        with_bias = trial % 2 == 1 if mixed else extras == "gpt_oss"
+        trial_extras = make_extras(gen, banks, slots, with_bias=with_bias, gpt_oss=gpt_oss)
         hidden = (torch.randn(num_tokens, dim, generator=gen) * (gain_gpt_oss if gpt_oss else 1.0)).to(device, dtype)
-        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt=fmt, **extras.kwargs())
-        yield trial, (hidden, weights, slots, extras), ref
+        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt=fmt, **trial_extras.kwargs())
+        yield trial, (hidden, weights, slots, trial_extras), ref
 
 
 def check_trials(path, banks, fmt, config=None, sync_free=False, **cases):
@@ -222,8 +225,8 @@ def test_twin_matches_a_per_token_loop(fmt):
 # tail of one or more groups); more slots than pairs in the last one.
 CPU_SHAPES = {"nvfp4": [(5, 80, 48), (3, 48, 32), (12, 64, 32)], "mxfp4": [(5, 96, 64), (3, 64, 32), (12, 64, 32)]}
 CPU_DTYPES = [torch.float32] * 4 + [torch.float16]
-PREFILL_TILES = [(16, 32, 64, 2, 4, 2), (16, 64, 32, 1, 4, 2), (32, 64, 64, 4, 4, 2)]
-DECODE_TILES = [dict(gate_up_n=16, gate_up_k=64, down_n=32, down_k=64, slot_down_n=32, slot_down_k=32, pair_n=16,
+PREFILL_TILES = [(16, 64, 64, 2, 4, 2), (16, 64, 32, 1, 4, 2), (32, 64, 64, 4, 4, 2)]
+DECODE_TILES = [dict(gate_up_n=32, gate_up_k=64, down_n=64, down_k=64, slot_down_n=64, slot_down_k=32, pair_n=32,
                      pair_k=32),
                 dict(gate_up_n=32, gate_up_k=32, down_n=32, down_k=32, slot_down_n=32, slot_down_k=64, pair_n=32,
                      pair_k=64),
@@ -387,10 +390,10 @@ def test_tiles_must_fit_the_group_and_the_dot():
 
 # ==== GPU ====
 
-GPU_SHAPES = {  # (slots, hidden, inter, top-k)
-    "qwen3-30b": (128, 2048, 768, 8),
-    "gpt-oss": (128, 2880, 2880, 4),  # 2880 = 22.5 x 128: the tail is masked
-    "many-slots": (512, 384, 224, 6),  # far more slots than pairs; I = 7 mxfp4 groups
+GPU_SHAPES = {  # (slots, hidden, inter, top-k), extras (as each family serves; "mixed" takes every combination)
+    "qwen3-30b": ((128, 2048, 768, 8), "plain"),
+    "gpt-oss": ((128, 2880, 2880, 4), "gpt_oss"),  # 2880 = 22.5 x 128: the tail is masked
+    "many-slots": ((512, 384, 224, 6), "mixed"),  # far more slots than pairs; I = 7 mxfp4 groups
 }
 DECODE_TOKENS = [1, 2, 3, 4, 5, 8]
 PREFILL_TOKENS = [9, 64, 700, 2048]
@@ -401,13 +404,15 @@ PREFILL_TOKENS = [9, 64, 700, 2048]
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_parity_sync_free(fmt, shape):
     """3 shapes x 20 trials through the public op (decode and prefill sizes; ragged, empty and
-    repeated slots; biases and the clamped activation every other and third trial), bf16, default
-    tiles, each call under sync-debug "error" once its kernels are compiled."""
-    num_slots, dim, inter, top_k = GPU_SHAPES[shape]
+    repeated slots; biases and the clamped activation as ``GPU_SHAPES`` says), bf16, default tiles,
+    each call under sync-debug "error" once its kernels are compiled (a first pass over every
+    size and combination)."""
+    (num_slots, dim, inter, top_k), extras = GPU_SHAPES[shape]
     banks = random_banks(num_slots, dim, inter, fmt, "cuda", gain=3.0)
-    cases = dict(token_counts=DECODE_TOKENS + PREFILL_TOKENS, top_ks=[top_k], dtypes=[torch.bfloat16], device="cuda",
-                 gpt_oss_every=3)
-    check_trials("public", banks, fmt, trials=len(DECODE_TOKENS + PREFILL_TOKENS) * 3, seed=99, **cases)  # compiles
+    sizes = DECODE_TOKENS + PREFILL_TOKENS
+    cases = dict(token_counts=sizes, top_ks=[top_k], dtypes=[torch.bfloat16], device="cuda", gpt_oss_every=3,
+                 extras=extras)
+    check_trials("public", banks, fmt, trials=len(sizes) * (3 if extras == "mixed" else 1), seed=99, **cases)
     check_trials("public", banks, fmt, trials=TRIALS, seed=0, sync_free=True, **cases)
 
 
