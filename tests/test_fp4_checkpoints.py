@@ -229,3 +229,16 @@ def test_experts_a_4bit_format_cannot_hold_are_refused_before_loading(tmp_path):
     with pytest.raises(CheckpointError, match="--expert-dtype mxfp4: mxfp4 needs input dims that are multiples "
                                               "of 32; got 48"):
         cpu_runner(tmp_path, expert_dtype="mxfp4", cache_fraction=0.5)
+
+
+def test_4bit_configs_read_into_their_schemes(tmp_path):
+    from moe_offload.formats.fp4_checkpoint import FP4Scheme
+    from worker.quantization import with_modelopt_config
+
+    modelopt = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    assert parse_quantization({"quantization_config": modelopt}) == FP4Scheme(NVFP4)
+    assert parse_quantization({"quantization_config": {"quant_method": "mxfp4"}}) == FP4Scheme(MXFP4)
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    assert parse_quantization(with_modelopt_config(tmp_path, {})) == FP4Scheme(NVFP4)
+    own = {"quantization_config": {"quant_method": "mxfp4"}}
+    assert with_modelopt_config(tmp_path, own) == own  # config.json's own config wins
