@@ -110,7 +110,7 @@ def test_mask_in_sampling_is_sync_free_on_the_gpu():
     gen = torch.Generator().manual_seed(0)
     words, allowed = random_mask(4, 151_936, 0.01, gen)
     words, allowed = words.cuda(), allowed.cuda()
-    logits = torch.randn(8, 151_936, device="cuda")
+    logits = torch.randn(8, 151_936, generator=gen).cuda()  # a CPU generator: no CUDA RNG state involved
     rows = [0, -1, 1, 2, 3, -1, 0, 1]
     params = [Params(1.0 if b % 2 else 0.0, 0, 0.9, b) for b in range(8)]
     tensors = SamplingTensors.build(params, [0] * 8, 151_936, torch.device("cuda"), TokenMask(words, rows))

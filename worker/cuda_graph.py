@@ -212,8 +212,16 @@ class DecodeGraphs:
             raise ValueError(f"a chunk reads token buffer row {reads - 1}; the buffer has {token_buffer.numel()}")
         if reads > self.tokens.numel():
             self.tokens = torch.zeros(1 << (reads - 1).bit_length(), dtype=torch.int64, device=self.device)
-            self.captured.clear()
+            self._drop_graphs()
         self.tokens[:reads].copy_(token_buffer[:reads])
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph (they read a buffer that was just replaced); the next ones capture
+        into a fresh memory pool: once its last graph is gone, torch's allocator will not capture
+        into a pool again (an internal assert on the H200, torch 2.11)."""
+        self.captured.clear()
+        if self.use_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def _mirror_mask(self, words: torch.Tensor) -> None:
         """Copy the step's mask words into the graphs' own (device to device); more rows than seen
@@ -222,5 +230,5 @@ class DecodeGraphs:
             raise ValueError(f"mask words {tuple(words.shape)} for a vocabulary of {self.vocab}")
         if words.shape[0] > self.mask.shape[0]:
             self.mask = torch.zeros(words.shape, dtype=torch.int32, device=self.device)
-            self.captured.clear()
+            self._drop_graphs()
         self.mask[:words.shape[0]].copy_(words, non_blocking=True)
