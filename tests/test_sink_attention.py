@@ -96,10 +96,15 @@ def sync_debug(device: str):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def check_prefill(config, dtype, device, splits, rows):
+def check_prefill(config, dtype, device, splits, rows, unseen_value=None):
+    """``unseen_value``: the values of the keys before each row's first window (no query sees them)."""
     heads, kv_heads, D, page, window = config
     gen = torch.Generator().manual_seed(len(rows) + sum(config))
     q, k, v, table, lens, q_lens = prefill_case(gen, heads, kv_heads, D, page, rows, dtype=dtype, device=device)
+    if unseen_value is not None:
+        for b, (prefix, _) in enumerate(rows):
+            t = torch.arange(max(prefix - window + 1, 0), device=device)
+            v[table[b, t // page], t % page] = unseen_value
     sinks = sinks_for(heads, gen, device)
     tile = SMALL_TILE if device == "cpu" else tile_for(dtype, D)
     blocks = prefill_block_table(q_lens, heads // kv_heads, q.device, tile, [p for p, _ in rows], splits)
@@ -124,6 +129,16 @@ def test_decode_kernel_matches_twin(config, splits):
 def test_prefill_kernel_matches_twin(config, splits):
     """A fresh prompt longer than the window, a chunk over a prefix, decode-like rows."""
     check_prefill(config, torch.float32, "cpu", splits, [(0, 21), (30, 9), (50, 1), (7, 3)])
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefill_keys_before_every_window_weigh_nothing(splits):
+    """Tiles longer than the window: the first key tile of a block lies wholly before the window of
+    its later queries. Those keys must weigh exactly 0; a masked score that merely cancelled to about
+    0 gave them weight (on a GPU, where the scale is fused into exp2's argument, inf, then NaN).
+    Their values are huge, so any weight on them overflows."""
+    check_prefill(CONFIGS[0], torch.float32, "cpu", splits, [(22, 16), (40, 1), (3, 20)], unseen_value=3e38)
 
 
 @pytest.mark.cuda

@@ -69,7 +69,11 @@ def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page
             visible = (t[None, :] <= pos[:, None]) & (t < seq_len)[None, :]
             if WINDOWED:
                 visible = visible & (t[None, :] > pos[:, None] - window)
-            s = tl.where(visible, s, -1e30)
+            # -inf, not -1e30: with the scale fused into exp2's argument (an FMA on a GPU),
+            # -1e30 * qk_scale - m_new leaves a rounding residual (about 1e21) for a query whose
+            # every key here is masked, so exp2 gave inf (then NaN); exp2(-inf) is exactly 0, and m's
+            # finite floor keeps m_new finite
+            s = tl.where(visible, s, float("-inf"))
         acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
     return acc, l, m
 

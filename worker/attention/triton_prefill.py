@@ -129,6 +129,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check_sinks(sinks, q)
     if not use_triton(q, backend):
         return paged_prefill_attention_eager(q, k_cache, v_cache, page_table, seq_lens, q_lens, scale, sinks, window)
+    if not scale > 0:  # masked scores are -inf before the scale: -inf * 0 would be NaN
+        raise ValueError(f"scale must be positive; got {scale}")
     if blocks is not None and splits is not None:
         raise ValueError("pass splits to prefill_block_table when passing blocks")
     group = q.shape[1] // k_cache.shape[2]
