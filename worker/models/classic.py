@@ -3,8 +3,7 @@
 per-head q/k RMSNorm of Qwen3 and its optional routing renormalisation."""
 from __future__ import annotations
 
-from worker.models.family_config import refuse, rope_type
-from worker.models.registry import Family, register
+from worker.models.family_config import Family, refuse, rope_type
 
 
 def _mixtral(text: dict, raw: dict, source: str) -> dict:
@@ -30,5 +29,5 @@ def _qwen3_moe(text: dict, raw: dict, source: str) -> dict:
                 renormalize=bool(text.get("norm_topk_prob", False)), qk_norm=True)
 
 
-register(Family("mixtral", ("MixtralForCausalLM",), _mixtral))
-register(Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _qwen3_moe))
+FAMILIES = (Family("mixtral", ("MixtralForCausalLM",), _mixtral),
+            Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _qwen3_moe))

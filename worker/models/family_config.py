@@ -4,8 +4,24 @@ a family module and the config can both import it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 from worker.errors import CheckpointError
+
+class Family(NamedTuple):
+    """A family as its module declares it (``FAMILIES``); ``worker.models.registry`` keys them by
+    the checkpoint's ``architectures``."""
+
+    name: str
+    architectures: tuple[str, ...]
+    # (the text part of config.json, the whole of it, source) -> ModelConfig's fields; raises CheckpointError
+    config_fields: Callable[[dict, dict, str], dict]
+    # the part of config.json that describes the text model (a multimodal checkpoint nests it)
+    text_config: Callable[[dict], dict] = lambda raw: raw
+    # (ModelConfig, ModelWeights) -> Targets, for a family whose dense weights are not the classic
+    # or hybrid layouts of ``worker.models.weights`` (None: those)
+    targets: Callable | None = None
+
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"  # full attention over the last ``sliding_window`` tokens only

@@ -24,9 +24,8 @@ checkpoints (``gate_up_proj [E, H, 2I]``) run too. fp8 experts with biases are r
 """
 from __future__ import annotations
 
-from worker.models.family_config import FULL_ATTENTION, SLIDING_ATTENTION, Yarn, refuse, rope_type
-from worker.models.hybrid_weights import Targets
-from worker.models.registry import Family, register
+from worker.models.family_config import Family, FULL_ATTENTION, SLIDING_ATTENTION, Yarn, refuse, rope_type
+from worker.models.targets import Targets
 
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # the activation's constants, fixed in the kernels
 
@@ -92,4 +91,4 @@ def deinterleave(x):
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
-register(Family("gpt_oss", ("GptOssForCausalLM",), _fields, targets=gpt_oss_targets))
+FAMILIES = (Family("gpt_oss", ("GptOssForCausalLM",), _fields, targets=gpt_oss_targets),)

@@ -22,6 +22,7 @@ import torch
 
 from worker.config import ModelConfig
 from worker.models.rotary import partial_rotary_order
+from worker.models.targets import Targets
 
 
 @dataclass
@@ -50,24 +51,6 @@ def allocate_linear(cfg: ModelConfig, empty: Callable[..., torch.Tensor]) -> Lin
 def allocate_shared(cfg: ModelConfig, empty: Callable[..., torch.Tensor]) -> SharedExpertWeights:
     return SharedExpertWeights(empty(2 * cfg.shared_expert_size + 1, cfg.hidden_size),
                                empty(cfg.hidden_size, cfg.shared_expert_size))
-
-
-class Targets:
-    """Checkpoint name -> destination, plus the reorderings that run once everything is read: a
-    name whose rows need moving reads into a staging tensor first."""
-
-    def __init__(self):
-        self.direct: dict[str, torch.Tensor] = {}
-        self.fixups: list[Callable[[], None]] = []
-
-    def staged(self, name: str, like: torch.Tensor, shape: tuple[int, ...], place: Callable[[torch.Tensor], None]):
-        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.direct[name] = buf
-        self.fixups.append(lambda: place(buf))
-
-    def finish(self) -> None:
-        for fix in self.fixups:
-            fix()
 
 
 def offset_norm(name: str) -> bool:

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from worker.models.family_config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, refuse, rope_type
-from worker.models.registry import Family, register
+from worker.models.family_config import Family, FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, refuse, rope_type
 
 log = logging.getLogger("sluice.worker")
 VLM = "Qwen3_5MoeForConditionalGeneration"
@@ -91,5 +90,5 @@ def _qwen3_next(text: dict, raw: dict, source: str) -> dict:
     return _fields(text, raw, source, renormalize=bool(text.get("norm_topk_prob", True)), prefix="model.")
 
 
-register(Family("qwen3_5_moe", (VLM, "Qwen3_5MoeForCausalLM"), _qwen3_5_moe, _text_config))
-register(Family("qwen3_next", ("Qwen3NextForCausalLM",), _qwen3_next))
+FAMILIES = (Family("qwen3_5_moe", (VLM, "Qwen3_5MoeForCausalLM"), _qwen3_5_moe, _text_config),
+            Family("qwen3_next", ("Qwen3NextForCausalLM",), _qwen3_next))
