@@ -37,7 +37,9 @@ def test_offloaded_generation_equals_resident(model_dir):
 
 def test_runner_stats_report_the_cache_and_the_pipeline(model_dir):
     """What the scheduler's stats reply carries about the experts comes from the runner, flat."""
-    assert runner(model_dir).stats() == {}
+    # resident experts report nothing; what the compile watch counts is there for every runner
+    assert set(runner(model_dir).stats()) == {"compiles_total", "compiles_after_warmup", "plans_total",
+                                              "plans_after_warmup"}
     piped = runner(model_dir, cache_fraction=0.8, prefill_pipeline=True)
     assert piped.experts.pipeline is not None
     generate(piped, list(range(1, 40)), SamplingParams(), 2)
