@@ -71,17 +71,30 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
         _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, **extras)
     if scales is not None:
-        if extras:
-            raise ValueError("fp8 experts with biases or the gpt_oss activation are not supported (bf16 only)")
-        from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8
-        from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
+        return _fp8_path(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, fill, backend, extras)
+    return _float_path(hidden, weights, slots, w13, w2, out_dtype, fill, backend, extras)
 
-        if decode_fp8.supports(hidden, scales, fp8_activations):  # one token: fills as it computes
-            return decode_fp8.decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales,
-                                                        out_dtype=out_dtype, fill=fill)
-        _gather_first(fill, w13, w2, scales, backend)
-        return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
-                                        out_dtype=out_dtype)
+
+def _fp8_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              scales: ExpertScales, fp8_activations: bool, out_dtype: torch.dtype | None, fill: SlotFill | None,
+              backend: str | None, extras: dict) -> torch.Tensor:
+    """fp8 banks on the Triton path: one token fills in its two-launch GEMM, the rest gather first."""
+    if extras:
+        raise ValueError("fp8 experts with biases or the gpt_oss activation are not supported (bf16 only)")
+    from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8
+    from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
+
+    if decode_fp8.supports(hidden, scales, fp8_activations):
+        return decode_fp8.decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, out_dtype=out_dtype,
+                                                    fill=fill)
+    _gather_first(fill, w13, w2, scales, backend)
+    return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
+                                    out_dtype=out_dtype)
+
+
+def _float_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                out_dtype: torch.dtype | None, fill: SlotFill | None, backend: str | None, extras: dict) -> torch.Tensor:
+    """Float banks on the Triton path: decode batches fill in their GEMM, larger ones gather first."""
     from moe_offload.kernels import grouped_gemm_decode
 
     if slots.numel() <= grouped_gemm_decode.DECODE_MAX_PAIRS:
@@ -89,7 +102,7 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
                                                          fill=fill, **extras)
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
-    _gather_first(fill, w13, w2, scales, backend)
+    _gather_first(fill, w13, w2, None, backend)
     return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype, **extras)
 
 
