@@ -39,8 +39,9 @@ PER_TOKEN_DOWN = {"triton._decode_gate_up_kernel": 1, "triton._decode_down_kerne
 PER_SLOT_DOWN = {"triton._decode_gate_up_kernel": 1, "triton._decode_slot_down_kernel": 1, "triton._sum_k_kernel": 1}
 # the rest of a step: the inputs' unpacking, embedding, final norm, LM head and sampling (62 before
 # the sampler's hash noise became one launch and the last residual add joined the final norm, 30
-# before sampling became one kernel: no sort, cumsum or elementwise top-k/top-p ops)
-STEP = 11
+# before sampling became one kernel: no sort, cumsum or elementwise top-k/top-p ops; 11 before the
+# grammar mask joined the graphs' step: one launch whose programs return at once for unconstrained rows)
+STEP = 12
 
 
 
