@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report_table import print_table  # noqa: E402  (beside this script)
 
 QWEN_VOCAB = 151936
 SCHEMA = {
@@ -149,11 +150,9 @@ def mask_table(tokenizers: dict[str, Path]) -> list[dict]:
 
 
 def print_mask_table(rows: list[dict]) -> None:
-    print(f"{'tokenizer':<22}{'grammar':<13}{'library':<12}{'compile ms':>11}{'steps':>7}"
-          f"{'mean us':>9}{'p50 us':>8}{'max us':>9}")
-    for r in rows:
-        print(f"{r['tokenizer']:<22}{r['grammar']:<13}{r['library']:<12}{r['compile_ms']:>11.1f}{r['steps']:>7}"
-              f"{r['mean_us']:>9.1f}{r['p50_us']:>8.1f}{r['max_us']:>9.1f}")
+    print_table([("tokenizer", "tokenizer", "<22"), ("grammar", "grammar", "<12"), ("library", "library", "<11"),
+                 ("compile ms", "compile_ms", ">10.1f"), ("steps", "steps", ">6"), ("mean us", "mean_us", ">8.1f"),
+                 ("p50 us", "p50_us", ">7.1f"), ("max us", "max_us", ">8.1f")], rows)
 
 
 # ==== decode tok/s, every request constrained against none ====
@@ -238,11 +237,10 @@ def decode_table(args) -> list[dict]:
 
 
 def print_decode_table(rows: list[dict]) -> None:
-    print(f"\n{'model':<22}{'tokenizer ids':>14}{'device':>8}{'batch':>6}{'none tok/s':>12}{'constrained':>13}"
-          f"{'ratio':>7}  (goal >= 0.90 at batch 8)")
-    for r in rows:
-        print(f"{r['model']:<22}{r['tokenizer_ids']:>14,}{r['device']:>8}{r['batch']:>6}{r['free_tok_s']:>12.1f}"
-              f"{r['constrained_tok_s']:>13.1f}{r['ratio']:>7.2f}")
+    print_table([("model", "model", "<22"), ("tokenizer ids", "tokenizer_ids", ">13,"), ("device", "device", ">7"),
+                 ("batch", "batch", ">5"), ("none tok/s", "free_tok_s", ">11.1f"),
+                 ("constrained", "constrained_tok_s", ">12.1f"), ("ratio", "ratio", ">6.2f")], rows, gap=True)
+    print("(goal: ratio >= 0.90 at batch 8)")
 
 
 def main(argv: list[str] | None = None) -> int:
