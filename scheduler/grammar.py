@@ -34,6 +34,15 @@ class GrammarError(ValueError):
     """A grammar that does not compile, or that allows no token."""
 
 
+def _read_tokenizer(llguidance, tokenizer_json: str, vocab: int, eos_ids: list[int]):
+    """Newer llguidance takes every end-of-turn id; older releases (1.6) take one, and then a grammar
+    ends its text on the first id only (the others stay masked where the grammar is complete)."""
+    try:
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=eos_ids or None)
+    except TypeError:
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=eos_ids[0] if eos_ids else None)
+
+
 class Grammars:
     """The model's tokenizer as llguidance reads it (its ids padded to the model's vocabulary),
     and the compiler of requests' grammars."""
@@ -44,7 +53,7 @@ class Grammars:
         except ImportError:
             raise GrammarError("constrained decoding needs the llguidance package (pip install llguidance)") from None
         try:
-            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=list(eos_ids) or None)
+            self.tokenizer = _read_tokenizer(llguidance, tokenizer_json, vocab, list(eos_ids))
         except Exception as exc:  # whatever the library raises for a tokenizer it cannot read
             raise GrammarError(f"constrained decoding cannot read this model's tokenizer: {exc}") from None
         self.vocab = vocab

@@ -97,14 +97,15 @@ class Extras(NamedTuple):
         return self._asdict()
 
 
-def make_extras(gen, banks, slots, with_bias, gpt_oss, bias_dtype=torch.float32):
-    """Biases of ``S + 3`` experts indexed by ids that map each slot to an expert (a cache's view),
-    and/or the clamped activation."""
+def make_extras(gen, banks, slots, with_bias, gpt_oss, bias_dtype=torch.float32, expert_of_slot=None):
+    """Biases of ``S + 3`` experts indexed by ids that map each slot to an expert (a cache's view:
+    the kernels take the ids as a function of the slot), and/or the clamped activation."""
     if not with_bias:
         return Extras(activation="gpt_oss" if gpt_oss else "swiglu")
     num_slots, two_i, dim = banks.w13.shape[0], banks.w13.shape[1], banks.w2.shape[1]
     experts = num_slots + 3
-    expert_of_slot = torch.randperm(experts, generator=gen)[:num_slots].to(slots.device)
+    if expert_of_slot is None:
+        expert_of_slot = torch.randperm(experts, generator=gen)[:num_slots].to(slots.device)
     ids = expert_of_slot[slots.clamp(0, num_slots - 1)]
     b13 = torch.randn(experts, two_i, generator=gen).to(slots.device, bias_dtype)
     b2 = torch.randn(experts, dim, generator=gen).to(slots.device, bias_dtype) * 0.5
@@ -453,7 +454,8 @@ def test_cuda_graph_replay_with_new_routing(fmt, num_tokens):
     banks = random_banks(64, 512, 256, fmt, "cuda")
     gen = torch.Generator().manual_seed(num_tokens)
     weights, slots = make_routing(gen, num_tokens, 8, 64, "cuda")
-    extras = make_extras(gen, banks, slots, with_bias=True, gpt_oss=True)
+    expert_of_slot = torch.randperm(64 + 3, generator=gen)[:64].cuda()
+    extras = make_extras(gen, banks, slots, with_bias=True, gpt_oss=True, expert_of_slot=expert_of_slot)
     hidden = torch.randn(num_tokens, 512, device="cuda").bfloat16()
 
     def call():
@@ -472,6 +474,7 @@ def test_cuda_graph_replay_with_new_routing(fmt, num_tokens):
         hidden.copy_(torch.randn_like(hidden) * 3)
         weights.copy_(new_weights)
         slots.copy_(new_slots)
+        extras.bias_ids.copy_(expert_of_slot[new_slots])  # the cache's view follows its slots
         graph.replay()
         ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt=fmt, **extras.kwargs())
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
