@@ -26,3 +26,9 @@ LENT_SLOT_RULES = ("reserve", "decode")
 # the copy overlaps the hits' compute (float banks, decode batches; elsewhere "gather"); "gather":
 # a gather launch per bank copies every miss before the GEMM starts.
 FILL_MODES = ("gemm", "gather")
+
+
+def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    """Refuse a ``value`` that is not among ``choices``, naming ``what`` chose it."""
+    if value not in choices:
+        raise ValueError(f"{what} {value!r} is not one of {choices}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.choices import FILL_MODES, LENT_SLOT_RULES
+from moe_offload.choices import FILL_MODES, LENT_SLOT_RULES, check_choice
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
@@ -72,10 +72,8 @@ class OffloadedExperts:
         if banks.format != cache.format:
             raise ValueError(f"banks of {banks.format.name} ({banks.scale_block}) do not fit a cache of "
                              f"{cache.format.name} ({cache.format.scale_block})")
-        if lent_slots not in LENT_SLOT_RULES:
-            raise ValueError(f"lent-slot rule {lent_slots!r} is not one of {LENT_SLOT_RULES}")
-        if fill not in FILL_MODES:
-            raise ValueError(f"fill mode {fill!r} is not one of {FILL_MODES}")
+        check_choice("lent-slot rule", lent_slots, LENT_SLOT_RULES)
+        check_choice("fill mode", fill, FILL_MODES)
         self.cache = cache
         self.fill = fill
         self.host_w13, self.host_w2 = _by_id(banks.w13), _by_id(banks.w2)

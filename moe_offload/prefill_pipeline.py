@@ -31,7 +31,7 @@ from typing import ContextManager, NamedTuple, Protocol
 
 import torch
 
-from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES
+from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES, check_choice
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
@@ -142,10 +142,8 @@ class PrefillPipeline:
         if cache.num_slots < 2 * count + num_experts:
             raise ValueError(f"the prefill pipeline lends 2x{count} slots and leaves {num_experts} to decode: "
                              f"it needs a cache of {2 * count + num_experts} slots, this one has {cache.num_slots}")
-        if invalidate not in INVALIDATE_MODES:
-            raise ValueError(f"invalidate mode {invalidate!r} is not one of {INVALIDATE_MODES}")
-        if stage not in STAGE_MODES:
-            raise ValueError(f"stage mode {stage!r} is not one of {STAGE_MODES}")
+        check_choice("invalidate mode", invalidate, INVALIDATE_MODES)
+        check_choice("stage mode", stage, STAGE_MODES)
         if (host_scales is None) != (cache.scales is None):
             raise ValueError("a quantized cache stages from host scales, a float one from none")
         self.stage = stage

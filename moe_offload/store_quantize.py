@@ -64,13 +64,13 @@ def _float_scratch(shape: torch.Size) -> torch.Tensor:
 def _quantize_matrix(banks: ExpertBanks, bank: str, layer: int, expert: int,
                      fill: Callable[[torch.Tensor], object]) -> int:
     """``fill`` a float32 scratch with one expert's ``w13 [2I, H]`` or ``w2 [H, I]``, quantize it
-    into the fp8 bank and its scales; returns the fp8 bytes written."""
+    into the fp8 bank and its scales; returns the bytes written."""
     dst = getattr(banks, bank)[layer, expert]
     scale = getattr(banks, bank + "_scale")[layer, expert]
     scratch = _float_scratch(dst.shape)
     fill(scratch)
     (quantize_w13_into if bank == "w13" else quantize_into)(scratch, dst, scale, banks.scale_block)
-    return dst.nbytes
+    return dst.nbytes + scale.nbytes
 
 
 def _run_parallel(work: list[Callable[[], int]], bar: ProgressBar, threads: int | None) -> None:
@@ -93,14 +93,7 @@ def _draw(seed: int) -> Callable[[torch.Tensor], object]:
 def fill_dummy_fp8(store: ExpertStore, seed: int, threads: int | None = None) -> None:
     """Seeded ``normal(0, 0.02)`` experts, drawn in float32 with the seeds ``fill_dummy`` gives the
     same matrices, then quantized. Deterministic by ``seed``, whatever the thread count."""
-    banks = store.host_banks()
-    layers, experts = banks.w13.shape[:2]
-    count = layers * experts
-    work = [functools.partial(_quantize_matrix, banks, bank, i // experts, i % experts,
-                              _draw((seed * 2 * count + b * count + i) % (1 << 63)))
-            for b, bank in enumerate(("w13", "w2")) for i in range(count)]
-    with ProgressBar(banks.w13.nbytes + banks.w2.nbytes, f"dummy fp8 experts seed={seed}") as bar:
-        _run_parallel(work, bar, threads)
+    _fill_dummy(store, seed, threads, _quantize_matrix)
 
 
 def _quantize_parts(banks: ExpertBanks, bank: str, layer: int, expert: int,
@@ -120,10 +113,16 @@ def _quantize_parts(banks: ExpertBanks, bank: str, layer: int, expert: int,
 
 def fill_dummy_quantized(store: ExpertStore, seed: int, threads: int | None = None) -> None:
     """``fill_dummy_fp8`` for any quantized format: the same float32 draws, quantized by its room."""
+    _fill_dummy(store, seed, threads, _quantize_parts)
+
+
+def _fill_dummy(store: ExpertStore, seed: int, threads: int | None,
+                quantize_one: Callable[[ExpertBanks, str, int, int, Callable], int]) -> None:
+    """Each matrix of both banks drawn from its own seed and written by ``quantize_one``, on the pool."""
     banks = store.host_banks()
     layers, experts = banks.w13.shape[:2]
     count = layers * experts
-    work = [functools.partial(_quantize_parts, banks, bank, i // experts, i % experts,
+    work = [functools.partial(quantize_one, banks, bank, i // experts, i % experts,
                               _draw((seed * 2 * count + b * count + i) % (1 << 63)))
             for b, bank in enumerate(("w13", "w2")) for i in range(count)]
     total = sum(t.nbytes for t in banks.tensors())

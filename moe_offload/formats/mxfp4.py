@@ -6,8 +6,7 @@ import torch
 
 from moe_offload import fp4
 from moe_offload.formats.expert_format import ExpertFormat
-from moe_offload.formats.nvfp4 import _check_cols
-from moe_offload.formats.room import MatrixPart
+from moe_offload.formats.room import MatrixPart, fp4_parts
 
 
 class MXFP4Format:
@@ -15,9 +14,7 @@ class MXFP4Format:
     group = fp4.MXFP4_GROUP
 
     def parts(self, fmt: ExpertFormat, rows: int, cols: int) -> tuple[MatrixPart, ...]:
-        _check_cols(cols, self.group, self.family)
-        return (MatrixPart("", (rows, cols // 2), torch.uint8),
-                MatrixPart("_scale", (rows, cols // self.group), torch.uint8))
+        return fp4_parts(self.family, self.group, rows, cols, torch.uint8)
 
     def quantize(self, fmt: ExpertFormat, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return fp4.quantize_mxfp4(w)

@@ -7,7 +7,7 @@ import torch
 
 from moe_offload import fp4
 from moe_offload.formats.expert_format import ExpertFormat
-from moe_offload.formats.room import MatrixPart
+from moe_offload.formats.room import MatrixPart, fp4_parts
 
 
 class NVFP4Format:
@@ -15,9 +15,7 @@ class NVFP4Format:
     group = fp4.NVFP4_GROUP
 
     def parts(self, fmt: ExpertFormat, rows: int, cols: int) -> tuple[MatrixPart, ...]:
-        _check_cols(cols, self.group, self.family)
-        return (MatrixPart("", (rows, cols // 2), torch.uint8),
-                MatrixPart("_scale", (rows, cols // self.group), torch.float8_e4m3fn),
+        return (*fp4_parts(self.family, self.group, rows, cols, torch.float8_e4m3fn),
                 MatrixPart("_channel_scale", (rows, 1), torch.float32))
 
     def quantize(self, fmt: ExpertFormat, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -28,7 +26,3 @@ class NVFP4Format:
         packed, scale, channel = parts
         return fp4.dequantize_nvfp4(packed, scale, channel[..., 0], dtype)
 
-
-def _check_cols(cols: int, group: int, name: str) -> None:
-    if cols % group:
-        raise ValueError(f"{name} needs input dims that are multiples of {group}; got {cols}")

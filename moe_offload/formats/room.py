@@ -21,6 +21,13 @@ class MatrixPart(NamedTuple):
     dtype: torch.dtype
 
 
+def fp4_parts(family: str, group: int, rows: int, cols: int, scale_dtype: torch.dtype) -> tuple[MatrixPart, ...]:
+    """A 4-bit room's codes (e2m1, two per byte) and its scale per ``group`` columns."""
+    if cols % group:
+        raise ValueError(f"{family} needs input dims that are multiples of {group}; got {cols}")
+    return MatrixPart("", (rows, cols // 2), torch.uint8), MatrixPart("_scale", (rows, cols // group), scale_dtype)
+
+
 class WeightFormat(Protocol):
     family: str
 
