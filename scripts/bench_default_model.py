@@ -4,11 +4,8 @@
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -16,6 +13,7 @@ from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
 from worker.runner import ModelRunner, RunnerConfig
 from scheduler.messages.to_scheduler import SamplingParams
+from report_table import bench_parser, print_table, write_json  # beside this script
 
 HBM_BYTES_PER_S = 4.3e12
 
@@ -38,13 +36,12 @@ def timed_run(engine: Engine, reqs: list[Request]) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--model")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--device", default="auto")
-    p.add_argument("--json")
     args = p.parse_args()
     if args.model is None:
         from worker.default_model import default_model_dir
@@ -72,11 +69,10 @@ def main() -> None:
     rows = rows[1:]
     print(f"model {args.model} on {runner.device} ({torch.cuda.get_device_name() if runner.device.type == 'cuda' else 'cpu'}), "
           f"{runner.dtype}, prompt {args.prompt_tokens}, decode {args.decode_tokens}")
-    print(f"{'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HBM bound tok/s':>16} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f} {r['decode_hbm_bound_tok_s']:>16.0f} {r['ratio']:>6.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_table([("batch", "batch", ">5"), ("prefill tok/s", "prefill_tok_s", ">14.0f"),
+                 ("decode tok/s", "decode_tok_s", ">13.1f"), ("HBM bound tok/s", "decode_hbm_bound_tok_s", ">16.0f"),
+                 ("ratio", "ratio", ">6.3f")], rows)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

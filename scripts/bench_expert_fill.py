@@ -24,8 +24,6 @@ served by L2. Time per rep from CUDA events around ``--reps`` reps; bound = byte
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -38,7 +36,7 @@ from moe_offload.grouped import SlotFill, grouped_swiglu  # noqa: E402
 from moe_offload.kernels.grouped_gemm_decode import DecodeConfig, decode_grouped_swiglu  # noqa: E402
 from moe_offload.kernels.gather_missing import gather_missing  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
-from report_table import print_table  # noqa: E402  (beside this script)
+from report_table import bench_parser, print_table, write_json  # noqa: E402  (beside this script)
 
 PCIE_BYTES_PER_S = 55e9
 HOST_EXPERTS = 64
@@ -147,13 +145,12 @@ def time_ways(b: Banks, misses: int, alone: float, reps: int, sweep: bool) -> li
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--misses", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--reps", type=int, default=12)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--sweep", action="store_true", help="also time other tiles of the GEMM's fill")
-    p.add_argument("--json")
     args = p.parse_args()
     b = make_banks(args.hidden, args.inter)
     alone = graph_timed(lambda: grouped_swiglu(b.hidden, b.weights, b.slots, b.w13, b.w2), args.reps)
@@ -163,8 +160,7 @@ def main() -> None:
     print_table([("misses", "misses", ">6"), ("way", "way", ">16"), ("MB", "mb", ">6.1f"), ("us", "us", ">8.1f"),
                  ("fill us", "fill_us", ">8.1f"), ("GB/s", "gb_s", ">6.1f"), ("bound us", "bound_us", ">8.1f"),
                  ("ratio", "ratio", ">6.3f")], rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

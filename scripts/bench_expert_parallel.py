@@ -14,7 +14,6 @@ bytes at 55 GB/s, and ``speedup`` is against the first ``--gpus`` count. Decode 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -26,6 +25,7 @@ from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.runner import ModelRunner, RunnerConfig
 from scheduler.messages.to_scheduler import SamplingParams
+from report_table import bench_parser, print_table, write_json  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
 
@@ -72,7 +72,7 @@ def bench_gpus(args: argparse.Namespace, gpus: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="qwen3-30b-geometry")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     p.add_argument("--fraction", type=float, default=0.25, help="expert cache per GPU, as a fraction of all experts")
@@ -80,21 +80,17 @@ def main() -> None:
     p.add_argument("--turn", type=int, default=2048)
     p.add_argument("--prefix", type=int, default=131072)
     p.add_argument("--routing", default="model", help="model, synthetic (dummy weights) or replay:FILE")
-    p.add_argument("--json")
     args = p.parse_args()
     rows = [row for gpus in args.gpus for row in bench_gpus(args, gpus)]
     base = {r["case"]: r["seconds"] for r in rows if r["gpus"] == args.gpus[0]}
     print(f"prefill by expert parallelism, {args.model}, {torch.cuda.get_device_name()}, cache {args.fraction:.0%} "
           f"per GPU, routing {args.routing}, bound = rank 0's PCIe bytes / 55 GB/s")
-    print(f"{'gpus':>4} {'case':>6} {'tokens':>6} {'prefix':>7} {'s':>7} {'link GB':>8} {'bound s':>8} {'ratio':>6} "
-          f"{'speedup':>7}")
     for r in rows:
         r["speedup"] = base[r["case"]] / r["seconds"]
-        print(f"{r['gpus']:>4} {r['case']:>6} {r['tokens']:>6} {r['prefix']:>7} {r['seconds']:>7.3f} "
-              f"{r['link_gb']:>8.2f} {r['bound_s']:>8.3f} {r['ratio']:>6.3f} {r['speedup']:>7.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print_table([("gpus", "gpus", ">4"), ("case", "case", ">6"), ("tokens", "tokens", ">6"), ("prefix", "prefix", ">7"),
+                 ("s", "seconds", ">7.3f"), ("link GB", "link_gb", ">8.2f"), ("bound s", "bound_s", ">8.3f"),
+                 ("ratio", "ratio", ">6.3f"), ("speedup", "speedup", ">7.2f")], rows)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

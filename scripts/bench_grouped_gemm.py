@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, quantize, quantize_w13  # noqa: E402
 from moe_offload.grouped import ExpertScales, grouped_swiglu  # noqa: E402
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DecodeConfig  # noqa: E402
+from report_table import print_sweep  # noqa: E402  (beside this script)
 
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 7.86e14
@@ -43,6 +44,7 @@ SCALE_BLOCKS = {"b128": BLOCK_128, "channel": PER_CHANNEL}
 SWEEP = [(16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (16, 128, 128, 16, 4, 5), (32, 128, 128, 8, 4, 4),
          (64, 64, 128, 1, 4, 3), (64, 128, 128, 16, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
          (128, 256, 64, 8, 8, 3)]
+SWEEP_KEYS = (("variant", ">5"), ("tokens", "7d"))  # a sweep's groups, as print_sweep prints them
 DECODE_SWEEP = [(32, 128, 16, 256, 4, 3), (16, 128, 16, 256, 4, 3), (32, 256, 16, 256, 4, 3), (64, 128, 32, 256, 4, 3),
                 (32, 128, 8, 256, 4, 3), (32, 128, 16, 128, 4, 4), (16, 256, 16, 128, 4, 4), (32, 128, 32, 128, 8, 3),
                 (16, 128, 8, 256, 4, 4), (32, 64, 16, 256, 4, 5)]
@@ -128,7 +130,7 @@ def sweep(num_tokens: int, args: argparse.Namespace, banks: tuple, fp8_acts: boo
         config = BlockConfig(*tiles)
         graph_us, _ = time_us(lambda: fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config,
                                                                fp8_acts))
-        rows.append({"variant": "fp8a8" if fp8_acts else "fp8", "tokens": num_tokens, "config": list(tiles),
+        rows.append({"variant": "fp8a8" if fp8_acts else "fp8", "tokens": num_tokens, "config": tiles,
                      "default": config == default, "time_us": graph_us})
     return rows
 
@@ -142,7 +144,7 @@ def decode_sweep(num_tokens: int, args: argparse.Namespace, banks: tuple) -> lis
     for tiles in DECODE_SWEEP:
         config = DecodeConfig(*tiles)
         graph_us, _ = time_us(lambda: decode_grouped_swiglu(hidden, weights, slots, w13, w2, config))
-        rows.append({"variant": "decode", "tokens": num_tokens, "config": list(tiles),
+        rows.append({"variant": "decode", "tokens": num_tokens, "config": tiles,
                      "default": config == DecodeConfig(), "time_us": graph_us})
     return rows
 
@@ -155,16 +157,6 @@ def print_rows(rows: list[dict]) -> None:
         speedup = f"{bf16[r['tokens']] / r['time_us']:8.2f}" if r["dtype"] != "bf16" and r["tokens"] in bf16 else ""
         print(f"{r['dtype']:>10} {r['tokens']:7d} {r['experts_touched']:7d} {r['time_us']:9.1f} {r['launched_us']:11.1f} "
               f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f} {speedup:>8}")
-
-
-def print_sweep(rows: list[dict], title: str) -> None:
-    print(f"\n{title}; * = default, < = best")
-    for key in sorted({(r["variant"], r["tokens"]) for r in rows}):
-        mine = [r for r in rows if (r["variant"], r["tokens"]) == key]
-        best = min(r["time_us"] for r in mine)
-        for r in mine:
-            mark = ("*" if r["default"] else " ") + ("<" if r["time_us"] == best else " ")
-            print(f"{key[0]:>5} {key[1]:7d} {str(tuple(r['config'])):>28} {r['time_us']:9.1f} us {mark}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -202,10 +194,12 @@ def main() -> int:
     variants = [False, True] if args.fp8_activations else [False]
     sweep_rows = [r for a8 in variants for t in tokens for r in sweep(t, args, banks["fp8"], a8)] if args.sweep else []
     if sweep_rows:
-        print_sweep(sweep_rows, "fp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages)")
+        print_sweep(sweep_rows, "fp8 tile sweep (block_m, block_n, block_k, group_m, warps, stages)",
+                    SWEEP_KEYS, 28)
     if args.decode_sweep and "bf16" in banks:
         decode_rows = [r for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS for r in decode_sweep(t, args, banks["bf16"])]
-        print_sweep(decode_rows, "bf16 decode tile sweep (gate_up n, gate_up k, down n, down k, warps, stages)")
+        print_sweep(decode_rows, "bf16 decode tile sweep (gate_up n, gate_up k, down n, down k, warps, stages)",
+                    SWEEP_KEYS, 28)
         sweep_rows += decode_rows
     if args.json:
         geometry = {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k", "scale_block")}

@@ -36,6 +36,7 @@ from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, default_config,  # noqa: E402
                                                  fused_grouped_swiglu_w4, grouped_swiglu_w4)
 from moe_offload.kernels.grouped_gemm_w4_decode import W4DecodeConfig, decode_grouped_swiglu_w4  # noqa: E402
+from report_table import print_sweep  # noqa: E402  (beside this script)
 
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 7.86e14
@@ -46,6 +47,7 @@ SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4
 DECODE_SWEEP = [dict(), dict(pair_k=128), dict(pair_n=32, pair_warps=8), dict(pair_n=8), dict(down_warps=8),
                 dict(down_n=8, down_warps=4), dict(down_n=32, down_k=128), dict(gate_up_n=64, gate_up_k=64),
                 dict(slot_down_n=128, slot_down_k=64)]
+SWEEP_KEYS = (("geometry", ">10"), ("variant", ">13"), ("tokens", "6d"))  # a sweep's groups, as print_sweep prints them
 
 
 def float_banks(geo: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +99,7 @@ def time_us(fn) -> float:
     """CUDA-graph replay time of ``fn`` in microseconds (compiled and warmed first)."""
     from triton.testing import do_bench
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
+    fn()  # compile outside the capture (which runs on a side stream of its own)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
@@ -172,16 +170,6 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['hbm_bound_us']:8.1f} {r['compute_bound_us']:10.1f} {r['ratio']:10.2f} {vs[0]:>8} {vs[1]:>7}")
 
 
-def print_sweep(rows: list[dict], title: str) -> None:
-    print(f"\n{title}; * = default, < = best")
-    for key in sorted({(r["geometry"], r["variant"], r["tokens"]) for r in rows}):
-        mine = [r for r in rows if (r["geometry"], r["variant"], r["tokens"]) == key]
-        best = min(r["time_us"] for r in mine)
-        for r in mine:
-            mark = ("*" if r["default"] else " ") + ("<" if r["time_us"] == best else " ")
-            print(f"{key[0]:>10} {key[1]:>13} {key[2]:6d} {str(r['config']):>44} {r['time_us']:9.1f} us {mark}")
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--geometry", default="qwen3-30b,gpt-oss", help=f"comma-separated, of {list(GEOMETRIES)}")
@@ -228,7 +216,7 @@ def main() -> int:
     print_rows(rows)
     if sweeps:
         print_sweep(sweeps, "4-bit tile sweep (prefill: block_m, block_n, block_k, group_m, warps, stages; "
-                            "decode: W4DecodeConfig changes)")
+                            "decode: W4DecodeConfig changes)", SWEEP_KEYS, 44)
     if args.json:
         Path(args.json).write_text(json.dumps({"geometries": GEOMETRIES, "rows": rows, "sweep": sweeps}, indent=2))
     return 0

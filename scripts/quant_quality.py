@@ -9,8 +9,6 @@ position where they part). A report, not a bound: small models lose more than la
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
 from worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from report_table import print_table  # noqa: E402  (beside this script)
+from report_table import bench_parser, print_table, write_json  # noqa: E402  (beside this script)
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rivers.", "def fibonacci(n):",
            "Explain why the sky is blue in two sentences.", "List three uses of a paperclip:"]
@@ -78,12 +76,11 @@ def compare(name: str, got: list, want: list, tokens: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the default model)")
     p.add_argument("--formats", nargs="+", default=["fp8", "nvfp4", "mxfp4"])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.model is None:
         from worker.default_model import default_model_dir
@@ -103,8 +100,7 @@ def main() -> None:
                  ("first parting", "first_parting", ">13.1f")], rows)
     for row in rows:
         print(f"{row['format']}: equal tokens per prompt {row['per_prompt_equal']}, parting at {row['per_prompt_parting']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":
