@@ -201,7 +201,7 @@ class Frontend:
             return  # aborted while it was tokenized
         state = RequestState(envelope=envelope, client_rid=request.rid, tokenizer=self._tokenizer,
                              prompt_ids=ids, stream=request.stream, stop=request.stop,
-                             eos_token_ids=[] if request.ignore_eos else self._model.eos_token_ids)
+                             eos_token_ids=[] if request.ignore_eos else validate.end_ids(request, self._model))
         state.started_s = received_s  # latency metrics count the tokenization too
         self._table.start(rid, state)
         self._scheduler.send(message)

@@ -75,6 +75,9 @@ def check_request(request: Generate, vocab_size: int, max_prompt_chars: int = MA
                        f"context of {context_tokens} tokens")
     if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
         raise _refuse(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    bad_stops = [i for i in request.stop_token_ids if not (type(i) is int and 0 <= i < vocab_size)]
+    if len(request.stop_token_ids) > MAX_STOP_STRINGS or bad_stops:
+        raise _refuse(f"at most {MAX_STOP_STRINGS} stop_token_ids, each inside the vocabulary (size {vocab_size})")
     if request.grammar is not None and len(request.grammar.lark) > MAX_GRAMMAR_CHARS:
         raise _refuse(f"{request.grammar.what}: the grammar has {len(request.grammar.lark)} characters; at most "
                       f"{MAX_GRAMMAR_CHARS}")
@@ -132,7 +135,12 @@ def to_scheduler(request: Generate, rid: str, ids: list[int], model: ModelInfo,
             seed=request.seed,
         ),
         max_tokens=min(request.max_tokens, room),
-        eos_token_ids=list(model.eos_token_ids),
+        eos_token_ids=end_ids(request, model),
         ignore_eos=request.ignore_eos,
         grammar=request.grammar,
     )
+
+
+def end_ids(request: Generate, model: ModelInfo) -> list[int]:
+    """The ids that end ``request``: the model's EOS ids and the request's ``stop_token_ids``."""
+    return list(dict.fromkeys([*model.eos_token_ids, *request.stop_token_ids]))

@@ -36,3 +36,8 @@ if [ ! -f "$stamp" ] || [ "$SLUICE_ROOT/pyproject.toml" -nt "$stamp" ]; then
 fi
 SLUICE_PY="$venv/bin/python"
 export SLUICE_PY SLUICE_ROOT
+# gpt-oss's harmony format: openai-harmony's vocabulary file, rebuilt offline (scripts/fetch_o200k.py)
+if [ ! -f "${TIKTOKEN_ENCODINGS_BASE:-$HOME/.cache/sluice/tiktoken}/o200k_base.tiktoken" ]; then
+    "$SLUICE_PY" "$SLUICE_ROOT/scripts/fetch_o200k.py" >&2 \
+        || echo "warning: no o200k_base.tiktoken; gpt-oss chat requests will be refused" >&2
+fi

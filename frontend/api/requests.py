@@ -45,6 +45,8 @@ class Generate(_Message, tag="generate", kw_only=True):
     seed: int | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
     stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
+    # ids that end the request as EOS does, beside the model's own (harmony's <|call|>, <|return|>)
+    stop_token_ids: list[NonNegInt] = []
     stream: bool = False
     ignore_eos: bool = False
     grammar: Grammar | None = None  # constrained decoding (the HTTP APIs build it; see frontend.http.grammars)

@@ -25,7 +25,7 @@ async def whole(session: Session, ids: r.ResponseIds, reply: ReplyFormat) -> r.C
     async for last in session.chunks():
         pass
     assert last is not None and last.usage is not None
-    parsed = reply.whole(last.text)
+    parsed = reply.whole(last.text, last.token_ids)
     message = r.AssistantMessage(content=parsed.content, reasoning_content=parsed.reasoning,
                                  tool_calls=[r.tool_call(c) for c in parsed.calls] or None)
     choice = r.ChatChoice(message=message, finish_reason=finish_reason(last.finish_reason, len(parsed.calls)))
@@ -37,7 +37,7 @@ async def stream(session: Session, ids: r.ResponseIds, reply: ReplyFormat,
     yield _delta(ids, r.Delta(role="assistant", content=""))
     parser = reply.parser(reasoning=True, stream_arguments=True)
     async for chunk in session.chunks():
-        events = parser.feed(chunk.text)
+        events = parser.feed(chunk.text, chunk.token_ids)
         if chunk.finish_reason is not None:
             events += parser.flush()
         for e in events:

@@ -13,6 +13,9 @@ import msgspec
 
 from frontend.api import requests
 from frontend.http.errors import ApiError
+from frontend.http.harmony import render as harmony_render
+from frontend.http.harmony.encoding import speaks_harmony
+from frontend.http.harmony.reply import HarmonyFormat
 from frontend.http.parsers import ReplyFormat
 from frontend.http.schemas import ChatRequest, CompletionRequest, ContentPart, Message, _Sampling
 from frontend.tokenizer import RENDER_VARIABLES, ChatTemplateError, ChatTokenizer
@@ -67,6 +70,8 @@ def tool_schemas(tools: list[dict[str, Any]] | None) -> dict[str, Any] | None:
 
 
 def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: ChatTokenizer) -> list[int]:
+    if speaks_harmony(tokenizer):  # gpt-oss: rendered by openai-harmony, not by its chat template
+        return harmony_render.prompt_ids(body, tools)
     if not body.messages:
         raise ApiError(400, "messages is empty", param="messages")
     # A tool result names its function in many templates (Hermes); OpenAI sends only the call id.
@@ -96,9 +101,13 @@ def template_kwargs(body: ChatRequest, template: str | None) -> dict[str, Any]:
     return kwargs
 
 
-def reply_format(body: ChatRequest, input_ids: Sequence[int], tokenizer: ChatTokenizer) -> ReplyFormat:
+def reply_format(body: ChatRequest, input_ids: Sequence[int],
+                 tokenizer: ChatTokenizer) -> ReplyFormat | HarmonyFormat:
     """How the reply to ``body`` reads: the template's markup, whether the prompt's last tokens
-    opened reasoning, and the tools' schemas (None when the template was given no tools)."""
+    opened reasoning, and the tools' schemas (None when the template was given no tools); or
+    harmony's channels, read from the reply's tokens."""
+    if speaks_harmony(tokenizer):
+        return HarmonyFormat(tool_schemas(chat_tools(body)))
     tail = tokenizer.decode(input_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     return ReplyFormat.of(tokenizer.chat_template, tail, tool_schemas(chat_tools(body)))
 

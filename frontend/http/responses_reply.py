@@ -178,7 +178,7 @@ class ResponseBuilder:
 
 
 def _feed(builder: ResponseBuilder, parser: ReplyParser, chunk: Chunk) -> list[bytes]:
-    pieces = parser.feed(chunk.text)
+    pieces = parser.feed(chunk.text, chunk.token_ids)
     if chunk.finish_reason is not None:
         pieces += parser.flush()
     events = [e for piece in pieces for e in builder.feed(piece)]

@@ -4,7 +4,7 @@ split and then the template's tool-call format, as one stream of events."""
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Literal, Mapping, NamedTuple
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 from frontend.http.parsers.events import CallArguments, CallStart, Event, ParsedCall, Reasoning
 from frontend.http.parsers.json_calls import ToolCallStream
@@ -49,16 +49,48 @@ class ReplyFormat(NamedTuple):
     def parser(self, reasoning: bool = False, stream_arguments: bool = False) -> ReplyParser:
         return ReplyParser(self, reasoning, stream_arguments)
 
-    def whole(self, text: str) -> Reply:
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return ()  # the model's EOS ids end the reply
+
+    def whole(self, text: str, ids: Sequence[int] = ()) -> Reply:
         """A whole reply's content, calls and reasoning."""
         parser = self.parser(reasoning=True)
-        events = parser.feed(text) + parser.flush()
-        content = "".join(e for e in events if isinstance(e, str))
-        calls = [e for e in events if isinstance(e, ParsedCall)]
-        if calls:
-            content = content.strip()
-        reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
-        return Reply(content or None, calls, reasoning or None)
+        return reply_of(parser.feed(text, ids) + parser.flush())
+
+
+def reply_of(events: list[Event]) -> Reply:
+    """A whole reply from all of its events."""
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ParsedCall)]
+    if calls:
+        content = content.strip()
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    return Reply(content or None, calls, reasoning or None)
+
+
+class Shaping:
+    """A parser's events as its reader asked for them: ``Reasoning`` kept or left out, a call's
+    ``CallStart`` and ``CallArguments`` kept (made up before a ``ParsedCall`` that came alone) or
+    left out."""
+
+    def __init__(self, reasoning: bool, stream_arguments: bool) -> None:
+        self._reasoning, self._stream_arguments = reasoning, stream_arguments
+        self._open = False  # a CallStart went out for the call in progress
+        self._closed = 0  # calls closed so far
+
+    def __call__(self, event: Event) -> list[Event]:
+        if isinstance(event, Reasoning):
+            return [event] if self._reasoning else []
+        if isinstance(event, (CallStart, CallArguments)):
+            self._open = True
+            return [event] if self._stream_arguments else []
+        if isinstance(event, ParsedCall):
+            opened, self._open, index = self._open, False, self._closed
+            self._closed += 1
+            if self._stream_arguments and not opened:
+                return [CallStart(index, event.name), CallArguments(index, event.arguments), event]
+        return [event]
 
 
 class ReplyParser:
@@ -72,15 +104,14 @@ class ReplyParser:
         self._calls: ToolCallStream | XmlCallStream | None = None
         if reply.schemas is not None:
             self._calls = XmlCallStream(reply.schemas) if reply.markup.calls == "xml" else ToolCallStream()
-        self._reasoning, self._stream_arguments = reasoning, stream_arguments
-        self._open = False  # a CallStart went out for the call in progress
-        self._closed = 0  # calls closed so far
+        self._shaped = Shaping(reasoning, stream_arguments)
 
     @property
     def calls(self) -> int:
         return self._calls.calls if self._calls is not None else 0
 
-    def feed(self, text: str) -> list[Event]:
+    def feed(self, text: str, ids: Sequence[int] = ()) -> list[Event]:
+        """The events of the reply's next ``text`` (its token ``ids`` are for the harmony parser)."""
         return self._events(self._split.feed(text) if self._split is not None else [text], False)
 
     def flush(self) -> list[Event]:
@@ -97,16 +128,3 @@ class ReplyParser:
         if end and self._calls is not None:
             events += self._calls.flush()
         return [shaped for e in events for shaped in self._shaped(e)]
-
-    def _shaped(self, event: Event) -> list[Event]:
-        if isinstance(event, Reasoning):
-            return [event] if self._reasoning else []
-        if isinstance(event, (CallStart, CallArguments)):
-            self._open = True
-            return [event] if self._stream_arguments else []
-        if isinstance(event, ParsedCall):
-            opened, self._open, index = self._open, False, self._closed
-            self._closed += 1
-            if self._stream_arguments and not opened:
-                return [CallStart(index, event.name), CallArguments(index, event.arguments), event]
-        return [event]

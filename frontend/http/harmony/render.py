@@ -1,0 +1,121 @@
+"""A Chat request as harmony tokens, rendered by openai-harmony: a system message (reasoning effort,
+today's date), a developer message with the request's system / developer text as instructions and
+its tools as the ``functions`` namespace, then the conversation: user text, assistant reasoning
+(analysis), text (final, or commentary beside calls), calls (commentary to ``functions.NAME``),
+and tool results (from ``functions.NAME``, the name read from the call that the result answers).
+The library drops the analysis of turns that a final answer closed."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from frontend.http.errors import ApiError
+from frontend.http.harmony.encoding import encoding
+from frontend.http.schemas import ChatRequest, Message
+
+EFFORTS = ("low", "medium", "high")
+CALL_CONTENT_TYPE = "<|constrain|>json"  # how gpt-oss marks JSON arguments
+
+
+def check(body: ChatRequest) -> None:
+    """What harmony rendering cannot honour is refused by name."""
+    if body.reasoning_effort is not None and body.reasoning_effort not in EFFORTS:
+        raise ApiError(400, f"reasoning_effort {body.reasoning_effort!r} is not supported by gpt-oss's harmony "
+                       f"format (one of {', '.join(EFFORTS)}; it always reasons)", param="reasoning_effort")
+    if body.chat_template_kwargs:
+        raise ApiError(400, "chat_template_kwargs is not supported: gpt-oss's prompt is rendered by "
+                       "openai-harmony, not by a chat template", param="chat_template_kwargs")
+    constrained = (body.tool_choice not in (None, "auto", "none"), "tool_choice"), (
+        (body.response_format or {}).get("type", "text") != "text", "response_format")
+    for refused, param in constrained:
+        if refused:
+            raise ApiError(400, f"{param} is not supported with gpt-oss's harmony format: constrained decoding "
+                           "would cut its reasoning (use tool_choice auto and no response_format)", param=param)
+
+
+def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: datetime.date | None = None) -> list[int]:
+    """The request's conversation rendered for the assistant's next message."""
+    from openai_harmony import Conversation, Role
+
+    check(body)
+    if not body.messages:
+        raise ApiError(400, "messages is empty", param="messages")
+    messages = [system_message(body.reasoning_effort or "medium", today or datetime.date.today())]
+    lead = 0
+    while lead < len(body.messages) and body.messages[lead].role in ("system", "developer"):
+        lead += 1
+    instructions = "\n\n".join(text_of(m) for m in body.messages[:lead])
+    if instructions or tools:
+        messages.append(developer_message(instructions, tools))
+    names = {c.id: c.function.name for m in body.messages for c in m.tool_calls or []}
+    for m in body.messages[lead:]:
+        messages += conversation_messages(m, names)
+    return encoding().render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
+
+
+def system_message(effort: str, today: datetime.date):
+    from openai_harmony import Message as HarmonyMessage, ReasoningEffort, Role, SystemContent
+
+    content = SystemContent.new().with_reasoning_effort(ReasoningEffort(effort.capitalize()))
+    return HarmonyMessage.from_role_and_content(Role.SYSTEM, content.with_conversation_start_date(today.isoformat()))
+
+
+def developer_message(instructions: str, tools: list[dict[str, Any]] | None):
+    from openai_harmony import DeveloperContent, Message as HarmonyMessage, Role, ToolDescription
+
+    content = DeveloperContent.new()
+    if instructions:
+        content = content.with_instructions(instructions)
+    if tools:
+        content = content.with_function_tools([ToolDescription.new(
+            t["function"]["name"], t["function"].get("description") or "", parameters=t["function"].get("parameters"))
+            for t in tools])
+    return HarmonyMessage.from_role_and_content(Role.DEVELOPER, content)
+
+
+def conversation_messages(m: Message, call_names: dict[str, str]) -> list:
+    """One Chat message as harmony messages (an assistant turn may be several)."""
+    from openai_harmony import Author, DeveloperContent, Message as HarmonyMessage, Role
+
+    if m.role in ("system", "developer"):  # past the lead: instructions where they were given
+        content = DeveloperContent.new().with_instructions(text_of(m))
+        return [HarmonyMessage.from_role_and_content(Role.DEVELOPER, content)]
+    if m.role == "user":
+        return [HarmonyMessage.from_role_and_content(Role.USER, text_of(m))]
+    if m.role == "tool":
+        name = m.name or call_names.get(m.tool_call_id or "")
+        if name is None:
+            raise ApiError(400, f"tool message {m.tool_call_id!r} answers no call in the conversation",
+                           param="messages")
+        author = Author.new(Role.TOOL, f"functions.{name}")
+        return [HarmonyMessage.from_author_and_content(author, text_of(m)).with_channel("commentary")
+                .with_recipient("assistant")]
+    return assistant_messages(m)
+
+
+def assistant_messages(m: Message) -> list:
+    """Reasoning, then text (a preamble on the commentary channel when calls follow), then calls."""
+    from openai_harmony import Message as HarmonyMessage, Role
+
+    def said(text: str, channel: str) -> HarmonyMessage:
+        return HarmonyMessage.from_role_and_content(Role.ASSISTANT, text).with_channel(channel)
+
+    out = [said(m.reasoning_content, "analysis")] if m.reasoning_content else []
+    text = text_of(m)
+    if text:
+        out.append(said(text, "commentary" if m.tool_calls else "final"))
+    for call in m.tool_calls or []:
+        out.append(said(call.function.arguments, "commentary").with_recipient(f"functions.{call.function.name}")
+                   .with_content_type(CALL_CONTENT_TYPE))
+    return out
+
+
+def text_of(m: Message) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"content part of type {part.type!r} is not supported: Sluice serves text only",
+                           param="messages")
+    return "".join(part.text or "" for part in m.content)
