@@ -76,7 +76,8 @@ class Engine:
             raise ValueError(f"--max-running {config.max_running} exceeds the model's {self.states.running} "
                              f"recurrent-state slots")
         self.pages = PageManager(runner.kv_pool, config.prefix_cache, plan.host_kv_bytes, config.kv_tier_mode,
-                                 config.kv_tier_copy, self.states)
+                                 config.kv_tier_copy, self.states, runner.window_pool,
+                                 runner.model_config.sliding_window)
         self.device = runner.device
         self.token_buffer = torch.zeros(config.max_running, dtype=torch.int64, device=self.device)
         self.free_rows = list(range(config.max_running - 1, -1, -1))
@@ -282,7 +283,8 @@ class Engine:
             pos = len(req.prompt) + req.launched_outputs - 1
             if not self._page_for(req, pos):
                 return None
-            return SequenceChunk([0], pos, req.pages, buffer_slot=req.slot, state_slot=state)
+            return SequenceChunk([0], pos, req.pages, buffer_slot=req.slot, state_slot=state,
+                                 window_pages=self.pages.window_table(req, pos, pos + 1))
         if req.prefill_done or budget <= 0 or not self._kv_ready(req):
             return None
         n = min(budget, req.prefill_len - req.prefilled)
@@ -291,7 +293,8 @@ class Engine:
             if req.prefilled < boundary < req.prefilled + n:
                 n = boundary - req.prefilled
         chunk = SequenceChunk(req.prefill_tokens[req.prefilled:req.prefilled + n], req.prefilled, req.pages,
-                              state_slot=state)
+                              state_slot=state, window_pages=self.pages.window_table(req, req.prefilled,
+                                                                                     req.prefilled + n))
         req.prefilled += n
         return chunk
 

@@ -1,5 +1,6 @@
 """KV page ownership in two tiers: the GPU pool's free list, the host pool's free list, the radix
-prefix cache and the requests that hold pages.
+prefix cache and the requests that hold pages; gpt-oss's sliding layers' window pages apart
+(``scheduler.window_cache``).
 
 Every GPU page (but the scratch page) is at any time exactly one of: free, held by the radix cache
 (possibly shared by requests that locked it), or owned by one live request. Every host page is free
@@ -15,13 +16,15 @@ from scheduler.kv_tier import KVTier
 from scheduler.radix_cache import PrefixMatch, RadixCache
 from scheduler.request import Request
 from scheduler.state_cache import StateCache
+from scheduler.window_cache import WindowCache
 
 HOST_SNAPSHOT_SHARE = 0.25  # of the host KV tier's bytes, for a hybrid model's state snapshots
 
 
 class PageManager:
     def __init__(self, pool: KVPool, prefix_cache: bool = True, host_bytes: int = 0,
-                 tier_mode: str = "writethrough", copy_method: str = "kernel", state_pool: StatePool | None = None):
+                 tier_mode: str = "writethrough", copy_method: str = "kernel", state_pool: StatePool | None = None,
+                 window_pool: KVPool | None = None, window: int = 0):
         self.pool = pool
         self.page_size = pool.page_size
         self.radix = RadixCache(pool.page_size) if prefix_cache else None
@@ -32,6 +35,9 @@ class PageManager:
         self.in_flight: set[int] = set()  # GPU pages released since the last launch: the running step may use them
         self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method, self.in_flight) if host else None
         self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0)
+        self.windows = WindowCache(window_pool, window) if window_pool is not None else None
+        if self.windows is not None and self.radix is not None:
+            self.radix.on_remove = self.windows.dropped
 
     @property
     def available_pages(self) -> int:
@@ -55,8 +61,8 @@ class PageManager:
             return True
         tokens = req.prefill_tokens[:-1]  # at least one token must be computed to get logits
         cached = len(tokens)
-        if self.states is not None:  # the linear layers resume only where a snapshot was taken
-            usable, cached = self._resumable(tokens)
+        if self.states is not None or self.windows is not None:  # resume only where a snapshot or window was kept
+            usable, cached = self._resumable(tokens, "snapshot" if self.states is not None else "window")
             tokens = tokens[:usable]
         match = self.radix.match(tokens)
         self.radix.lock(match.node)
@@ -77,8 +83,11 @@ class PageManager:
         req.kv_ready = self.tier.pending() if self.tier else None
         if self.states is not None:
             req.resume_from = prefix.node if req.prefilled else None
-            self.radix.protected = None
             self.states.counters["state_recomputed_tokens"] += max(cached - req.prefilled, 0)
+        if self.windows is not None:
+            self.windows.resume(req, prefix.node, req.prefilled)
+            self.windows.counters["window_recomputed_tokens"] += max(cached - req.prefilled, 0)
+        self.radix.protected = None
         self.counters["kv_prefix_tokens_gpu"] += match.num_pages * self.page_size
         self.counters["kv_prefix_tokens_host"] += (prefix.num_pages - match.num_pages) * self.page_size
         return True
@@ -93,6 +102,11 @@ class PageManager:
         self.states.restore(node, running_slot)
         self.states.counters["state_prefix_tokens"] += req.prefilled
         req.resume_from = None
+
+    def window_table(self, req: Request, start: int, end: int) -> list[int] | None:
+        """gpt-oss: ``req``'s sliding layers' table for a step writing positions [start, end), pages
+        before its window given back (None: no window pool)."""
+        return None if self.windows is None else list(self.windows.table(req, start, end))
 
     def grow(self, req: Request, position: int) -> bool:
         """Make sure ``req``'s pages reach ``position`` (the KV slot its next decode writes),
@@ -119,11 +133,17 @@ class PageManager:
         if self.radix is None:
             self.pool.free(req.own_pages)
             req.pages = []
+            if self.windows is not None:
+                self.windows.release(req)
             return
         num_full = min(len(kv_tokens) // self.page_size, len(req.pages))
         inserted = self.radix.insert(kv_tokens, req.pages[:num_full])
         if self.states is not None:
             self._place_snapshots(req, kv_tokens, num_full * self.page_size)
+        if self.windows is not None:
+            end = num_full * self.page_size
+            self.windows.take(self.radix.node_ending_at(kv_tokens, end) if end else None, req, end)
+            self.windows.release(req)
         self.pool.free([p for p in req.own_pages if p not in inserted.adopted])
         self.radix.unlock(req.prefix.node)
         req.pages, req.prefix = [], None
@@ -132,7 +152,7 @@ class PageManager:
 
     def stats(self) -> dict[str, int | float]:
         return {**self.counters, **(self.tier.stats() if self.tier else {}),
-                **(self.states.stats() if self.states else {})}
+                **(self.states.stats() if self.states else {}), **(self.windows.stats() if self.windows else {})}
 
     def check(self, live: list[Request]) -> None:
         """Self-check: every GPU page is free, cached or owned by one live request, exactly once;
@@ -149,6 +169,8 @@ class PageManager:
             _check_once("host", list(host.free_pages()) + self.radix.all_host_pages(), set(range(host.num_pages)))
         if self.states:
             self.states.check([slot for req in live for _, slot in req.snapshots], list(self.radix._nodes()))
+        if self.windows:
+            self.windows.check(live, list(self.radix._nodes()) if self.radix else [])
 
     # ==== internals ====
 
@@ -158,16 +180,16 @@ class PageManager:
         self.radix.on_remove = cache.dropped
         return cache
 
-    def _resumable(self, tokens: list[int]) -> tuple[int, int]:
-        """How much of ``tokens``' cached prefix a hybrid model can resume from: up to the deepest
-        matched node holding a state snapshot (kept from host eviction while the request is
-        admitted); and how much is cached in all."""
+    def _resumable(self, tokens: list[int], kept: str) -> tuple[int, int]:
+        """How much of ``tokens``' cached prefix a hybrid or windowed model can resume from: up to
+        the deepest matched node holding a state snapshot or a window (``kept`` names which; the
+        node is kept from host eviction while the request is admitted); and how much is cached in all."""
         match = self.radix.match(tokens)
         path = self.radix.path(match.host_nodes[-1] if match.host_nodes else match.node)
         depth, usable, node = 0, 0, None
         for n in path:
             depth += len(n.key)
-            if n.snapshot is not None:
+            if getattr(n, kept) is not None:
                 usable, node = depth, n
         self.radix.protected = node
         return usable, depth

@@ -21,7 +21,8 @@ _clock = itertools.count()
 
 
 class _Node:
-    __slots__ = ("key", "pages", "host_pages", "children", "parent", "lock_ref", "last_use", "snapshot")
+    __slots__ = ("key", "pages", "host_pages", "children", "parent", "lock_ref", "last_use", "snapshot",
+                 "window")
 
     def __init__(self, key: tuple[int, ...], pages: list[int] | None, parent: _Node | None,
                  host_pages: list[int] | None = None):
@@ -30,6 +31,7 @@ class _Node:
         self.lock_ref = 0
         self.last_use = next(_clock)
         self.snapshot = None  # hybrid models: the recurrent state at the node's end (scheduler.state_cache)
+        self.window = None  # gpt-oss: the sliding layers' last window at the node's end (scheduler.window_cache)
 
     @property
     def num_pages(self) -> int:

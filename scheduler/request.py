@@ -38,6 +38,8 @@ class Request:
     # for the request's pages to enter the tree; and the radix node whose snapshot it resumes from
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     resume_from: object | None = None
+    # gpt-oss: the sliding layers' page table into the window pool (scheduler.window_cache)
+    window_pages: list[int] = field(default_factory=list)
     sent_first: bool = False
     finished: bool = False
     preempted: bool = False  # gave its pages back to make room; waits to be admitted again

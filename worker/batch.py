@@ -5,7 +5,7 @@ sent to the device in one pinned, non-blocking copy, so building a batch never w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -21,6 +21,9 @@ class SequenceChunk(NamedTuple):
     # hybrid models: the recurrent-state slot (worker.kv.state_pool); with prefix_len > 0 it holds the
     # state after the prefix, with prefix_len 0 the step clears it first
     state_slot: int = -1
+    # gpt-oss with a window pool: the sliding layers' page table, position to page like ``pages``; pages
+    # wholly before the window are 0 (freed). None: ``pages`` (the caller's pages are low enough)
+    window_pages: list[int] | None = None
 
 
 @dataclass
@@ -44,6 +47,8 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     fresh_slots: torch.Tensor | None = None
+    # gpt-oss with a window pool: this batch with the sliding layers' ``out_loc`` and ``page_table``
+    window: ForwardBatch | None = None
 
     @property
     def cu_seqlens_host(self) -> list[int]:
@@ -54,10 +59,12 @@ class ForwardBatch:
 
 
 def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
-                token_buffer: torch.Tensor | None = None, pipeline_from: int | None = None) -> ForwardBatch:
+                token_buffer: torch.Tensor | None = None, pipeline_from: int | None = None,
+                window_pool_pages: int = 0) -> ForwardBatch:
     """Chunks with a ``buffer_slot`` take their token from ``token_buffer`` on the device: the
     token sampled by the previous step, which the host has not read yet (overlap scheduling). A
-    batch of ``pipeline_from`` tokens or more is ``pipelined`` (None: none is)."""
+    batch of ``pipeline_from`` tokens or more is ``pipelined`` (None: none is). With
+    ``window_pool_pages`` (the window pool's size) the batch carries the sliding layers' tables."""
     ids, pos, loc, last, table, lens, src = [], [], [], [], [], [], []
     for b, c in enumerate(chunks):
         n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
@@ -75,15 +82,36 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     max_pages = max(len(row) for row in table)  # only the pages that hold this step's tokens
     table = [row + [0] * (max_pages - len(row)) for row in table]
     states = _state_lists(chunks)
-    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src, *states], device)
+    windows = window_lists(chunks, page_size, max_pages, window_pool_pages) if window_pool_pages else []
+    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src, *windows, *states], device)
     ids_t, pos_t, loc_t, last_t, table_t, lens_t, src_t = packed[:7]
     if token_buffer is not None:
         ids_t = torch.where(src_t >= 0, token_buffer[src_t.clamp(min=0)], ids_t)
-    slots, cu, fresh = packed[7:] if states else (None, None, None)
-    return ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
-                        T, is_decode=T == len(chunks), pipelined=pipeline_from is not None and T >= pipeline_from,
-                        q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens, state_slots=slots,
-                        cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None)
+    slots, cu, fresh = packed[7 + len(windows):] if states else (None, None, None)
+    batch = ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
+                         T, is_decode=T == len(chunks), pipelined=pipeline_from is not None and T >= pipeline_from,
+                         q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens, state_slots=slots,
+                         cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None)
+    if windows:
+        batch.window = replace(batch, out_loc=packed[7], page_table=packed[8].view(len(chunks), max_pages))
+    return batch
+
+
+def window_lists(chunks: list[SequenceChunk], page_size: int, width: int, pool_pages: int) -> list[list[int]]:
+    """The sliding layers' slots of the new tokens and their page table ``[B * width]``, checked
+    on the host against the window pool's ``pool_pages``."""
+    loc, table = [], []
+    for b, c in enumerate(chunks):
+        pages = c.pages if c.window_pages is None else c.window_pages
+        seq_len = c.prefix_len + len(c.token_ids)
+        row = pages[:-(-seq_len // page_size)]
+        new = row[c.prefix_len // page_size:]
+        if len(row) * page_size < seq_len or not all(0 < p < pool_pages for p in new) or max(row) >= pool_pages:
+            raise ValueError(f"sequence {b}: window pages {row} do not hold its {seq_len} tokens in a pool of "
+                             f"{pool_pages} pages")
+        loc += [row[p // page_size] * page_size + p % page_size for p in range(c.prefix_len, seq_len)]
+        table += row + [0] * (width - len(row))
+    return [loc, table]
 
 
 def _state_lists(chunks: list[SequenceChunk]) -> list[list[int]]:

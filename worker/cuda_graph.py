@@ -1,14 +1,18 @@
-"""CUDA graphs of the whole decode step: embedding -> layers -> final norm -> lm_head -> sampling.
+"""CUDA graphs of the whole decode step: embedding -> layers -> final norm -> lm_head, then sampling.
 
-A decode step launches hundreds of small kernels; replaying them as one graph takes the host out
-of the loop. One graph per batch-size bucket, captured lazily on first use (or all at once with
-``capture_all``), into one shared memory pool. The graphs read static input buffers, which each
+A decode step launches hundreds of small kernels; replaying them as graphs takes the host out of
+the loop. Two graphs per batch-size bucket, the forward and the sampling, so that a step with
+grammar-constrained rows can launch its forward before the host has read the previous tokens and
+filled its mask, and sample after (``launch``, then ``sample``; ``run`` does both). They are
+captured lazily on first use (or all at once with ``capture_all``), into one shared memory pool. The graphs read static input buffers, which each
 step fills from one pinned host tensor (one non-blocking copy, then device slicing copies):
 
 ```
  inputs[bucket] int64 | ids | buffer_slot | positions | out_loc | seq_lens | top_k | seed | step | state_slot |
                       mask_row | temp,top_p (f32 pairs) |
  page_table [max_batch, max_pages] int64 (shared; a step writes [:bucket, :its widest row])
+ window_loc [max_batch], window_table [max_batch, max_pages] int64: gpt-oss's sliding layers' slots
+                      and pages in the window pool (where the model has one), written alike
  tokens [capacity] int64: a device copy of the scheduler's token buffer; rows with a buffer_slot read it
  mask [rows, ceil(V/32)] int32: a device copy of the step's grammar mask (worker.token_mask); rows
                       with mask_row -1 (unconstrained, padding) skip it, so unmasked steps copy nothing
@@ -26,12 +30,13 @@ from __future__ import annotations
 
 import copy
 import struct
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from worker.attention import AttentionBackend
-from worker.batch import ForwardBatch, SequenceChunk
+from worker.batch import ForwardBatch, SequenceChunk, window_lists
 from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.sampling import Sampling, SamplingTensors, sample, seed32
@@ -43,10 +48,20 @@ _MASK32 = 0xFFFFFFFF  # seeds and steps as SamplingTensors.build keeps them
 
 
 class _Captured(NamedTuple):
-    graph: torch.cuda.CUDAGraph | None  # None: the step runs eagerly on the static buffers
+    forward: torch.cuda.CUDAGraph | None  # ids -> logits; None: the step runs eagerly on the static buffers
+    sample: torch.cuda.CUDAGraph | None  # logits (grammar-masked) -> next tokens
     inputs: torch.Tensor  # [(INT_FIELDS + 1) * bucket] int64
     logits: torch.Tensor  # [bucket, V] float32
     next_tokens: torch.Tensor  # [bucket] int64
+
+
+class Launched(NamedTuple):
+    """A step whose forward graph is launched and whose sampling is not (``DecodeGraphs.sample``)."""
+
+    step: _Captured
+    batch: int
+    masked: bool
+    words: torch.Tensor | None  # the step's mask words on the device, read when it samples
 
 
 def decode_buckets(max_batch: int, pipeline_from: int | None) -> tuple[int, ...]:
@@ -65,9 +80,11 @@ class DecodeGraphs:
     ``use_graphs=False`` runs the same static-buffer step eagerly (CPU tests of the packing)."""
 
     def __init__(self, model: MoETransformer, attention: AttentionBackend, kv_pool: KVPool, max_context: int,
-                 max_batch: int, use_graphs: bool = True):
+                 max_batch: int, use_graphs: bool = True, window_attention: AttentionBackend | None = None):
         self.model = copy.copy(model)  # shares weights, rotary tables and experts; only attention differs
         self.model.attention = attention
+        self.model.window_attention = window_attention or model.window_attention
+        self.window_pages = self.model.window_attention.pool.num_pages if self.model.window_attention else 0
         self.device = model.weights.embed.device
         self.vocab = model.cfg.vocab_size
         self.hybrid = model.cfg.is_hybrid
@@ -78,6 +95,8 @@ class DecodeGraphs:
         self.use_graphs = use_graphs
         self.page_table = torch.zeros(max(self.buckets, default=0), self.max_pages, dtype=torch.int64,
                                       device=self.device)
+        self.window_table = torch.zeros_like(self.page_table)
+        self.window_loc = torch.zeros(max(self.buckets, default=0), dtype=torch.int64, device=self.device)
         self.tokens = torch.zeros(64, dtype=torch.int64, device=self.device)
         self.mask = torch.zeros(64, mask_words(self.vocab), dtype=torch.int32, device=self.device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -94,23 +113,47 @@ class DecodeGraphs:
             token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, V], next_tokens [B])``: views of the graph's outputs, valid until the next
         ``run`` (use them, or copy them, before the next step is launched)."""
+        return self.sample(self.launch(chunks, sampling, steps, token_buffer, mask))
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
+               token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> Launched:
+        """Replay the forward graph of the batch's bucket; ``mask.words`` is read only by ``sample``,
+        so the host may still be writing it (in stream order) until then."""
         B = len(chunks)
         bucket = next(b for b in self.buckets if b >= B)
         rows = mask.rows if mask is not None else [-1] * B
         host, width, reads = self._pack(chunks, sampling, steps, rows, bucket, token_buffer is not None)
         if reads:
             self._mirror(token_buffer, reads)
-        if mask is not None and max(rows) >= 0:
-            self._mirror_mask(mask.words)
+        masked = mask is not None and max(rows) >= 0
+        if masked:
+            self._fit_mask(mask.words)
         step = self.captured.get(bucket) or self.capture(bucket)
         dev = host.to(self.device, non_blocking=True)
         n = step.inputs.numel()
         step.inputs.copy_(dev[:n])
-        self.page_table[:bucket, :width].copy_(dev[n:].view(bucket, width))
-        if step.graph is not None:
-            step.graph.replay()
+        self.page_table[:bucket, :width].copy_(dev[n:n + bucket * width].view(bucket, width))
+        if self.window_pages:
+            rest = dev[n + bucket * width:]
+            self.window_loc[:bucket].copy_(rest[:bucket])
+            self.window_table[:bucket, :width].copy_(rest[bucket:].view(bucket, width))
+        if step.forward is not None:
+            step.forward.replay()
         else:
-            self._eager(step)
+            step.logits.copy_(self._forward(step.inputs, bucket))
+        return Launched(step, B, masked, mask.words if masked else None)
+
+    @torch.inference_mode()
+    def sample(self, launched: Launched) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the sampling graph of a launched step: ``(logits, next_tokens)`` as ``run``."""
+        step, B = launched.step, launched.batch
+        if launched.masked:
+            self.mask[:launched.words.shape[0]].copy_(launched.words, non_blocking=True)
+        if step.sample is not None:
+            step.sample.replay()
+        else:
+            step.next_tokens.copy_(self._sample(step.inputs, step.logits.shape[0], step.logits))
         return step.logits[:B], step.next_tokens[:B]
 
     @torch.inference_mode()
@@ -132,38 +175,46 @@ class DecodeGraphs:
         fields[9].fill_(-1)  # no mask row
         floats[1].fill_(1.0)  # top_p
         self.page_table[:bucket].zero_()
+        self.window_table[:bucket].zero_()
+        self.window_loc[:bucket].zero_()
         if not self.use_graphs:
-            step = _Captured(None, inputs, *self._step(inputs, bucket))
+            step = _Captured(None, None, inputs, *self._step(inputs, bucket))
         else:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 self._step(inputs, bucket)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits, next_tokens = self._step(inputs, bucket)
-            step = _Captured(graph, inputs, logits, next_tokens)
+            forward, sample_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self._forward(inputs, bucket)
+            with torch.cuda.graph(sample_graph, pool=self.pool, capture_error_mode="thread_local"):
+                next_tokens = self._sample(inputs, bucket, logits)
+            step = _Captured(forward, sample_graph, inputs, logits, next_tokens)
         self.captured[bucket] = step
         return step
 
     # ==== inside the graph ====
 
     def _step(self, inputs: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        f, floats = self._fields(inputs, bucket)
+        logits = self._forward(inputs, bucket)
+        return logits, self._sample(inputs, bucket, logits)
+
+    def _forward(self, inputs: torch.Tensor, bucket: int) -> torch.Tensor:
+        f, _ = self._fields(inputs, bucket)
         ids = torch.where(f[1] >= 0, self.tokens[f[1].clamp(min=0)], f[0])
         rows = torch.arange(bucket, device=self.device)
         batch = ForwardBatch(ids, f[2], f[3], rows, self.page_table[:bucket], f[4], num_tokens=bucket,
                              is_decode=True, state_slots=f[8] if self.hybrid else None)
-        logits = self.model.forward(batch)
+        if self.window_pages:
+            batch.window = replace(batch, out_loc=self.window_loc[:bucket], page_table=self.window_table[:bucket])
+        return self.model.forward(batch)
+
+    def _sample(self, inputs: torch.Tensor, bucket: int, logits: torch.Tensor) -> torch.Tensor:
+        f, floats = self._fields(inputs, bucket)
         tensors = SamplingTensors(floats[0], f[5], floats[1], f[6], f[7], all_greedy=False, mask=self.mask,
                                   mask_rows=f[9])
-        return logits, sample(logits, tensors)
-
-    def _eager(self, step: _Captured) -> None:
-        logits, next_tokens = self._step(step.inputs, step.logits.shape[0])
-        step.logits.copy_(logits)
-        step.next_tokens.copy_(next_tokens)
+        return sample(logits, tensors)
 
     @staticmethod
     def _fields(inputs: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +253,16 @@ class DecodeGraphs:
         flat += struct.unpack(f"<{bucket}q", struct.pack(f"<{2 * bucket}f", *floats))
         for row in rows + rows[:1] * pad:
             flat += row
+        if self.window_pages:
+            flat += self._window_rows(chunks, width, pad)
         host = torch.tensor(flat, dtype=torch.int64)
         return (host.pin_memory() if self.device.type == "cuda" else host), width, max(slots) + 1
+
+    def _window_rows(self, chunks: list[SequenceChunk], width: int, pad: int) -> list[int]:
+        """The sliding layers' slots ``[bucket]`` (padding on the scratch slot) and page table
+        ``[bucket, width]`` (padding duplicates row 0), checked against the window pool."""
+        loc, table = window_lists(chunks, self.page_size, width, self.window_pages)
+        return loc + [0] * pad + table + table[:width] * pad
 
     def _mirror(self, token_buffer: torch.Tensor, reads: int) -> None:
         """Copy the rows of the token buffer the batch reads into the graphs' own ``tokens``; a
@@ -223,12 +282,12 @@ class DecodeGraphs:
         if self.use_graphs:
             self.pool = torch.cuda.graph_pool_handle()
 
-    def _mirror_mask(self, words: torch.Tensor) -> None:
-        """Copy the step's mask words into the graphs' own (device to device); more rows than seen
-        so far reallocate it, which drops the graphs that read the old one."""
+    def _fit_mask(self, words: torch.Tensor) -> None:
+        """Check the step's mask words against the graphs' own copy, which ``sample`` fills (device
+        to device); more rows than seen so far reallocate it, which drops the graphs that read the
+        old one (before the step's graphs are picked)."""
         if words.shape[1] != self.mask.shape[1]:
             raise ValueError(f"mask words {tuple(words.shape)} for a vocabulary of {self.vocab}")
         if words.shape[0] > self.mask.shape[0]:
             self.mask = torch.zeros(words.shape, dtype=torch.int32, device=self.device)
             self._drop_graphs()
-        self.mask[:words.shape[0]].copy_(words, non_blocking=True)

@@ -13,6 +13,10 @@ prefill chunk and host KV tier, and it is logged as a table.
                         | floor                |                       |                             |
  host RAM available     | host KV tier: --kv-host-size, else 25%                                     | rest
 ```
+
+gpt-oss's sliding layers keep their KV in a window pool of their own, sized before the split: a
+ring of window pages per running request and per cached window, plus a prefill chunk's pages
+(``window_pool_tokens``); the KV pool then counts full layers only, at the whole sequence.
 """
 from __future__ import annotations
 
@@ -41,8 +45,9 @@ class PlanInputs(NamedTuple):
     gpu_reusable: int  # bytes torch's allocator holds unused: a chunk's activations reuse them first
     host_available: int  # host RAM available (MemAvailable)
     slot_bytes: int  # one expert in its format: what a cache slot holds
-    kv_token_bytes: int  # K and V of one token in every layer
+    kv_token_bytes: int  # K and V of one token in every layer of the KV pool (full attention)
     torch_attention: bool  # the torch reference attention: its [q, k] mask counts among the activations
+    window_token_bytes: int = 0  # K and V of one token in every sliding layer (gpt-oss; 0: none)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class MemoryPlan:
     # hybrid models: the recurrent-state pool, allocated before the split (running slots + snapshots)
     state_bytes: int = 0
     state_slots: tuple[int, int] = (0, 0)
+    # gpt-oss: the sliding layers' window pool, the scratch page included (0: none)
+    window_pages: int = 0
+    window_bytes: int = 0
 
     def table(self, total_experts: int, experts: str = "experts") -> str:
         """The plan as the start-up log shows it (``experts``: what the slots hold, e.g. "bf16 experts")."""
@@ -68,6 +76,9 @@ class MemoryPlan:
                 f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
                 f"  prefill chunk  {_gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
                 f"  host KV tier   {_gib(self.host_kv_bytes)}"]
+        if self.window_bytes:
+            rows.insert(3, f"  window pool    {_gib(self.window_bytes)}  {self.window_pages} pages of {self.page_size} "
+                           f"tokens for the sliding layers' windows")
         if self.state_bytes:
             running, snapshots = self.state_slots
             rows.insert(3, f"  state pool     {_gib(self.state_bytes)}  {running} running + {snapshots} snapshot "
@@ -80,14 +91,17 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     cannot fit (an expert cache smaller than one layer's experts)."""
     reserve = activation_bytes(model, config.max_prefill_tokens or AUTO_PREFILL_RESERVE, model.max_context,
                                inputs.torch_attention)
-    slots = _checked_slots(inputs, model, config.experts, reserve)
+    window_pages = 1 + window_pool_tokens(model, config, inputs.gpu_free is not None) // config.page_size
+    window = window_pages * config.page_size * inputs.window_token_bytes if inputs.window_token_bytes else 0
+    slots = _checked_slots(inputs, model, config.experts, reserve + window)
     cache = slots * inputs.slot_bytes if config.experts.uses_store else 0
-    pages = 1 + -(-_kv_tokens(inputs, config, cache, reserve) // config.page_size)
+    pages = 1 + -(-_kv_tokens(inputs, config, cache + window, reserve) // config.page_size)
     kv = pages * config.page_size * inputs.kv_token_bytes
     context = min(model.max_context, (pages - 1) * config.page_size)
-    tokens = _prefill_tokens(inputs, model, config, cache + kv, context)
+    tokens = _prefill_tokens(inputs, model, config, cache + kv + window, context)
     plan = MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
-                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention))
+                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention),
+                      window_pages=window_pages if window else 0, window_bytes=window)
     _check_fits(plan, model)
     return plan
 
@@ -97,10 +111,29 @@ def _check_fits(plan: MemoryPlan, model: ModelConfig) -> None:
     the user's call, not refused)."""
     if plan.gpu_free is None:
         return
-    if plan.expert_bytes + plan.kv_bytes > plan.gpu_free or plan.kv_pages < 2:
+    if plan.expert_bytes + plan.kv_bytes + plan.window_bytes > plan.gpu_free or plan.kv_pages < 2:
         raise ValueError(f"the expert cache and the KV pool do not fit in the GPU memory free once the weights "
                          f"are loaded (give a smaller --moe-cache-*, --max-prefill-tokens or --kv-tokens):\n"
                          f"{plan.table(model.num_layers * model.num_experts)}")
+
+
+def window_ring_pages(window: int, page_size: int) -> int:
+    """Window pages a sequence holds between steps: its last ``window`` keys from the page
+    boundary before its next token (where the prefix cache may keep them), that page, and one
+    more (an overlapped step may run a token ahead of the tokens the host has read)."""
+    return -(-window // page_size) + 2
+
+
+def window_pool_tokens(model: ModelConfig, config: RunnerConfig, on_gpu: bool) -> int:
+    """The window pool's tokens (gpt-oss's sliding layers): a ring per running request
+    (``state_slots``, the scheduler's --max-running) and as many for the prefix cache's windows,
+    plus the pages of a prefill chunk of the largest size the plan may pick and a page per request
+    a chunk may start inside; 0 without sliding layers."""
+    if not model.sliding_window or not any(model.window(i) for i in range(model.num_layers)):
+        return 0
+    chunk = config.max_prefill_tokens or (AUTO_PREFILL_MAX if on_gpu else CPU_PREFILL_TOKENS)
+    rings = 2 * config.state_slots * window_ring_pages(model.sliding_window, config.page_size)
+    return (rings + config.state_slots + -(-chunk // config.page_size)) * config.page_size
 
 
 def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool) -> int:

@@ -15,7 +15,7 @@ from worker import compile_watch
 from worker.attention import create_backend
 from worker.batch import SequenceChunk, build_batch
 from worker.config import ModelConfig
-from worker.cuda_graph import DecodeGraphs
+from worker.cuda_graph import DecodeGraphs, Launched
 from worker.device_memory import DeviceMemory
 from worker.expert_placement import expert_slot_bytes, open_store, place_experts
 from worker.kv.gpu_pool import KVPool
@@ -46,6 +46,11 @@ def torch_dtype(config: RunnerConfig, device: torch.device) -> torch.dtype:
     return DTYPES[config.dtype]
 
 
+def window_layers(cfg: ModelConfig) -> int:
+    """Layers whose KV lives in the window pool: gpt-oss's sliding layers."""
+    return sum(1 for i in range(cfg.num_layers) if cfg.window(i))
+
+
 def attention_backend(config: RunnerConfig, device: torch.device) -> str:
     if config.attention == "auto":
         return "triton" if device.type == "cuda" else "torch"
@@ -55,6 +60,15 @@ def attention_backend(config: RunnerConfig, device: torch.device) -> str:
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, V] float32, each sequence's last token
     next_tokens: torch.Tensor  # [B] int64, on the device
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose forward is launched and whose sampling is not: a decode graph's, or eager
+    logits with their sampling tensors."""
+
+    logits: torch.Tensor | None = None
+    tensors: SamplingTensors | None = None
+    graph: Launched | None = None
 
 
 class ModelRunner:
@@ -74,12 +88,15 @@ class ModelRunner:
         self.plan = self._plan()
         self.experts = self._this_rank(place_experts(cfg, config.experts, self.weights.experts, store,
                                                      self.plan.expert_slots, self.device))
-        self.kv_pool = KVPool(cfg.num_kv_layers, self.plan.kv_pages, config.page_size, cfg.num_kv_heads,
-                              cfg.head_dim, self.dtype, self.device)
-        attention = create_backend(attention_backend(config, self.device), self.kv_pool, cfg.head_dim ** -0.5)
+        self.kv_pool = KVPool(cfg.num_kv_layers - window_layers(cfg), self.plan.kv_pages, config.page_size,
+                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.window_pool = self._window_pool()
+        backend = attention_backend(config, self.device)
+        attention = create_backend(backend, self.kv_pool, cfg.head_dim ** -0.5)
+        windowed = create_backend(backend, self.window_pool, cfg.head_dim ** -0.5) if self.window_pool else None
         routing = make_routing(config.routing, cfg, self.device, config.experts.dummy_weights)
         self.pipeline_from = self.experts.pipeline_from(cfg.top_k)
-        self.model = MoETransformer(cfg, self.weights, attention, self.experts, routing, self.state_pool)
+        self.model = MoETransformer(cfg, self.weights, attention, self.experts, routing, self.state_pool, windowed)
         self.graphs = self._decode_graphs()
 
     @property
@@ -93,14 +110,29 @@ class ModelRunner:
         sampling); chunks with a ``buffer_slot`` read their token from ``token_buffer``; ``mask``
         constrains the sequences it names a row for (grammars). Decode batches replayed from a CUDA
         graph return views that the next step overwrites."""
+        return self.sample(self.launch(chunks, sampling, steps, token_buffer, mask))
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
+               token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> LaunchedStep:
+        """``forward`` up to the logits; ``sample`` finishes it. ``mask.words`` is read (in stream
+        order) by ``sample`` only, so the host may fill and copy it in between: a constrained step's
+        forward runs while the host reads the step before it and builds the mask."""
         if mask is not None:
             mask.check(len(chunks))
         if self.graphs is not None and self.graphs.supports(chunks):
-            return ForwardOutput(*self.graphs.run(chunks, sampling, steps, token_buffer, mask))
-        batch = build_batch(chunks, self.page_size, self.device, token_buffer, self.pipeline_from)
+            return LaunchedStep(graph=self.graphs.launch(chunks, sampling, steps, token_buffer, mask))
+        batch = build_batch(chunks, self.page_size, self.device, token_buffer, self.pipeline_from,
+                            self.window_pool.num_pages if self.window_pool else 0)
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device, mask)
-        return ForwardOutput(logits, sample(logits, tensors))
+        return LaunchedStep(logits, tensors)
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> ForwardOutput:
+        if step.graph is not None:
+            return ForwardOutput(*self.graphs.sample(step.graph))
+        return ForwardOutput(step.logits, sample(step.logits, step.tensors))
 
     def stats(self) -> dict[str, int | float | str]:
         """The experts' counters (cache and prefill pipeline, when offloaded; reads the device) and
@@ -133,7 +165,18 @@ class ModelRunner:
             return None
         cfg = self.model_config
         attention = create_backend("triton", self.kv_pool, cfg.head_dim ** -0.5)
-        return DecodeGraphs(self.model, attention, self.kv_pool, cfg.max_context, self.config.cuda_graph_max_batch)
+        windowed = create_backend("triton", self.window_pool, cfg.head_dim ** -0.5) if self.window_pool else None
+        return DecodeGraphs(self.model, attention, self.kv_pool, cfg.max_context, self.config.cuda_graph_max_batch,
+                            window_attention=windowed)
+
+    def _window_pool(self) -> KVPool | None:
+        """gpt-oss's sliding layers' pool of window pages (the memory plan sized it); None without
+        sliding layers."""
+        if not self.plan.window_pages:
+            return None
+        cfg = self.model_config
+        return KVPool(window_layers(cfg), self.plan.window_pages, self.config.page_size, cfg.num_kv_heads,
+                      cfg.head_dim, self.dtype, self.device)
 
     def _expert_format(self) -> ExpertFormat:
         """``--expert-dtype``, resolved once against the checkpoint's format: the loader, the store
@@ -176,8 +219,9 @@ class ModelRunner:
             gpu_reusable=self.memory.reusable() if on_gpu else 0,
             host_available=host_available_bytes(),
             slot_bytes=expert_slot_bytes(cfg, self.expert_format),
-            kv_token_bytes=2 * cfg.num_kv_layers * cfg.kv_size * self.dtype.itemsize,
-            torch_attention=attention_backend(self.config, self.device) == "torch")
+            kv_token_bytes=2 * (cfg.num_kv_layers - window_layers(cfg)) * cfg.kv_size * self.dtype.itemsize,
+            torch_attention=attention_backend(self.config, self.device) == "torch",
+            window_token_bytes=2 * window_layers(cfg) * cfg.kv_size * self.dtype.itemsize)
         plan = plan_memory(inputs, cfg, self.config)
         if self.state_pool is not None:
             pool = self.state_pool

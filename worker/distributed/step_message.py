@@ -4,10 +4,10 @@ pickled objects: a rank decodes plain integers into the same chunks and sampling
 
 ```
  header   [op, chunks B, payload length, token buffer length (0: none)]
- payload  per chunk: tokens n, prefix_len, pages p, buffer_slot        (4B)
+ payload  per chunk: tokens n, prefix_len, pages p, buffer_slot, window pages w (-1: none)  (5B)
           per chunk: temperature, top_k, top_p, seed (floats as f64 bits) (4B)
           steps                                                           (B)
-          token ids of every chunk, then pages of every chunk             (sum n + sum p)
+          token ids of every chunk, then pages of every chunk, then window pages of every chunk
 ```
 """
 from __future__ import annotations
@@ -56,13 +56,16 @@ def header(op: Op, num_chunks: int = 0, payload_len: int = 0, buffer_len: int = 
 def encode(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header, payload)`` of a STEP."""
     chunks = step.chunks
-    flat = [v for c in chunks for v in (len(c.token_ids), c.prefix_len, len(c.pages), c.buffer_slot)]
+    flat = [v for c in chunks for v in (len(c.token_ids), c.prefix_len, len(c.pages), c.buffer_slot,
+                                        -1 if c.window_pages is None else len(c.window_pages))]
     flat += [v for p in step.sampling for v in (_bits(p.temperature), p.top_k, _bits(p.top_p), seed32(p))]  # the sampler reads a seed's low 32 bits
     flat += step.steps
     for c in chunks:
         flat += c.token_ids
     for c in chunks:
         flat += c.pages
+    for c in chunks:
+        flat += c.window_pages or []
     payload = torch.tensor(flat, dtype=torch.int64)
     return header(Op.STEP, len(chunks), payload.numel(), step.buffer_len), payload
 
@@ -71,18 +74,21 @@ def decode(head: list[int], payload: torch.Tensor) -> Step:
     """The STEP that ``encode`` packed; ``head`` is the header as Python ints."""
     _, num, _, buffer_len = head
     flat = payload.tolist()
-    shapes = [flat[4 * b:4 * b + 4] for b in range(num)]
-    params = [flat[4 * num + 4 * b:4 * num + 4 * b + 4] for b in range(num)]
+    shapes = [flat[5 * b:5 * b + 5] for b in range(num)]
+    params = [flat[5 * num + 4 * b:5 * num + 4 * b + 4] for b in range(num)]
     sampling = [RankSampling(_float(t), k, _float(p), s) for t, k, p, s in params]
-    steps = flat[8 * num:9 * num]
-    at, tokens = 9 * num, []
+    steps = flat[9 * num:10 * num]
+    at, tokens, tables = 10 * num, [], []
     for n, *_ in shapes:
         tokens.append(flat[at:at + n])
         at += n
-    chunks = []
-    for (n, prefix, pages, slot), ids in zip(shapes, tokens):
-        chunks.append(SequenceChunk(ids, prefix, flat[at:at + pages], slot))
+    for _, _, pages, _, _ in shapes:
+        tables.append(flat[at:at + pages])
         at += pages
+    chunks = []
+    for (_, prefix, _, slot, window), ids, table in zip(shapes, tokens, tables):
+        chunks.append(SequenceChunk(ids, prefix, table, slot, window_pages=None if window < 0 else flat[at:at + window]))
+        at += max(window, 0)
     return Step(chunks, sampling, steps, buffer_len)
 
 

@@ -28,17 +28,23 @@ from worker.models.weights import LayerWeights, ModelWeights
 
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, attention: AttentionBackend, experts: Experts,
-                 routing: Routing | None = None, states: StatePool | None = None):
+                 routing: Routing | None = None, states: StatePool | None = None,
+                 window_attention: AttentionBackend | None = None):
+        """``window_attention``: gpt-oss's sliding layers over their own pool of window pages (the
+        batch's ``window`` tables); None: they share the full layers' pool and tables."""
         self.cfg = cfg
         self.weights = weights
         self.attention = attention
+        self.window_attention = window_attention
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_context, weights.embed.device, cfg.rotary_dim,
                              cfg.yarn)
         self.experts = experts
         self.routing = routing or ModelRouting(cfg.top_k, cfg.renormalize, linear)
         self.states = states
-        # each layer's index among its kind: a full layer's KV layer, a linear layer's state layer
-        self.kind_index = [sum(cfg.is_linear(j) == cfg.is_linear(i) for j in range(i)) for i in range(cfg.num_layers)]
+        # each layer's index among its kind: a full layer's KV layer, a linear layer's state layer, a
+        # sliding layer's layer of the window pool (when it has one)
+        kinds = [layer_kind(cfg, i, window_attention is not None) for i in range(cfg.num_layers)]
+        self.kind_index = [kinds[:i].count(kinds[i]) for i in range(cfg.num_layers)]
         self.linear_mixer = None
         if cfg.is_hybrid:
             if states is None:
@@ -96,14 +102,25 @@ class MoETransformer:
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm else (None, None)
-        write = KVWrite(v, *self.attention.pool.layer_slots(kv_layer), batch.out_loc)
+        attention, window = self.attention, cfg.window(layer)
+        if window and self.window_attention is not None:
+            attention, batch = self.window_attention, batch.window
+        write = KVWrite(v, *attention.pool.layer_slots(kv_layer), batch.out_loc)
         q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
-        out = self.attention.forward(kv_layer, q, k, v, batch, sinks=lw.sinks, window=cfg.window(layer))
+        out = attention.forward(kv_layer, q, k, v, batch, sinks=lw.sinks, window=window)
         out = out.reshape(T, cfg.q_size)
         if cfg.attn_output_gate:
             out = out * torch.sigmoid(qkv[:, cfg.q_size + 2 * cfg.kv_size:])
         out = linear(out, lw.o)
         return (out if lw.o_bias is None else out + lw.o_bias), x
+
+
+def layer_kind(cfg: ModelConfig, layer: int, window_pool: bool) -> str:
+    """Which pool a layer keeps its state in: "linear" (recurrent state), "window" (gpt-oss's
+    sliding layers, given a pool of window pages) or "full" (the KV pool)."""
+    if cfg.is_linear(layer):
+        return "linear"
+    return "window" if window_pool and cfg.window(layer) else "full"
 
 
 def router(lw: LayerWeights) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
