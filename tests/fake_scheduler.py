@@ -77,6 +77,7 @@ class FakeScheduler:
             "last_abort": None,
             "last_max_tokens": None,
             "last_temperature": None,
+            "last_grammar": None,  # the lark text of the last request's grammar (the fake never applies it)
             "engine_args": " ".join(engine_args),
         }
 
@@ -112,6 +113,7 @@ class FakeScheduler:
             self.stats["requests_total"] += 1
             self.stats["last_max_tokens"] = message.max_tokens
             self.stats["last_temperature"] = message.sampling.temperature
+            self.stats["last_grammar"] = message.grammar.lark if message.grammar is not None else None
             if message.input_ids[0] == self.args.reject_id:
                 del self.running[message.rid]
                 self.send(

@@ -116,3 +116,53 @@ def test_a_client_x_guidance_cannot_loosen_the_layout(tokenizer):
     schema = {**SCHEMA, "x-guidance": {"whitespace_flexible": True}}
     grammar = grammars.json_grammar(schema, "response_format json_schema", "response_format")
     assert json.loads(grammar.lark.split("%json ", 1)[1])["x-guidance"] == grammars.JSON_OPTIONS
+
+
+# ==== free output held where asked: strict tools left to the model's choice, a reasoning budget ====
+
+STRICT = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+OPENED = ReplyFormat.of("<think></think>", "<|im_start|>assistant\n<think>\n", {})  # the prompt opened it
+MAY_REASON = ReplyFormat.of("<think></think>", "<|im_start|>assistant\n", {})
+
+
+def forced_after(tokenizer, grammar, text: str) -> str:
+    """What the grammar forces after ``text``."""
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark))
+    assert matcher.consume_tokens(tokenizer.tokenize_str(text))
+    return tokenizer.decode_str(matcher.compute_ff_tokens())
+
+
+def test_strict_tools_left_to_choose_hold_a_call_once_it_opens(tokenizer):
+    lazy = grammar_of(tools=[STRICT, TIME])
+    assert lazy.what == "tools['get_weather'].strict with tool_choice auto"
+    assert accepts(tokenizer, lazy, "no call") and accepts(tokenizer, lazy, f"hi {CALL} {CALL}\nbye")
+    assert not accepts(tokenizer, lazy, CALL.replace('"Lima"', "7"))
+    assert forced_after(tokenizer, lazy, "let me check <tool_call>") == '\n{"name": "get_'
+    reasoning = grammar_of(MAY_REASON, tools=[STRICT])  # a call inside reasoning is not a call: free
+    assert accepts(tokenizer, reasoning, "<think>maybe <tool_call> x</think>" + CALL)
+    with pytest.raises(ApiError, match="XML format"):
+        grammar_of(ReplyFormat.of(XML_TEMPLATE, "", {}), tools=[STRICT])
+
+
+def test_a_thinking_budget_forces_the_end_of_the_reasoning(tokenizer):
+    budget = grammar_of(OPENED, thinking_token_budget=20)  # byte tokens: the closing tag is 8 of the 21
+    assert accepts(tokenizer, budget, "a" * 12 + "</think>the answer")
+    assert not accepts(tokenizer, budget, "a" * 30 + "</think>the answer")
+    assert forced_after(tokenizer, budget, "a" * 21) == "</think>"
+    may = grammar_of(MAY_REASON, thinking_token_budget=20, tools=[STRICT])  # the model may not reason at all
+    assert accepts(tokenizer, may, "no reasoning") and accepts(tokenizer, may, "<think>x</think>" + CALL)
+    assert not accepts(tokenizer, may, "<think>" + "a" * 30 + "</think>")
+    assert not accepts(tokenizer, may, " <think>" + "a" * 30 + "</think>")  # nor reason past the budget unbounded
+    with pytest.raises(ApiError, match="reasons first"):
+        grammar_of(OPENED, thinking_token_budget=20, tools=[WEATHER], tool_choice="required")
+
+
+@pytest.mark.parametrize("reply, fields, match", [
+    (JSON_REPLY, dict(thinking_token_budget=5), "needs a model that reasons"),
+    (MAY_REASON, dict(thinking_token_budget=-1), "at least 0"),
+])
+def test_budget_refusals(reply, fields, match):
+    with pytest.raises(ApiError, match=match) as err:
+        grammar_of(reply, **fields)
+    assert err.value.param == "thinking_token_budget"

@@ -1,7 +1,8 @@
 """A Chat request's constraint on its output (Responses and Messages adapt into Chat requests, so
 this is theirs too): ``response_format`` json_object / json_schema, or a forced tool call
-(``tool_choice`` "required" or a named function), as the scheduler's ``Grammar``; None when the
-output is free. The grammars themselves are built and checked in ``frontend.http.grammars``."""
+(``tool_choice`` "required" or a named function), as the scheduler's ``Grammar``; else free output held where the
+request asks (``thinking_token_budget``, tools with ``strict``); None when the output is free. The
+grammars themselves are built and checked in ``frontend.http.grammars``."""
 
 from __future__ import annotations
 
@@ -21,9 +22,37 @@ def chat_grammar(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: R
     if call is not None:
         return call
     output = response_format_grammar(body.response_format, reply)
-    if output is None or not tools:
+    if output is None:
+        return free_output(body, tools, reply)
+    if not tools:
         return output
     return grammars.json_or_call_grammar(_schema(body.response_format), tools, reply, output.what, "response_format")
+
+
+def free_output(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: ReplyFormat) -> Grammar | None:
+    """Free text, held only where the request asks: the reasoning within ``thinking_token_budget``
+    tokens, and calls of tools with ``strict`` by their schemas (the model may call or not). A
+    forced call or a response format needs neither: its grammar leaves no room to reason, and
+    every call it allows is held to its schema already."""
+    budget = _budget(body, reply)
+    strict = [t["function"]["name"] for t in tools or [] if t["function"].get("strict")]
+    if budget is None and not strict:
+        return None
+    what = f"tools[{strict[0]!r}].strict with tool_choice auto" if strict else f"thinking_token_budget {budget}"
+    param = "tools" if strict else "thinking_token_budget"
+    return grammars.free_grammar(tools if strict else None, reply, budget, what, param)
+
+
+def _budget(body: ChatRequest, reply: ReplyFormat) -> int | None:
+    budget = body.thinking_token_budget
+    if budget is None:
+        return None
+    if budget < 0:
+        raise ApiError(400, "thinking_token_budget must be at least 0", param="thinking_token_budget")
+    if not reply.markup.reasoning:
+        raise ApiError(400, "thinking_token_budget needs a model that reasons (<think> in its chat template)",
+                       param="thinking_token_budget")
+    return budget
 
 
 def forced_call(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: ReplyFormat) -> Grammar | None:

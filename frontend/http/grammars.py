@@ -2,7 +2,9 @@
 compiles it): ``response_format`` json_object / json_schema (Chat; ``text.format`` of Responses),
 with tools offered either that output or a call; and forced tool calls (``tool_choice``
 "required" or a named function; Anthropic's ``any`` and ``tool``), written in the model's call
-markup, Hermes / Qwen JSON ``<tool_call>`` blocks, the arguments held to the tool's schema.
+markup, Hermes / Qwen JSON ``<tool_call>`` blocks, the arguments held to the tool's schema; and
+free text held only where asked (``free_grammar``): a reasoning budget, and strict tools' calls
+when the model may call or not (tool_choice auto).
 
 Every grammar is checked here first, so that a schema with an unsupported keyword, an
 unsatisfiable one or one too large gets a 400 naming what is wrong before anything is queued.
@@ -17,6 +19,7 @@ from typing import Any
 
 from frontend.http.errors import ApiError
 from frontend.http.parsers import ReplyFormat
+from frontend.http.parsers.reasoning import END_THINK, THINK
 from frontend.validate import MAX_GRAMMAR_CHARS
 from scheduler.messages.to_scheduler import Grammar
 
@@ -24,6 +27,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # the scheduler's bounds (scheduler.grammar.LIMITS): a grammar that passes here compiles there
 LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
 OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
+ANY_TEXT = "/(.|\\n)*/"
+# Where the template knows reasoning, free text may not open it: only the bounded think rule may.
+NO_REASONING = " & ~/\\s*<think>(?s:.*)/"
 
 
 def json_grammar(schema: Any, what: str, param: str) -> Grammar:
@@ -46,6 +52,36 @@ def json_or_call_grammar(schema: Any, tools: list[dict[str, Any]], reply: ReplyF
     return checked(Grammar(lark=f"start: output | call\noutput: {output}\ncall: {call}", what=what), param)
 
 
+def free_grammar(tools: list[dict[str, Any]] | None, reply: ReplyFormat, budget: int | None, what: str,
+                 param: str) -> Grammar:
+    """Free text with two holds, either or both: the reasoning ends within ``budget`` tokens (its
+    closing tag counted; at the limit ``</think>`` is forced), and once the model writes
+    ``<tool_call>`` the call is one of ``tools`` with arguments by its schema (llguidance's lazy
+    lexeme: the text before that trigger is free, and so is a call inside the reasoning)."""
+    lines = [f"start: {_reasoning_rule(reply)}body"]
+    free = ANY_TEXT
+    if reply.markup.reasoning:
+        limit = f", max_tokens={budget + 1}" if budget is not None else ""
+        lines.append(f"think[stop={json.dumps(END_THINK)}{limit}]: {ANY_TEXT}")
+        free += NO_REASONING
+    if not tools:
+        return checked(Grammar(lark="\n".join(lines + ["body: TEXT", f"TEXT: {free}"]), what=what), param)
+    trigger, rest = OPEN_CALL.split(">", 1)  # the tag, then what the template writes after it
+    call = _call_body(tools, None, reply, what, param)
+    lines += ["body: call* TAIL", f"call: call_head {json.dumps(rest)} {call}",
+              f"call_head[lazy]: TEXT {json.dumps(trigger + '>')}", f"TEXT: {free}",
+              f"TAIL: {free} & ~/(?s:.*)<tool_call>(?s:.*)/"]  # after the last call: no call opens
+    return checked(Grammar(lark="\n".join(lines), what=what), param)
+
+
+def _reasoning_rule(reply: ReplyFormat) -> str:
+    """What comes before the body: the reasoning the prompt opened, one the model may open, or none."""
+    close = f"think {json.dumps(END_THINK)} "
+    if reply.in_reasoning:
+        return close
+    return f"({json.dumps(THINK)} {close})? " if reply.markup.reasoning else ""
+
+
 def _json_rule(schema: Any, what: str, param: str) -> str:
     if not isinstance(schema, dict):
         raise ApiError(400, f"{what}: the schema must be a JSON object", param=param)
@@ -53,6 +89,11 @@ def _json_rule(schema: Any, what: str, param: str) -> str:
 
 
 def _call_rule(tools: list[dict[str, Any]], name: str | None, reply: ReplyFormat, what: str, param: str) -> str:
+    return f"{json.dumps(OPEN_CALL)} {_call_body(tools, name, reply, what, param)}"
+
+
+def _call_body(tools: list[dict[str, Any]], name: str | None, reply: ReplyFormat, what: str, param: str) -> str:
+    """A call after its opening tag: the call object by the chosen tools' schemas, then the closing tag."""
     if reply.markup.calls != "json":
         raise ApiError(400, f"{what} is not supported for this model: its chat template writes calls in the "
                        "XML format, and constrained calls are built for the JSON <tool_call> format only",
@@ -62,7 +103,7 @@ def _call_rule(tools: list[dict[str, Any]], name: str | None, reply: ReplyFormat
         raise ApiError(400, f"{what}: no tool named {name!r} among the request's tools", param=param)
     calls = [_call_schema(t["function"]) for t in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return f"{json.dumps(OPEN_CALL)} %json {_schema_text(schema)} {json.dumps(CLOSE_CALL)}"
+    return f"%json {_schema_text(schema)} {json.dumps(CLOSE_CALL)}"
 
 
 def refuse_in_reasoning(reply: ReplyFormat, what: str, param: str) -> None:

@@ -3,7 +3,12 @@ the refusals, and the adapter to a Chat request, so that a Messages request reac
 ``Generate`` through Chat's conversion (model check, tools, chat template, sampling ranges).
 
 Every field is typed and unknown ones are refused by name; content blocks and tools are read by
-their ``type``, so that an image, a document or a server tool is refused in one line that says so."""
+their ``type``, so that an image, a document or a server tool is refused in one line that says so.
+
+``thinking`` turns the template's reasoning on or off (``enable_thinking``, where it reads it); a
+``budget_tokens`` below ``max_tokens`` becomes Chat's ``thinking_token_budget``, which a grammar
+holds (``frontend.http.grammars.free_grammar``). Thinking blocks sent back are the turn's
+``reasoning_content``, which the template shows or drops as it does any past reasoning."""
 
 from __future__ import annotations
 
@@ -13,11 +18,11 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.http.errors import ApiError
+from frontend.http.parsers import template_markup
 from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, NamedFunction,
                                   NamedToolChoice, Tool, ToolCall)
 
-CONSTRAINED = ("is not supported: Sluice constrains a forced call (tool_choice 'any' or 'tool'), "
-               "not the calls a model makes on its own")
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
 
 
 class _In(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -37,6 +42,17 @@ class ToolUseBlock(_In, kw_only=True):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+
+
+class ThinkingBlock(_In, kw_only=True):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str  # Sluice's digest of the text; not checked, as no key signs it
+
+
+class RedactedThinkingBlock(_In, kw_only=True):
+    type: Literal["redacted_thinking"]
+    data: str  # Anthropic's encrypted reasoning: no local model can read it, so it is dropped
 
 
 class ToolResultBlock(_In, kw_only=True):
@@ -59,7 +75,7 @@ class CustomTool(_In, kw_only=True):
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
     eager_input_streaming: bool | None = None  # accepted: how input streams, not what it is
-    strict: bool | None = None  # refused when true: a schema-valid input needs constrained decoding
+    strict: bool | None = None  # held by a grammar: forced (any, tool) or once a call opens (auto)
 
 
 class ToolChoice(_In, kw_only=True):
@@ -69,9 +85,13 @@ class ToolChoice(_In, kw_only=True):
 
 
 class Thinking(_In, kw_only=True):
-    type: str
+    type: str  # enabled, adaptive or disabled; others (between_tools) are refused by name
     budget_tokens: int | None = None
-    display: str | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.type in ("enabled", "adaptive")
 
 
 class MessagesPrompt(_In, kw_only=True):
@@ -110,10 +130,12 @@ def check(body: MessagesPrompt) -> None:
     for name in ("output_config", "output_format", "context_management", "mcp_servers", "container"):
         if getattr(body, name):
             raise ApiError(400, f"{name} is not supported", param=name)
-    if body.thinking is not None and body.thinking.type != "disabled":
-        raise ApiError(400, f"thinking {body.thinking.type!r} is not supported: Sluice does not split "
-                       "reasoning into thinking blocks yet (send {\"type\": \"disabled\"})", param="thinking")
+    if body.thinking is not None:
+        _check_thinking(body.thinking)
     choice = body.tool_choice
+    if choice is not None and choice.type in ("any", "tool") and body.thinking is not None and body.thinking.on:
+        raise ApiError(400, f"tool_choice {choice.type!r} cannot be used with thinking (as at Anthropic: a "
+                       "forced call leaves no room to reason); use 'auto' or 'none'", param="tool_choice")
     if choice is not None and choice.type == "tool" and not choice.name:
         raise ApiError(400, "tool_choice 'tool' needs the tool's name", param="tool_choice.name")
     if choice is not None and choice.disable_parallel_tool_use and choice.type not in ("any", "tool"):
@@ -121,8 +143,44 @@ def check(body: MessagesPrompt) -> None:
                        "decides how many calls it makes; 'any' and 'tool' force exactly one)", param="tool_choice")
 
 
-def to_chat(body: MessagesPrompt) -> ChatRequest:
-    """The Chat request that asks for the same output; raises ApiError for what it cannot."""
+def _check_thinking(thinking: Thinking) -> None:
+    if thinking.type not in THINKING_TYPES:
+        raise ApiError(400, f"thinking {thinking.type!r} is not supported (enabled, adaptive or disabled)",
+                       param="thinking.type")
+    if (thinking.type == "enabled") != (thinking.budget_tokens is not None):
+        raise ApiError(400, "thinking.budget_tokens goes with 'enabled', and only with it",
+                       param="thinking.budget_tokens")
+    if thinking.budget_tokens is not None and thinking.budget_tokens < 1:
+        raise ApiError(400, "thinking.budget_tokens must be at least 1", param="thinking.budget_tokens")
+
+
+def thinking_display(body: MessagesPrompt) -> str | None:
+    """How the reply shows the reasoning: None with thinking off (left out, also where the template
+    cannot turn it off), "summarized" (whole: Sluice does not summarise) or "omitted"."""
+    if body.thinking is None or not body.thinking.on:
+        return None
+    return body.thinking.display or "summarized"
+
+
+def _thinking_fields(body: MessagesPrompt, template: str | None) -> dict[str, Any]:
+    """Chat's fields for ``thinking``: the template's switch, and the budget a grammar holds (one
+    at or above max_tokens needs none: the reply cannot pass it)."""
+    on = body.thinking is not None and body.thinking.on
+    if on and not template_markup(template).reasoning:
+        raise ApiError(400, f"thinking {body.thinking.type!r} is not supported for this model: its chat "
+                       "template has no reasoning (<think>)", param="thinking")
+    fields: dict[str, Any] = {}
+    if "enable_thinking" in (template or ""):
+        fields["chat_template_kwargs"] = {"enable_thinking": on}
+    budget = body.thinking.budget_tokens if on else None
+    if budget is not None and isinstance(body, MessagesRequest) and budget < body.max_tokens:
+        fields["thinking_token_budget"] = budget
+    return fields
+
+
+def to_chat(body: MessagesPrompt, template: str | None) -> ChatRequest:
+    """The Chat request that asks for the same output from a model with chat ``template``; raises
+    ApiError for what it cannot."""
     check(body)
     messages = [Message(role="system", content=_text(body.system, "system"))] if body.system else []
     for i, m in enumerate(body.messages):
@@ -135,7 +193,7 @@ def to_chat(body: MessagesPrompt) -> ChatRequest:
         sampling = dict(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                         top_p=body.top_p, top_k=body.top_k, stream=body.stream)
     return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
-                       tool_choice=_tool_choice(body.tool_choice), **sampling)
+                       tool_choice=_tool_choice(body.tool_choice), **sampling, **_thinking_fields(body, template))
 
 
 def _tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:
@@ -156,10 +214,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
             raise ApiError(400, f"{where} of type {kind!r} is not supported: Sluice runs no server "
                            "tools (custom tools are served)", param=where)
         t = _typed(tool, CustomTool, where)
-        if t.strict:
-            raise ApiError(400, f"{where}.strict {CONSTRAINED}", param=f"{where}.strict")
         out.append(Tool(type="function", function=FunctionDef(
-            name=t.name, description=t.description, parameters=t.input_schema)))
+            name=t.name, description=t.description, parameters=t.input_schema, strict=t.strict)))
     return out
 
 
@@ -169,15 +225,7 @@ def _turn(m: InputMessage, where: str) -> list[Message]:
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]
     if m.role == "assistant":
-        texts, calls = [], []
-        for j, raw in enumerate(m.content):
-            block = _block(raw, f"{where}.content[{j}]", (TextBlock, ToolUseBlock))
-            if isinstance(block, TextBlock):
-                texts.append(block.text)
-            else:
-                calls.append(ToolCall(id=block.id, function=CalledFunction(
-                    name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))
-        return [Message(role="assistant", content="".join(texts), tool_calls=calls or None)]
+        return [_assistant(m.content, where)]
     out: list[Message] = []
     for j, raw in enumerate(m.content):
         block = _block(raw, f"{where}.content[{j}]", (TextBlock, ToolResultBlock))
@@ -191,7 +239,25 @@ def _turn(m: InputMessage, where: str) -> list[Message]:
     return out
 
 
-BLOCK_TYPES = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}
+def _assistant(content: list[dict[str, Any]], where: str) -> Message:
+    """An assistant turn: its text, its tool uses as calls, its thinking as the reasoning."""
+    texts, calls, thoughts = [], [], []
+    allowed = (TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)
+    for j, raw in enumerate(content):
+        block = _block(raw, f"{where}.content[{j}]", allowed)
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            calls.append(ToolCall(id=block.id, function=CalledFunction(
+                name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))
+    return Message(role="assistant", content="".join(texts), tool_calls=calls or None,
+                   reasoning_content="\n\n".join(thoughts) if thoughts else None)
+
+
+BLOCK_TYPES = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+               "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock}
 
 
 def _block(raw: dict[str, Any], where: str, allowed: tuple[type, ...]) -> Any:
@@ -199,7 +265,7 @@ def _block(raw: dict[str, Any], where: str, allowed: tuple[type, ...]) -> Any:
     type_ = BLOCK_TYPES.get(kind) if isinstance(kind, str) else None
     if type_ is None:
         raise ApiError(400, f"{where}: content block of type {kind!r} is not supported: Sluice serves "
-                       "text, tool_use and tool_result blocks (images and documents are refused)",
+                       "text, tool_use, tool_result and thinking blocks (images and documents are refused)",
                        param=where)
     if type_ not in allowed:
         raise ApiError(400, f"{where}: a {kind} block does not belong in this role's message", param=where)

@@ -28,7 +28,12 @@ class ToolUseOut(_Out, kw_only=True, tag_field="type", tag="tool_use"):
     input: dict[str, Any]
 
 
-Block = Union[TextOut, ToolUseOut]
+class ThinkingOut(_Out, kw_only=True, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str
+
+
+Block = Union[TextOut, ToolUseOut, ThinkingOut]
 
 
 class Usage(_Out, kw_only=True):
@@ -70,6 +75,14 @@ class InputJsonDelta(_Out, kw_only=True, tag_field="type", tag="input_json_delta
     partial_json: str
 
 
+class ThinkingDelta(_Out, kw_only=True, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
+class SignatureDelta(_Out, kw_only=True, tag_field="type", tag="signature_delta"):
+    signature: str
+
+
 class StopDelta(_Out, kw_only=True):
     stop_reason: StopReason
     stop_sequence: str | None
@@ -90,7 +103,7 @@ class BlockStart(_Event, kw_only=True, tag="content_block_start"):
 
 class BlockDelta(_Event, kw_only=True, tag="content_block_delta"):
     index: int
-    delta: Union[TextDelta, InputJsonDelta]
+    delta: Union[TextDelta, InputJsonDelta, ThinkingDelta, SignatureDelta]
 
 
 class BlockStop(_Event, kw_only=True, tag="content_block_stop"):

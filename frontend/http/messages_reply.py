@@ -2,6 +2,8 @@
 from the same text pieces and parsed calls, so a whole reply is exactly what the stream assembles.
 
     message_start, ping
+    the thinking block, with thinking on:  content_block_start, content_block_delta (thinking_delta)...
+        (none with display "omitted"), content_block_delta (signature_delta), content_block_stop
     per text block:  content_block_start, content_block_delta (text_delta)..., content_block_stop
     per tool use:    content_block_start, content_block_delta (input_json_delta), content_block_stop
     message_delta (stop_reason, usage), message_stop  |  error
@@ -10,6 +12,7 @@ from the same text pieces and parsed calls, so a whole reply is exactly what the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from typing import AsyncIterator
@@ -21,7 +24,7 @@ from frontend.http import messages_objects as o
 from frontend.http import sse
 from frontend.http.errors import ApiError
 from frontend.http.session import Session
-from frontend.http.parsers import ReplyFormat, ReplyParser
+from frontend.http.parsers import Reasoning, ReplyFormat, ReplyParser
 from frontend.http.tool_calls import CLOSE, OPEN, ParsedCall
 
 PING = sse.typed_event("ping", o.Ping())
@@ -38,12 +41,15 @@ class MessageBuilder:
     """The content blocks of one message, and (when streaming) the events that build them.
 
     Whitespace between text and a call's markup is markup: trailing whitespace is held until
-    more text follows, and dropped when a call does."""
+    more text follows, and dropped when a call does. ``thinking``: how reasoning shows (its pieces
+    come only with thinking on): "summarized" in full, "omitted" as a block with no text."""
 
-    def __init__(self, message: o.MessageOut, streaming: bool) -> None:
+    def __init__(self, message: o.MessageOut, streaming: bool, thinking: str | None = None) -> None:
         self.message = message
         self._streaming = streaming
-        self._text: o.TextOut | None = None  # the open text block
+        self._thinking = thinking
+        self._open: o.TextOut | o.ThinkingOut | None = None  # the open text or thinking block
+        self._thought = ""  # the open thinking block's text, shown or not: what its signature digests
         self._space = ""
         self._calls = 0
 
@@ -58,6 +64,17 @@ class MessageBuilder:
         delta, self._space = self._space + body, piece[len(body):]
         return self._append(delta)
 
+    def reasoning(self, piece: str) -> list[bytes]:
+        events: list[bytes] = []
+        if not isinstance(self._open, o.ThinkingOut):
+            self._space = ""
+            events = self._close() + self._start_block(o.ThinkingOut(thinking="", signature=""))
+        self._thought += piece
+        if self._thinking == "omitted":
+            return events
+        self._open.thinking += piece
+        return events + self._emit(o.BlockDelta(index=self._index, delta=o.ThinkingDelta(thinking=piece)))
+
     def call(self, call: ParsedCall) -> list[bytes]:
         arguments = _json(call.arguments)
         if not isinstance(arguments, dict):  # a tool use's input is an object: else the text is kept
@@ -65,14 +82,11 @@ class MessageBuilder:
                                                ensure_ascii=False) + CLOSE)
         self._space = ""
         self._calls += 1
-        events = self._close_text()
         block = o.ToolUseOut(id=f"toolu_{uuid.uuid4().hex[:24]}", name=call.name, input={})
-        index = len(self.message.content)
-        self.message.content.append(block)
-        events += self._emit(o.BlockStart(index=index, content_block=block))
+        events = self._close() + self._start_block(block)
         block.input = arguments
-        events += self._emit(o.BlockDelta(index=index, delta=o.InputJsonDelta(partial_json=call.arguments)))
-        return events + self._emit(o.BlockStop(index=index))
+        events += self._emit(o.BlockDelta(index=self._index, delta=o.InputJsonDelta(partial_json=call.arguments)))
+        return events + self._emit(o.BlockStop(index=self._index))
 
     def finish(self, chunk: Chunk) -> list[bytes]:
         """The last chunk: close the content and report why it ended, with the usage."""
@@ -80,9 +94,9 @@ class MessageBuilder:
         if chunk.finish_reason == "abort":  # the server gave it up (shutting down, a failure)
             raise ApiError(503, "the request was aborted before it finished")
         events: list[bytes] = []
-        if self._space and (self._text is not None or not self.message.content):
+        if self._space and (isinstance(self._open, o.TextOut) or not self.message.content):
             events, self._space = self._append(self._space), ""  # nothing but whitespace: kept
-        events += self._close_text()
+        events += self._close()
         reason, sequence = _stop_reason(chunk, self._calls)
         self.message = msgspec.structs.replace(self.message, stop_reason=reason, stop_sequence=sequence,
                                                usage=o.usage(chunk.usage))
@@ -92,18 +106,26 @@ class MessageBuilder:
 
     def _append(self, delta: str) -> list[bytes]:
         events: list[bytes] = []
-        if self._text is None:
-            self._text = o.TextOut(text="")
-            self.message.content.append(self._text)
-            events += self._emit(o.BlockStart(index=self._index, content_block=self._text))
-        self._text.text += delta
+        if not isinstance(self._open, o.TextOut):
+            events = self._close() + self._start_block(o.TextOut(text=""))
+        self._open.text += delta
         return events + self._emit(o.BlockDelta(index=self._index, delta=o.TextDelta(text=delta)))
 
-    def _close_text(self) -> list[bytes]:
-        if self._text is None:
+    def _start_block(self, block: o.Block) -> list[bytes]:
+        self.message.content.append(block)
+        self._open = block if isinstance(block, (o.TextOut, o.ThinkingOut)) else None
+        return self._emit(o.BlockStart(index=self._index, content_block=block))
+
+    def _close(self) -> list[bytes]:
+        """The last block's stop, a thinking block's signature before it; nothing if none is open."""
+        block, self._open = self._open, None
+        if block is None:
             return []
-        self._text = None
-        return self._emit(o.BlockStop(index=self._index))
+        events: list[bytes] = []
+        if isinstance(block, o.ThinkingOut):
+            block.signature, self._thought = hashlib.sha256(self._thought.encode()).hexdigest(), ""
+            events = self._emit(o.BlockDelta(index=self._index, delta=o.SignatureDelta(signature=block.signature)))
+        return events + self._emit(o.BlockStop(index=self._index))
 
     @property
     def _index(self) -> int:
@@ -132,28 +154,33 @@ def _stop_reason(chunk: Chunk, calls: int) -> tuple[o.StopReason, str | None]:
 
 
 def _feed(builder: MessageBuilder, parser: ReplyParser, chunk: Chunk) -> list[bytes]:
-    pieces = parser.feed(chunk.text)
+    pieces = parser.feed(chunk.text, chunk.token_ids)
     if chunk.finish_reason is not None:
         pieces += parser.flush()
     events = []
     for piece in pieces:
-        events += builder.text(piece) if isinstance(piece, str) else builder.call(piece)
+        if isinstance(piece, Reasoning):
+            events += builder.reasoning(piece.text)
+        else:
+            events += builder.text(piece) if isinstance(piece, str) else builder.call(piece)
     if chunk.finish_reason is not None:
         events += builder.finish(chunk)
     return events
 
 
-async def whole(session: Session, message: o.MessageOut, reply: ReplyFormat) -> o.MessageOut:
-    builder, parser = MessageBuilder(message, streaming=False), reply.parser()
+async def whole(session: Session, message: o.MessageOut, reply: ReplyFormat,
+                thinking: str | None = None) -> o.MessageOut:
+    builder, parser = MessageBuilder(message, False, thinking), reply.parser(reasoning=thinking is not None)
     async for chunk in session.chunks():
         _feed(builder, parser, chunk)
     return builder.message
 
 
-async def stream(session: Session, message: o.MessageOut, reply: ReplyFormat) -> AsyncIterator[bytes]:
-    """The events (calls in the template's markup; reasoning is left out: thinking is not offered);
-    an error after the stream started is its ``error`` event."""
-    builder, parser = MessageBuilder(message, streaming=True), reply.parser()
+async def stream(session: Session, message: o.MessageOut, reply: ReplyFormat,
+                 thinking: str | None = None) -> AsyncIterator[bytes]:
+    """The events (calls in the template's markup; reasoning as thinking blocks with thinking on,
+    else left out); an error after the stream started is its ``error`` event."""
+    builder, parser = MessageBuilder(message, True, thinking), reply.parser(reasoning=thinking is not None)
     for e in builder.start():
         yield e
     try:

@@ -48,6 +48,8 @@ async def read_body(request: Request, type_: type[B], limit: int) -> B:
         raise ApiError(400, f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"malformed JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth limit, e.g. [[[[... in a field typed Any
+        raise ApiError(400, "malformed JSON: it nests too deeply") from None
 
 
 def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generate, bool]:
@@ -57,8 +59,10 @@ def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generat
     convert.check_request(body, ctx.served_name(body.model))
     tools = convert.chat_tools(body)
     ids = convert.chat_prompt_ids(body, tools, frontend.tokenizer)
-    grammar = constrain.chat_grammar(body, tools, convert.reply_format(body, ids, frontend.tokenizer))
-    generate = convert.to_generate(body, {"input_ids": ids}, convert.chat_max_tokens(body),
+    reply = convert.reply_format(body, ids, frontend.tokenizer)
+    grammar = constrain.chat_grammar(body, tools, reply)
+    prompt = {"input_ids": ids, "stop_token_ids": list(reply.stop_token_ids)}  # harmony's end a reply
+    generate = convert.to_generate(body, prompt, convert.chat_max_tokens(body),
                                    frontend.model.max_context_tokens, grammar)
     return generate, bool(tools)
 
@@ -120,16 +124,17 @@ async def messages(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, messages_api.MessagesRequest, ctx.max_body_bytes)
-    chat_body = messages_api.to_chat(body)
+    chat_body = messages_api.to_chat(body, ctx.ready().tokenizer.chat_template)
     generate, _ = chat_generate(ctx, chat_body)
     reply = convert.reply_format(chat_body, generate.input_ids or (), ctx.ready().tokenizer)
     message = messages_reply.new_message(body.model, len(generate.input_ids or ()))
+    thinking = messages_api.thinking_display(body)
     session = await _start(ctx, generate)
     if body.stream:
-        events = messages_reply.stream(session, message, reply)
+        events = messages_reply.stream(session, message, reply, thinking)
         return sse.stream(_closing(session, sse.keepalive(events, tick=messages_reply.PING)))
     async with session:
-        return json_response(await _unless_gone(request, messages_reply.whole(session, message, reply)))
+        return json_response(await _unless_gone(request, messages_reply.whole(session, message, reply, thinking)))
 
 
 async def count_tokens(request: Request) -> Response:
@@ -137,7 +142,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, messages_api.MessagesPrompt, ctx.max_body_bytes)
-    generate, _ = chat_generate(ctx, messages_api.to_chat(body))
+    generate, _ = chat_generate(ctx, messages_api.to_chat(body, ctx.ready().tokenizer.chat_template))
     return json_response(messages_objects.TokenCount(input_tokens=len(generate.input_ids or ())))
 
 

@@ -116,6 +116,7 @@ class ChatRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     reasoning_effort: str | None = None  # "none" only, where the template reads enable_thinking
+    thinking_token_budget: int | None = None  # vLLM's name: the reasoning ends within this many tokens
 
 
 class CompletionRequest(_Sampling, kw_only=True):
