@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Union
 
 from frontend.http.parsers.events import Reasoning
-from frontend.http.parsers.text import partial_suffix
+from frontend.http.parsers.text import until_marker
 
 THINK, END_THINK = "<think>", "</think>"
 Piece = Union[str, Reasoning]  # content, or reasoning
@@ -54,17 +54,13 @@ class ReasoningSplit:
         return []
 
     def _reasoning(self) -> list[Piece] | None:
-        end = self._held.find(END_THINK)
-        if end >= 0:
-            text, self._held = self._held[:end], self._held[end + len(END_THINK):]
-            piece = self._reasoning_text(text)
-            self._state, self._space = self._after, ""
-            return [piece]
-        text = self._held[: len(self._held) - partial_suffix(self._held, END_THINK)]
-        if not text:
+        text, self._held, ended = until_marker(self._held, END_THINK)
+        if not (text or ended):
             return None
-        self._held = self._held[len(text):]
-        return [self._reasoning_text(text)]
+        piece = self._reasoning_text(text)
+        if ended:
+            self._state, self._space = self._after, ""
+        return [piece]
 
     def _after(self) -> list[Piece] | None:
         s = self._held.lstrip()

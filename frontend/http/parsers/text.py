@@ -14,6 +14,16 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def until_marker(held: str, marker: str) -> tuple[str, str, bool]:
+    """``held`` split at ``marker``: the text before it, the text after it, True; or, where it has
+    not come yet, the text that cannot be its start, the rest (a marker's cut start) held, False."""
+    at = held.find(marker)
+    if at >= 0:
+        return held[:at], held[at + len(marker):], True
+    keep = len(held) - partial_suffix(held, marker)
+    return held[:keep], held[keep:], False
+
+
 def first_of(text: str, markers: Sequence[str], start: int = 0) -> tuple[int, str]:
     """The position and the marker that comes first in ``text[start:]`` (-1 and "" when none does)."""
     found = [(i, m) for m in markers if (i := text.find(m, start)) >= 0]

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 from frontend.http.parsers.events import CallArguments, CallStart, Event, ParsedCall
 from frontend.http.parsers.json_calls import CLOSE, OPEN, parse_call
-from frontend.http.parsers.text import SpaceAfterCalls, first_of, partial_suffix
+from frontend.http.parsers.text import SpaceAfterCalls, first_of, until_marker
 
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
@@ -66,15 +66,11 @@ class XmlCallStream:
     # ==== states: each consumes held text or moves on, else returns None ====
 
     def _content(self) -> list[Event] | None:
-        start = self._held.find(OPEN)
-        if start >= 0:
-            text, self._held = self._held[:start], self._held[start + len(OPEN):]
-            self._state, self._block_calls = self._block, 0
-            return [self._text(text)]
-        text = self._held[: len(self._held) - partial_suffix(self._held, OPEN)]
-        if not text:
+        text, self._held, opened = until_marker(self._held, OPEN)
+        if not (text or opened):
             return None
-        self._held = self._held[len(text):]
+        if opened:
+            self._state, self._block_calls = self._block, 0
         return [self._text(text)]
 
     def _block(self) -> list[Event] | None:
