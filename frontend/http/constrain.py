@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from frontend.http import grammars
+from frontend.http.convert import chat_max_tokens
 from frontend.http.errors import ApiError
 from frontend.http.parsers import ReplyFormat
 from frontend.http.schemas import ChatRequest, NamedToolChoice
@@ -44,8 +45,10 @@ def free_output(body: ChatRequest, tools: list[dict[str, Any]] | None, reply: Re
 
 
 def _budget(body: ChatRequest, reply: ReplyFormat) -> int | None:
+    """The reasoning budget a grammar must hold: none at or above max_tokens (the reply cannot pass it)."""
     budget = body.thinking_token_budget
-    if budget is None:
+    limit = chat_max_tokens(body)
+    if budget is None or (limit is not None and budget >= limit):
         return None
     if budget < 0:
         raise ApiError(400, "thinking_token_budget must be at least 0", param="thinking_token_budget")

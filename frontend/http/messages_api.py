@@ -163,8 +163,7 @@ def thinking_display(body: MessagesPrompt) -> str | None:
 
 
 def _thinking_fields(body: MessagesPrompt, template: str | None) -> dict[str, Any]:
-    """Chat's fields for ``thinking``: the template's switch, and the budget a grammar holds (one
-    at or above max_tokens needs none: the reply cannot pass it)."""
+    """Chat's fields for ``thinking``: the template's switch, and the reasoning budget."""
     on = body.thinking is not None and body.thinking.on
     if on and not template_markup(template).reasoning:
         raise ApiError(400, f"thinking {body.thinking.type!r} is not supported for this model: its chat "
@@ -172,9 +171,8 @@ def _thinking_fields(body: MessagesPrompt, template: str | None) -> dict[str, An
     fields: dict[str, Any] = {}
     if "enable_thinking" in (template or ""):
         fields["chat_template_kwargs"] = {"enable_thinking": on}
-    budget = body.thinking.budget_tokens if on else None
-    if budget is not None and isinstance(body, MessagesRequest) and budget < body.max_tokens:
-        fields["thinking_token_budget"] = budget
+    if on:
+        fields["thinking_token_budget"] = body.thinking.budget_tokens
     return fields
 
 
