@@ -56,6 +56,7 @@ class _Launched(NamedTuple):
 class Failure(NamedTuple):
     rid: str
     message: str
+    internal: bool = True  # False: the request's own grammar failed it (its client gets a bad-request error)
 
 
 class Engine:
@@ -264,13 +265,13 @@ class Engine:
         for req in reqs:
             if req.slot in empty:
                 self._fail(req, f"the grammar allows no next token after {len(req.output)} tokens "
-                                "(an unsatisfiable schema?)")
+                                "(an unsatisfiable schema?)", internal=False)
         return [-2 if r.slot in empty else r.slot if s and r.grammar is not None else -1
                 for r, s in zip(reqs, samples)]
 
-    def _fail(self, req: Request, message: str) -> None:
+    def _fail(self, req: Request, message: str, internal: bool = True) -> None:
         self._drop_failed(req)
-        self.failures.append(Failure(req.rid, message))
+        self.failures.append(Failure(req.rid, message, internal))
         self.counters["requests_failed"] += 1
 
     def _chunk_for(self, req: Request, budget: int) -> SequenceChunk | None:
@@ -373,7 +374,8 @@ class Engine:
             if not sampled or req.finished:
                 continue
             if not req.accept(token):
-                self._fail(req, f"the grammar refused sampled token {token}: {req.grammar.get_error()}")
+                error = req.grammar.get_error().partition("\n")[0]  # not the parser state dumped after it
+                self._fail(req, f"the grammar refused sampled token {token}: {error}", internal=False)
                 continue
             self.counters["generated_tokens"] += 1
             reason = req.finish_reason()

@@ -87,7 +87,8 @@ class SchedulerServer:
         finally:
             self.heartbeat.step_started = 0.0
         for failure in self.engine.take_failures():
-            self.send(from_scheduler.RequestError(rid=failure.rid, message=failure.message, internal=True))
+            self.send(from_scheduler.RequestError(rid=failure.rid, message=failure.message,
+                                                  internal=failure.internal))
         if updates:
             self.send(from_scheduler.TokenBatch(updates=updates))
         if self.check_pages and not self.engine.in_flight:

@@ -2,13 +2,17 @@
 every Generate field, huge values, nested structures, multi-frame messages, 50 MB frames,
 grammars (broken, unsatisfiable, huge, mistyped),
 concurrent load with aborts and disconnects, and (``--kill``) kill -9 of either process.
+With ``--http URL`` the HTTP API too (``scripts/stress_http.py``): malformed, huge and mistyped
+bodies, fields that would change the output, bad schemas, forced tools that do not exist,
+clients that vanish mid-stream, many clients; every bad request must get its API's error and a 4xx.
 
     scripts/serve.sh --pid-file /tmp/sluice.pid &            # then, once it is ready:
-    python scripts/stress.py --endpoint tcp://127.0.0.1:5557 --duration 60
+    python scripts/stress.py --endpoint tcp://127.0.0.1:5557 --http http://127.0.0.1:8000 --duration 60
 
 Bounded in time (``--duration``, shared among the attacks). Prints a table of what was sent, how
-many error replies came back, how many got no reply, and crashes (the server stopped answering or
-the scheduler changed pid), then whether every KV page came back. Exits 1 on a crash or a leak.
+many error replies came back, how many got no reply, wrong replies (HTTP: a 5xx, an error not in
+its API's shape, a 2xx to a bad request) and crashes (the server stopped answering or the scheduler
+changed pid), then whether every KV page came back. Exits 1 on a crash, a wrong reply or a leak.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from frontend.api import ProtocolError, replies, requests  # noqa: E402
 from frontend.client import AsyncClient, Client, ServerError  # noqa: E402
+from scripts import stress_http  # noqa: E402
 
 REPLY_S = 30.0  # an attack frame that gets no reply within this is counted as unanswered
 HUGE_INTS = [2**63, 2**63 - 1, 2**64 - 1, -(2**63)]  # msgpack holds no int outside [-2**63, 2**64)
@@ -48,6 +53,7 @@ class Row:
     errors: int = 0  # Error replies
     other: int = 0  # any other reply (a completion, an abort chunk, ...)
     unanswered: int = 0
+    wrong: int = 0  # HTTP: a 5xx, a misshapen error, a 2xx to a bad request
     crashes: int = 0
 
 
@@ -306,38 +312,52 @@ def _exits(pid: int, timeout_s: float) -> bool:
 
 
 def print_table(rows: list[Row], leak: int | None) -> None:
-    print(f"{'attack':26s} {'sent':>7s} {'errors':>7s} {'other':>7s} {'no reply':>9s} {'crashes':>8s}")
+    print(f"{'attack':28s} {'sent':>7s} {'errors':>7s} {'other':>7s} {'no reply':>9s} {'wrong':>6s} {'crashes':>8s}")
     for r in rows:
-        print(f"{r.attack:26s} {r.sent:7d} {r.errors:7d} {r.other:7d} {r.unanswered:9d} {r.crashes:8d}")
+        print(f"{r.attack:28s} {r.sent:7d} {r.errors:7d} {r.other:7d} {r.unanswered:9d} {r.wrong:6d} {r.crashes:8d}")
     print(f"leaked KV pages: {'not checked' if leak is None else leak}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def zmq_attacks(endpoint: str, health: Health, rng: random.Random, share: float, clients: int,
+                seed: int) -> list[Row]:
+    rows: list[Row] = []
+    for name, make in ATTACKS.items():
+        rows.append(run_attack(endpoint, name, make(rng), share))
+        if not health.check(rows[-1]):
+            return rows
+    rows.append(asyncio.run(load(endpoint, clients, 2 * share, seed)))
+    health.check(rows[-1])
+    return rows
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="the server's client endpoint")
+    p.add_argument("--http", metavar="URL", help="attack the HTTP API at this URL too (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--http-only", action="store_true", help="with --http: no ZMQ attacks (the endpoint gives stats)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds for all attacks together")
-    p.add_argument("--clients", type=int, default=16, help="concurrent clients of the load attack")
+    p.add_argument("--clients", type=int, default=16, help="concurrent clients of the load attacks")
     p.add_argument("--seed", type=int, default=0, help="seed of the fuzzers")
     p.add_argument("--kill", choices=["scheduler", "frontend"], help="end with kill -9 of this process")
     p.add_argument("--frontend-pid", type=int, help="pid of the frontend, for --kill frontend")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     rng = random.Random(args.seed)
     health = Health(args.endpoint)
-    share = args.duration / (len(ATTACKS) + 2)  # the load gets two shares
-    rows: list[Row] = []
-    for name, make in ATTACKS.items():
-        rows.append(run_attack(args.endpoint, name, make(rng), share))
-        if not health.check(rows[-1]):
-            break
-    else:
-        rows.append(asyncio.run(load(args.endpoint, args.clients, 2 * share, args.seed)))
-        health.check(rows[-1])
+    zmq_shares = 0 if args.http and args.http_only else len(ATTACKS) + 2  # each load gets two shares
+    share = args.duration / (zmq_shares + (stress_http.SHARES if args.http else 0))
+    rows = zmq_attacks(args.endpoint, health, rng, share, args.clients, args.seed) if zmq_shares else []
+    if args.http and not any(r.crashes for r in rows):
+        rows += stress_http.attack_all(args.http, health, Row, rng, share, args.clients, args.seed)
     crashed = any(r.crashes for r in rows)
     leak = None if crashed else leaked_pages(health)
     if args.kill and not crashed:
         rows.append(kill(args.kill, health, args.frontend_pid))
     print_table(rows, leak)
-    return 1 if crashed or leak else 0
+    return 1 if crashed or leak or any(r.wrong for r in rows) else 0
 
 
 if __name__ == "__main__":
