@@ -13,10 +13,11 @@ One call of ``step``:
   3. read back the previous step's sampled tokens (pinned copy + event, one step late);
   4. turn them into updates, finish requests, and release their pages.
 
-Constrained requests (``scheduler.grammar``) break the lateness for themselves: a step that
-carries a grammar mask is read back before the next launch (its requests' masks need their
-tokens), and the next launch fills the mask rows of the constrained requests in it. Unconstrained
-requests still take part in every step.
+Constrained requests (``scheduler.grammar``) need their previous token before their next token
+is drawn (their mask follows from it), not before their next forward: a step with constrained rows
+launches its forward first, then reads back the step in flight, fills the constrained rows' masks
+from the tokens just read, and launches its sampling; the host's reading and the mask building run
+while the GPU computes the forward. Unconstrained requests take part in every step.
 
 A step that raises fails the requests in it (``failures`` lists them; their pages go back, none to
 the prefix cache) and the engine goes on; an error that poisons the device is raised.
@@ -50,7 +51,7 @@ class _Launched(NamedTuple):
     samples: list[bool]  # the entry's sampled token is an output token (not a mid-prompt chunk)
     tokens: torch.Tensor  # [B] on the host (pinned on CUDA), valid once ``event`` completes
     event: torch.cuda.Event | None
-    masked: bool = False  # carries a grammar mask: read back before the next launch
+    masked: bool = False  # carries a grammar mask: the next masked step reads it back before it samples
 
 
 class Failure(NamedTuple):
@@ -71,7 +72,7 @@ class Engine:
         self.prefill_tokens = plan.prefill_tokens
         self.failures: list[Failure] = []  # requests a step failed since the caller last took them
         self._launching: list[Request] = []  # the batch being prepared or launched
-        self._read_early: list[TokenUpdate] = []  # this step's updates read before its launch (grammars)
+        self._read_early: list[TokenUpdate] = []  # this step's updates read before it sampled (grammars)
         self.states = runner.state_pool  # hybrid models: a recurrent-state slot per token-buffer row
         if self.states is not None and config.max_running > self.states.running:
             raise ValueError(f"--max-running {config.max_running} exceeds the model's {self.states.running} "
@@ -166,22 +167,21 @@ class Engine:
 
     def _step(self) -> list[TokenUpdate]:
         self._admit()
-        updates = self._read_early = self._read_masked()
         launched = self._launch()
         if not self.config.overlap and launched is not None:
             launched, self.in_flight = None, launched
         previous, self.in_flight = self.in_flight, launched
-        updates = updates + (self._process(previous) if previous else [])
+        updates = self._read_early + (self._process(previous) if previous else [])
         self._requeue_preempted()
         return updates
 
-    def _read_masked(self) -> list[TokenUpdate]:
-        """The in-flight step's tokens now when it carries a grammar mask: its constrained
-        requests need them for their next mask, whose host rows it must not be reading."""
-        if self.in_flight is None or not self.in_flight.masked:
-            return []
-        previous, self.in_flight = self.in_flight, None
-        return self._process(previous)
+    def _read_masked(self) -> None:
+        """Read the in-flight step back now when it carries a grammar mask: the constrained
+        requests of the step being launched need its tokens for their masks (and its mask's copy
+        must be done before the host rows are written again)."""
+        if self.in_flight is not None and self.in_flight.masked:
+            previous, self.in_flight = self.in_flight, None
+            self._read_early = self._process(previous)
 
     def _admit(self) -> None:
         while self.waiting and self.free_rows and len(self.running) < self.config.max_running:
@@ -225,13 +225,16 @@ class Engine:
             req.launched_outputs += req.prefill_done
         if not chunks:
             return self._launch_after_copies()
-        mask = self._mask(reqs, samples, chunks, params, steps)
-        if not chunks:  # each request of the step failed its grammar
-            return None
-        out = self.runner.forward(chunks, params, steps, self.token_buffer, mask)
+        rows = [r.slot if s and r.grammar is not None else -1 for r, s in zip(reqs, samples)]
+        mask = TokenMask(self.mask.device_words, rows) if max(rows) >= 0 else None
+        step = self.runner.launch(chunks, params, steps, self.token_buffer, mask)
         self.pages.launched()
         if self.pages.states is not None:
             self._take_snapshots(reqs, chunks)
+        if mask is not None:
+            self._read_masked()
+            self._fill_mask(reqs, rows)
+        out = self.runner.sample(step)
         (rows,) = to_device([[r.slot for r in reqs]], self.device)
         self.token_buffer.index_copy_(0, rows, out.next_tokens)
         self.counters["steps"] += 1
@@ -243,31 +246,19 @@ class Engine:
         event.record()
         return _Launched(reqs, samples, host, event, mask is not None)
 
-    def _mask(self, reqs: list[Request], samples: list[bool], *lists: list) -> TokenMask | None:
-        """The step's grammar mask (None: no request in it samples under a grammar). A request
-        whose grammar allows no token fails and leaves the step: ``reqs``, ``samples`` and the
-        ``lists`` of the step lose its entry, in place."""
-        rows = self._mask_rows(reqs, samples)
-        keep = [b for b, row in enumerate(rows) if row != -2]
-        if len(keep) < len(rows):
-            for x in (reqs, samples, rows, *lists):
-                x[:] = [x[b] for b in keep]
-        return TokenMask(self.mask.to_device(), rows) if rows and max(rows) >= 0 else None
-
-    def _mask_rows(self, reqs: list[Request], samples: list[bool]) -> list[int]:
-        """Fill the host mask rows of the constrained requests that sample in this step; each
-        entry's mask row: its token-buffer row, -1 unconstrained, -2 failed here (its grammar
-        allows no token). Empty when no request is constrained."""
-        matchers = [(r.grammar, r.slot) for r, s in zip(reqs, samples) if s and r.grammar is not None]
-        if not matchers:
-            return []
-        empty = set(self.mask.fill(matchers))
-        for req in reqs:
-            if req.slot in empty:
+    def _fill_mask(self, reqs: list[Request], rows: list[int]) -> None:
+        """Fill the mask rows of the launched step's constrained requests from their grammars (the
+        tokens before are read) and copy them to the device. A request that finished meanwhile, or
+        whose grammar allows no token (it fails), gets a row allowing every token: its draw is
+        dropped, and a well-formed row keeps the sampler's input ordinary."""
+        live = [(r, row) for r, row in zip(reqs, rows) if row >= 0 and not r.finished]
+        empty = set(self.mask.fill([(r.grammar, row) for r, row in live])) if live else set()
+        for req, row in live:
+            if row in empty:
                 self._fail(req, f"the grammar allows no next token after {len(req.output)} tokens "
                                 "(an unsatisfiable schema?)", internal=False)
-        return [-2 if r.slot in empty else r.slot if s and r.grammar is not None else -1
-                for r, s in zip(reqs, samples)]
+        self.mask.allow_all([row for r, row in zip(reqs, rows) if row >= 0 and r.finished])
+        self.mask.to_device()
 
     def _fail(self, req: Request, message: str, internal: bool = True) -> None:
         self._drop_failed(req)
@@ -279,8 +270,6 @@ class Engine:
         ``budget`` tokens, or None (it waits)."""
         state = self.states.running_slot(req.slot) if self.states is not None else -1
         if req.wants_decode:
-            if req.awaits_token:
-                return None
             pos = len(req.prompt) + req.launched_outputs - 1
             if not self._page_for(req, pos):
                 return None

@@ -95,6 +95,9 @@ class HostMask:
         llt.fill_next_token_bitmask_par(self.executor, matchers, self.host)
         return [row for m, row in matchers if m.is_error() or not bool(self.host[row].any())]
 
+    def allow_all(self, rows: list[int]) -> None:
+        self.host[rows] = -1  # every bit set
+
     def to_device(self) -> torch.Tensor:
         """The words on the device (one non-blocking copy on CUDA)."""
         if self.device_words is not self.host:

@@ -89,11 +89,6 @@ class Request:
         self.output.append(token)
         return self.grammar is None or self.grammar.consume_token(token)
 
-    @property
-    def awaits_token(self) -> bool:
-        """A constrained request whose last launched token is not read yet: its mask needs it."""
-        return self.grammar is not None and self.launched_outputs > len(self.output)
-
     def finish_reason(self) -> str | None:
         if self.output and self.output[-1] in self.eos_ids and not self.ignore_eos:
             return "stop"

@@ -161,25 +161,29 @@ def test_a_grammar_that_allows_no_token_fails_its_request_only(runner, grammars)
     assert failure.rid == "stuck" and "allows no next token" in failure.message
 
 
-def test_tokens_read_before_a_failed_launch_still_go_out(runner, grammars, monkeypatch):
-    """A masked step is read before the next launch; when that launch raises, what was read (here
-    the constrained request's last token, which finishes it) is still returned."""
+def test_tokens_read_before_a_failed_sampling_still_go_out(runner, grammars, monkeypatch):
+    """A step with constrained rows reads the step in flight back between its forward and its
+    sampling; when the sampling raises, what was read (here the last token of a constrained request,
+    which finishes it) is still returned, and only the step's own requests fail."""
     engine = engine_on(runner, dict(max_running=4))
-    done = Request("done", list(b"xyz"), SamplingParams(), 2, frozenset({EOS_ID}))  # both prefill in one step
+    done = Request("done", list(b"xyz"), SamplingParams(), 1, frozenset({EOS_ID}))  # all prefill in one step
     done.grammar = grammars.compile(Grammar(lark="start: /[a-z]{20}/"))
+    more = Request("more", list(b"uvw"), SamplingParams(), 5, frozenset({EOS_ID}))
+    more.grammar = grammars.compile(Grammar(lark="start: /[a-z]{20}/"))
     other = free("other", list(b"abc"), 10)
-    forward, calls = runner.forward, []
+    sample, calls = runner.sample, []
 
-    def third_fails(*args, **kw):
+    def second_fails(*args, **kw):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 2:
             raise RuntimeError("injected")
-        return forward(*args, **kw)
+        return sample(*args, **kw)
 
-    monkeypatch.setattr(runner, "forward", third_fails)
-    results = run(engine, [done, other])
-    assert results["done"][1] == "length" and len(results["done"][0]) == 2
-    assert [f.rid for f in engine.take_failures()] == ["other"] and results["other"][1] is None
+    monkeypatch.setattr(runner, "sample", second_fails)
+    results = run(engine, [done, more, other])
+    assert results["done"][1] == "length" and len(results["done"][0]) == 1
+    assert sorted(f.rid for f in engine.take_failures()) == ["more", "other"]
+    assert results["other"][1] is None and results["more"][1] is None
 
 
 @pytest.mark.cuda

@@ -21,7 +21,7 @@ from worker.distributed.group import RankGroup, free_address
 from worker.distributed.processes import RankProcesses
 from worker.distributed.rank_stats import gather_stats, numeric
 from worker.distributed.rank_worker import SIZES_LEN, RankRunner, rank_device, rank_main
-from worker.runner import ForwardOutput, ModelRunner, RunnerConfig, torch_device
+from worker.runner import LaunchedStep, ModelRunner, RunnerConfig, torch_device
 from worker.sampling import Sampling
 from worker.token_mask import TokenMask
 
@@ -58,9 +58,10 @@ class ParallelRunner(RankRunner):
             dist.barrier(group=group.control)  # every rank has loaded
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
-                token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> ForwardOutput:
-        """The other ranks sample unmasked: only rank 0's tokens are used (the token buffer is its)."""
+    def launch(self, chunks: list[SequenceChunk], sampling: list[Sampling], steps: list[int],
+               token_buffer: torch.Tensor | None = None, mask: TokenMask | None = None) -> LaunchedStep:
+        """The other ranks run the whole step and sample unmasked: only rank 0's tokens are used
+        (the token buffer is its); rank 0 samples when ``sample`` is called."""
         buffer_len = 0 if token_buffer is None else token_buffer.numel()
         head, payload = step_message.encode(step_message.Step(chunks, sampling, steps, buffer_len))
         self.in_step = True  # until the step returns: an exit half-way leaves the ranks mid-protocol
@@ -69,7 +70,7 @@ class ParallelRunner(RankRunner):
             self.group.broadcast_host(payload)
             if token_buffer is not None:
                 self.group.broadcast_device(token_buffer)
-            out = super().forward(chunks, sampling, steps, token_buffer, mask)
+            out = super().launch(chunks, sampling, steps, token_buffer, mask)
         self.in_step = False
         return out
 
