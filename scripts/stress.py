@@ -337,6 +337,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http-only", action="store_true", help="with --http: no ZMQ attacks (the endpoint gives stats)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds for all attacks together")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients of the load attacks")
+    p.add_argument("--reply-timeout", type=float, default=stress_http.REPLY_S,
+                   help="seconds an HTTP request may take before it counts as unanswered (a loaded host wants more)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fuzzers")
     p.add_argument("--kill", choices=["scheduler", "frontend"], help="end with kill -9 of this process")
     p.add_argument("--frontend-pid", type=int, help="pid of the frontend, for --kill frontend")
@@ -351,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     share = args.duration / (zmq_shares + (stress_http.SHARES if args.http else 0))
     rows = zmq_attacks(args.endpoint, health, rng, share, args.clients, args.seed) if zmq_shares else []
     if args.http and not any(r.crashes for r in rows):
-        rows += stress_http.attack_all(args.http, health, Row, rng, share, args.clients, args.seed)
+        target = stress_http.target(args.http, args.reply_timeout)
+        rows += stress_http.attack_all(target, health, Row, rng, share, args.clients, args.seed)
     crashed = any(r.crashes for r in rows)
     leak = None if crashed else leaked_pages(health)
     if args.kill and not crashed:

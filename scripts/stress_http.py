@@ -14,7 +14,7 @@ import random
 import socket
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
@@ -28,10 +28,17 @@ SHOWN = 3  # wrong replies printed per attack
 LONG_PATHS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)  # the vanishers' streams, as long as the context allows
 
 
-def served_model(url: str) -> tuple[str, int]:
-    """The name and the context of the model ``url`` serves."""
-    card = httpx.get(url + "/v1/models", timeout=REPLY_S).json()["data"][0]
-    return card["id"], card["max_model_len"]
+class Target(NamedTuple):
+    url: str
+    model: str
+    context: int  # tokens
+    reply_s: float  # a request unanswered this long counts as no reply
+
+
+def target(url: str, reply_s: float = REPLY_S) -> Target:
+    """The server at ``url`` and the model it serves."""
+    card = httpx.get(url + "/v1/models", timeout=reply_s).json()["data"][0]
+    return Target(url, card["id"], card["max_model_len"], reply_s)
 
 
 def _long(path: str, context: int) -> dict:
@@ -51,13 +58,13 @@ def error_shaped(path: str, data: Any) -> bool:
     return data.get("type") == "error" if path.startswith(MESSAGES) else set(error) >= {"param", "code"}
 
 
-def run_attack(url: str, probes: Iterator[Probe], seconds: float, row) -> None:
+def run_attack(t: Target, probes: Iterator[Probe], seconds: float, row) -> None:
     deadline = time.monotonic() + seconds
-    with httpx.Client(timeout=REPLY_S) as client:
+    with httpx.Client(timeout=t.reply_s) as client:
         while time.monotonic() < deadline:
             probe = next(probes)
             row.sent += 1
-            judge(probe, _send(client, url, probe), row)
+            judge(probe, _send(client, t.url, probe), row)
 
 
 def _send(client: httpx.Client, url: str, probe: Probe) -> httpx.Response | None:
@@ -97,33 +104,35 @@ def _show(row, probe: Probe, what: str) -> None:
         print(f"{row.attack}: {probe.path} {body!r} -> {what}", file=sys.stderr)
 
 
-def answers_good_requests(url: str, model: str) -> str | None:
-    """None when every endpoint answers a small good request; else what went wrong."""
-    try:
-        with httpx.Client(timeout=REPLY_S) as client:
-            for path in PATHS:
-                reply = client.post(url + path, json=good(path, model))
-                if reply.status_code != 200:
-                    return f"{path}: {reply.status_code} {reply.text[:200]}"
-    except httpx.HTTPError as exc:
-        return f"{exc!r}"
-    return None
+def answers_good_requests(t: Target) -> str | None:
+    """None when every endpoint answers a small good request (sent together); else what went wrong."""
+    problems = asyncio.run(_good_replies(t))
+    return "; ".join(problems) or None
+
+
+async def _good_replies(t: Target) -> list[str]:
+    async with httpx.AsyncClient(timeout=t.reply_s) as client:
+        replies = await asyncio.gather(*(client.post(t.url + path, json=good(path, t.model)) for path in PATHS),
+                                       return_exceptions=True)
+    return [f"{path}: {r!r}" if isinstance(r, Exception) else f"{path}: {r.status_code} {r.text[:200]}"
+            for path, r in zip(PATHS, replies) if isinstance(r, Exception) or r.status_code != 200]
 
 
 # ==== clients that vanish ====
 
-def vanish(url: str, served: tuple[str, int], rng: random.Random, seconds: float, row) -> None:
+def vanish(t: Target, rng: random.Random, seconds: float, row) -> None:
     """Raw sockets that go away: after a few events of a stream, before the reply, mid-body."""
     deadline = time.monotonic() + seconds
-    host, port = urlsplit(url).hostname, urlsplit(url).port or 80
+    host, port = urlsplit(t.url).hostname, urlsplit(t.url).port or 80
     while time.monotonic() < deadline:
-        path, (model, context) = rng.choice(LONG_PATHS), served
+        path = rng.choice(LONG_PATHS)
         kind = rng.choice(["mid-stream", "before the reply", "mid-body"])
-        body = json.dumps(good(path, model, stream=kind == "mid-stream" or rng.random() < 0.5, **_long(path, context)))
+        stream = kind == "mid-stream" or rng.random() < 0.5
+        body = json.dumps(good(path, t.model, stream=stream, **_long(path, t.context)))
         head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         row.sent += 1
-        with socket.create_connection((host, port), timeout=REPLY_S) as sock:
+        with socket.create_connection((host, port), timeout=t.reply_s) as sock:
             if kind == "mid-body":
                 sock.sendall(head + body.encode()[:len(body) // 2])
             else:
@@ -157,17 +166,17 @@ def _read_events(sock: socket.socket, events: int, row) -> None:
 
 # ==== many clients ====
 
-async def load(url: str, model: str, clients: int, seconds: float, seed: int, row) -> None:
+async def load(t: Target, clients: int, seconds: float, seed: int, row) -> None:
     """Concurrent clients on every endpoint: whole replies, whole streams, streams left after one event."""
     deadline = time.monotonic() + seconds
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         while time.monotonic() < deadline:
-            await _one_request(client, url, _load_body(rng, model), rng, row)
+            await _one_request(client, t.url, _load_body(rng, t.model), rng, row)
 
     limits = httpx.Limits(max_connections=clients)
-    async with httpx.AsyncClient(timeout=REPLY_S, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=t.reply_s, limits=limits) as client:
         await asyncio.gather(*(one(client, i) for i in range(clients)))
 
 
@@ -205,29 +214,27 @@ async def _one_request(client: httpx.AsyncClient, url: str, request: tuple[str, 
 
 # ==== all of them ====
 
-def attack_all(url: str, health, make_row, rng: random.Random, share: float, clients: int, seed: int) -> list:
+def attack_all(t: Target, health, make_row, rng: random.Random, share: float, clients: int, seed: int) -> list:
     """Every attack for ``share`` seconds (the load for two), each followed by good requests."""
-    served = served_model(url)
-    model = served[0]
     rows = []
     for name, make in ATTACKS.items():
         rows.append(make_row(name))
-        run_attack(url, make(rng, model), share, rows[-1])
-        if not _alive(url, model, health, rows[-1]):
+        run_attack(t, make(rng, t.model), share, rows[-1])
+        if not _alive(t, health, rows[-1]):
             return rows
     rows.append(make_row("http vanishing clients"))
-    vanish(url, served, rng, share, rows[-1])
-    if _alive(url, model, health, rows[-1]):
+    vanish(t, rng, share, rows[-1])
+    if _alive(t, health, rows[-1]):
         rows.append(make_row(f"http load, {clients} clients"))
-        asyncio.run(load(url, model, clients, 2 * share, seed, rows[-1]))
-        _alive(url, model, health, rows[-1])
+        asyncio.run(load(t, clients, 2 * share, seed, rows[-1]))
+        _alive(t, health, rows[-1])
     return rows
 
 
-def _alive(url: str, model: str, health, row) -> bool:
+def _alive(t: Target, health, row) -> bool:
     if not health.check(row):
         return False
-    problem = answers_good_requests(url, model)
+    problem = answers_good_requests(t)
     if problem is not None:
         print(f"CRASH after {row.attack}: a good request got {problem}", file=sys.stderr)
         row.crashes += 1
