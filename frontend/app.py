@@ -20,6 +20,7 @@ import zmq.asyncio
 from frontend.client import API_KEY_ENV
 from frontend.generation_defaults import SamplingDefaults
 from frontend.http.context import HttpContext
+from frontend.http.harmony import encoding as harmony_encoding
 from frontend.http.server import HttpServer
 from frontend.launch import (SCHEDULER_CMD_ENV, SchedulerProcess, SchedulerStartError, engine_help,
                              scheduler_command, spawn_scheduler, wait_ready)
@@ -244,6 +245,8 @@ async def _serve(config: FrontendConfig, http: HttpServer | None, router: zmq.as
     print(f"frontend endpoint {router.getsockopt(zmq.LAST_ENDPOINT).decode()}\n"
           f"scheduler pid {scheduler.pid}", flush=True)
     if http is not None:
+        # gpt-oss: harmony's vocabulary loads for seconds, before the first request rather than in it
+        await asyncio.get_running_loop().run_in_executor(None, harmony_encoding.preload, frontend.tokenizer)
         http.ctx.frontend = frontend
         print(f"http endpoint {http.url}", flush=True)
     code = await frontend.serve()

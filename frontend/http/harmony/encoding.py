@@ -50,3 +50,9 @@ def encoding() -> HarmonyEncoding:
 def speaks_harmony(tokenizer: ChatTokenizer | None) -> bool:
     """Whether the model's vocabulary is o200k_harmony: its formatting tokens at harmony's ids."""
     return tokenizer is not None and all(tokenizer.tokenizer.token_to_id(t) == i for t, i in FORMATTING_IDS.items())
+
+
+def preload(tokenizer: ChatTokenizer) -> None:
+    """Load the encoding now if the model speaks harmony and the vocabulary is there."""
+    if speaks_harmony(tokenizer) and available():
+        encoding()

@@ -26,12 +26,22 @@ def check(body: ChatRequest) -> None:
     if body.chat_template_kwargs:
         raise ApiError(400, "chat_template_kwargs is not supported: gpt-oss's prompt is rendered by "
                        "openai-harmony, not by a chat template", param="chat_template_kwargs")
-    constrained = (body.tool_choice not in (None, "auto", "none"), "tool_choice"), (
-        (body.response_format or {}).get("type", "text") != "text", "response_format")
-    for refused, param in constrained:
-        if refused:
-            raise ApiError(400, f"{param} is not supported with gpt-oss's harmony format: constrained decoding "
-                           "would cut its reasoning (use tool_choice auto and no response_format)", param=param)
+    param = constrained(body)
+    if param is not None:
+        raise ApiError(400, f"{param} is not supported with gpt-oss's harmony format: constrained decoding "
+                       "would cut its reasoning or its calls' format", param=param)
+
+
+def constrained(body: ChatRequest) -> str | None:
+    """The field that asks for constrained output, if any."""
+    strict = [t.function.name for t in body.tools or [] if t.function.strict and body.tool_choice != "none"]
+    if body.tool_choice not in (None, "auto", "none"):
+        return "tool_choice"
+    if (body.response_format or {}).get("type", "text") != "text":
+        return "response_format"
+    if body.thinking_token_budget is not None:
+        return "thinking_token_budget"
+    return f"tools[{strict[0]!r}].strict" if strict else None
 
 
 def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: datetime.date | None = None) -> list[int]:

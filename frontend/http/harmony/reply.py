@@ -23,7 +23,7 @@ class HarmonyFormat(NamedTuple):
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """``<|call|>`` and ``<|return|>``: the reply ends at a call or at its final answer."""
-        return tuple(encoding().stop_tokens_for_assistant_actions())
+        return tuple(sorted(encoding().stop_tokens_for_assistant_actions()))  # the library: a set
 
     def parser(self, reasoning: bool = False, stream_arguments: bool = False) -> HarmonyParser:
         return HarmonyParser(reasoning, stream_arguments)

@@ -1,0 +1,256 @@
+"""gpt-oss's harmony format (frontend/http/harmony): prompts rendered as openai-harmony renders
+the same conversation; replies of known harmony tokens read into reasoning, content and calls by
+Chat, Responses and Messages (whole and streamed, in chunks of any size); and a tool round trip
+through each API served by the real scheduler, on a tiny gpt-oss of o200k_harmony's vocabulary
+whose greedy reply is a call (tests/tiny_harmony.py)."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+
+import anthropic
+import msgspec
+import openai
+import pytest
+
+from frontend.api.replies import Chunk, Usage
+from frontend.http import chat, messages_reply, responses_api, responses_reply
+from frontend.http import responses as r
+from frontend.http.errors import ApiError
+from frontend.http.harmony import encoding as harmony_encoding
+from frontend.http.harmony import render
+from frontend.http.harmony.reply import HarmonyFormat
+from frontend.http.parsers import CallArguments, CallStart, ParsedCall, Reasoning
+from frontend.http.schemas import ChatRequest
+
+pytestmark = pytest.mark.skipif(not harmony_encoding.available(), reason="no o200k_base.tiktoken: run "
+                                "python scripts/fetch_o200k.py (scripts/setup_env.sh does)")
+
+TODAY = datetime.date(2026, 12, 2)
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                         "parameters": PARAMETERS}}
+ARGS = '{"city": "Paris"}'
+CALL = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{ARGS}<|call|>"
+# what gpt-oss writes after "<|start|>assistant": reasoning, a preamble to the user, a call
+REPLY = ("<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+         "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant" + CALL)
+
+
+def harmony():
+    return harmony_encoding.encoding()
+
+
+def ids_of(text: str) -> list[int]:
+    return harmony().encode(text, allowed_special="all")
+
+
+def chat_body(**fields) -> ChatRequest:
+    return msgspec.convert({"model": "m", **fields}, ChatRequest)
+
+
+# ==== rendering ====
+
+def test_rendering_is_the_librarys_own_rendering_of_the_conversation():
+    from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role,
+                                SystemContent, ToolDescription)
+
+    body = chat_body(reasoning_effort="high", tools=[TOOL], messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning_content": "Need the weather.", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'}])
+    system = SystemContent.new().with_reasoning_effort(ReasoningEffort.HIGH).with_conversation_start_date("2026-12-02")
+    developer = DeveloperContent.new().with_instructions("Be brief.").with_function_tools(
+        [ToolDescription.new("get_weather", "the weather in a city", parameters=PARAMETERS)])
+    expected = Conversation.from_messages([
+        Message.from_role_and_content(Role.SYSTEM, system), Message.from_role_and_content(Role.DEVELOPER, developer),
+        Message.from_role_and_content(Role.USER, "Weather in Paris?"),
+        Message.from_role_and_content(Role.ASSISTANT, "Need the weather.").with_channel("analysis"),
+        Message.from_role_and_content(Role.ASSISTANT, ARGS).with_channel("commentary")
+        .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+        Message.from_author_and_content(Author.new(Role.TOOL, "functions.get_weather"), '{"temp": 20}')
+        .with_channel("commentary").with_recipient("assistant")])
+    ids = render.prompt_ids(body, [TOOL], TODAY)
+    assert ids == harmony().render_conversation_for_completion(expected, Role.ASSISTANT)
+    text = harmony().decode(ids)
+    assert "Reasoning: high" in text and "type get_weather = (_: {\ncity?: string,\n}) => any;" in text
+    assert text.endswith('<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+                         '{"temp": 20}<|end|><|start|>assistant')
+
+
+def test_a_past_answer_is_final_and_its_reasoning_is_dropped():
+    body = chat_body(messages=[{"role": "user", "content": "Hi"},
+                               {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+                               {"role": "user", "content": [{"type": "text", "text": "Bye"}]}])
+    text = harmony().decode(render.prompt_ids(body, None, TODAY))
+    assert "Reasoning: medium" in text and "<|start|>developer" not in text and "Greet back." not in text
+    assert text.endswith("<|start|>assistant<|channel|>final<|message|>Hello!<|end|>"
+                         "<|start|>user<|message|>Bye<|end|><|start|>assistant")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"reasoning_effort": "none"}, "reasoning_effort"),
+    ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"tools": [{**TOOL, "function": {**TOOL["function"], "strict": True}}]}, "tools['get_weather'].strict"),
+])
+def test_what_harmony_cannot_honour_is_refused_by_name(fields, param):
+    body = chat_body(messages=[{"role": "user", "content": "x"}], **fields)
+    with pytest.raises(ApiError) as err:
+        render.prompt_ids(body, body.tools and [msgspec.to_builtins(t) for t in body.tools], TODAY)
+    assert err.value.status == 400 and err.value.param == param and "\n" not in str(err.value)
+
+
+# ==== reading replies ====
+
+@pytest.mark.parametrize("size", [1, 3, 50])
+def test_a_reply_streamed_in_pieces_of_any_size_gives_the_same_events(size):
+    ids = ids_of(REPLY)
+    parser = HarmonyFormat(None).parser(reasoning=True, stream_arguments=True)
+    events = [e for i in range(0, len(ids), size) for e in parser.feed("", ids[i:i + size])] + parser.flush()
+    assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "The user wants the weather."
+    assert "".join(e for e in events if isinstance(e, str)) == "Checking."
+    assert [e for e in events if isinstance(e, CallStart)] == [CallStart(0, "get_weather")]
+    assert "".join(e.text for e in events if isinstance(e, CallArguments)) == ARGS
+    assert events[-1] == ParsedCall("get_weather", ARGS) and parser.calls == 1
+
+
+def test_a_final_answer_and_a_reply_off_the_format():
+    reply = HarmonyFormat(None).whole("", ids_of("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
+                                                 "<|channel|>final<|message|>It is 20 degrees.<|return|>"))
+    assert (reply.content, reply.calls, reply.reasoning) == ("It is 20 degrees.", [], "Easy.")
+    assert HarmonyFormat(None).whole("", ids_of("just words")).content == "just words"  # no header: content
+    assert HarmonyFormat(None).stop_token_ids == (200002, 200012)  # <|return|>, <|call|>
+
+
+class Replayed:
+    """A Session that replays a reply's tokens in chunks of ``size`` (the default: one chunk, as a
+    request that does not stream gets)."""
+
+    def __init__(self, text: str, size: int = 1 << 20, reason: str = "stop") -> None:
+        ids = ids_of(text)
+        pieces = [ids[i:i + size] for i in range(0, len(ids), size)]
+        usage = Usage(prompt_tokens=10, completion_tokens=len(ids), cached_prompt_tokens=0)
+        self._chunks = [Chunk(rid="x", text=harmony().decode(p), token_ids=p) for p in pieces[:-1]]
+        self._chunks.append(Chunk(rid="x", text=harmony().decode(pieces[-1]), token_ids=pieces[-1],
+                                  finish_reason=reason, usage=usage))
+
+    async def chunks(self):
+        for chunk in self._chunks:
+            yield chunk
+
+
+async def collect(events) -> list[dict]:
+    """An SSE stream's JSON payloads."""
+    out = []
+    async for event in events:
+        out += [json.loads(line[6:]) for line in event.decode().splitlines() if line.startswith("data: {")]
+    return out
+
+
+def test_chat_reads_reasoning_a_preamble_and_a_call_whole_and_streamed():
+    ids = r.ResponseIds.new("chatcmpl", "m")
+    whole = asyncio.run(chat.whole(Replayed(REPLY), ids, HarmonyFormat(None)))
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == ("The user wants the weather.", "Checking.")
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", ARGS)]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    chunks = asyncio.run(collect(chat.stream(Replayed(REPLY, 3), ids, HarmonyFormat(None), False)))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message.reasoning_content
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(c["function"]["arguments"] for c in calls) == ARGS
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_responses_and_messages_read_the_same_reply():
+    body = msgspec.convert({"model": "m", "input": "Weather in Paris?"}, responses_api.ResponsesRequest)
+    response = asyncio.run(responses_reply.whole(Replayed(REPLY), responses_api.frame(body), HarmonyFormat(None),
+                                                 _tokenizer()))
+    output = msgspec.to_builtins(response)["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message", "function_call"]
+    assert (output[2]["name"], output[2]["arguments"]) == ("get_weather", ARGS)
+    streamed = asyncio.run(collect(responses_reply.stream(Replayed(REPLY, 1), responses_api.frame(body),
+                                                          HarmonyFormat(None), _tokenizer())))
+    assert streamed[-1]["type"] == "response.completed"
+    assert [i["type"] for i in streamed[-1]["response"]["output"]] == ["reasoning", "message", "function_call"]
+    message = asyncio.run(messages_reply.whole(Replayed(REPLY), messages_reply.new_message("m", 10),
+                                               HarmonyFormat(None)))
+    blocks = msgspec.to_builtins(message)["content"]
+    assert [(b["type"], b.get("text") or b.get("input")) for b in blocks] == [
+        ("text", "Checking."), ("tool_use", {"city": "Paris"})]
+    assert message.stop_reason == "tool_use"
+
+
+def _tokenizer():
+    """Responses counts reasoning tokens with the model's tokenizer: o200k_harmony's."""
+    from tokenizers import Tokenizer
+
+    from frontend.tokenizer import ChatTokenizer
+    from tests.tiny_harmony import harmony_tokenizer_json
+
+    return ChatTokenizer(Tokenizer.from_str(harmony_tokenizer_json()))
+
+
+# ==== served: the tiny chained gpt-oss ====
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tests.test_serving import start, stop
+    from tests.tiny_harmony import write_chained_gpt_oss
+
+    model = tmp_path_factory.mktemp("gpt-oss-harmony")
+    write_chained_gpt_oss(model, [ids_of("assistant")[0], *ids_of(CALL)])  # after "<|start|>assistant": the call
+    server = start(tmp_path_factory.mktemp("srv"), model, "--served-model-name", "tiny")
+    url = server.proc.stdout.readline().split()[-1]
+    yield url
+    assert stop(server) == 0, server.log.read_text()[-3000:]
+
+
+def test_a_tool_round_trip_through_chat_completions(served):
+    client = openai.OpenAI(base_url=served + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    first = client.chat.completions.create(model="tiny", messages=ask, tools=[TOOL], temperature=0, max_tokens=40)
+    (call,) = first.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments, first.choices[0].finish_reason) == (
+        "get_weather", ARGS, "tool_calls")
+    assert first.usage.completion_tokens == len(ids_of(CALL))  # <|call|>, the request's stop id, ended it
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'}
+    streamed = list(client.chat.completions.create(model="tiny", messages=[*ask, first.choices[0].message, result],
+                                                   tools=[TOOL], temperature=0, max_tokens=40, stream=True))
+    calls = [c for chunk in streamed for c in chunk.choices[0].delta.tool_calls or []]
+    assert calls[0].function.name == "get_weather" and "".join(c.function.arguments for c in calls) == ARGS
+
+
+def test_a_tool_round_trip_through_responses_and_messages(served):
+    """The call, then the conversation with its result, rendered and served (a few tokens: the
+    chat test above reads a whole second reply)."""
+    client = openai.OpenAI(base_url=served + "/v1", api_key="none", max_retries=0, timeout=120)
+    tool = {"type": "function", "name": "get_weather", "parameters": PARAMETERS, "strict": False}
+    first = client.responses.create(model="tiny", input="Weather in Paris?", tools=[tool], temperature=0)
+    (call,) = [i for i in first.output if i.type == "function_call"]
+    assert (call.name, call.arguments) == ("get_weather", ARGS)
+    items = [{"role": "user", "content": "Weather in Paris?"}, call,
+             {"type": "function_call_output", "call_id": call.call_id, "output": "20"}]
+    second = client.responses.create(model="tiny", input=items, tools=[tool], max_output_tokens=2)
+    assert second.status == "incomplete" and second.usage.input_tokens > first.usage.input_tokens
+    claude = anthropic.Anthropic(base_url=served, api_key="none", max_retries=0, timeout=120)
+    weather = {"name": "get_weather", "input_schema": PARAMETERS}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = claude.messages.create(model="tiny", max_tokens=40, messages=ask, tools=[weather])
+    (use,) = reply.content
+    assert (use.type, use.name, use.input, reply.stop_reason) == ("tool_use", "get_weather", {"city": "Paris"},
+                                                                  "tool_use")
+    turn = [*ask, {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                     "input": use.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "20"}]}]
+    again = claude.messages.create(model="tiny", max_tokens=2, messages=turn, tools=[weather])
+    counted = claude.messages.count_tokens(model="tiny", messages=turn, tools=[weather])
+    read = again.usage.cache_read_input_tokens or 0  # Anthropic's input_tokens leave cache reads out
+    assert again.stop_reason == "max_tokens" and again.usage.input_tokens + read == counted.input_tokens
+    assert counted.input_tokens > reply.usage.input_tokens
