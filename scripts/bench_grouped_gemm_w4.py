@@ -16,7 +16,7 @@ HBM bound = bytes of the experts the routing touches (weights in their format, p
 rows assume twice that, unmeasured); ratio = max(bounds) / time (1 = at the bound). "vs bf16" and
 "vs fp8" are those rows' times over this row's (above 1: faster). ``--sweep`` times 4-bit prefill
 tiles (block_m, block_n, block_k, group_m, warps, stages) at the prefill sizes, ``--decode-sweep``
-the decode tiles (``W4DecodeConfig`` fields changed from the defaults) at the decode sizes.
+the decode tiles (``W4_DECODE_TILES`` fields changed) at the decode sizes.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from moe_offload.grouped import ExpertScales, fp8_activations_for, grouped_swigl
 from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, default_config,  # noqa: E402
                                                  fused_grouped_swiglu_w4, grouped_swiglu_w4)
-from moe_offload.kernels.grouped_gemm_w4_decode import W4DecodeConfig, decode_grouped_swiglu_w4  # noqa: E402
+from moe_offload.kernels.grouped_gemm_w4_decode import W4_DECODE_TILES, decode_grouped_swiglu_w4  # noqa: E402
 from report_table import print_sweep  # noqa: E402  (beside this script)
 
 HBM_BYTES_PER_S = 4.3e12
@@ -151,7 +151,7 @@ def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tup
     hidden, weights, slots = routing(num_tokens, geo)
     rows = []
     for change in DECODE_SWEEP:
-        config = W4DecodeConfig(**change)
+        config = W4_DECODE_TILES._replace(**change)
         time = time_us(lambda: decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": f"{fmt}-decode", "tokens": num_tokens, "config": change,
                      "default": not change, "time_us": time})
@@ -216,7 +216,7 @@ def main() -> int:
     print_rows(rows)
     if sweeps:
         print_sweep(sweeps, "4-bit tile sweep (prefill: block_m, block_n, block_k, group_m, warps, stages; "
-                            "decode: W4DecodeConfig changes)", SWEEP_KEYS, 44)
+                            "decode: W4_DECODE_TILES changes)", SWEEP_KEYS, 44)
     if args.json:
         Path(args.json).write_text(json.dumps({"geometries": GEOMETRIES, "rows": rows, "sweep": sweeps}, indent=2))
     return 0

@@ -100,7 +100,7 @@ def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_dev
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_parity_with_fills_interpreted(shape, block):
     run_trials(shape, block, torch.float32, "cpu", trials=INTERPRETED_TRIALS,
-               config=decode_fp8().DecodeFp8Config(**SMALL))
+               config=decode_fp8().FP8_DECODE_TILES._replace(**SMALL))
 
 
 @interpreted

@@ -252,7 +252,7 @@ def test_prefill_matches_twin_interpreted(fmt, case):
 def test_decode_matches_twin_interpreted(fmt, case):
     """3 configs x 20 trials: one token (the per-pair gate_up), up to DECODE_MAX_TOKENS (the
     per-token down) and more (the per-slot down)."""
-    config = decode().W4DecodeConfig(**DECODE_TILES[case])
+    config = decode().W4_DECODE_TILES._replace(**DECODE_TILES[case])
     banks = random_banks(*CPU_SHAPES[fmt][case], fmt, seed=case + 10, gain=3.0)
     check_trials("decode", banks, fmt, config, trials=TRIALS, token_counts=[1, 3, 6, 1, 4],
                  top_ks=[4, 3, 2, 2], dtypes=CPU_DTYPES, seed=case + 10, gpt_oss_every=3)
@@ -383,7 +383,7 @@ def test_tiles_must_fit_the_group_and_the_dot():
                                               config=kernels().BlockConfig(*tiles))
     with pytest.raises(ValueError, match="group"):
         decode().decode_grouped_swiglu_w4(hidden, weights, slots, *random_banks(3, 64, 32, "mxfp4"), fmt="mxfp4",
-                                          config=decode().W4DecodeConfig(gate_up_k=48))
+                                          config=decode().W4_DECODE_TILES._replace(gate_up_k=48))
     with pytest.raises(ValueError, match="at most"):
         decode().decode_grouped_swiglu_w4(torch.randn(33, 64), torch.rand(33, 2), torch.zeros(33, 2, dtype=torch.long),
                                           *banks, fmt="nvfp4")
@@ -441,7 +441,7 @@ def test_cuda_explicit_tiles(fmt):
         check_trials("prefill", banks, fmt, kernels().BlockConfig(*tiles), trials=3, token_counts=[5, 300, 1024],
                      top_ks=[4], dtypes=[torch.bfloat16], device="cuda", seed=2)
     for tiles in W4_DECODE_SWEEP:
-        check_trials("decode", banks, fmt, decode().W4DecodeConfig(**tiles), trials=4, token_counts=[1, 3, 6, 8],
+        check_trials("decode", banks, fmt, decode().W4_DECODE_TILES._replace(**tiles), trials=4, token_counts=[1, 3, 6, 8],
                      top_ks=[8], dtypes=[torch.bfloat16], device="cuda", seed=3)
 
 

@@ -28,7 +28,10 @@ def pdl_kernels() -> dict[str, ast.FunctionDef]:
 
 
 def is_wait_block(stmt: ast.stmt) -> bool:
-    """``if PDL: tl.extra.cuda.gdc_wait(); tl.extra.cuda.gdc_launch_dependents()``."""
+    """``if PDL: tl.extra.cuda.gdc_wait(); tl.extra.cuda.gdc_launch_dependents()``, or the call
+    ``pdl_wait(PDL)`` (``kernels.decode_tiles``, itself such a block)."""
+    if isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "pdl_wait(PDL)":
+        return True
     if not (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "PDL"):
         return False
     calls = [ast.unparse(s) for s in stmt.body]
@@ -69,7 +72,8 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
     ("def gemv_kernel(x, PDL):\n    w_all = tl.load(x)\n    tl.store(x, w_all)\n    if PDL:\n"
      "        tl.extra.cuda.gdc_wait()\n        tl.extra.cuda.gdc_launch_dependents()\n",
      "tl.store(x, w_all) before the wait"),
-], ids=["load-first", "no-wait", "weights-first", "store-first"])
+    ("def k(x, PDL):\n    pdl_wait(PDL)\n    tl.store(x, 1)\n", None),
+], ids=["load-first", "no-wait", "weights-first", "store-first", "helper-wait"])
 def test_the_check_finds_early_accesses(source, problem):
     assert wait_problem(ast.parse(source).body[0]) == problem
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
-from moe_offload.kernels.grouped_gemm_w4_tiles import activate, bias_rows
+from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
 from moe_offload.kernels.triton_support import pdl_args
 
 
@@ -184,6 +184,21 @@ def _pair_tile(num_blocks, num_cols, total_ptr, sorted_pairs_ptr, slots_ptr, BLO
 
 
 @triton.jit
+def token_rows(pairs, num_pairs, top_k):
+    """Which of a tile's rows are pairs (the rest pad the block), and each row's token (0 for padding)."""
+    row_ok = pairs < num_pairs
+    return row_ok, tl.where(row_ok, pairs // top_k, 0).to(tl.int64)
+
+
+@triton.jit
+def store_weighted(out_ptr, acc, weights_ptr, pairs, pair_ok, cols, col_ok, hidden):
+    """``out[pair, cols] = acc * weight[pair]``, one output row a pair (``pairs [M]``, ``acc [M, N]``)."""
+    weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def swiglu_rows(a_ptrs, row_ok, g_ptrs, u_ptrs, col_ok, hidden, stride_xh, stride_wh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """silu(a . g) * (a . u) of ``BLOCK_M`` rows (``a_ptrs [M, 1]``, rows not ``row_ok`` read as 0)
@@ -239,17 +254,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, ids_ptr, act_ptr, sorted_pairs_ptr,
                                                        BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    row_ok = pairs < num_pairs
-    tokens = tl.where(row_ok, pairs // top_k, 0).to(tl.int64)
+    row_ok, tokens = token_rows(pairs, num_pairs, top_k)
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     acc_g, acc_u = gate_up_rows(x_ptr + tokens[:, None] * stride_xt, row_ok, g_ptrs, g_ptrs + inter * stride_wn,
                                 col_ok, hidden, stride_xh, stride_wh, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    if BIAS:
-        acc_g += bias_rows(b13_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :],
-                           num_bias, 2 * inter, BIAS)
-        acc_u += bias_rows(b13_ptr + inter, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :],
-                           col_ok[None, :], num_bias, 2 * inter, BIAS)
-    act = activate(acc_g, acc_u, GPT_OSS, LIMIT, ALPHA)
+    act = biased_activation(acc_g, acc_u, b13_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :],
+                            col_ok[None, :], num_bias, inter, BIAS, GPT_OSS, LIMIT, ALPHA)
     # Padding rows are stored too (as zeros) so the down GEMM reads no uninitialised memory.
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
@@ -274,10 +284,7 @@ def _down_kernel(act_ptr, w2_ptr, b2_ptr, ids_ptr, out_ptr, sorted_pairs_ptr, to
     if BIAS:
         acc += bias_rows(b2_ptr, ids_ptr, pairs[:, None], row_ok[:, None], cols[None, :], col_ok[None, :],
                          num_bias, hidden, BIAS)
-    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    acc = acc * weight[:, None]
-    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_weighted(out_ptr, acc, weights_ptr, pairs, row_ok, cols, col_ok, hidden)
 
 
 @triton.jit

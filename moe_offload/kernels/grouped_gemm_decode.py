@@ -44,9 +44,11 @@ import triton
 import triton.language as tl
 
 from moe_offload.slot_fill import SlotFill
-from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, sum_over_k
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs, row_step,
+                                              slot_program, tile_step, w2_copy_program)
+from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
-from moe_offload.kernels.grouped_gemm_w4_tiles import activate, bias_rows
+from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
 from moe_offload.kernels.triton_support import pdl_args
 
 # Batches of up to this many pairs take this path: every program scans all pairs' slots, and
@@ -62,7 +64,9 @@ class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
     columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
     down's columns and step, the per-token down's warps, one token's gate_up (columns, step,
-    warps), and a fill's copy step (columns) and w2 rows per copy program."""
+    warps), and a fill's copy step (columns) and w2 rows per copy program. The defaults are bf16's;
+    the fp8 and 4-bit decode paths run the same plan from their own (``FP8_DECODE_TILES``,
+    ``W4_DECODE_TILES``)."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
@@ -81,80 +85,6 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
-def _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P: tl.constexpr):
-    """This program's slot, which pairs are on it, their ranks among them and their count, and
-    whether the program skips (its pair is not the slot's first, or the slot is out of range)."""
-    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
-    ps = tl.arange(0, BLOCK_P)
-    on_slot = tl.load(slots_ptr + ps, mask=ps < num_pairs, other=-1).to(tl.int64) == slot
-    first = tl.min(tl.where(on_slot, ps, BLOCK_P), 0)
-    skip = (slot < 0) | (slot >= num_slots) | (first != tl.program_id(0))
-    ones = on_slot.to(tl.int32)
-    return slot, on_slot, tl.cumsum(ones, 0) - 1, tl.sum(ones, 0), skip
-
-
-@triton.jit
-def _round_pairs(on_slot, rank, count, r0, BLOCK_P: tl.constexpr):
-    """The pairs of ranks ``[r0, r0 + 16)`` on the slot (compacted into the 16 rows a tl.dot needs
-    at least) and which rows are live; a slot with more pairs takes several rounds."""
-    ps = tl.arange(0, BLOCK_P)
-    rs = r0 + tl.arange(0, 16)
-    pick = on_slot[None, :] & (rank[None, :] == rs[:, None])
-    return tl.sum(tl.where(pick, ps[None, :], 0), 1).to(tl.int64), rs < count
-
-
-@triton.jit
-def _copy_rows(src_rows, dst_rows, row_ok, row_len, BLOCK_C: tl.constexpr):
-    """Copy rows ``src_rows [R, 1] -> dst_rows [R, 1]`` (pointers to each row's start, ``row_len``
-    contiguous items), ``BLOCK_C`` columns a step: a step's loads are all in flight before its
-    stores, so a read over PCIe costs one round trip a step."""
-    for c0 in range(0, row_len, BLOCK_C):
-        cs = c0 + tl.arange(0, BLOCK_C)
-        ok = row_ok[:, None] & (cs < row_len)[None, :]
-        tl.store(dst_rows + cs[None, :], tl.load(src_rows + cs[None, :], mask=ok), mask=ok)
-
-
-@triton.jit
-def _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN: tl.constexpr):
-    """The host expert the lookup's plan (``plan_len`` rows) copies into ``slot``, or -1 (a hit: the
-    slot is current). Rows past the plan's count are -1 (``lookup_admit``), so no count is read."""
-    rows = tl.arange(0, PLAN)
-    dst = tl.load(plan_dst_ptr + rows, mask=rows < plan_len, other=-1).to(tl.int64)
-    src = tl.load(plan_src_ptr + rows, mask=rows < plan_len, other=-1).to(tl.int64)
-    return tl.max(tl.where((dst == slot) & (dst >= 0), src, -1), 0)
-
-
-@triton.jit
-def _fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, col0, inter, hidden, stride_hs,
-                   stride_ws, stride_wn, PLAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """If the lookup's plan fills ``slot``, copy gate and up rows ``[col0, col0 + BLOCK_N)`` (this
-    program's columns) of its host expert into the slot, then a barrier: the program's reads of the
-    slot come after every one of its threads' stores. A hit's program only reads the plan."""
-    src = _planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
-    if src >= 0:
-        r = tl.arange(0, 2 * BLOCK_N)
-        col = col0 + r % BLOCK_N
-        offs = (col + (r // BLOCK_N) * inter)[:, None].to(tl.int64) * stride_wn  # gate rows, then up rows
-        _copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden,
-                   BLOCK_C)
-        tl.debug_barrier()
-
-
-@triton.jit
-def _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, first, hidden, inter, stride_hs,
-                  stride_ws, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A copy program (``program_id(0) >= first``): rows ``[c * ROWS, (c + 1) * ROWS)`` of every
-    planned expert's w2 (``[hidden, inter]``, contiguous), ``c`` its rank among the copy programs."""
-    c = (tl.program_id(0) - first) * tl.num_programs(1) + tl.program_id(1)
-    rows = c * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None].to(tl.int64) * inter
-    for j in range(0, tl.load(count_ptr)):
-        src = tl.load(plan_src_ptr + j).to(tl.int64)
-        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
-        _copy_rows(host2_ptr + src * stride_hs + offs, w2_ptr + dst * stride_ws + offs, rows < hidden, inter, BLOCK_C)
-
-
-@triton.jit
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                            host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
@@ -167,34 +97,24 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
     (gpt-oss: each dot plus its bias row at the pair's expert id, the clamped activation).
 
     FILL: the lookup's planned experts are copied in as they are read (``SlotFill``)."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if FILL:
-        if tl.program_id(0) >= num_pairs:
-            _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, num_pairs, hidden, inter,
-                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
-            return
-    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
-    if skip:
+    pdl_wait(PDL)
+    if w2_copy_program(num_pairs, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, hidden, inter, stride_h2,
+                       stride_w2s, FILL, FILL_ROWS, FILL_K):
+        return
+    slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, inter, BLOCK_P, BLOCK_N)
+    if count == 0:
         return
     if FILL:
-        _fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
-                       inter, hidden, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
+        fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
+                      inter, hidden, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
     g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     for r0 in range(0, count, 16):
-        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         acc_g, acc_u = gate_up_rows(x_ptr + (pairs // top_k)[:, None] * stride_xt, live, g_ptrs,
                                     g_ptrs + inter * stride_wn, col_ok, hidden, stride_xh, stride_wh, 16, BLOCK_N,
                                     BLOCK_K, PRECISION)
-        if BIAS:
-            acc_g += bias_rows(b13_ptr, ids_ptr, pairs[:, None], live[:, None], cols[None, :], col_ok[None, :],
-                               num_bias, 2 * inter, BIAS)
-            acc_u += bias_rows(b13_ptr + inter, ids_ptr, pairs[:, None], live[:, None], cols[None, :],
-                               col_ok[None, :], num_bias, 2 * inter, BIAS)
-        act = activate(acc_g, acc_u, GPT_OSS, LIMIT, ALPHA)
+        act = biased_activation(acc_g, acc_u, b13_ptr, ids_ptr, pairs[:, None], live[:, None], cols[None, :],
+                                col_ok[None, :], num_bias, inter, BIAS, GPT_OSS, LIMIT, ALPHA)
         tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
@@ -213,23 +133,17 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
     and ``inter``. FILL: the lookup's planned experts are copied in as they are read
     (``SlotFill``)."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if FILL:
-        if tl.program_id(0) >= TOP_K:
-            _fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, TOP_K, HIDDEN, inter,
-                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
-            return
-    pair = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + pair).to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
+    pdl_wait(PDL)
+    if w2_copy_program(TOP_K, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter, stride_h2,
+                       stride_w2s, FILL, FILL_ROWS, FILL_K):
+        return
+    pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    if skip:
         return
     if FILL:  # the row length as a runtime value (w13 is contiguous: stride_wn == HIDDEN), as measured
-        _fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
-                       inter, stride_wn, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
+        fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
+                      inter, stride_wn, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
+    cols, col_ok = column_tile(inter, BLOCK_N)
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     u_rows = g_rows + inter * stride_wn
     x_row = x_ptr + (pair // TOP_K) * HIDDEN
@@ -237,24 +151,12 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
         ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        if EVEN:
-            x = tl.load(x_row + ks)
-            g = tl.load(g_rows + ks[:, None] * stride_wh)
-            u = tl.load(u_rows + ks[:, None] * stride_wh)
-        else:
-            x = tl.load(x_row + ks, mask=ks < HIDDEN, other=0.0)
-            w_mask = (ks < HIDDEN)[:, None] & col_ok[None, :]
-            g = tl.load(g_rows + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-            u = tl.load(u_rows + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        x = x.to(tl.float32)[:, None]
-        acc_g += x * g.to(tl.float32)
-        acc_u += x * u.to(tl.float32)
-    gate, up = tl.sum(acc_g, 0), tl.sum(acc_u, 0)
-    if BIAS:  # the pair as a vector: bias_rows broadcasts ids against the columns
-        pair_v = pair + 0 * cols
-        gate += bias_rows(b13_ptr, ids_ptr, pair_v, col_ok, cols, col_ok, num_bias, 2 * inter, BIAS)
-        up += bias_rows(b13_ptr + inter, ids_ptr, pair_v, col_ok, cols, col_ok, num_bias, 2 * inter, BIAS)
-    act = activate(gate, up, GPT_OSS, LIMIT, ALPHA)
+        x = row_step(x_row, ks, HIDDEN, EVEN).to(tl.float32)[:, None]
+        acc_g += x * tile_step(g_rows, ks, col_ok, HIDDEN, stride_wh, EVEN).to(tl.float32)
+        acc_u += x * tile_step(u_rows, ks, col_ok, HIDDEN, stride_wh, EVEN).to(tl.float32)
+    # the pair as a vector: bias_rows broadcasts ids against the columns
+    act = biased_activation(tl.sum(acc_g, 0), tl.sum(acc_u, 0), b13_ptr, ids_ptr, pair + 0 * cols, col_ok, cols,
+                            col_ok, num_bias, inter, BIAS, GPT_OSS, LIMIT, ALPHA)
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -273,12 +175,9 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)`` reads
     slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the tiles
     divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    cols, col_ok = column_tile(hidden, BLOCK_N)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     biased = tl.zeros((BLOCK_N,), tl.float32)  # gpt-oss: sum_j weight_j b2[id_j]
     for j in tl.static_range(TOP_K):
@@ -292,14 +191,8 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
         a_row = act_ptr + (token * TOP_K + j) * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN:
-                a = tl.load(a_row + ks)
-                w = tl.load(w_row + ks[:, None] * stride_wi)
-            else:
-                a = tl.load(a_row + ks, mask=ks < INTER, other=0.0)
-                w = tl.load(w_row + ks[:, None] * stride_wi, mask=(ks < INTER)[:, None] & col_ok[None, :], other=0.0)
-            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
-            acc += a[:, None] * w.to(tl.float32)
+            a = tl.where(ok, row_step(a_row, ks, INTER, EVEN).to(tl.float32) * weight, 0.0)
+            acc += a[:, None] * tile_step(w_row, ks, col_ok, INTER, stride_wi, EVEN).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, (tl.sum(acc, 0) + biased).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -309,25 +202,17 @@ def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_p
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                              BIAS: tl.constexpr, PDL: tl.constexpr):
     """pair_out[p, h] = weight[p] * (act[p] . w2[s, h]) for every pair p on slot s."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
-    if skip:
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    pdl_wait(PDL)
+    slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, hidden, BLOCK_P, BLOCK_N)
     w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-    for r0 in range(0, count, 16):
-        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+    for r0 in range(0, count, 16):  # none unless this program runs its slot
+        pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         acc = down_rows(act_ptr + pairs[:, None] * inter, live[:, None], w_ptrs, col_ok, inter, stride_wi,
                         16, BLOCK_N, BLOCK_K, PRECISION)
         if BIAS:
             acc += bias_rows(b2_ptr, ids_ptr, pairs[:, None], live[:, None], cols[None, :], col_ok[None, :],
                              num_bias, hidden, BIAS)
-        weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
-        tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
-                 (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+        store_weighted(pair_out_ptr, acc, weights_ptr, pairs, live, cols, col_ok, hidden)
 
 
 def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,

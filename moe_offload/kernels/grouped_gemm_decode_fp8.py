@@ -20,31 +20,22 @@ columns), so a step reads half the bytes of bf16's.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.kernels.gather_missing import gather_missing
-from moe_offload.kernels.grouped_gemm_decode import _fill_w2_rows, _fill_w13_tile
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, row_step, tile_step,
+                                              w2_copy_program)
+from moe_offload.kernels.grouped_gemm_decode import DecodeConfig
 from moe_offload.kernels.triton_support import pdl_args
 from moe_offload.slot_fill import SlotFill
 
 
-class DecodeFp8Config(NamedTuple):
-    """Tile sizes: gate_up columns, k step and warps; down columns, k step and warps; a fill's copy
-    step (bytes) and w2 rows per copy program. The k steps shrink to a scale block's columns."""
-
-    pair_n: int = 16
-    pair_k: int = 128
-    pair_warps: int = 4
-    down_n: int = 16
-    down_k: int = 128
-    down_warps: int = 8
-    fill_k: int = 512
-    fill_rows: int = 16
+# The bf16 path's tiles but for the k steps (they shrink to a scale block's columns), the down's
+# warps and a fill's copy step (bytes).
+FP8_DECODE_TILES = DecodeConfig(pair_k=128, down_k=128, down_warps=8, fill_k=512)
 
 
 @triton.jit
@@ -65,43 +56,28 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
                              FILL_K: tl.constexpr, PDL: tl.constexpr):
     """Program (j, n): act[j, n] = silu(x . gate) * (x . up) for slot j's columns n, from e4m3
     weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if FILL:
-        if tl.program_id(0) >= TOP_K:
-            _fill_w2_rows(host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, TOP_K, HIDDEN, inter,
-                          stride_h2, stride_w2s, FILL_ROWS, FILL_K)
-            return
-    pair = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + pair).to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
+    pdl_wait(PDL)
+    if w2_copy_program(TOP_K, host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter,
+                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
+        return
+    pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    if skip:
         return
     if FILL:  # w13 rows are HIDDEN bytes long and contiguous
-        _fill_w13_tile(host13_ptr, w13_bytes_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot,
-                       tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13, stride_ws, HIDDEN, PLAN, BLOCK_N, FILL_K)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
+        fill_w13_tile(host13_ptr, w13_bytes_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot,
+                      tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13, stride_ws, HIDDEN, PLAN, BLOCK_N, FILL_K)
+    cols, col_ok = column_tile(inter, BLOCK_N)
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * HIDDEN
-    u_rows = g_rows + inter * HIDDEN
-    s_slot = s13_ptr + slot * stride_ss
+    s_slot, rows = s13_ptr + slot * stride_ss, tl.where(col_ok, cols, 0)
     acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
         ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        if EVEN:
-            x = tl.load(x_ptr + ks)
-            g = tl.load(g_rows + ks[:, None])
-            u = tl.load(u_rows + ks[:, None])
-        else:
-            x = tl.load(x_ptr + ks, mask=ks < HIDDEN, other=0.0)
-            w_mask = (ks < HIDDEN)[:, None] & col_ok[None, :]
-            g = tl.load(g_rows + ks[:, None], mask=w_mask, other=0.0)
-            u = tl.load(u_rows + ks[:, None], mask=w_mask, other=0.0)
-        rows = tl.where(col_ok, cols, 0)
+        x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)[:, None]
+        g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
+        u = tile_step(g_rows + inter * HIDDEN, ks, col_ok, HIDDEN, 1, EVEN)
         s_g = _scale_row(s_slot, rows, step * BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr)
         s_u = _scale_row(s_slot + up_scale_row * stride_sr, rows, step * BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr)
-        x = x.to(tl.float32)[:, None]
         acc_g += x * (g.to(tl.float32) * s_g[None, :])
         acc_u += x * (u.to(tl.float32) * s_u[None, :])
     gate = tl.sum(acc_g, 0)
@@ -116,11 +92,8 @@ def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, n
                      EVEN: tl.constexpr, PDL: tl.constexpr):
     """out[h] = sum_j (weight_j * act_j) . (w2[slot_j, h] x scale), one float32 accumulator; a
     slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never written)."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    pdl_wait(PDL)
+    cols, col_ok = column_tile(hidden, BLOCK_N)
     rows = tl.where(col_ok, cols, 0)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for j in tl.static_range(TOP_K):
@@ -131,12 +104,8 @@ def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, n
         w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN:
-                a = tl.load(act_ptr + j * INTER + ks)
-                w = tl.load(w_rows + ks[:, None])
-            else:
-                a = tl.load(act_ptr + j * INTER + ks, mask=ks < INTER, other=0.0)
-                w = tl.load(w_rows + ks[:, None], mask=(ks < INTER)[:, None] & col_ok[None, :], other=0.0)
+            a = row_step(act_ptr + j * INTER, ks, INTER, EVEN)
+            w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
             s = _scale_row(s2_ptr + slot * stride_ss, rows, step * BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr)
             a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
             acc += a[:, None] * (w.to(tl.float32) * s[None, :])
@@ -151,12 +120,12 @@ def supports(hidden: torch.Tensor, scales: ExpertScales | None, fp8_activations:
 
 
 def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
-                              w2: torch.Tensor, scales: ExpertScales, config: DecodeFp8Config | None = None,
+                              w2: torch.Tensor, scales: ExpertScales, config: DecodeConfig | None = None,
                               out_dtype: torch.dtype | None = None, fill: SlotFill | None = None) -> torch.Tensor:
     """``hidden [1, H]`` over fp8 ``w13 [N, 2I, H]``, ``w2 [N, H, I]`` and their ``scales`` (arguments
     checked by ``grouped_swiglu``) -> ``[1, H]`` in ``out_dtype`` (default hidden's). ``fill``: the
     planned experts' scales are gathered first, their weights copied in by the gate_up launch."""
-    cfg = config or DecodeFp8Config()
+    cfg = config or FP8_DECODE_TILES
     _check(hidden, w13, w2, scales, fill)
     out = torch.empty(1, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
     slots, weights = slots.contiguous(), weights.contiguous()
@@ -190,7 +159,7 @@ def _step(k: int, scale_cols: int) -> int:
     return k if scale_cols == 0 else min(k, scale_cols & -scale_cols)
 
 
-def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeFp8Config,
+def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
                grid_n: int) -> tuple[tuple, dict, int]:
     """As ``grouped_gemm_decode._fill_args``, over the banks' bytes."""
     w13_bytes, w2_bytes = w13.view(torch.uint8), w2.view(torch.uint8)
@@ -206,7 +175,7 @@ def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: 
 
 
 def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
-             cfg: DecodeFp8Config, fill: SlotFill | None) -> torch.Tensor:
+             cfg: DecodeConfig, fill: SlotFill | None) -> torch.Tensor:
     top_k, (num_slots, two_inter, dim) = slots.shape[1], w13.shape
     inter, block = two_inter // 2, scales.block
     act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
@@ -223,7 +192,7 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
 
 
 def _down(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
-          out: torch.Tensor, cfg: DecodeFp8Config) -> None:
+          out: torch.Tensor, cfg: DecodeConfig) -> None:
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
     block_k = _step(cfg.down_k, block.cols)

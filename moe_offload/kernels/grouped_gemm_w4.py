@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.grouped_gemm import Alignment, BlockConfig, _pair_tile, align_by_slot, pick_config, sum_over_k
+from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _pair_tile, align_by_slot, pick_config,
+                                              store_weighted, sum_over_k, token_rows)
 from moe_offload.kernels.grouped_gemm_w4_banks import (ACTIVATIONS, GROUP, W4Bank, activation_consts, bank_args,
                                                        check_w4_args, grouped_swiglu_w4_eager, kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_decode import DECODE_MAX_PAIRS, decode_grouped_swiglu_w4
@@ -64,8 +65,7 @@ def _gate_up_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, sort
                                                        BLOCK_M, BLOCK_N, GROUP_M)
     if done:
         return
-    row_ok = pairs < num_pairs
-    tokens = tl.where(row_ok, pairs // top_k, 0).to(tl.int64)
+    row_ok, tokens = token_rows(pairs, num_pairs, top_k)
     first = tl.load(sorted_pairs_ptr + tl.min(rows, 0))  # a live block's first row is a real pair
     act = swiglu_w4_rows(x_ptr + tokens * stride_xt, row_ok, first, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
                          c_ptr + slot * stride_cs, b_ptr, ids_ptr, cols, col_ok, hidden, inter, num_bias, stride_xh,
@@ -94,9 +94,7 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
     acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
     first = tl.load(sorted_pairs_ptr + tl.min(rows, 0))  # the block's pairs share its slot, so its bias id
     acc += bias_rows(b_ptr, ids_ptr, first, first >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b, BIAS)
-    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :],
-             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_weighted(out_ptr, acc, weights_ptr, pairs, row_ok, cols, col_ok, hidden)
 
 
 def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,

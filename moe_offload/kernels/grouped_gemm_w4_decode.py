@@ -22,42 +22,26 @@ so a decode step is CUDA-graph capturable. Misses are gathered into their slots 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.grouped_gemm import sum_over_k
-from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, _round_pairs, _slot_pairs
+from moe_offload.kernels.decode_tiles import column_tile, pair_slot, pdl_wait, round_pairs, slot_program
+from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
                                                        packed_tile, swiglu_w4_rows, w4_dot)
 from moe_offload.kernels.triton_support import pdl_args
 
-__all__ = ["DECODE_MAX_PAIRS", "W4DecodeConfig", "decode_grouped_swiglu_w4"]
+__all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4"]
 
 
-class W4DecodeConfig(NamedTuple):
-    """Tile sizes (reduction steps in weights, multiples of 32 so both formats' groups fit): the
-    per-slot gate_up's columns (each of gate and up) and step, the per-token down's columns and
-    step, warps and stages of the per-slot kernels, the per-slot down's columns and step, the
-    per-token down's warps, one token's gate_up (columns, step, warps). Unmeasured guesses:
-    ``scripts/bench_grouped_gemm_w4.py --decode-sweep``."""
-
-    gate_up_n: int = 32
-    gate_up_k: int = 128
-    down_n: int = 16
-    down_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    slot_down_n: int = 64
-    slot_down_k: int = 128
-    down_warps: int = 16
-    pair_n: int = 16
-    pair_k: int = 256
-    pair_warps: int = 4
+# The bf16 path's tiles but for the per-slot down's columns and one token's gate_up step (in
+# weights; every step a multiple of 32, so both formats' groups fit); the fill tiles go unused (misses
+# are gathered before). Unmeasured guesses: ``scripts/bench_grouped_gemm_w4.py --decode-sweep``.
+W4_DECODE_TILES = DecodeConfig(slot_down_n=64, pair_k=256)
 
 
 @triton.jit
@@ -84,15 +68,11 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, the reduction over
     ``HIDDEN`` unrolled at compile time (every step's loads issue ahead of their arithmetic); a slot
     outside ``[0, S)`` leaves its row unwritten."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    pair = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + pair).to(tl.int64)
-    if (slot < 0) | (slot >= num_slots):
+    pdl_wait(PDL)
+    pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    if skip:
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
+    cols, col_ok = column_tile(inter, BLOCK_N)
     q_slot, s_slot, live = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, slot >= 0
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
@@ -118,16 +98,10 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
                             PRECISION: tl.constexpr, PDL: tl.constexpr):
     """act[p, n] for every pair p on this program's slot, 16 pairs a round (one read of the slot's
     w13 tile for all of them when they fit one round)."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
-    if skip:
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    for r0 in range(0, count, 16):
-        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+    pdl_wait(PDL)
+    slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, inter, BLOCK_P, BLOCK_N)
+    for r0 in range(0, count, 16):  # none unless this program runs its slot
+        pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         act = swiglu_w4_rows(x_ptr + (pairs // top_k) * stride_xt, live, tl.program_id(0), q_ptr + slot * stride_qs,
                              s_ptr + slot * stride_ss, c_ptr + slot * stride_cs, b_ptr, ids_ptr, cols, col_ok, hidden,
                              inter, num_bias, stride_xh, stride_qn, stride_sn, stride_b, 16, BLOCK_N, BLOCK_K, GROUP,
@@ -145,12 +119,9 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h] + bias[id_j, h]), one fp32
     accumulator, both loops unrolled. A slot outside ``[0, S)`` reads slot 0 with its act row
     masked to zero (it was never written) and weighs 0."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    cols, col_ok = column_tile(hidden, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     bias = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
@@ -176,30 +147,22 @@ def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_p
                          GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
                          PRECISION: tl.constexpr, PDL: tl.constexpr):
     """pair_out[p, h] = weight[p] * (act[p] . w2[s, h] + bias[id_p, h]) for every pair p on slot s."""
-    if PDL:  # see triton_support.pdl_args
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    slot, on_slot, rank, count, skip = _slot_pairs(slots_ptr, num_pairs, num_slots, BLOCK_P)
-    if skip:
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    for r0 in range(0, count, 16):
-        pairs, live = _round_pairs(on_slot, rank, count, r0, BLOCK_P)
+    pdl_wait(PDL)
+    slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, hidden, BLOCK_P, BLOCK_N)
+    for r0 in range(0, count, 16):  # none unless this program runs its slot
+        pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         acc = w4_dot(act_ptr + pairs * inter, live, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols, col_ok,
                      inter, 1, stride_qn, stride_sn, 16, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
         acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
         acc += bias_rows(b_ptr, ids_ptr, tl.program_id(0), slot >= 0, cols[None, :], col_ok[None, :], num_bias,
                          stride_b, BIAS)
-        weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
-        tl.store(pair_out_ptr + pairs[:, None] * hidden + cols[None, :],
-                 (acc * weight[:, None]).to(pair_out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+        store_weighted(pair_out_ptr, acc, weights_ptr, pairs, live, cols, col_ok, hidden)
 
 
 def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                              w13_scale: torch.Tensor, w13_channel_scale: torch.Tensor | None, w2: torch.Tensor,
                              w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
-                             out_dtype: torch.dtype | None = None, config: W4DecodeConfig | None = None,
+                             out_dtype: torch.dtype | None = None, config: DecodeConfig | None = None,
                              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                              bias_ids: torch.Tensor | None = None, activation: str = "swiglu") -> torch.Tensor:
     """The decode path: ``[T, H]`` in ``out_dtype`` (default hidden's) for at most
@@ -211,7 +174,7 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     if num_tokens * top_k > DECODE_MAX_PAIRS:
         raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
                          f"got {num_tokens} x {top_k}")
-    cfg = config or W4DecodeConfig()
+    cfg = config or W4_DECODE_TILES
     _check_config(cfg, fmt)
     out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_tokens == 0:
@@ -227,7 +190,7 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     return out
 
 
-def _check_config(cfg: W4DecodeConfig, fmt: str) -> None:
+def _check_config(cfg: DecodeConfig, fmt: str) -> None:
     steps = (cfg.gate_up_k, cfg.down_k, cfg.slot_down_k, cfg.pair_k)
     if any(k % GROUP[fmt] or k < 32 or k & (k - 1) for k in steps) or min(cfg.gate_up_n, cfg.slot_down_n) < 16:
         raise ValueError(f"decode tiles {cfg}: reduction steps must be powers of two, multiples of {fmt}'s group "
@@ -238,7 +201,7 @@ def _block_p(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank, cfg: W4DecodeConfig,
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank, cfg: DecodeConfig,
              consts: dict, activation: str) -> torch.Tensor:
     """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
@@ -259,7 +222,7 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank:
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
-                    out: torch.Tensor, cfg: W4DecodeConfig, consts: dict) -> None:
+                    out: torch.Tensor, cfg: DecodeConfig, consts: dict) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim = bank.packed.shape[:2]
     (q, s, c, b), strides, bank_consts = bank_args(bank)
@@ -269,7 +232,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
-                   out: torch.Tensor, cfg: W4DecodeConfig, consts: dict) -> None:
+                   out: torch.Tensor, cfg: DecodeConfig, consts: dict) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim = bank.packed.shape[:2]
     num_pairs = num_tokens * top_k

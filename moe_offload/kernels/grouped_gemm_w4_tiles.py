@@ -145,6 +145,17 @@ def activate(gate, up, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.con
 
 
 @triton.jit
+def biased_activation(gate, up, b13_ptr, ids_ptr, pairs, pair_ok, cols, col_ok, num_bias, inter, BIAS: tl.constexpr,
+                      GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """A float gate_up's epilogue: with BIAS, each dot plus its bias row at the pair's expert id
+    (``b13 [E, 2I]``, the up half from column I), then ``activate``."""
+    if BIAS:
+        gate += bias_rows(b13_ptr, ids_ptr, pairs, pair_ok, cols, col_ok, num_bias, 2 * inter, BIAS)
+        up += bias_rows(b13_ptr + inter, ids_ptr, pairs, pair_ok, cols, col_ok, num_bias, 2 * inter, BIAS)
+    return activate(gate, up, GPT_OSS, LIMIT, ALPHA)
+
+
+@triton.jit
 def swiglu_w4_rows(a_ptrs, row_ok, bias_pair, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, cols, col_ok, hidden, inter,
                    num_bias, stride_ak, stride_qn, stride_sn, stride_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
