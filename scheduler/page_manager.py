@@ -81,13 +81,7 @@ class PageManager:
         if not req.preemptions:  # what a client is told: prompt tokens it did not pay for
             req.cached_tokens = req.prefilled
         req.kv_ready = self.tier.pending() if self.tier else None
-        if self.states is not None:
-            req.resume_from = prefix.node if req.prefilled else None
-            self.states.counters["state_recomputed_tokens"] += max(cached - req.prefilled, 0)
-        if self.windows is not None:
-            self.windows.resume(req, prefix.node, req.prefilled)
-            self.windows.counters["window_recomputed_tokens"] += max(cached - req.prefilled, 0)
-        self.radix.protected = None
+        self._resume_from(req, prefix, cached)
         self.counters["kv_prefix_tokens_gpu"] += match.num_pages * self.page_size
         self.counters["kv_prefix_tokens_host"] += (prefix.num_pages - match.num_pages) * self.page_size
         return True
@@ -193,6 +187,17 @@ class PageManager:
                 usable, node = depth, n
         self.radix.protected = node
         return usable, depth
+
+    def _resume_from(self, req: Request, prefix: PrefixMatch, cached: int) -> None:
+        """A hybrid model's linear layers resume from the snapshot at the prefix's end, gpt-oss's
+        sliding layers from the window there; the ``cached`` tokens past it are computed again."""
+        if self.states is not None:
+            req.resume_from = prefix.node if req.prefilled else None
+            self.states.counters["state_recomputed_tokens"] += max(cached - req.prefilled, 0)
+        if self.windows is not None:
+            self.windows.resume(req, prefix.node, req.prefilled)
+            self.windows.counters["window_recomputed_tokens"] += max(cached - req.prefilled, 0)
+        self.radix.protected = None
 
     def _place_snapshots(self, req: Request, tokens: list[int], cached: int) -> None:
         """Hang ``req``'s pending snapshots on the nodes that end at their positions."""

@@ -51,13 +51,12 @@ def _warm_runner(runner: ModelRunner) -> int:
     on_gpu = runner.device.type == "cuda"
     sizes = (runner.plan.prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
     pages = list(range(1, runner.kv_pool.num_pages))  # page 0 is the scratch page
-    windows = _window_ring(runner, len(pages))
     state = runner.state_pool.running_slot(0) if runner.state_pool is not None else -1  # hybrid models
     done = 0
     for n in sizes:
         if done + n + 2 > room:
             continue
-        runner.forward([_chunk(n, done, pages, runner.page_size, state, windows)], [GREEDY], [0])
+        runner.forward([_chunk(n, done, pages, runner.page_size, state)], [GREEDY], [0])
         done += n
     allow_all = torch.full((1, mask_words(runner.model_config.vocab_size)), -1, dtype=torch.int32,
                            device=runner.device)
@@ -70,20 +69,8 @@ def _warm_runner(runner: ModelRunner) -> int:
     return len(runner.graphs.captured)
 
 
-def _window_ring(runner: ModelRunner, num_pages: int) -> list[int] | None:
-    """gpt-oss's sliding layers: the sequence's pages as a ring over the window pool (which holds a
-    prefill chunk and a window); None without one."""
-    if runner.window_pool is None:
-        return None
-    ring = runner.window_pool.num_pages - 1
-    return [1 + i % ring for i in range(num_pages)]
-
-
-def _chunk(n: int, prefix: int, pages: list[int], page_size: int, state_slot: int,
-           windows: list[int] | None) -> SequenceChunk:
-    used = -(-(prefix + n) // page_size)
-    return SequenceChunk([1] * n, prefix, pages[:used], state_slot=state_slot,
-                         window_pages=windows[:used] if windows else None)
+def _chunk(n: int, prefix: int, pages: list[int], page_size: int, state_slot: int) -> SequenceChunk:
+    return SequenceChunk([1] * n, prefix, pages[:-(-(prefix + n) // page_size)], state_slot=state_slot)
 
 
 def _warm_kv_tier(engine: Engine) -> None:

@@ -10,6 +10,9 @@ import torch
 from scheduler.engine import Engine, EngineConfig
 from tests.test_engine import req, run
 from tests.tiny_gpt_oss import FULL, SLIDING, hf_logits, write_tiny_gpt_oss
+from worker.batch import SequenceChunk, build_batch, window_lists
+from worker.distributed import step_message
+from worker.distributed.step_message import RankSampling
 from worker.runner import ModelRunner, RunnerConfig
 
 WINDOW, PAGE, CHUNK, TOL = 128, 16, 256, 1e-4
@@ -23,21 +26,21 @@ def checkpoint(tmp_path_factory):
 
 
 def make_engine(model_dir: str, prefix_cache: bool = True, kv_host_size: float | None = None,
-                kv_tokens: int = 8192) -> Engine:
+                kv_tokens: int = 8192, running: int = 2) -> Engine:
     runner = ModelRunner(RunnerConfig(model_dir, device="cpu", dtype="float32", page_size=PAGE, kv_tokens=kv_tokens,
-                                      max_prefill_tokens=CHUNK, state_slots=2, kv_host_size=kv_host_size))
-    return Engine(runner, EngineConfig(max_running=2, prefix_cache=prefix_cache))
+                                      max_prefill_tokens=CHUNK, state_slots=running, kv_host_size=kv_host_size))
+    return Engine(runner, EngineConfig(max_running=running, prefix_cache=prefix_cache))
 
 
 def record_logits(engine: Engine) -> list[tuple[int, torch.Tensor]]:
     """(tokens in KV after the step, logits of its one sequence) of every step ``engine`` runs."""
-    seen, forward = [], engine.runner.forward
+    seen, forward = [], engine.runner.model.forward
 
-    def recorded(chunks, *args, **kw):
-        out = forward(chunks, *args, **kw)
-        seen.append((chunks[0].prefix_len + len(chunks[0].token_ids), out.logits[0].clone()))
-        return out
-    engine.runner.forward = recorded
+    def recorded(batch):
+        logits = forward(batch)
+        seen.append((batch.seq_lens_host[0], logits[0].clone()))
+        return logits
+    engine.runner.model.forward = recorded
     return seen
 
 
@@ -50,12 +53,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def session(engine: Engine, turns: int, seed: int, rid: str = "t"):
-    """Turns whose prompt is the last prompt, its reply and about 1k new tokens."""
+def session(engine: Engine, turns: int, seed: int, rid: str = "t", new: int = 1000):
+    """Turns whose prompt is the last prompt, its reply and ``new`` new tokens."""
     gen = torch.Generator().manual_seed(seed)
     history: list[int] = []
     for turn in range(turns):
-        history = history + torch.randint(0, 127, (1000,), generator=gen).tolist()
+        history = history + torch.randint(0, 127, (new,), generator=gen).tolist()
         before = dict(engine.stats())
         out = run(engine, [req(f"{rid}{turn}", history, max_tokens=24, ignore_eos=True)])[f"{rid}{turn}"][0]
         yield turn, list(history), out, before, engine.stats()
@@ -90,3 +93,51 @@ def test_a_4k_session_holds_window_pages_only(checkpoint):
     print(f"\n4k session: {len(prompt) + 24} tokens, window pool {stats['window_pages_total']} pages, "
           f"peak {stats['window_pages_peak']} window pages per request (ring {ring}), "
           f"{stats['window_pages_freed']} freed, {stats['window_prefix_tokens']} tokens resumed from windows")
+
+
+@pytest.mark.parametrize("tight", ["window pool", "KV pool"])
+def test_evicted_windows_and_host_restored_prefixes_stay_exact(checkpoint, tight):
+    """Three interleaved sessions. A window pool of one running ring and one cached window: the
+    others' windows are evicted and their turns compute their prefix again. A KV pool smaller than
+    the sessions: their full-layer pages go to the host tier and come back, and the turns resume
+    from the windows kept on the GPU. Every turn answers as a run without the prefix cache, with
+    every page accounted for after each step."""
+    model_dir, _ = checkpoint
+    small_kv = tight == "KV pool"
+    cached = make_engine(model_dir, kv_host_size=0.01 if small_kv else None, kv_tokens=768 if small_kv else 8192,
+                         running=2 if small_kv else 1)
+    scratch = make_engine(model_dir, prefix_cache=False, running=1)
+    seen, fresh = record_logits(cached), record_logits(scratch)
+    sessions = [session(cached, turns=2, seed=10 + s, rid=f"s{s}t", new=300) for s in range(3)]
+    for turn in range(2):
+        for s, turns in enumerate(sessions):
+            _, prompt, out, _, after = next(turns)
+            assert out == run(scratch, [req("x", prompt, max_tokens=24, ignore_eos=True)])["x"][0], (s, turn)
+            assert rel_err(sampled_logits(seen, len(prompt)), sampled_logits(fresh, len(prompt))) < TOL, (s, turn)
+            seen.clear()
+            fresh.clear()
+    if small_kv:
+        assert after["kv_host_pages_restored"] > 0 and after["window_prefix_tokens"] >= 3 * 320
+    else:
+        assert after["window_snapshots_evicted"] > 0 and after["window_recomputed_tokens"] > 0
+
+
+def test_folded_pages_of_direct_callers_must_not_overlap():
+    """A chunk without window pages has its pages folded into the window pool; two rows whose
+    folded pages meet are refused on the host."""
+    loc, table = window_lists([SequenceChunk([1] * 4, 0, [1, 2]), SequenceChunk([1] * 4, 0, [11, 12])], 4, 2, 9, 8)
+    assert table == [1, 2, 3, 4] and loc == [4, 5, 6, 7, 12, 13, 14, 15]
+    chunks = [SequenceChunk([1] * 4, 0, [1, 2]), SequenceChunk([1] * 4, 0, [9, 10])]
+    with pytest.raises(ValueError, match="overlap"):
+        build_batch(chunks, 4, torch.device("cpu"), window_pool_pages=9, window=8)
+    ok = [SequenceChunk([1] * 4, 0, [1, 2], window_pages=[3, 4]), SequenceChunk([1] * 4, 0, [9, 10])]
+    assert build_batch(ok, 4, torch.device("cpu"), window_pool_pages=9, window=8).window.page_table.tolist() == \
+        [[3, 4], [1, 2]]
+
+
+def test_step_message_carries_window_pages():
+    chunks = [SequenceChunk([5, 6], 3, [1, 2], 0, window_pages=[0, 7]), SequenceChunk([8], 0, [3], -1)]
+    sampling = [RankSampling(0.0, 0, 1.0, 0)] * 2
+    head, payload = step_message.encode(step_message.Step(chunks, sampling, [0, 1], 0))
+    got = step_message.decode(head.tolist(), payload)
+    assert [c.window_pages for c in got.chunks] == [[0, 7], None] and [c.pages for c in got.chunks] == [[1, 2], [3]]

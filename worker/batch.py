@@ -22,7 +22,7 @@ class SequenceChunk(NamedTuple):
     # state after the prefix, with prefix_len 0 the step clears it first
     state_slot: int = -1
     # gpt-oss with a window pool: the sliding layers' page table, position to page like ``pages``; pages
-    # wholly before the window are 0 (freed). None: ``pages`` (the caller's pages are low enough)
+    # wholly before the window are 0 (freed). None: ``pages`` folded into the window pool (``window_lists``)
     window_pages: list[int] | None = None
 
 
@@ -60,11 +60,12 @@ class ForwardBatch:
 
 def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.device,
                 token_buffer: torch.Tensor | None = None, pipeline_from: int | None = None,
-                window_pool_pages: int = 0) -> ForwardBatch:
+                window_pool_pages: int = 0, window: int = 0) -> ForwardBatch:
     """Chunks with a ``buffer_slot`` take their token from ``token_buffer`` on the device: the
     token sampled by the previous step, which the host has not read yet (overlap scheduling). A
     batch of ``pipeline_from`` tokens or more is ``pipelined`` (None: none is). With
-    ``window_pool_pages`` (the window pool's size) the batch carries the sliding layers' tables."""
+    ``window_pool_pages`` (the window pool's size) the batch carries the sliding layers' tables
+    (``window``: their keys per query)."""
     ids, pos, loc, last, table, lens, src = [], [], [], [], [], [], []
     for b, c in enumerate(chunks):
         n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
@@ -82,7 +83,7 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     max_pages = max(len(row) for row in table)  # only the pages that hold this step's tokens
     table = [row + [0] * (max_pages - len(row)) for row in table]
     states = _state_lists(chunks)
-    windows = window_lists(chunks, page_size, max_pages, window_pool_pages) if window_pool_pages else []
+    windows = window_lists(chunks, page_size, max_pages, window_pool_pages, window) if window_pool_pages else []
     packed = to_device([ids, pos, loc, last, sum(table, []), lens, src, *windows, *states], device)
     ids_t, pos_t, loc_t, last_t, table_t, lens_t, src_t = packed[:7]
     if token_buffer is not None:
@@ -97,20 +98,27 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     return batch
 
 
-def window_lists(chunks: list[SequenceChunk], page_size: int, width: int, pool_pages: int) -> list[list[int]]:
+def window_lists(chunks: list[SequenceChunk], page_size: int, width: int, pool_pages: int,
+                 window: int) -> list[list[int]]:
     """The sliding layers' slots of the new tokens and their page table ``[B * width]``, checked
-    on the host against the window pool's ``pool_pages``."""
-    loc, table = [], []
+    on the host against the window pool's ``pool_pages``. A chunk without ``window_pages`` (a
+    direct caller of the runner: benchmarks, tests) has its ``pages`` folded into the pool, where
+    the pages the step reads and writes must stay apart, in every such row."""
+    loc, table, folded = [], [], []
     for b, c in enumerate(chunks):
-        pages = c.pages if c.window_pages is None else c.window_pages
+        pages = c.window_pages if c.window_pages is not None else [1 + (p - 1) % (pool_pages - 1) for p in c.pages]
         seq_len = c.prefix_len + len(c.token_ids)
         row = pages[:-(-seq_len // page_size)]
-        new = row[c.prefix_len // page_size:]
-        if len(row) * page_size < seq_len or not all(0 < p < pool_pages for p in new) or max(row) >= pool_pages:
+        if len(row) * page_size < seq_len or not all(0 < p < pool_pages for p in row[c.prefix_len // page_size:]) \
+                or max(row) >= pool_pages:
             raise ValueError(f"sequence {b}: window pages {row} do not hold its {seq_len} tokens in a pool of "
                              f"{pool_pages} pages")
+        if c.window_pages is None:
+            folded += row[max(c.prefix_len - window + 1, 0) // page_size:]
         loc += [row[p // page_size] * page_size + p % page_size for p in range(c.prefix_len, seq_len)]
         table += row + [0] * (width - len(row))
+    if len(folded) != len(set(folded)):
+        raise ValueError(f"pages folded into the window pool of {pool_pages} overlap; give the chunks window_pages")
     return [loc, table]
 
 

@@ -261,7 +261,7 @@ class DecodeGraphs:
     def _window_rows(self, chunks: list[SequenceChunk], width: int, pad: int) -> list[int]:
         """The sliding layers' slots ``[bucket]`` (padding on the scratch slot) and page table
         ``[bucket, width]`` (padding duplicates row 0), checked against the window pool."""
-        loc, table = window_lists(chunks, self.page_size, width, self.window_pages)
+        loc, table = window_lists(chunks, self.page_size, width, self.window_pages, self.model.cfg.sliding_window)
         return loc + [0] * pad + table + table[:width] * pad
 
     def _mirror(self, token_buffer: torch.Tensor, reads: int) -> None:

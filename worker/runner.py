@@ -123,7 +123,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.supports(chunks):
             return LaunchedStep(graph=self.graphs.launch(chunks, sampling, steps, token_buffer, mask))
         batch = build_batch(chunks, self.page_size, self.device, token_buffer, self.pipeline_from,
-                            self.window_pool.num_pages if self.window_pool else 0)
+                            self.window_pool.num_pages if self.window_pool else 0, self.model_config.sliding_window)
         logits = self.model.forward(batch)
         tensors = SamplingTensors.build(sampling, steps, self.model_config.vocab_size, self.device, mask)
         return LaunchedStep(logits, tensors)

@@ -87,7 +87,8 @@ def decode(head: list[int], payload: torch.Tensor) -> Step:
         at += pages
     chunks = []
     for (_, prefix, _, slot, window), ids, table in zip(shapes, tokens, tables):
-        chunks.append(SequenceChunk(ids, prefix, table, slot, window_pages=None if window < 0 else flat[at:at + window]))
+        windows = None if window < 0 else flat[at:at + window]
+        chunks.append(SequenceChunk(ids, prefix, table, slot, window_pages=windows))
         at += max(window, 0)
     return Step(chunks, sampling, steps, buffer_len)
 
