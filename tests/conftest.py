@@ -44,3 +44,23 @@ def default_model_package():
 
     if importlib.util.find_spec(GGUF_PACKAGE) is None:
         pytest.skip(f"the default model's package ({GGUF_PACKAGE}) is not installed")
+
+
+@pytest.fixture
+def capture_graph():
+    """``graph, out = capture_graph(fn)``: ``fn()`` run once on a side stream (Triton compiles,
+    allocations settle) and then captured into a CUDA graph; ``out`` is what the captured call
+    returned, the buffers a replay rewrites."""
+
+    def capture(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+    return capture

@@ -204,21 +204,14 @@ def test_decode_step_without_sync():
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replay_with_changing_routing():
+def test_cuda_graph_replay_with_changing_routing(capture_graph):
     offloaded, resident = cuda_setup()
     layers, experts, hidden, tokens, top_k = 4, 16, 128, 8, 4
     x = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     weights = torch.full((layers, tokens, top_k), 1.0 / top_k, device="cuda")
     ids = torch.arange(top_k, device="cuda").repeat(layers, tokens, 1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for layer in range(layers):
-            offloaded.forward(layer, x, weights[layer], ids[layer])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [offloaded.forward(layer, x, weights[layer], ids[layer]) for layer in range(layers)]
+    graph, outs = capture_graph(lambda: [offloaded.forward(layer, x, weights[layer], ids[layer])
+                                         for layer in range(layers)])
     gen = torch.Generator().manual_seed(0)
     for _ in range(12):
         x.copy_(torch.randn(tokens, hidden, generator=gen).bfloat16())

@@ -217,18 +217,11 @@ def test_cuda_alignment_modes_agree(num_pairs, num_slots):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 64])
-def test_cuda_graph_replay_with_new_routing(num_tokens):
+def test_cuda_graph_replay_with_new_routing(num_tokens, capture_graph):
     w13, w2 = make_banks(64, 512, 256, torch.bfloat16, "cuda")
     hidden = torch.randn(num_tokens, 512, device="cuda").bfloat16()
     weights, slots = make_routing("random", num_tokens, 8, 64, "cuda", seed=0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        grouped_swiglu(hidden, weights, slots, w13, w2)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = grouped_swiglu(hidden, weights, slots, w13, w2)
+    graph, out = capture_graph(lambda: grouped_swiglu(hidden, weights, slots, w13, w2))
     for seed, case in enumerate(["random", "one_slot", "duplicates", "zero_weights"], start=1):
         new_weights, new_slots = make_routing(case, num_tokens, 8, 64, "cuda", seed)
         hidden.copy_(torch.randn_like(hidden))

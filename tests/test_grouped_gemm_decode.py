@@ -252,19 +252,12 @@ def test_fill_from_pinned_host_banks_sync_free(shape):
 
 
 @pytest.mark.cuda
-def test_decode_path_graph_replay_with_new_routing():
+def test_decode_path_graph_replay_with_new_routing(capture_graph):
     w13, w2 = make_banks(64, 512, 256, torch.bfloat16, "cuda")
     hidden = torch.randn(2, 512, device="cuda").bfloat16()
     weights, slots = make_routing("random", 2, 8, 64, "cuda", seed=0)
     run = decode().decode_grouped_swiglu
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run(hidden, weights, slots, w13, w2)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(hidden, weights, slots, w13, w2)
+    graph, out = capture_graph(lambda: run(hidden, weights, slots, w13, w2))
     for seed in range(1, 4):
         new_weights, new_slots = make_routing("duplicates" if seed % 2 else "random", 2, 8, 64, "cuda", seed)
         weights.copy_(new_weights)

@@ -321,19 +321,12 @@ def test_cuda_out_of_range_slots_contribute_zero():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 64])
-def test_cuda_graph_replay_with_new_routing(num_tokens):
+def test_cuda_graph_replay_with_new_routing(num_tokens, capture_graph):
     q13, q2, scales = make_fp8_banks(64, 512, 256, BLOCK_128, "cuda")
     gen = torch.Generator().manual_seed(0)
     weights, slots = make_routing(gen, num_tokens, 8, 64, "cuda")
     hidden = torch.randn(num_tokens, 512, device="cuda").bfloat16()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales)
+    graph, out = capture_graph(lambda: grouped_swiglu(hidden, weights, slots, q13, q2, scales=scales))
     for _ in range(4):
         new_weights, new_slots = make_routing(gen, num_tokens, 8, 64, "cuda")
         hidden.copy_(torch.randn_like(hidden))

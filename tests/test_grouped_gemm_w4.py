@@ -448,7 +448,7 @@ def test_cuda_explicit_tiles(fmt):
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 4, 8, 64])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cuda_graph_replay_with_new_routing(fmt, num_tokens):
+def test_cuda_graph_replay_with_new_routing(fmt, num_tokens, capture_graph):
     """The op captured once (decode sizes and a prefill-sized batch), replayed with new hidden,
     weights and slots written into the captured tensors."""
     banks = random_banks(64, 512, 256, fmt, "cuda")
@@ -457,18 +457,7 @@ def test_cuda_graph_replay_with_new_routing(fmt, num_tokens):
     expert_of_slot = torch.randperm(64 + 3, generator=gen)[:64].cuda()
     extras = make_extras(gen, banks, slots, with_bias=True, gpt_oss=True, expert_of_slot=expert_of_slot)
     hidden = torch.randn(num_tokens, 512, device="cuda").bfloat16()
-
-    def call():
-        return run_op("public", hidden, weights, slots, banks, fmt, extras)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(lambda: run_op("public", hidden, weights, slots, banks, fmt, extras))
     for _ in range(4):
         new_weights, new_slots = make_routing(gen, num_tokens, 8, 64, "cuda")
         hidden.copy_(torch.randn_like(hidden) * 3)

@@ -147,19 +147,16 @@ def test_kernels_match_the_cuda_twin_on_many_tokens():
 
 
 @pytest.mark.cuda
-def test_route_and_guess_replay_from_a_cuda_graph():
+def test_route_and_guess_replay_from_a_cuda_graph(capture_graph):
     router = SyntheticRouter(48, 128, 8, "cuda", seed=2)
     twin = SyntheticRouter(48, 128, 8, "cpu", seed=2)
     static = to(random_keys(4, seed=0), "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        router.guess(slice(None), static, router.route(slice(None), static)[1])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # a host read inside would fail the capture
+
+    def route_and_guess():  # a host read inside would fail the capture
         weights, ids = router.route(slice(None), static)
-        guesses = router.guess(slice(None), static, ids)
+        return weights, ids, router.guess(slice(None), static, ids)
+
+    graph, (weights, ids, guesses) = capture_graph(route_and_guess)
     for step in range(1, 20):
         keys = random_keys(4, seed=step)
         torch.cuda.set_sync_debug_mode("error")
