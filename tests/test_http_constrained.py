@@ -173,3 +173,18 @@ def test_bad_grammars_from_a_zmq_client_are_errors_and_serving_goes_on(server, o
             next(s)  # left after its first chunk: the request is aborted (the module's end checks the pages)
     reply = oai.chat.completions.create(model=NAME, messages=ASK, max_tokens=4)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_strict_tool_left_to_choose_runs_under_its_lazy_grammar(oai, server):
+    """tool_choice auto with a strict tool: the lazy grammar (free text until the model opens a
+    call, then the call by its schema) compiles against the real tokenizer and serves; the model
+    rarely calls unforced, so what it accepts is tests/test_constrain.py's. Thinking on a model that
+    does not reason is refused."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    reply = oai.chat.completions.create(model=NAME, messages=ASK, tools=[strict], temperature=0, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for call in reply.choices[0].message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
+    claude = anthropic.Anthropic(base_url=server[1], api_key="none", max_retries=0, timeout=WAIT_S)
+    with pytest.raises(anthropic.BadRequestError, match="has no reasoning"):
+        claude.messages.create(model=NAME, max_tokens=64, messages=ASK, thinking={"type": "adaptive"})

@@ -59,6 +59,9 @@ def test_reasoning_is_a_thinking_block_before_the_text(claude, server):
     assert [b.type for b in _create(claude, thinking={"type": "enabled", "budget_tokens": 300}).content] == [
         "thinking", "text"]
     assert _last_grammar(server) is None  # a budget at max_tokens needs no grammar
+    counted = claude.messages.count_tokens(model="fake", messages=ASK, thinking={"type": "adaptive"}).input_tokens
+    assert counted == reply.usage.input_tokens + reply.usage.cache_read_input_tokens  # the same prompt
+    assert counted != claude.messages.count_tokens(model="fake", messages=ASK).input_tokens  # thinking off
 
 
 def test_streamed_thinking_in_the_documented_order(claude):
