@@ -119,6 +119,11 @@ def test_strict_tools_are_held_by_a_grammar_forced_or_not(claude, server):
     assert _last_grammar(server).startswith('start: "<tool_call>\\n" %json')
     _create(claude, tools=[WEATHER])
     assert _last_grammar(server) is None
+    function = {"name": "get_weather", "parameters": WEATHER["input_schema"], "strict": True}
+    for path, body in (("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": function}]}),
+                       ("/v1/responses", {"input": "hi", "tools": [{"type": "function", **function}]})):
+        assert httpx.post(server[0] + path, json={"model": "fake", **body}, timeout=WAIT_S).status_code == 200
+        assert "call_head[lazy]" in _last_grammar(server), path  # the same grammar in Chat and Responses
 
 
 REFUSALS = [
