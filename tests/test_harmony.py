@@ -104,6 +104,13 @@ def test_what_harmony_cannot_honour_is_refused_by_name(fields, param):
     assert err.value.status == 400 and err.value.param == param and "\n" not in str(err.value)
 
 
+def test_without_the_vocabulary_file_a_request_is_refused_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv(harmony_encoding.VARIABLE, str(tmp_path))
+    with pytest.raises(ApiError) as err:
+        harmony_encoding.encoding.__wrapped__()  # the loader itself, past the cache of the loaded encoding
+    assert err.value.status == 503 and "scripts/fetch_o200k.py" in str(err.value) and "\n" not in str(err.value)
+
+
 # ==== reading replies ====
 
 @pytest.mark.parametrize("size", [1, 3, 50])

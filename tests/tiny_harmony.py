@@ -56,7 +56,7 @@ def write_chained_gpt_oss(path: Path, chain: list[int], hidden: int = 32) -> Non
     ``chain[i]`` is ``chain[i + 1]`` (written with a small vocabulary, then widened: transformers
     takes long to build a 201k-row model)."""
     assert len(chain) <= hidden and len(set(chain)) == len(chain), "chain tokens are distinct, at most hidden"
-    write_tiny_gpt_oss(path, layer_types=(SLIDING, FULL), hidden=hidden, vocab=128, yarn=False)
+    write_tiny_gpt_oss(path, layer_types=(SLIDING, FULL), hidden=hidden, vocab=128, experts=4, top_k=2, yarn=False)
     state = load_file(path / "model.safetensors")
     for name in state:
         if name.endswith(("o_proj.weight", "o_proj.bias", "down_proj", "down_proj_bias")):
