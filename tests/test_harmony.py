@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not harmony_encoding.available(), reason="no o20
 
 TODAY = datetime.date(2026, 12, 2)
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = HarmonyFormat({"get_weather": PARAMETERS})  # the reply to a request with this tool
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": PARAMETERS}}
 ARGS = '{"city": "Paris"}'
@@ -116,7 +117,7 @@ def test_without_the_vocabulary_file_a_request_is_refused_in_one_line(monkeypatc
 @pytest.mark.parametrize("size", [1, 3, 50])
 def test_a_reply_streamed_in_pieces_of_any_size_gives_the_same_events(size):
     ids = ids_of(REPLY)
-    parser = HarmonyFormat(None).parser(reasoning=True, stream_arguments=True)
+    parser = TOOLS.parser(reasoning=True, stream_arguments=True)
     events = [e for i in range(0, len(ids), size) for e in parser.feed("", ids[i:i + size])] + parser.flush()
     assert "".join(e.text for e in events if isinstance(e, Reasoning)) == "The user wants the weather."
     assert "".join(e for e in events if isinstance(e, str)) == "Checking."
@@ -130,6 +131,7 @@ def test_a_final_answer_and_a_reply_off_the_format():
                                                  "<|channel|>final<|message|>It is 20 degrees.<|return|>"))
     assert (reply.content, reply.calls, reply.reasoning) == ("It is 20 degrees.", [], "Easy.")
     assert HarmonyFormat(None).whole("", ids_of("just words")).content == "just words"  # no header: content
+    assert HarmonyFormat(None).whole("", ids_of(CALL)) == (ARGS, [], None)  # no tools given: no calls read
     assert HarmonyFormat(None).stop_token_ids == (200002, 200012)  # <|return|>, <|call|>
 
 
@@ -160,12 +162,12 @@ async def collect(events) -> list[dict]:
 
 def test_chat_reads_reasoning_a_preamble_and_a_call_whole_and_streamed():
     ids = r.ResponseIds.new("chatcmpl", "m")
-    whole = asyncio.run(chat.whole(Replayed(REPLY), ids, HarmonyFormat(None)))
+    whole = asyncio.run(chat.whole(Replayed(REPLY), ids, TOOLS))
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == ("The user wants the weather.", "Checking.")
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", ARGS)]
     assert whole.choices[0].finish_reason == "tool_calls"
-    chunks = asyncio.run(collect(chat.stream(Replayed(REPLY, 3), ids, HarmonyFormat(None), False)))
+    chunks = asyncio.run(collect(chat.stream(Replayed(REPLY, 3), ids, TOOLS, False)))
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message.reasoning_content
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
@@ -177,17 +179,17 @@ def test_chat_reads_reasoning_a_preamble_and_a_call_whole_and_streamed():
 
 def test_responses_and_messages_read_the_same_reply():
     body = msgspec.convert({"model": "m", "input": "Weather in Paris?"}, responses_api.ResponsesRequest)
-    response = asyncio.run(responses_reply.whole(Replayed(REPLY), responses_api.frame(body), HarmonyFormat(None),
+    response = asyncio.run(responses_reply.whole(Replayed(REPLY), responses_api.frame(body), TOOLS,
                                                  _tokenizer()))
     output = msgspec.to_builtins(response)["output"]
     assert [item["type"] for item in output] == ["reasoning", "message", "function_call"]
     assert (output[2]["name"], output[2]["arguments"]) == ("get_weather", ARGS)
     streamed = asyncio.run(collect(responses_reply.stream(Replayed(REPLY, 1), responses_api.frame(body),
-                                                          HarmonyFormat(None), _tokenizer())))
+                                                          TOOLS, _tokenizer())))
     assert streamed[-1]["type"] == "response.completed"
     assert [i["type"] for i in streamed[-1]["response"]["output"]] == ["reasoning", "message", "function_call"]
     message = asyncio.run(messages_reply.whole(Replayed(REPLY), messages_reply.new_message("m", 10),
-                                               HarmonyFormat(None)))
+                                               TOOLS))
     blocks = msgspec.to_builtins(message)["content"]
     assert [(b["type"], b.get("text") or b.get("input")) for b in blocks] == [
         ("text", "Checking."), ("tool_use", {"city": "Paris"})]

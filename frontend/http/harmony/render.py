@@ -10,6 +10,9 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from openai_harmony import Author, Conversation, DeveloperContent, Message as HarmonyMessage
+from openai_harmony import ReasoningEffort, Role, SystemContent, ToolDescription
+
 from frontend.http.errors import ApiError
 from frontend.http.harmony.encoding import encoding
 from frontend.http.schemas import ChatRequest, Message
@@ -46,8 +49,6 @@ def constrained(body: ChatRequest) -> str | None:
 
 def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: datetime.date | None = None) -> list[int]:
     """The request's conversation rendered for the assistant's next message."""
-    from openai_harmony import Conversation, Role
-
     check(body)
     if not body.messages:
         raise ApiError(400, "messages is empty", param="messages")
@@ -64,16 +65,12 @@ def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: dat
     return encoding().render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
 
 
-def system_message(effort: str, today: datetime.date):
-    from openai_harmony import Message as HarmonyMessage, ReasoningEffort, Role, SystemContent
-
+def system_message(effort: str, today: datetime.date) -> HarmonyMessage:
     content = SystemContent.new().with_reasoning_effort(ReasoningEffort(effort.capitalize()))
     return HarmonyMessage.from_role_and_content(Role.SYSTEM, content.with_conversation_start_date(today.isoformat()))
 
 
-def developer_message(instructions: str, tools: list[dict[str, Any]] | None):
-    from openai_harmony import DeveloperContent, Message as HarmonyMessage, Role, ToolDescription
-
+def developer_message(instructions: str, tools: list[dict[str, Any]] | None) -> HarmonyMessage:
     content = DeveloperContent.new()
     if instructions:
         content = content.with_instructions(instructions)
@@ -84,10 +81,8 @@ def developer_message(instructions: str, tools: list[dict[str, Any]] | None):
     return HarmonyMessage.from_role_and_content(Role.DEVELOPER, content)
 
 
-def conversation_messages(m: Message, call_names: dict[str, str]) -> list:
+def conversation_messages(m: Message, call_names: dict[str, str]) -> list[HarmonyMessage]:
     """One Chat message as harmony messages (an assistant turn may be several)."""
-    from openai_harmony import Author, DeveloperContent, Message as HarmonyMessage, Role
-
     if m.role in ("system", "developer"):  # past the lead: instructions where they were given
         content = DeveloperContent.new().with_instructions(text_of(m))
         return [HarmonyMessage.from_role_and_content(Role.DEVELOPER, content)]
@@ -104,10 +99,8 @@ def conversation_messages(m: Message, call_names: dict[str, str]) -> list:
     return assistant_messages(m)
 
 
-def assistant_messages(m: Message) -> list:
+def assistant_messages(m: Message) -> list[HarmonyMessage]:
     """Reasoning, then text (a preamble on the commentary channel when calls follow), then calls."""
-    from openai_harmony import Message as HarmonyMessage, Role
-
     def said(text: str, channel: str) -> HarmonyMessage:
         return HarmonyMessage.from_role_and_content(Role.ASSISTANT, text).with_channel(channel)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from openai_harmony import Role, StreamableParser
+
 from frontend.http.harmony.encoding import encoding
 from frontend.http.parsers.events import CallArguments, CallStart, Event, ParsedCall, Reasoning
 from frontend.http.parsers.reply import Reply, Shaping, reply_of
@@ -18,7 +20,7 @@ FUNCTIONS = "functions."
 class HarmonyFormat(NamedTuple):
     """How the reply to one request reads; in place of ``parsers.ReplyFormat``."""
 
-    schemas: Mapping[str, Any] | None  # the tools' schemas by name (unused: harmony names its calls)
+    schemas: Mapping[str, Any] | None  # the tools' schemas by name; None: no tools, no calls parsed
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -26,7 +28,7 @@ class HarmonyFormat(NamedTuple):
         return tuple(sorted(encoding().stop_tokens_for_assistant_actions()))  # the library: a set
 
     def parser(self, reasoning: bool = False, stream_arguments: bool = False) -> HarmonyParser:
-        return HarmonyParser(reasoning, stream_arguments)
+        return HarmonyParser(reasoning, stream_arguments, calls=self.schemas is not None)
 
     def whole(self, text: str, ids: Sequence[int] = ()) -> Reply:
         parser = self.parser(reasoning=True)
@@ -37,13 +39,12 @@ class HarmonyParser:
     """``feed`` each chunk's token ids (its text is not read) and ``flush`` at the end; the events
     are shaped as ``parsers.ReplyParser``'s are."""
 
-    def __init__(self, reasoning: bool = False, stream_arguments: bool = False) -> None:
-        from openai_harmony import Role, StreamableParser
-
+    def __init__(self, reasoning: bool = False, stream_arguments: bool = False, calls: bool = True) -> None:
         self._encoding = encoding()
         self._ends = frozenset(self._encoding.stop_tokens())
         self._parser: Any = StreamableParser(self._encoding, Role.ASSISTANT)
         self._shaped = Shaping(reasoning, stream_arguments)
+        self._reads_calls = calls  # else a message to a tool is content, as the text parsers do without tools
         self._messages = 0  # messages the parser has closed
         self._call: tuple[str, list[str]] | None = None  # the open call's name and argument pieces
         self._quiet: list[int] = []  # tokens since the last event (a header so far)
@@ -81,7 +82,7 @@ class HarmonyParser:
 
     def _delta(self, delta: str) -> list[Event]:
         recipient = self._parser.current_recipient
-        if recipient is not None and recipient != "assistant":
+        if self._reads_calls and recipient is not None and recipient != "assistant":
             if self._call is None:
                 self._call = (recipient.removeprefix(FUNCTIONS), [])
                 return [CallStart(self.calls, self._call[0]), self._argument(delta)]
@@ -101,7 +102,7 @@ class HarmonyParser:
         self._messages += len(closed)
         events: list[Event] = []
         for message in closed:
-            if message.recipient is not None and message.recipient != "assistant":
+            if self._reads_calls and message.recipient is not None and message.recipient != "assistant":
                 arguments = "".join(self._call[1]) if self._call is not None else ""
                 events.append(ParsedCall(message.recipient.removeprefix(FUNCTIONS), arguments or "{}"))
                 self._call, self.calls = None, self.calls + 1
