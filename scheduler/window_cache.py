@@ -48,7 +48,7 @@ class WindowCache:
         self.pool, self.window, self.page_size = pool, window, pool.page_size
         self.refs: dict[int, int] = {}  # window-pool page -> its holders
         self.holders: dict[int, _Node] = {}  # id(node) -> a node keeping a window
-        self.tables: dict[int, list[int]] = {}  # id(request) -> its table, while it holds pages
+        self.held: dict[int, int] = {}  # id(request) -> pages its table holds
         self.counters = dict(window_pages_freed=0, window_snapshots_taken=0, window_snapshots_evicted=0,
                              window_prefix_tokens=0, window_recomputed_tokens=0, window_pages_peak=0)
 
@@ -63,20 +63,22 @@ class WindowCache:
 
     def table(self, req: Request, start: int, end: int) -> list[int]:
         """``req``'s table for a step writing positions [start, end): pages wholly before
-        ``keep_from(start)`` go back to the pool, new ones cover ``end``."""
-        table = req.window_pages
-        for i in range(min(self.keep_from(start), len(table))):
-            if table[i]:
-                self._unref([table[i]])
-                table[i] = 0
-                self.counters["window_pages_freed"] += 1
+        ``keep_from(start)`` go back to the pool, new ones cover ``end``. The freed entries are a
+        prefix of the table, so the walk back from ``keep_from`` stops at the first one."""
+        table, held = req.window_pages, self.held.get(id(req), 0)
+        i = min(self.keep_from(start), len(table)) - 1
+        while i >= 0 and table[i]:
+            self._unref([table[i]])
+            table[i], i, held = 0, i - 1, held - 1
+            self.counters["window_pages_freed"] += 1
         need = -(-end // self.page_size) - len(table)
         if need > 0:
             new = self._allocate(need)
             self._ref(new)
             table += new
-        self.tables[id(req)] = table
-        self.counters["window_pages_peak"] = max(self.counters["window_pages_peak"], sum(1 for p in table if p))
+            held += need
+        self.held[id(req)] = held
+        self.counters["window_pages_peak"] = max(self.counters["window_pages_peak"], held)
         return table
 
     def resume(self, req: Request, node: _Node | None, prefilled: int) -> None:
@@ -89,13 +91,13 @@ class WindowCache:
         win.last_use = next(_clock)
         req.window_pages = [0] * win.first + list(win.pages)
         self._ref(win.pages)
-        self.tables[id(req)] = req.window_pages
+        self.held[id(req)] = len(win.pages)
         self.counters["window_prefix_tokens"] += prefilled
 
     def release(self, req: Request) -> None:
         self._unref([p for p in req.window_pages if p])
         req.window_pages = []
-        self.tables.pop(id(req), None)
+        self.held.pop(id(req), None)
 
     # ==== node windows ====
 
@@ -122,7 +124,7 @@ class WindowCache:
     # ==== accounting ====
 
     def stats(self) -> dict[str, int]:
-        running = sum(1 for t in self.tables.values() for p in t if p)
+        running = sum(self.held.values())
         return {**self.counters, "window_pages_total": self.pool.capacity, "window_pages_free": self.pool.num_free,
                 "window_pages_running": running, "window_snapshots": len(self.holders),
                 "window_ring_pages": -(-self.window // self.page_size) + 2}
@@ -136,6 +138,8 @@ class WindowCache:
                 if p:
                     held[p] = held.get(p, 0) + 1
         free = self.pool.free_pages()
+        if any(self.held.get(id(r), 0) != sum(1 for p in r.window_pages if p) for r in live):
+            raise AssertionError("a request's count of window pages disagrees with its table")
         if held != self.refs or free & set(held) or free | set(held) != set(range(1, self.pool.num_pages)):
             raise AssertionError(f"window page accounting broken: {len(held)} held, {len(self.refs)} counted, "
                                  f"{len(free)} free of {self.pool.capacity}")

@@ -125,12 +125,12 @@ def test_evicted_windows_and_host_restored_prefixes_stay_exact(checkpoint, tight
 def test_folded_pages_of_direct_callers_must_not_overlap():
     """A chunk without window pages has its pages folded into the window pool; two rows whose
     folded pages meet are refused on the host."""
-    loc, table = window_lists([SequenceChunk([1] * 4, 0, [1, 2]), SequenceChunk([1] * 4, 0, [11, 12])], 4, 2, 9, 8)
-    assert table == [1, 2, 3, 4] and loc == [4, 5, 6, 7, 12, 13, 14, 15]
-    chunks = [SequenceChunk([1] * 4, 0, [1, 2]), SequenceChunk([1] * 4, 0, [9, 10])]
+    loc, table = window_lists([SequenceChunk([1] * 8, 0, [1, 2]), SequenceChunk([1] * 8, 0, [11, 12])], 4, 2, 9, 8)
+    assert table == [1, 2, 3, 4] and loc == [*range(4, 12), *range(12, 20)]
+    chunks = [SequenceChunk([1] * 8, 0, [1, 2]), SequenceChunk([1] * 8, 0, [9, 10])]
     with pytest.raises(ValueError, match="overlap"):
         build_batch(chunks, 4, torch.device("cpu"), window_pool_pages=9, window=8)
-    ok = [SequenceChunk([1] * 4, 0, [1, 2], window_pages=[3, 4]), SequenceChunk([1] * 4, 0, [9, 10])]
+    ok = [SequenceChunk([1] * 8, 0, [1, 2], window_pages=[3, 4]), SequenceChunk([1] * 8, 0, [9, 10])]
     assert build_batch(ok, 4, torch.device("cpu"), window_pool_pages=9, window=8).window.page_table.tolist() == \
         [[3, 4], [1, 2]]
 
