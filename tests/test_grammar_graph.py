@@ -92,7 +92,7 @@ def test_captured_decode_graph_applies_the_mask_without_syncs(model_dir):
     prompts = [[(7 * b + i) % VOCAB for i in range(3 + 2 * b)] for b in range(5)]
     pages, tokens = prefill(graphed, prompts)
     graphed.graphs.capture_all()
-    graphed.graphs._mirror_mask(torch.zeros(70, graphed.graphs.mask.shape[1], dtype=torch.int32, device="cuda"))
+    graphed.graphs._fit_mask(torch.zeros(70, graphed.graphs.mask.shape[1], dtype=torch.int32, device="cuda"))
     graphed.graphs.capture_all()  # the grown buffer is the one the graphs read from now on
 
     def run(chunks, params, steps, mask):
@@ -103,4 +103,4 @@ def test_captured_decode_graph_applies_the_mask_without_syncs(model_dir):
             torch.cuda.set_sync_debug_mode("default")
 
     check_masked(decode_with_masks(run, (pages, tokens, [len(p) for p in prompts]), "cuda"))
-    assert all(c.graph is not None for c in graphed.graphs.captured.values())
+    assert all(c.forward is not None and c.sample is not None for c in graphed.graphs.captured.values())
