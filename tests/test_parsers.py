@@ -370,17 +370,19 @@ def test_harmless_fields_and_completions_refusals_through_the_client(oai):
         assert answer.status_code == 400 and name in answer.json()["error"]["message"]
 
 
-def test_messages_api_reads_xml_calls_and_leaves_reasoning_out(oai):
-    """Anthropic's Messages reads the same template's markup: the XML call is a tool_use block with
-    typed input, the reasoning is not text (thinking is not offered), the content is."""
+def test_messages_api_reads_xml_calls_and_thinking(oai):
+    """Anthropic's Messages reads the same template's markup: with thinking on (the generation
+    prompt opens ``<think>``), the reasoning is a thinking block, the content text, and the XML call
+    a tool_use block with typed input."""
     import anthropic
 
     claude = anthropic.Anthropic(base_url=str(oai.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0)
     tool = {"name": "get_weather", "input_schema": SCHEMAS["get_weather"]}
     ask = dict(model="fake", max_tokens=900, stop_sequences=["<tools>", "<think>"], tools=[tool],
-               messages=[{"role": "user", "content": ASK["messages"][0]["content"]}])
+               thinking={"type": "adaptive"}, messages=[{"role": "user", "content": ASK["messages"][0]["content"]}])
     reply = claude.messages.create(**ask)
-    text, call = reply.content
+    thinking, text, call = reply.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "plan")
     assert (text.type, text.text) == ("text", "Checking.")
     assert (call.type, call.name, call.input) == ("tool_use", "get_weather", WEATHER_ARGS)
     assert reply.stop_reason == "stop_sequence"  # the echo is cut by "<tools>"; a model's EOS gives tool_use
