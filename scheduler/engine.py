@@ -198,6 +198,33 @@ class Engine:
                 self.counters["cached_prompt_tokens"] += req.cached_tokens
 
     def _launch(self) -> _Launched | None:
+        reqs, chunks, params, steps, samples = self._plan()
+        if not chunks:
+            return self._launch_after_copies()
+        rows = [r.slot if s and r.grammar is not None else -1 for r, s in zip(reqs, samples)]
+        mask = TokenMask(self.mask.device_words, rows) if max(rows) >= 0 else None
+        step = self.runner.launch(chunks, params, steps, self.token_buffer, mask)
+        self.pages.launched()
+        if self.pages.states is not None:
+            self._take_snapshots(reqs, chunks)
+        if mask is not None:
+            self._read_masked()
+            self._fill_mask(reqs, rows)
+        out = self.runner.sample(step)
+        (slots,) = to_device([[r.slot for r in reqs]], self.device)
+        self.token_buffer.index_copy_(0, slots, out.next_tokens)
+        self.counters["steps"] += 1
+        if self.device.type != "cuda":  # a copy: a static decode step's outputs are views the next step overwrites
+            return _Launched(reqs, samples, out.next_tokens.clone(), None, mask is not None)
+        host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
+        host.copy_(out.next_tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Launched(reqs, samples, host, event, mask is not None)
+
+    def _plan(self) -> tuple[list[Request], list[SequenceChunk], list, list[int], list[bool]]:
+        """The step's requests, their chunks, sampling parameters, draw indices, and whether each
+        samples an output token (a prefill chunk before the prompt's end does not)."""
         chunks, params, steps, samples = [], [], [], []
         reqs = self._launching = []
         budget = self.prefill_tokens
@@ -223,28 +250,7 @@ class Engine:
             steps.append(req.launched_outputs)
             samples.append(req.prefill_done)
             req.launched_outputs += req.prefill_done
-        if not chunks:
-            return self._launch_after_copies()
-        rows = [r.slot if s and r.grammar is not None else -1 for r, s in zip(reqs, samples)]
-        mask = TokenMask(self.mask.device_words, rows) if max(rows) >= 0 else None
-        step = self.runner.launch(chunks, params, steps, self.token_buffer, mask)
-        self.pages.launched()
-        if self.pages.states is not None:
-            self._take_snapshots(reqs, chunks)
-        if mask is not None:
-            self._read_masked()
-            self._fill_mask(reqs, rows)
-        out = self.runner.sample(step)
-        (rows,) = to_device([[r.slot for r in reqs]], self.device)
-        self.token_buffer.index_copy_(0, rows, out.next_tokens)
-        self.counters["steps"] += 1
-        if self.device.type != "cuda":  # a copy: a static decode step's outputs are views the next step overwrites
-            return _Launched(reqs, samples, out.next_tokens.clone(), None, mask is not None)
-        host = torch.empty(len(reqs), dtype=torch.int64, pin_memory=True)
-        host.copy_(out.next_tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return _Launched(reqs, samples, host, event, mask is not None)
+        return reqs, chunks, params, steps, samples
 
     def _fill_mask(self, reqs: list[Request], rows: list[int]) -> None:
         """Fill the mask rows of the launched step's constrained requests from their grammars (the
