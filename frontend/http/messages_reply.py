@@ -181,11 +181,6 @@ async def stream(session: Session, message: o.MessageOut, reply: ReplyFormat,
     """The events (calls in the template's markup; reasoning as thinking blocks with thinking on,
     else left out); an error after the stream started is its ``error`` event."""
     builder, parser = MessageBuilder(message, True, thinking), reply.parser(reasoning=thinking is not None)
-    for e in builder.start():
+    async for e in session.events(builder.start(), lambda chunk: _feed(builder, parser, chunk),
+                                  lambda exc: [sse.typed_event("error", o.error(exc))]):
         yield e
-    try:
-        async for chunk in session.chunks():
-            for e in _feed(builder, parser, chunk):
-                yield e
-    except ApiError as exc:
-        yield sse.typed_event("error", o.error(exc))

@@ -206,12 +206,5 @@ async def stream(session: Session, frame: o.ResponseObject, reply: ReplyFormat,
     """The events; an error after the stream started is its ``response.failed``."""
     builder = ResponseBuilder(frame, streaming=True, count_tokens=_counter(tokenizer))
     parser = reply.parser(reasoning=True, stream_arguments=True)
-    for e in builder.start():
+    async for e in session.events(builder.start(), lambda chunk: _feed(builder, parser, chunk), builder.fail):
         yield e
-    try:
-        async for chunk in session.chunks():
-            for e in _feed(builder, parser, chunk):
-                yield e
-    except ApiError as exc:
-        for e in builder.fail(exc):
-            yield e

@@ -3,7 +3,7 @@ way out (finished, failed, or the HTTP client gone) close, which aborts whatever
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Iterable
 
 from frontend.api import replies, requests
 from frontend.http.errors import ApiError, from_reply
@@ -42,6 +42,20 @@ class Session:
                 yield reply
                 if reply.finish_reason is not None:
                     return
+
+    async def events(self, start: Iterable[bytes], feed: Callable[[replies.Chunk], Iterable[bytes]],
+                     fail: Callable[[ApiError], Iterable[bytes]]) -> AsyncIterator[bytes]:
+        """A stream's events: ``start``, then ``feed``'s for each chunk; an error after the stream
+        started ends it with ``fail``'s (its API's error event)."""
+        for e in start:
+            yield e
+        try:
+            async for chunk in self.chunks():
+                for e in feed(chunk):
+                    yield e
+        except ApiError as exc:
+            for e in fail(exc):
+                yield e
 
     async def stats(self) -> dict:
         while True:
