@@ -49,18 +49,18 @@ def test_the_clock_sees_every_decode_step_it_counts(tmp_path, monkeypatch, sampl
 
     write_tiny(tmp_path, "qwen3_moe", layers=1, experts=4, top_k=2)
     runner = ModelRunner(RunnerConfig(str(tmp_path), device="cpu", page_size=4, kv_tokens=256))
-    forward, timed = runner.forward, bench_decode.timed_steps
+    launch, timed = runner.launch, bench_decode.timed_steps  # the engine launches, then samples
     launched = []
 
-    def counting_forward(chunks, *args, **kwargs):
+    def counting_launch(chunks, *args, **kwargs):
         launched.append(len(chunks))
-        return forward(chunks, *args, **kwargs)
+        return launch(chunks, *args, **kwargs)
 
     def counting_timed_steps(*args):
         launched.clear()  # the prefill ran before the clock
         return timed(*args)
 
-    monkeypatch.setattr(runner, "forward", counting_forward)
+    monkeypatch.setattr(runner, "launch", counting_launch)
     monkeypatch.setattr(bench_decode, "timed_steps", counting_timed_steps)
     requests = []
     monkeypatch.setattr(bench_decode, "Request", lambda *a, **k: requests.append(Request(*a, **k)) or requests[-1])

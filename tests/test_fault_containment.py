@@ -29,16 +29,16 @@ def test_a_request_failing_in_preparation_fails_alone(model_dir):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(model_dir, overlap, monkeypatch):
     engine = make_engine(model_dir, overlap=overlap)
-    forward = engine.runner.forward
+    launch = engine.runner.launch  # the engine launches a step, then samples it
     calls = {"n": 0}
 
     def flaky(*args, **kw):
         calls["n"] += 1
         if calls["n"] == 3:  # a decode step of both requests, with the previous step in flight
             raise IndexError("a bug in a step")
-        return forward(*args, **kw)
+        return launch(*args, **kw)
 
-    monkeypatch.setattr(engine.runner, "forward", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
     first = [req("a", prompts(1, seed=5)[0], 20, ignore_eos=True), req("b", prompts(1, seed=6)[0], 20, ignore_eos=True)]
     results = run(engine, first)
     failed = engine.take_failures()
