@@ -23,7 +23,7 @@ from frontend.api.replies import Chunk
 from frontend.http import messages_objects as o
 from frontend.http import sse
 from frontend.http.errors import ApiError
-from frontend.http.session import Session
+from frontend.http.session import Session, stream_events
 from frontend.http.parsers import Reasoning, ReplyFormat, ReplyParser
 from frontend.http.tool_calls import CLOSE, OPEN, ParsedCall
 
@@ -181,6 +181,6 @@ async def stream(session: Session, message: o.MessageOut, reply: ReplyFormat,
     """The events (calls in the template's markup; reasoning as thinking blocks with thinking on,
     else left out); an error after the stream started is its ``error`` event."""
     builder, parser = MessageBuilder(message, True, thinking), reply.parser(reasoning=thinking is not None)
-    async for e in session.events(builder.start(), lambda chunk: _feed(builder, parser, chunk),
-                                  lambda exc: [sse.typed_event("error", o.error(exc))]):
+    async for e in stream_events(session, builder.start(), lambda chunk: _feed(builder, parser, chunk),
+                                 lambda exc: [sse.typed_event("error", o.error(exc))]):
         yield e

@@ -24,7 +24,7 @@ from frontend.http import sse
 from frontend.http.errors import ApiError
 from frontend.http.parsers import (CallArguments, CallStart, Event, ParsedCall, Reasoning, ReplyFormat,
                                    ReplyParser)
-from frontend.http.session import Session
+from frontend.http.session import Session, stream_events
 from frontend.tokenizer import ChatTokenizer
 
 
@@ -206,5 +206,6 @@ async def stream(session: Session, frame: o.ResponseObject, reply: ReplyFormat,
     """The events; an error after the stream started is its ``response.failed``."""
     builder = ResponseBuilder(frame, streaming=True, count_tokens=_counter(tokenizer))
     parser = reply.parser(reasoning=True, stream_arguments=True)
-    async for e in session.events(builder.start(), lambda chunk: _feed(builder, parser, chunk), builder.fail):
+    async for e in stream_events(session, builder.start(), lambda chunk: _feed(builder, parser, chunk),
+                                 builder.fail):
         yield e

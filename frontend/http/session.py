@@ -43,20 +43,6 @@ class Session:
                 if reply.finish_reason is not None:
                     return
 
-    async def events(self, start: Iterable[bytes], feed: Callable[[replies.Chunk], Iterable[bytes]],
-                     fail: Callable[[ApiError], Iterable[bytes]]) -> AsyncIterator[bytes]:
-        """A stream's events: ``start``, then ``feed``'s for each chunk; an error after the stream
-        started ends it with ``fail``'s (its API's error event)."""
-        for e in start:
-            yield e
-        try:
-            async for chunk in self.chunks():
-                for e in feed(chunk):
-                    yield e
-        except ApiError as exc:
-            for e in fail(exc):
-                yield e
-
     async def stats(self) -> dict:
         while True:
             reply = await self._next()
@@ -73,3 +59,18 @@ class Session:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+async def stream_events(session: Session, start: Iterable[bytes], feed: Callable[[replies.Chunk], Iterable[bytes]],
+                        fail: Callable[[ApiError], Iterable[bytes]]) -> AsyncIterator[bytes]:
+    """A stream's events: ``start``, then ``feed``'s for each of ``session``'s chunks; an error after
+    the stream started ends it with ``fail``'s (its API's error event)."""
+    for e in start:
+        yield e
+    try:
+        async for chunk in session.chunks():
+            for e in feed(chunk):
+                yield e
+    except ApiError as exc:
+        for e in fail(exc):
+            yield e
