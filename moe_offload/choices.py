@@ -15,7 +15,9 @@ INVALIDATE_MODES = ("fixed", "eager")
 # kernel won for 8k and 16k-token chunks without a prefix (0.913 vs 1.094 s, 0.998 vs 1.102 s: about
 # 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
 # (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
-STAGE_MODES = ("kernel", "memcpy", "auto")
+# "misses": the misses alone by the copy engine, hits read in place from their cache slots; the plan
+# stays on the device (a CUDA graph per layer of conditional copies, moe_offload.miss_copies).
+STAGE_MODES = ("kernel", "memcpy", "misses", "auto")
 # What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
 # (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
 # lent slots ranked offloaded.LENT_PENALTY_STEPS steps older than they are as victims, so that they

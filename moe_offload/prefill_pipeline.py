@@ -36,6 +36,7 @@ from moe_offload.expert_cache import ExpertCache
 from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import STAGE_FIELDS, share_count, stage_experts
+from moe_offload.miss_copies import MissCopies
 
 # half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
 AUTO_MEMCPY_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
@@ -148,7 +149,7 @@ class PrefillPipeline:
             raise ValueError("a quantized cache stages from host scales, a float one from none")
         self.stage = stage
         self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
-        self.chunks = {"kernel": 0, "memcpy": 0}  # chunks staged each way
+        self.chunks = dict.fromkeys(STAGE_MODES[:-1], 0)  # chunks staged each way
         self.cache = cache
         self.host_w13, self.host_w2 = host_w13, host_w2
         self.invalidate = invalidate
@@ -164,6 +165,7 @@ class PrefillPipeline:
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
+        self.misses = self._miss_copies(host_scales) if stage in ("misses", "auto") else None
         self._next_layer = 0
         self._begun = False
 
@@ -173,7 +175,7 @@ class PrefillPipeline:
         picks the stage mode under "auto"."""
         if self.stage == "auto":
             expert_bytes = self.cache.num_layers * self.count * self.cache.slot_bytes
-            self.chunk_stage = "memcpy" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
+            self.chunk_stage = "misses" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
         self._begin()
         self._begun = True
 
@@ -190,9 +192,14 @@ class PrefillPipeline:
         buf = layer % 2
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
-            out = grouped_swiglu(hidden, weights, self._buffer_slots(ids), self.buf_w13[buf], self.buf_w2[buf],
-                                 scales=self.gemm_scales[buf], out_dtype=out_dtype, activation=activation,
-                                 **bias_args(bias, ids))
+            if self.chunk_stage == "misses":  # hits in place in the cache, misses in the buffer
+                banks = (self.misses.slots(buf, self._buffer_slots(ids)), self.cache.w13, self.cache.w2,
+                         self.cache.scales)
+            else:
+                banks = (self._buffer_slots(ids), self.buf_w13[buf], self.buf_w2[buf], self.gemm_scales[buf])
+            slots, w13, w2, scales = banks
+            out = grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales, out_dtype=out_dtype,
+                                 activation=activation, **bias_args(bias, ids))
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
         self._begun = False
@@ -223,7 +230,9 @@ class PrefillPipeline:
                 invalidate_slots(buf * count, count, self.cache.tables, self.cache.backend)
             else:
                 invalidate_slots_eager(buf * count, count, self.cache.tables)
-            if self.chunk_stage == "memcpy":
+            if self.chunk_stage == "misses":
+                self.misses.stage(layer, self.staged)
+            elif self.chunk_stage == "memcpy":
                 # a share is strided in the host bank: then a copy kernel, not the copy engine, moves it
                 experts = slice(layer * num_experts + self.share.first, (layer + 1) * num_experts, self.share.stride)
                 self.buf_w13[buf].copy_(self.host_w13[experts], non_blocking=True)
@@ -238,6 +247,18 @@ class PrefillPipeline:
                               stride=self.share.stride)
         self.streams.record(f"ready{buf}", "copy")
 
+    def _miss_copies(self, host_scales: ExpertScales | None) -> MissCopies:
+        """The misses-only staging of this pipeline's share: on CUDA its copy graphs are captured on
+        the copy stream here, once."""
+        cache, share = self.cache, self.share
+        banks = [(self.host_w13, cache.w13), (self.host_w2, cache.w2)]
+        if host_scales is not None:
+            banks += list(zip(host_scales.tensors(), cache.scales.tensors()))
+        experts = torch.arange(share.first, cache.num_experts, share.stride)
+        stream = self.streams.copy if isinstance(self.streams, CudaStreams) else None
+        return MissCopies(cache.tables.slot_for_id, banks, cache.num_layers, cache.num_experts, experts, self.lent,
+                          stream)
+
     @staticmethod
     def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None, buf: int,
                      count: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -249,12 +270,15 @@ class PrefillPipeline:
 
     def reset_stats(self) -> None:
         self.staged.zero_()
+        if self.misses is not None:
+            self.misses.in_place.zero_()
         self.chunks = dict.fromkeys(self.chunks, 0)
 
     def stats(self) -> dict:
-        """Experts staged from the cache and from the host, and the PCIe bytes; reads the device,
-        so call it off the hot path."""
+        """Experts staged from the cache and from the host, hits read in place (``misses`` chunks),
+        the bytes moved, chunks per stage mode; reads the device, so call it off the hot path."""
         from_cache, from_host = (int(v) for v in self.staged.sum(0).tolist())
-        return {"from_cache": from_cache, "from_host": from_host, "bytes_h2d": from_host * self.cache.slot_bytes,
-                "bytes_d2d": from_cache * self.cache.slot_bytes, "chunks_kernel": self.chunks["kernel"],
-                "chunks_memcpy": self.chunks["memcpy"]}
+        in_place = 0 if self.misses is None else int(self.misses.in_place.sum())
+        return {"from_cache": from_cache, "from_host": from_host, "in_place": in_place,
+                "bytes_h2d": from_host * self.cache.slot_bytes, "bytes_d2d": from_cache * self.cache.slot_bytes,
+                **{f"chunks_{mode}": n for mode, n in self.chunks.items()}}

@@ -3,7 +3,7 @@ bytes over PCIe and HBM, and the ratio to the bound max(PCIe bytes / 55 GB/s, FL
 for each chunk size, cache fraction, invalidation mode, with and without a cached prefix.
 
     python scripts/bench_prefill.py [--model qwen3-30b-geometry | qwen3.5-35b-a3b-geometry] [--fractions 0.25 0.5]
-        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--auto]
+        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--misses] [--auto]
         [--expert-dtype bf16 fp8 nvfp4 mxfp4] [--json FILE] [--device cpu]
 
 Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
@@ -12,8 +12,9 @@ its experts reach the buffer device-to-device, the rest cross PCIe. With --prefi
 many tokens is prefilled once (untimed), then each timed chunk attends over it; a combination that
 does not fit in memory is reported as "oom". ``--attention torch`` times the reference attention
 backend instead of the paged Triton kernel. Rows "fixed"/"eager" stage through the kernel (hits on
-the GPU, misses over PCIe); "memcpy" moves whole layers by the copy engine; "auto" is what serving
-does (the choice per chunk, shown as auto-k / auto-m). First a short table compares the
+the GPU, misses over PCIe); "memcpy" moves whole layers by the copy engine; "misses" moves only the
+misses by the copy engine (a conditional copy per expert, hits read in place); "auto" is what
+serving does (the choice per chunk, shown as auto-k / auto-m for kernel / misses). First a short table compares the
 stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
 Each ``--expert-dtype`` gets its own runner and rows (fp8: the experts quantized 128x128, half the
 slot bytes, so the same fraction of experts takes half the cache memory); the PCIe bound counts
@@ -108,14 +109,16 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
 
 
 def hbm_bytes(runner: ModelRunner, staged: dict, tokens: int, prefix: int) -> float:
-    """Expert traffic (buffer writes, cache reads of hits, one GEMM read of each buffer), one read
-    of the KV the chunk attends over (full-attention layers only), and one read and write of the
-    sequence's recurrent state (hybrid models); activations are not counted."""
+    """Expert traffic (the buffer's writes, reads of the hits copied into it, one GEMM read of every
+    expert: the "misses" stage writes only its misses and reads hits in place), one read of the KV
+    the chunk attends over (full-attention layers only), and one read and write of the sequence's
+    recurrent state (hybrid models); activations are not counted."""
     cfg, cache = runner.model_config, runner.experts.cache
     experts = cfg.num_layers * cfg.num_experts * cache.slot_bytes
     kv = cfg.num_kv_layers * 2 * (prefix + tokens) * cfg.kv_size * runner.dtype.itemsize
     state = 2 * runner.state_pool.slot_bytes if runner.state_pool is not None else 0
-    return 2 * experts + staged["from_cache"] * cache.slot_bytes + kv + state
+    written = staged["from_cache"] + staged["from_host"]
+    return experts + (written + staged["from_cache"]) * cache.slot_bytes + kv + state
 
 
 class Sequence(NamedTuple):
@@ -168,17 +171,18 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
             run()
         for mode, pipeline in pipelines.items():
             experts.pipeline = pipeline
+            run()  # each way's own kernel specialisations compile outside the clock
             before = pipeline.stats()
             seconds = run()
             staged = {k: v - before[k] for k, v in pipeline.stats().items()}
             pcie_s = staged["bytes_h2d"] / PCIE_BYTES_PER_S
             flops_s = runner.model_config.forward_flops([chunk], [prefix]) / FLOPS_PER_S
-            total = staged["from_cache"] + staged["from_host"]
+            hits = staged["from_cache"] + staged["in_place"]
             if mode == "auto":  # which way it went
-                mode = "auto-m" if staged["chunks_memcpy"] else "auto-k"
+                mode = next(f"auto-{m[0]}" for m in ("misses", "memcpy", "kernel") if staged[f"chunks_{m}"])
             rows.append(dict(fraction=fraction, experts=fmt, expert_mb=experts.cache.slot_bytes / 1e6,
                              invalidate=mode, chunk=chunk, prefix=prefix,
-                             seconds=seconds, tok_s=chunk / seconds, hit_rate=staged["from_cache"] / max(total, 1),
+                             seconds=seconds, tok_s=chunk / seconds, hit_rate=hits / max(hits + staged["from_host"], 1),
                              pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
                              bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
                              ratio=max(pcie_s, flops_s) / seconds))
@@ -192,11 +196,13 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
 
 def bench_pipelines(args: argparse.Namespace, experts: OffloadedExperts) -> dict[str, PrefillPipeline]:
     """The staging ways to time, by row name: the kernel under each invalidation mode, and the
-    copy engine (``--memcpy``) and the serving choice (``--auto``) when asked."""
+    copy engine (``--memcpy``, ``--misses``) and the serving choice (``--auto``) when asked."""
     banks, scales = (experts.cache, experts.host_w13, experts.host_w2), experts.host_scales
     pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel", host_scales=scales) for mode in args.invalidate}
     if args.memcpy:  # the whole layer by the copy engine, hits included
         pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy", host_scales=scales)
+    if args.misses:  # the misses alone by the copy engine, hits read in place
+        pipelines["misses"] = PrefillPipeline(*banks, stage="misses", host_scales=scales)
     if args.auto:  # the serving default: kernel or copy engine per chunk
         pipelines["auto"] = PrefillPipeline(*banks, stage="auto", host_scales=scales)
     return pipelines
@@ -249,6 +255,8 @@ def main() -> None:
     p.add_argument("--invalidate", nargs="+", default=list(INVALIDATE_MODES), choices=INVALIDATE_MODES)
     p.add_argument("--attention", default=RunnerConfig.attention, choices=["auto", *ATTENTION_BACKENDS])
     p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
+    p.add_argument("--misses", action="store_true",
+                   help="also stage only the misses with the copy engine (row 'misses': conditional copy graphs)")
     p.add_argument("--auto", action="store_true", help="also the per-chunk choice serving uses (row 'auto')")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per chunk size and prefix")
     p.add_argument("--stage-programs", type=int, nargs="*", default=[16, 32, 64, 132],

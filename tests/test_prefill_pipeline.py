@@ -31,9 +31,11 @@ LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 4, 8, 16, 8, 2
 PREFILL, DECODE = 24, 2  # tokens: 24 * 2 >= 4E pairs takes the pipeline, 2 * 2 does not
 
 
-def setup(pipeline: bool = True, invalidate: str = "fixed", slots: int = 3 * EXPERTS, log: list | None = None):
+def setup(pipeline: bool = True, invalidate: str = "fixed", slots: int = 3 * EXPERTS, log: list | None = None,
+          stage: str = "auto"):
     banks = make_banks(LAYERS, EXPERTS, HIDDEN, INTER)
-    offloaded = OffloadedExperts.create(banks, slots, "cpu", "lfru", pipeline=pipeline, invalidate=invalidate)
+    offloaded = OffloadedExperts.create(banks, slots, "cpu", "lfru", pipeline=pipeline, invalidate=invalidate,
+                                        stage=stage)
     if log is not None:
         offloaded.pipeline.streams = HostStreams(log)
     return banks, offloaded
@@ -87,10 +89,11 @@ def test_pipeline_equals_cache_path(invalidate):
 
 
 @pytest.mark.parametrize("stage,flops_per_byte", [("kernel", 0.0), ("kernel", 0.99 * AUTO_MEMCPY_FLOPS_PER_BYTE),
-                                                   ("memcpy", AUTO_MEMCPY_FLOPS_PER_BYTE)])
+                                                   ("misses", AUTO_MEMCPY_FLOPS_PER_BYTE)])
 def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
     """Chunks that compute little stage through the kernel (hits on the GPU), heavy ones through the
-    copy engine (whole layers from the host); the results are the resident ones either way."""
+    copy engine (the misses from the host, hits read in place); the results are the resident ones
+    either way."""
     banks, offloaded = setup()
     resident = ResidentExperts(banks)
     cache = offloaded.cache
@@ -101,9 +104,41 @@ def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
             torch.testing.assert_close(offloaded.forward(layer, *args), resident.forward(layer, *args),
                                        rtol=1e-5, atol=1e-5)
     stats = offloaded.pipeline.stats()
-    other = "kernel" if stage == "memcpy" else "memcpy"
-    assert stats[f"chunks_{stage}"] == 3 and stats[f"chunks_{other}"] == 0
-    assert (stats["from_cache"] == 0) == (stage == "memcpy")  # the copy engine moves hits too
+    other = "kernel" if stage == "misses" else "misses"
+    assert stats[f"chunks_{stage}"] == 3 and stats[f"chunks_{other}"] == 0 and stats["chunks_memcpy"] == 0
+    assert (stats["from_cache"] == 0) == (stage == "misses") == (stats["in_place"] > 0)
+
+
+@pytest.mark.parametrize("stage", ["kernel", "memcpy", "misses"])
+def test_every_stage_mode_equals_resident_and_moves_its_bytes(stage):
+    """Each stage mode gives the resident results and leaves the lent slots empty and the tables
+    consistent; the kernel and "misses" read only the misses from the host (the same count: both
+    take hits from slots ``>= 2E``), "memcpy" every expert."""
+    banks, offloaded = setup(stage=stage)
+    resident = ResidentExperts(banks)
+    chunks = 0
+    for step in batches(0):
+        for layer, (x, weights, ids) in enumerate(step):
+            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids),
+                                       rtol=1e-5, atol=1e-5)
+        if len(step[0][0]) == PREFILL:
+            chunks += 1
+            assert lent_slots_are_empty(offloaded.cache)
+        assert_consistent(offloaded.cache)
+    stats = offloaded.pipeline.stats()
+    staged = stats["from_cache"] + stats["from_host"] + stats["in_place"]
+    assert stats[f"chunks_{stage}"] == chunks and staged == chunks * LAYERS * EXPERTS
+    if stage == "memcpy":
+        assert stats["from_host"] == staged
+    else:
+        assert 0 < stats["from_host"] < staged  # decode left experts that the chunks reused
+    assert (stats["in_place"] > 0) == (stage == "misses") and (stats["from_cache"] > 0) == (stage == "kernel")
+    if stage != "memcpy":  # the same routing and tables: the same misses
+        _, kernel = setup(stage="kernel")
+        for step in batches(0):
+            for layer, args in enumerate(step):
+                kernel.forward(layer, *args)
+        assert kernel.pipeline.stats()["from_host"] == stats["from_host"]
 
 
 def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
@@ -367,11 +402,13 @@ def test_cuda_stage_kernel_matches_twin():
     assert all(torch.equal(a, b) for a, b in zip(outs[0][0], outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
 
 
-def small_runner(invalidate: str = "fixed", pipeline: bool = True) -> ModelRunner:
+def small_runner(invalidate: str = "fixed", pipeline: bool = True, stage: str = "auto",
+                 expert_dtype: str = "auto") -> ModelRunner:
     return ModelRunner(RunnerConfig("small-geometry", device="cuda", dtype="bfloat16", page_size=16, kv_tokens=4096,
                                     max_prefill_tokens=512,
                                     experts=ExpertOptions(cache_fraction=0.25, dummy_weights=True,
-                                                          prefill_pipeline=pipeline, prefill_invalidate=invalidate)))
+                                                          prefill_pipeline=pipeline, prefill_invalidate=invalidate,
+                                                          prefill_stage=stage, expert_dtype=expert_dtype)))
 
 
 def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -382,6 +419,54 @@ def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
         return out.logits
     finally:
         r.kv_pool.free(pages)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("stage,expert_dtype", [("kernel", "auto"), ("misses", "auto"), ("misses", "fp8")])
+def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype):
+    """Chunks staged by the kernel or by the misses' conditional copies (from the mapped host store,
+    bf16 and fp8 with its scale banks) give the logits of the plain cache path, under sync debug."""
+    r = small_runner(stage=stage, expert_dtype=expert_dtype)
+    prompt = torch.randint(0, 512, (1400,), generator=torch.Generator().manual_seed(0)).tolist()
+    prefill(r, prompt[:600], 512)  # compile every kernel outside the check
+    with sync_errors():
+        logits = prefill(r, prompt, 512)
+    torch.cuda.synchronize()
+    want = prefill(small_runner(pipeline=False, expert_dtype=expert_dtype), prompt, 512)
+    assert ((logits - want).norm() / want.norm()).item() < 2e-2
+    stats = r.experts.pipeline.stats()
+    assert stats[f"chunks_{stage}"] > 0 and stats["from_host"] > 0
+    assert (stats["in_place"] > 0) == (stage == "misses")
+
+
+@pytest.mark.cuda
+def test_cuda_misses_graphs_copy_the_flagged_experts_only():
+    """The captured conditional copies against the eager twin: random tables, each layer staged
+    twice (a different buffer's slot map each time), every byte of the pools equal."""
+    from moe_offload.miss_copies import MissCopies
+
+    gen = torch.Generator().manual_seed(4)
+    layers, experts, lent, slots = 4, 16, 32, 64
+    host = [torch.randn(layers * experts, *shape, generator=gen).bfloat16().pin_memory() for shape in ((8, 6), (6, 4))]
+    table = torch.full((layers * experts,), -1, dtype=torch.int32)
+    held = torch.randperm(layers * experts, generator=gen)[:slots - lent]
+    table[held] = torch.arange(lent, slots, dtype=torch.int32)
+    table[held[:3]] = torch.tensor([0, 5, 20], dtype=torch.int32)  # entries in lent slots are not hits
+    results = []
+    for stream in (torch.cuda.Stream(), None):
+        pools = [torch.zeros(slots, *h.shape[1:], dtype=h.dtype, device="cuda") for h in host]
+        copies = MissCopies(table.cuda(), [(h, p) for h, p in zip(host, pools)], layers, experts,
+                            torch.arange(experts), lent, stream)
+        staged = torch.zeros(layers, 2, dtype=torch.int64, device="cuda")
+        with sync_errors() if stream is not None else contextlib.nullcontext():
+            for layer in (0, 1, 2, 3, 2):
+                copies.stage(layer, staged)
+        torch.cuda.synchronize()
+        results.append((pools, staged, copies.slot_map.clone(), copies.in_place.clone()))
+    (pools, staged, slot_map, in_place), (want_pools, *want) = results
+    assert all(torch.equal(a, b) for a, b in zip(pools, want_pools))
+    assert torch.equal(staged, want[0]) and torch.equal(slot_map, want[1]) and torch.equal(in_place, want[2])
+    assert 0 < int(staged[:, 1].sum()) < 5 * experts and int(in_place.sum()) > 0
 
 
 @pytest.mark.cuda

@@ -46,7 +46,8 @@ STATS = (
         ("kv_write_d2h", "kv_host_bytes_written"), ("kv_restore_h2d", "kv_host_bytes_restored")),
         "kind"),
     Stat("prefill_pipeline_chunks", True, "Prefill chunks through the expert pipeline", (
-        ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy")), "stage"),
+        ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy"),
+        ("misses", "prefill_chunks_misses")), "stage"),
     Stat("compilations_after_warmup", True, "Kernels compiled and attention plans built while serving, after "
          "the warm-up (each a slow step)", (("triton", "compiles_after_warmup"), ("cudnn_plan", "plans_after_warmup")),
          "kind"),
