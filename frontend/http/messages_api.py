@@ -7,8 +7,11 @@ their ``type``, so that an image, a document or a server tool is refused in one 
 
 ``thinking`` turns the template's reasoning on or off (``enable_thinking``, where it reads it); a
 ``budget_tokens`` below ``max_tokens`` becomes Chat's ``thinking_token_budget``, which a grammar
-holds (``frontend.http.grammars.free_grammar``). Thinking blocks sent back are the turn's
-``reasoning_content``, which the template shows or drops as it does any past reasoning."""
+holds (``frontend.http.grammars.free_grammar``). gpt-oss (harmony) always reasons: ``thinking``
+picks its effort and whether its analysis shows, and a budget caps ``max_tokens``
+(``_harmony_thinking`` says why). Thinking blocks sent back are the turn's ``reasoning_content``,
+which the template (or harmony: analysis, kept before a tool result, dropped once a final answer
+closed the turn) shows or drops as it does any past reasoning."""
 
 from __future__ import annotations
 
@@ -176,9 +179,34 @@ def _thinking_fields(body: MessagesPrompt, template: str | None) -> dict[str, An
     return fields
 
 
-def to_chat(body: MessagesPrompt, template: str | None) -> ChatRequest:
-    """The Chat request that asks for the same output from a model with chat ``template``; raises
-    ApiError for what it cannot."""
+def _harmony_thinking(body: MessagesPrompt) -> dict[str, Any]:
+    """Chat's fields for ``thinking`` on gpt-oss, whose harmony format has no switch for its
+    reasoning (the analysis channel), only an effort: thinking on renders harmony's default effort
+    (medium) and the reply shows the analysis as thinking blocks; off (disabled or absent, as
+    Anthropic's default is) renders the lowest effort, low, the nearest harmony has to Qwen's
+    reasoning off, and the analysis is left out of the reply.
+
+    A ``budget_tokens`` below ``max_tokens`` caps ``max_tokens`` (``_max_tokens``): harmony cannot
+    end its analysis at a budget (the Qwen path's budget grammar would force the end of the
+    reasoning, and a grammar is refused with harmony), and a budget a server let the reasoning run
+    past would break the one promise it makes, that thinking costs at most that many tokens. Held
+    as the reply's cap it is kept: a reply that thinks that long ends as any cut reply does
+    (stop_reason ``max_tokens``, as at Anthropic when max_tokens falls inside the thinking).
+    Refusing it instead would refuse every Anthropic client, which must send a budget below
+    max_tokens; a client that wants room for the answer after long thinking sends a larger one."""
+    on = body.thinking is not None and body.thinking.on
+    return {"reasoning_effort": "medium" if on else "low"}
+
+
+def _max_tokens(body: MessagesRequest, harmony: bool) -> int:
+    """``max_tokens``, capped by a harmony request's thinking budget (``_harmony_thinking``)."""
+    budget = body.thinking.budget_tokens if harmony and body.thinking is not None else None
+    return body.max_tokens if budget is None else min(body.max_tokens, budget)
+
+
+def to_chat(body: MessagesPrompt, template: str | None, harmony: bool = False) -> ChatRequest:
+    """The Chat request that asks for the same output from a model with chat ``template`` (or, with
+    ``harmony``, gpt-oss's format); raises ApiError for what it cannot."""
     check(body)
     messages = [Message(role="system", content=_text(body.system, "system"))] if body.system else []
     for i, m in enumerate(body.messages):
@@ -188,10 +216,11 @@ def to_chat(body: MessagesPrompt, template: str | None) -> ChatRequest:
                        "supported", param="messages")
     sampling: dict[str, Any] = {}
     if isinstance(body, MessagesRequest):
-        sampling = dict(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                        top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+        sampling = dict(max_tokens=_max_tokens(body, harmony), stop=body.stop_sequences,
+                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stream=body.stream)
+    thinking = _harmony_thinking(body) if harmony else _thinking_fields(body, template)
     return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
-                       tool_choice=_tool_choice(body.tool_choice), **sampling, **_thinking_fields(body, template))
+                       tool_choice=_tool_choice(body.tool_choice), **sampling, **thinking)
 
 
 def _tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:

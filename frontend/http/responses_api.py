@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from frontend.http.errors import ApiError
+from frontend.http.harmony.render import EFFORTS as HARMONY_EFFORTS
 from frontend.http.responses_objects import ResponseObject, TextConfigOut, TextFormatOut
 from frontend.http.schemas import (CalledFunction, ChatRequest, FunctionDef, Message, NamedFunction,
                                    NamedToolChoice, Tool, ToolCall)
@@ -114,6 +115,10 @@ class _FunctionCallOutput(_In, kw_only=True):
     output: str | list[_Part]
 
 
+class _ReasoningItem(_In, kw_only=True):
+    content: list[_Part] | None = None
+
+
 class _FunctionTool(_In, kw_only=True):
     name: str
     description: str | None = None
@@ -126,8 +131,9 @@ class _NamespaceTool(_In, kw_only=True):
     tools: list[dict[str, Any]]
 
 
-def check(body: ResponsesRequest) -> None:
-    """Every field that would change the output and is not implemented is refused by name."""
+def check(body: ResponsesRequest, harmony: bool = False) -> None:
+    """Every field that would change the output and is not implemented is refused by name
+    (``harmony``: for gpt-oss, whose reasoning effort is low, medium or high)."""
     stateless = "stateless: {} is not supported; send the whole conversation in input"
     for name in ("previous_response_id", "conversation", "prompt"):
         if getattr(body, name) is not None:
@@ -137,10 +143,7 @@ def check(body: ResponsesRequest) -> None:
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise ApiError(400, "text.verbosity is not supported (only 'medium', the default)",
                        param="text.verbosity")
-    if _effort(body) not in (None, "medium", "none"):
-        # "none" is Chat's reasoning_effort (thinking off); a budget is not built.
-        raise ApiError(400, f"reasoning.effort {_effort(body)!r} is not supported (only 'medium', "
-                       "the default, and 'none')", param="reasoning.effort")
+    _check_effort(_effort(body), harmony)
     if body.top_logprobs:
         raise ApiError(400, "top_logprobs: logprobs are not supported", param="top_logprobs")
     if "message.output_text.logprobs" in (body.include or []):
@@ -154,16 +157,28 @@ def check(body: ResponsesRequest) -> None:
             raise ApiError(400, f"{name} is not supported", param=name)
 
 
-def to_chat(body: ResponsesRequest) -> ChatRequest:
-    """The Chat request that asks for the same output; raises ApiError for what it cannot."""
-    check(body)
+def _check_effort(effort: str | None, harmony: bool) -> None:
+    if harmony and effort not in (None, *HARMONY_EFFORTS):
+        raise ApiError(400, f"reasoning.effort {effort!r} is not supported by gpt-oss's harmony format "
+                       f"({', '.join(HARMONY_EFFORTS)}: it always reasons)", param="reasoning.effort")
+    if not harmony and effort not in (None, "medium", "none"):
+        # "none" is Chat's reasoning_effort (thinking off); a budget is not built.
+        raise ApiError(400, f"reasoning.effort {effort!r} is not supported (only 'medium', "
+                       "the default, and 'none')", param="reasoning.effort")
+
+
+def to_chat(body: ResponsesRequest, harmony: bool = False) -> ChatRequest:
+    """The Chat request that asks for the same output (``harmony``: from gpt-oss, whose reasoning
+    effort is harmony's); raises ApiError for what it cannot."""
+    check(body, harmony)
+    effort = _effort(body)
     messages = [Message(role="system", content=body.instructions)] if body.instructions else []
-    messages += input_messages(body.input)
+    messages += input_messages(body.input, harmony)
     return ChatRequest(model=body.model, messages=messages, tools=chat_tools(body.tools) or None,
                        tool_choice=_tool_choice(body.tool_choice), response_format=_format(body),
                        max_completion_tokens=body.max_output_tokens, temperature=body.temperature,
                        top_p=body.top_p, stream=body.stream,
-                       reasoning_effort="none" if _effort(body) == "none" else None)
+                       reasoning_effort=effort if harmony or effort == "none" else None)
 
 
 def _effort(body: ResponsesRequest) -> str | None:
@@ -229,23 +244,29 @@ def declared_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return [t for t in tools or [] if not _hosted(t)]
 
 
-def input_messages(input_: str | list[dict[str, Any]]) -> list[Message]:
+def input_messages(input_: str | list[dict[str, Any]], harmony: bool = False) -> list[Message]:
     """Input items as Chat messages: a ``function_call`` joins the assistant message before it
-    (or starts one), a ``function_call_output`` is a tool message for the call with its id."""
+    (or starts one), a ``function_call_output`` is a tool message for the call with its id. With
+    ``harmony``, a ``reasoning`` item's text is the next assistant message's reasoning (harmony's
+    analysis, which it keeps before a tool result and drops once a final answer closed the turn)."""
     if isinstance(input_, str):
         return [Message(role="user", content=input_)]
     messages: list[Message] = []
     calls: set[str] = set()
+    thought: str | None = None  # a reasoning item's text, for the assistant message that follows
     for i, item in enumerate(input_):
         where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message":
             m = _typed(item, _MessageItem, where)
             messages.append(Message(role=m.role, content=_text(m.content, where)))
+            if m.role == "assistant":
+                messages[-1].reasoning_content, thought = thought, None
         elif kind == "function_call":
             c = _typed(item, _FunctionCall, where)
             call = ToolCall(id=c.call_id, function=CalledFunction(name=c.name, arguments=c.arguments))
-            if not messages or messages[-1].role != "assistant":
-                messages.append(Message(role="assistant", tool_calls=[]))
+            if not messages or messages[-1].role != "assistant" or thought is not None:
+                messages.append(Message(role="assistant", tool_calls=[], reasoning_content=thought))
+                thought = None
             messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
             calls.add(c.call_id)
         elif kind == "function_call_output":
@@ -255,9 +276,9 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[Message]:
                                "before this output", param=where)
             messages.append(Message(role="tool", tool_call_id=o.call_id, content=_text(o.output, where)))
         elif kind == "reasoning":
-            # Dropped: chat templates leave earlier turns' reasoning out of the prompt, and an
-            # item from OpenAI carries it encrypted, which no local model can read.
-            continue
+            # Else dropped: chat templates leave earlier turns' reasoning out of the prompt, and an
+            # item from OpenAI carries it encrypted (no content), which no local model can read.
+            thought = _reasoning_text(item, where) if harmony else None
         elif kind == "item_reference":
             raise ApiError(400, f"stateless: {where} item_reference is not supported; send the "
                            "item itself", param=where)
@@ -266,6 +287,12 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[Message]:
     if not messages:
         raise ApiError(400, "input has no message", param="input")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str | None:
+    """A reasoning item's ``reasoning_text`` parts (as Sluice returns them), None if it has none."""
+    parts = _typed(item, _ReasoningItem, where).content or []
+    return "".join(p.text or "" for p in parts if p.type == "reasoning_text") or None
 
 
 def _text(content: str | list[_Part], where: str) -> str:

@@ -16,6 +16,7 @@ from frontend.http import messages_api, messages_objects, messages_reply
 from frontend.http import responses as r
 from frontend.http.context import HttpContext
 from frontend.http.errors import ApiError
+from frontend.http.harmony.encoding import speaks_harmony
 from frontend.http.schemas import ChatRequest, CompletionRequest
 from frontend.http.session import Session
 
@@ -87,9 +88,9 @@ async def responses(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, responses_api.ResponsesRequest, ctx.max_body_bytes)
-    chat_body = responses_api.to_chat(body)
-    generate, _ = chat_generate(ctx, chat_body)
     tokenizer = ctx.ready().tokenizer
+    chat_body = responses_api.to_chat(body, speaks_harmony(tokenizer))
+    generate, _ = chat_generate(ctx, chat_body)
     reply = convert.reply_format(chat_body, generate.input_ids or (), tokenizer)
     frame = responses_api.frame(body)
     session = await _start(ctx, generate)
@@ -124,7 +125,7 @@ async def messages(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, messages_api.MessagesRequest, ctx.max_body_bytes)
-    chat_body = messages_api.to_chat(body, ctx.ready().tokenizer.chat_template)
+    chat_body = _messages_chat(ctx, body)
     generate, _ = chat_generate(ctx, chat_body)
     reply = convert.reply_format(chat_body, generate.input_ids or (), ctx.ready().tokenizer)
     message = messages_reply.new_message(body.model, len(generate.input_ids or ()))
@@ -142,8 +143,13 @@ async def count_tokens(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, messages_api.MessagesPrompt, ctx.max_body_bytes)
-    generate, _ = chat_generate(ctx, messages_api.to_chat(body, ctx.ready().tokenizer.chat_template))
+    generate, _ = chat_generate(ctx, _messages_chat(ctx, body))
     return json_response(messages_objects.TokenCount(input_tokens=len(generate.input_ids or ())))
+
+
+def _messages_chat(ctx: HttpContext, body: messages_api.MessagesPrompt) -> ChatRequest:
+    tokenizer = ctx.ready().tokenizer
+    return messages_api.to_chat(body, tokenizer.chat_template, speaks_harmony(tokenizer))
 
 
 async def _start(ctx: HttpContext, generate: requests.Generate) -> Session:
