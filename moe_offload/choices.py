@@ -16,7 +16,9 @@ INVALIDATE_MODES = ("fixed", "eager")
 # 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
 # (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
 # "misses": the misses alone by the copy engine, hits read in place from their cache slots; the plan
-# stays on the device (a CUDA graph per layer of conditional copies, moe_offload.miss_copies).
+# stays on the device (a CUDA graph per layer of conditional copies, moe_offload.miss_copies). It
+# needs a torch with conditional graph nodes (not the H200 host's 2.11), so it is not measured and
+# "auto" does not pick it.
 STAGE_MODES = ("kernel", "memcpy", "misses", "auto")
 # What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
 # (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the

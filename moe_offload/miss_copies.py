@@ -23,6 +23,12 @@ from __future__ import annotations
 import torch
 
 
+def conditional_graphs() -> bool:
+    """Whether this torch captures CUDA-graph conditional nodes (``CUDAGraph.begin_capture_to_if_node``;
+    torch 2.11 has none, 2.13 has them)."""
+    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
 class MissCopies:
     """Flags, slot maps and per-layer copy graphs of one pipeline (see the module docstring).
 
@@ -39,15 +45,19 @@ class MissCopies:
         self.slot_for_id, self.banks, self.lent = slot_for_id, banks, lent
         self.count = count
         # host bank row of each (layer, share index): the copy sources, and the table entries read
-        self.rows = (torch.arange(num_layers)[:, None] * num_experts + experts.cpu()[None, :]).to(device)
+        host_rows = torch.arange(num_layers)[:, None] * num_experts + experts.cpu()[None, :]
+        self.rows = host_rows.to(device)
         self.miss = torch.zeros(num_layers, count, dtype=torch.bool, device=device)
         self.slot_map = torch.zeros(2, count, dtype=torch.int32, device=device)
         self.in_place = torch.zeros(num_layers, dtype=torch.int64, device=device)  # hits read from their slots
         self.buffer_slots = torch.arange(2 * count, dtype=torch.int32, device=device).view(2, count)
         self.graphs: list[torch.cuda.CUDAGraph] = []
+        if stream is not None and not conditional_graphs():
+            raise ValueError(f"prefill stage 'misses' needs CUDA-graph conditional nodes, which torch "
+                             f"{torch.__version__} does not expose (CUDAGraph.begin_capture_to_if_node)")
         if stream is not None:
             pool = torch.cuda.graph_pool_handle()  # the copies allocate nothing: one pool for all
-            self.graphs = [self._capture(layer, stream, pool) for layer in range(num_layers)]
+            self.graphs = [self._capture(layer, host_rows[layer].tolist(), stream, pool) for layer in range(num_layers)]
 
     def stage(self, layer: int, staged: torch.Tensor) -> None:
         """Flag the layer's misses, write its buffer's slot map, copy the misses in; count the misses
@@ -75,13 +85,13 @@ class MissCopies:
             flag = miss.view(-1, *([1] * (dst.dim() - 1)))
             dst.copy_(torch.where(flag, host[self.rows[layer].to(host.device)].to(dst.device), dst))
 
-    def _capture(self, layer: int, stream: torch.cuda.Stream, pool: tuple) -> torch.cuda.CUDAGraph:
+    def _capture(self, layer: int, rows: list[int], stream: torch.cuda.Stream, pool: tuple) -> torch.cuda.CUDAGraph:
         """One conditional copy node per expert of the share, in a graph replayed by ``stage``."""
         buf, graph = layer % 2, torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):  # not torch.cuda.graph: it collects garbage and syncs per graph
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                for j, row in enumerate(self.rows[layer].tolist()):
+                for j, row in enumerate(rows):
                     graph.begin_capture_to_if_node(self.miss[layer, j])
                     for host, dst in self.banks:
                         dst[buf * self.count + j].copy_(host[row], non_blocking=True)

@@ -35,7 +35,7 @@ from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES, check_choice
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
-from moe_offload.kernels.stage_experts import STAGE_FIELDS, share_count, stage_experts
+from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, share_count, stage_experts
 from moe_offload.miss_copies import MissCopies
 
 # half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
@@ -138,7 +138,8 @@ class PrefillPipeline:
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
                  invalidate: str = "fixed", streams: PipelineStreams | None = None, stage: str = "kernel",
-                 host_scales: ExpertScales | None = None, share: ExpertShare = ExpertShare()):
+                 host_scales: ExpertScales | None = None, share: ExpertShare = ExpertShare(),
+                 programs: int = PROGRAMS):
         num_experts, count = cache.num_experts, share.count(cache.num_experts)
         if cache.num_slots < 2 * count + num_experts:
             raise ValueError(f"the prefill pipeline lends 2x{count} slots and leaves {num_experts} to decode: "
@@ -147,7 +148,7 @@ class PrefillPipeline:
         check_choice("stage mode", stage, STAGE_MODES)
         if (host_scales is None) != (cache.scales is None):
             raise ValueError("a quantized cache stages from host scales, a float one from none")
-        self.stage = stage
+        self.stage, self.programs = stage, programs  # programs: the stage kernel's CTAs
         self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
         self.chunks = dict.fromkeys(STAGE_MODES[:-1], 0)  # chunks staged each way
         self.cache = cache
@@ -165,7 +166,7 @@ class PrefillPipeline:
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
-        self.misses = self._miss_copies(host_scales) if stage in ("misses", "auto") else None
+        self.misses = self._miss_copies(host_scales) if stage == "misses" else None
         self._next_layer = 0
         self._begun = False
 
@@ -175,7 +176,7 @@ class PrefillPipeline:
         picks the stage mode under "auto"."""
         if self.stage == "auto":
             expert_bytes = self.cache.num_layers * self.count * self.cache.slot_bytes
-            self.chunk_stage = "misses" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
+            self.chunk_stage = "memcpy" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
         self._begin()
         self._begun = True
 
@@ -243,8 +244,8 @@ class PrefillPipeline:
             else:
                 stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13,
                               self.cache.w2, self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf],
-                              self.staged, self.cache.backend, scales=self.buf_scales[buf], first=self.share.first,
-                              stride=self.share.stride)
+                              self.staged, self.cache.backend, self.programs, scales=self.buf_scales[buf],
+                              first=self.share.first, stride=self.share.stride)
         self.streams.record(f"ready{buf}", "copy")
 
     def _miss_copies(self, host_scales: ExpertScales | None) -> MissCopies:

@@ -199,6 +199,8 @@ def bench_pipelines(args: argparse.Namespace, experts: OffloadedExperts) -> dict
     copy engine (``--memcpy``, ``--misses``) and the serving choice (``--auto``) when asked."""
     banks, scales = (experts.cache, experts.host_w13, experts.host_w2), experts.host_scales
     pipelines = {mode: PrefillPipeline(*banks, mode, stage="kernel", host_scales=scales) for mode in args.invalidate}
+    for programs in args.pipeline_programs:  # the stage kernel on fewer or more SMs than its default
+        pipelines[f"fixed-p{programs}"] = PrefillPipeline(*banks, stage="kernel", host_scales=scales, programs=programs)
     if args.memcpy:  # the whole layer by the copy engine, hits included
         pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy", host_scales=scales)
     if args.misses:  # the misses alone by the copy engine, hits read in place
@@ -255,6 +257,8 @@ def main() -> None:
     p.add_argument("--invalidate", nargs="+", default=list(INVALIDATE_MODES), choices=INVALIDATE_MODES)
     p.add_argument("--attention", default=RunnerConfig.attention, choices=["auto", *ATTENTION_BACKENDS])
     p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
+    p.add_argument("--pipeline-programs", type=int, nargs="*", default=[],
+                   help="also rows 'fixed-pN': the chunk staged by the kernel on N CTAs (default 32)")
     p.add_argument("--misses", action="store_true",
                    help="also stage only the misses with the copy engine (row 'misses': conditional copy graphs)")
     p.add_argument("--auto", action="store_true", help="also the per-chunk choice serving uses (row 'auto')")

@@ -89,11 +89,10 @@ def test_pipeline_equals_cache_path(invalidate):
 
 
 @pytest.mark.parametrize("stage,flops_per_byte", [("kernel", 0.0), ("kernel", 0.99 * AUTO_MEMCPY_FLOPS_PER_BYTE),
-                                                   ("misses", AUTO_MEMCPY_FLOPS_PER_BYTE)])
+                                                   ("memcpy", AUTO_MEMCPY_FLOPS_PER_BYTE)])
 def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
     """Chunks that compute little stage through the kernel (hits on the GPU), heavy ones through the
-    copy engine (the misses from the host, hits read in place); the results are the resident ones
-    either way."""
+    copy engine (whole layers from the host); the results are the resident ones either way."""
     banks, offloaded = setup()
     resident = ResidentExperts(banks)
     cache = offloaded.cache
@@ -104,9 +103,9 @@ def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
             torch.testing.assert_close(offloaded.forward(layer, *args), resident.forward(layer, *args),
                                        rtol=1e-5, atol=1e-5)
     stats = offloaded.pipeline.stats()
-    other = "kernel" if stage == "misses" else "misses"
-    assert stats[f"chunks_{stage}"] == 3 and stats[f"chunks_{other}"] == 0 and stats["chunks_memcpy"] == 0
-    assert (stats["from_cache"] == 0) == (stage == "misses") == (stats["in_place"] > 0)
+    other = "kernel" if stage == "memcpy" else "memcpy"
+    assert stats[f"chunks_{stage}"] == 3 and stats[f"chunks_{other}"] == 0 and stats["chunks_misses"] == 0
+    assert (stats["from_cache"] == 0) == (stage == "memcpy")  # the copy engine moves hits too
 
 
 @pytest.mark.parametrize("stage", ["kernel", "memcpy", "misses"])
@@ -426,6 +425,12 @@ def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
 def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype):
     """Chunks staged by the kernel or by the misses' conditional copies (from the mapped host store,
     bf16 and fp8 with its scale banks) give the logits of the plain cache path, under sync debug."""
+    from moe_offload.miss_copies import conditional_graphs
+
+    if stage == "misses" and not conditional_graphs():
+        with pytest.raises(ValueError, match="conditional nodes"):
+            small_runner(stage=stage, expert_dtype=expert_dtype)
+        return
     r = small_runner(stage=stage, expert_dtype=expert_dtype)
     prompt = torch.randint(0, 512, (1400,), generator=torch.Generator().manual_seed(0)).tolist()
     prefill(r, prompt[:600], 512)  # compile every kernel outside the check
@@ -443,8 +448,10 @@ def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_
 def test_cuda_misses_graphs_copy_the_flagged_experts_only():
     """The captured conditional copies against the eager twin: random tables, each layer staged
     twice (a different buffer's slot map each time), every byte of the pools equal."""
-    from moe_offload.miss_copies import MissCopies
+    from moe_offload.miss_copies import MissCopies, conditional_graphs
 
+    if not conditional_graphs():
+        pytest.skip(f"torch {torch.__version__} captures no conditional graph nodes")
     gen = torch.Generator().manual_seed(4)
     layers, experts, lent, slots = 4, 16, 32, 64
     host = [torch.randn(layers * experts, *shape, generator=gen).bfloat16().pin_memory() for shape in ((8, 6), (6, 4))]
