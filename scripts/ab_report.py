@@ -44,6 +44,8 @@ def summarise_build(runs: list[dict], slow_s: float) -> dict:
         cached_ratio=sum(t["cached_tokens"] for t in later) / ideal if ideal else math.nan,
         expert_hit_rate=hits / lookups if hits is not None and lookups else None,
         kv_host_pages_restored=_sum_deltas(runs, "kv_host_pages_restored"),
+        compiles_after_warmup=_sum_deltas(runs, "compiles_after_warmup"),
+        plans_after_warmup=_sum_deltas(runs, "plans_after_warmup"),
     )
 
 
@@ -71,6 +73,8 @@ def table(builds: list[dict], summaries: dict[str, dict], slow_s: float) -> str:
                                    for x in s]),
         ("expert-cache hit rate", [_fmt(x["expert_hit_rate"]) for x in s]),
         ("host KV pages restored", [_fmt(x["kv_host_pages_restored"]) for x in s]),
+        ("compiles / plans after warm-up", [f"{_fmt(x.get('compiles_after_warmup'))} / "
+                                            f"{_fmt(x.get('plans_after_warmup'))}" for x in s]),
     ]
     width = max(len(name) for name, _ in rows)
     cols = [max(len(label), *(len(values[i]) for _, values in rows)) for i, label in enumerate(labels)]

@@ -83,13 +83,16 @@ def _run(build: str, seconds: list[float], stats_before: dict, stats_after: dict
 
 
 def test_summary_counts_slow_turns_and_reads_counter_deltas():
-    before = dict(moe_hits=100, moe_lookups=200, kv_host_pages_restored=5)
-    runs = [_run("A", [1.0, 12.0, 3.0], before, dict(moe_hits=190, moe_lookups=300, kv_host_pages_restored=9)),
-            _run("A", [11.0, 2.0], {}, dict(moe_hits=30, moe_lookups=100, kv_host_pages_restored=1))]
+    before = dict(moe_hits=100, moe_lookups=200, kv_host_pages_restored=5, compiles_after_warmup=2)
+    runs = [_run("A", [1.0, 12.0, 3.0], before, dict(moe_hits=190, moe_lookups=300, kv_host_pages_restored=9,
+                                                     compiles_after_warmup=5)),
+            _run("A", [11.0, 2.0], {}, dict(moe_hits=30, moe_lookups=100, kv_host_pages_restored=1,
+                                            compiles_after_warmup=0))]
     s = ab_report.summarise_build(runs, slow_s=10.0)
     assert (s["runs"], s["turns"], s["turns_over_slow"], s["worst_turn_s"]) == (2, 5, 2, 12.0)
     assert s["expert_hit_rate"] == pytest.approx((90 + 30) / (100 + 100))
     assert s["kv_host_pages_restored"] == 4 + 1
+    assert s["compiles_after_warmup"] == 3 and s["plans_after_warmup"] is None  # compiled during the measured turns
     assert (s["cached_tokens"], s["ideal_cached_tokens"]) == (270, 285)
     assert s["turn_p50_s"] == 3.0 and s["max_context_tokens"] == 120
 
