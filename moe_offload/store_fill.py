@@ -19,7 +19,7 @@ from moe_offload.fp8_checkpoint import Scheme, read_matrix, to_expert_format
 from moe_offload.progress import ProgressBar
 from moe_offload.safetensors_file import SafetensorsFile, checkpoint_files, index_files
 from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity, as_format
-from moe_offload.store_quantize import fill_dummy_fp8, fill_dummy_quantized
+from moe_offload.store_quantize import fill_dummy_fp4, fill_dummy_fp8
 
 
 class ExpertLayer(NamedTuple):
@@ -220,9 +220,10 @@ def open_checkpoint_experts(
 
 def open_dummy_experts(geometry: ExpertGeometry, seed: int, fmt: ExpertFormat | torch.dtype,
                        shm_dir: str | Path = SHM_DIR) -> ExpertStore:
-    """Seeded random experts in format ``fmt`` (quantized ones: drawn in float32 and quantized)."""
+    """Seeded random experts in format ``fmt`` (fp8: drawn in float32 and quantized; 4-bit: random
+    codes under one quantized draw's scales, ``store_quantize.fill_dummy_fp4``)."""
     fmt = as_format(fmt)
-    fill = {"float": fill_dummy, "fp8": fill_dummy_fp8}.get(fmt.family, fill_dummy_quantized)
+    fill = {"float": fill_dummy, "fp8": fill_dummy_fp8}.get(fmt.family, fill_dummy_fp4)
     return ExpertStore.open_or_create(
         StoreIdentity.dummy(geometry, seed, fmt), BankLayout.experts(geometry, fmt), lambda s: fill(s, seed), shm_dir
     )

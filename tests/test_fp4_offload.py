@@ -37,6 +37,28 @@ def test_4bit_small_geometry_offloaded_equals_resident_on_cpu(fmt):
     assert r.experts.pipeline.stats()["from_host"] > 0 and r.experts.cache.stats()["total"]["misses"] > 0
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_4bit_dummy_store_is_random_codes_under_a_drawn_scale(fmt, tmp_path):
+    """The fast 4-bit dummy fill: seeded (same seed, same bytes; another seed, other codes), each
+    matrix's own codes, the values' spread about the float draw's 0.02, the scales of one draw."""
+    from moe_offload.formats import dequantize_w13
+    from moe_offload.store_fill import open_dummy_experts
+    from moe_offload.store_layout import ExpertGeometry
+    from worker.config import ModelConfig
+
+    cfg = ModelConfig.from_dir("small-geometry")
+    geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+    for name in ("0", "1", "other"):
+        (tmp_path / name).mkdir()
+    one, two = (open_dummy_experts(geometry, 3, fmt, tmp_path / name).host_banks() for name in ("0", "1"))
+    other = open_dummy_experts(geometry, 4, fmt, tmp_path / "other").host_banks()
+    assert all(torch.equal(a, b) for a, b in zip(one.tensors(), two.tensors()))
+    assert not torch.equal(one.w13[1, 2], other.w13[1, 2]) and not torch.equal(one.w13[1, 2], one.w13[1, 3])
+    parts = [t[1, 2] for t in one.tensors()[0::2] if t is not None]  # w13 and its scale parts
+    w13 = dequantize_w13(fmt, tuple(parts), torch.float32)
+    assert 0.01 < w13.std().item() < 0.04 and abs(w13.mean().item()) < 2e-3
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_cuda_4bit_small_geometry_prefill_and_decode_without_sync(fmt):
