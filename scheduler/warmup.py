@@ -23,6 +23,10 @@ log = logging.getLogger("sluice.scheduler")
 
 MID_CHUNK = 1024  # a chunk that still streams experts but chooses the stage kernel under "auto"
 SMALL_CHUNK = 7  # below the pipeline threshold, and a length that is no multiple of 16
+# The warm-up's chunks on the GPU: a full chunk, a second one over it (the long-prefix attention path once the chunk's
+# prefix work reaches cudnn_prefill.MIN_PREFIX_WORK), a mid and a small chunk over prefixes that
+# are multiples of 16, then a mid and a small one over prefixes that are not: Triton specialises
+# integer arguments by divisibility by 16, and serving meets every combination.
 CPU_FULL_CHUNK = 16  # nothing compiles on the CPU: keep the warm-up a formality there
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
 
@@ -45,11 +49,12 @@ def warm_up(engine: Engine) -> float:
 
 
 def _warm_runner(runner: ModelRunner) -> int:
-    """One sequence through a full prefill chunk, a mid chunk and a small chunk over its cached
-    prefix, then decode steps (greedy, sampled, under a grammar mask); then every decode graph bucket."""
+    """One sequence through the warm-up's prefill chunks (above) over its cached prefix, then decode
+    steps (greedy, sampled, under a grammar mask); then every decode graph bucket."""
     room = min(runner.model_config.max_context, (runner.kv_pool.num_pages - 1) * runner.page_size) - 3
     on_gpu = runner.device.type == "cuda"
-    sizes = (runner.plan.prefill_tokens, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
+    full = runner.plan.prefill_tokens
+    sizes = (full, full, MID_CHUNK, SMALL_CHUNK, MID_CHUNK, SMALL_CHUNK) if on_gpu else (CPU_FULL_CHUNK, SMALL_CHUNK)
     pages = list(range(1, runner.kv_pool.num_pages))  # page 0 is the scratch page
     state = runner.state_pool.running_slot(0) if runner.state_pool is not None else -1  # hybrid models
     done = 0
