@@ -20,14 +20,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from scheduler.messages.grammar_limits import parser_limits
 from scheduler.messages.to_scheduler import Grammar
 from worker.token_mask import mask_words
 
 if TYPE_CHECKING:  # imported when the first constrained request comes: serving needs it for nothing else
     import llguidance
-
-# bounds on a grammar's size and on its compile (LLParserLimits): past them it is an error, never a hang
-LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
 
 
 class GrammarError(ValueError):
@@ -71,7 +69,7 @@ class Grammars:
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
-                                       log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+                                       log_level=0, limits=parser_limits(llguidance))
         if matcher.is_error():
             raise GrammarError(f"{grammar.what}: {matcher.get_error()}")
         return matcher

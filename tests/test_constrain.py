@@ -166,3 +166,37 @@ def test_budget_refusals(reply, fields, match):
     with pytest.raises(ApiError, match=match) as err:
         grammar_of(reply, **fields)
     assert err.value.param == "thinking_token_budget"
+
+
+def test_the_frontend_and_the_scheduler_read_one_definition_of_the_limits(tmp_path, monkeypatch):
+    """``scheduler.messages.grammar_limits`` is the only copy: with its grammar size cut, the
+    frontend's check refuses a grammar with a 400 and the scheduler's compile refuses it too."""
+    from scheduler.grammar import GrammarError, Grammars
+    from scheduler.messages import grammar_limits
+    from scheduler.messages.to_scheduler import Grammar
+    from tests.fake_scheduler import EOS_ID, SPECIALS
+
+    assert not hasattr(grammars, "LIMITS")
+    compiler = Grammars.from_dir(write_byte_tokenizer(tmp_path), 256 + len(SPECIALS), [EOS_ID])
+    grammar = grammars.json_grammar(SCHEMA, "response_format", "response_format")
+    compiler.compile(grammar)
+    assert str(grammar_limits.parser_limits(llguidance)).count("max_items_in_row: 500")
+    monkeypatch.setitem(grammar_limits.LIMITS, "max_grammar_size", 5)
+    with pytest.raises(ApiError, match="not supported") as err:
+        grammars.json_grammar(SCHEMA, "response_format", "response_format")
+    assert err.value.status == 400
+    with pytest.raises(GrammarError, match="grammar"):
+        compiler.compile(grammar)
+
+
+def test_a_limit_field_an_older_llguidance_lacks_is_left_out():
+    from scheduler.messages import grammar_limits
+
+    class Old:  # llguidance without step_max_items
+        class LLParserLimits:
+            max_items_in_row = initial_lexer_fuel = step_lexer_fuel = max_lexer_states = max_grammar_size = None
+
+            def __init__(self, **fields):
+                self.fields = fields
+
+    assert set(grammar_limits.parser_limits(Old).fields) == set(grammar_limits.LIMITS) - {"step_max_items"}

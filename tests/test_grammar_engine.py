@@ -215,3 +215,32 @@ def test_constrained_engine_steps_on_the_gpu_launch_without_syncs(model_dir, gra
         tokens, reason, _ = results[rid]
         assert reason == "stop"
         validate(json.loads(text(tokens)), SCHEMA)
+
+
+AMBIGUOUS = 'start: x "." \nx: x x | x x x | x x x x | /[a-z ]/ | /[a-z ]{2}/ | ""'  # its chart grows every token
+
+
+def test_a_grammar_past_the_step_limits_fails_its_request_only(runner, grammars):
+    """An ambiguous grammar's Earley rows grow with every token, and each step costs more than the
+    last (over 0.5 s of mask a step at llguidance's default row limit): under the shared limits it
+    fails its own request with llguidance's one-line reason after ~100 tokens, its masks quick, while an
+    unconstrained request beside it finishes and every page comes back (``run`` checks them)."""
+    import time
+
+    engine = engine_on(runner, dict(max_running=4))
+    heavy = constrained("heavy", grammars, Grammar(lark=AMBIGUOUS, what="attack"), max_tokens=400)
+    fill, costs = engine.mask.fill, []
+
+    def timed(matchers):
+        start = time.perf_counter()
+        out = fill(matchers)
+        costs.append(time.perf_counter() - start)
+        return out
+
+    engine.mask.fill = timed
+    results = run(engine, [heavy, free("fine", list(b"abc"), 300)])
+    [failure] = engine.take_failures()
+    assert failure.rid == "heavy" and not failure.internal and "\n" not in failure.message
+    assert "max is 500" in failure.message, failure.message
+    assert results["fine"][1] in ("stop", "length") and results["heavy"][1] is None
+    assert 50 < len(results["heavy"][0]) < 400 and max(costs[1:]) < 0.2  # the first makes the executor

@@ -21,11 +21,10 @@ from frontend.http.errors import ApiError
 from frontend.http.parsers import ReplyFormat
 from frontend.http.parsers.reasoning import END_THINK, THINK
 from frontend.validate import MAX_GRAMMAR_CHARS
+from scheduler.messages.grammar_limits import parser_limits
 from scheduler.messages.to_scheduler import Grammar
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
-# the scheduler's bounds (scheduler.grammar.LIMITS): a grammar that passes here compiles there
-LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
 OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
 ANY_TEXT = "/(.|\\n)*/"
 # Where the template knows reasoning, free text may not open it: only the bounded think rule may.
@@ -126,7 +125,7 @@ def checked(grammar: Grammar, param: str) -> Grammar:
                        "(pip install llguidance)", param=param) from None
 
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=llguidance.LLParserLimits(**LIMITS))
+        llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=parser_limits(llguidance))
     if failed:
         reason = re.sub(r"^at \d+\(\d+\): ", "", messages[0].split("\n")[0]) if messages else "it does not compile"
         raise ApiError(400, f"{grammar.what} is not supported: {reason}", param=param)
