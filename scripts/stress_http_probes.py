@@ -64,16 +64,19 @@ def malformed(rng: random.Random, model: str) -> Iterator[Probe]:
 
 def huge_bodies(rng: random.Random, model: str) -> Iterator[Probe]:
     """Tens of MB: over the body limit (with and without Content-Length), and under it, where the
-    prompt is too long (one huge message, many small ones, many tools)."""
+    prompt is too long (one huge message, many small ones, many tools): a 4xx, except that
+    count_tokens may count it (a 200; a 400 / 413 is fine too, a 5xx or no reply is not)."""
     while True:
         path = rng.choice(PATHS)
         kind = rng.randrange(5)
         if kind < 2:
             yield Probe(path, _pad(json.dumps(good(path, model)).encode(), OVER), chunked=kind == 1)
-        elif kind == 2 or path == COMPLETIONS:
-            yield Probe(path, with_messages(path, model, [{"role": "user", "content": "x " * (HUGE // 2)}]))
+        elif kind == 2 or path == COMPLETIONS:  # count_tokens counts a prompt past the context: a 200 is due
+            yield Probe(path, with_messages(path, model, [{"role": "user", "content": "x " * (HUGE // 2)}]),
+                        bad=path != COUNT)
         elif kind == 3:
-            yield Probe(path, with_messages(path, model, [{"role": "user", "content": "hi"}] * 200_000))
+            yield Probe(path, with_messages(path, model, [{"role": "user", "content": "hi"}] * 200_000),
+                        bad=path != COUNT)
         else:
             tools = [_tool(path, f"t{i}", {"type": "object", "description": "d" * 1000}) for i in range(HUGE // 1100)]
             yield Probe(path, good(path, model, tools=tools), bad=False)  # a template may show no tools

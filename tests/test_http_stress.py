@@ -53,3 +53,16 @@ def test_a_schema_the_grammar_cannot_follow_is_a_400_not_a_500(server, path, con
     reply = httpx.post(server[1] + path, json=good(path, "tiny", **constraint), timeout=WAIT_S)
     assert reply.status_code == 400 and error_shaped(path, reply.json()), reply.text
     assert "the grammar refused" in reply.text and "<state>" not in reply.text
+
+
+def test_count_tokens_may_count_a_prompt_past_the_context():
+    """A 20 MB prompt under the body limit is a 4xx for every API but count_tokens, which counts it."""
+    import random
+
+    from scripts.stress_http_probes import COUNT, OVER, huge_bodies
+
+    probes = huge_bodies(random.Random(0), "m")
+    seen = [next(probes) for _ in range(200)]
+    under = [p for p in seen if isinstance(p.body, dict) and "tools" not in p.body]
+    assert {p.path for p in under if not p.bad} == {COUNT} and any(p.bad for p in under)
+    assert all(p.bad for p in seen if isinstance(p.body, bytes) and len(p.body) >= OVER)
