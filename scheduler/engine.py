@@ -260,9 +260,10 @@ class Engine:
         live = [(r, row) for r, row in zip(reqs, rows) if row >= 0 and not r.finished]
         empty = set(self.mask.fill([(r.grammar, row) for r, row in live])) if live else set()
         for req, row in live:
-            if row in empty:
-                self._fail(req, f"the grammar allows no next token after {len(req.output)} tokens "
-                                "(an unsatisfiable schema?)", internal=False)
+            if row in empty:  # the matcher's own reason when it stopped (a step limit), else none allowed
+                error = req.grammar.get_error() if req.grammar.is_error() else ""
+                reason = error.splitlines()[0] if error else "the grammar allows no next token (an unsatisfiable schema?)"
+                self._fail(req, f"{reason} (after {len(req.output)} tokens)", internal=False)
         self.mask.allow_all([row for r, row in zip(reqs, rows) if row >= 0 and r.finished])
         self.mask.to_device()
 

@@ -157,8 +157,8 @@ def test_a_grammar_that_allows_no_token_fails_its_request_only(runner, grammars)
     assert not stuck.grammar.consume_token(ord("z"))  # a matcher in error allows nothing
     results = run(engine, [stuck, free("fine", list(b"abc"))])
     assert results["fine"][1] in ("stop", "length") and results["stuck"] == [[], None, []]
-    [failure] = engine.take_failures()
-    assert failure.rid == "stuck" and "allows no next token" in failure.message
+    [failure] = engine.take_failures()  # the matcher's own one-line reason, not a guess
+    assert failure.rid == "stuck" and "fails parse" in failure.message and "\n" not in failure.message
 
 
 def test_tokens_read_before_a_failed_sampling_still_go_out(runner, grammars, monkeypatch):
