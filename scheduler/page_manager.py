@@ -35,7 +35,7 @@ class PageManager:
         self.in_flight: set[int] = set()  # GPU pages released since the last launch: the running step may use them
         self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method, self.in_flight) if host else None
         self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0)
-        self.windows = WindowCache(window_pool, window) if window_pool is not None else None
+        self.windows = WindowCache(window_pool, window, prefix_cache) if window_pool is not None else None
         if self.windows is not None and self.radix is not None:
             self.radix.on_remove = self.windows.dropped
 
@@ -135,8 +135,10 @@ class PageManager:
         if self.states is not None:
             self._place_snapshots(req, kv_tokens, num_full * self.page_size)
         if self.windows is not None:
-            end = num_full * self.page_size
+            end, prompt_end = num_full * self.page_size, self.windows.prompt_end(req)
             self.windows.take(self.radix.node_ending_at(kv_tokens, end) if end else None, req, end)
+            if prompt_end <= end:
+                self.windows.take_prompt_end(self.radix.node_ending_at(kv_tokens, prompt_end), req)
             self.windows.release(req)
         self.pool.free([p for p in req.own_pages if p not in inserted.adopted])
         self.radix.unlock(req.prefix.node)

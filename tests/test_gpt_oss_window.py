@@ -88,11 +88,61 @@ def test_a_4k_session_holds_window_pages_only(checkpoint):
     scratch_stats = scratch.stats()
     assert scratch_stats["window_pages_running"] == 0 and scratch_stats["window_snapshots"] == 0
     stats = cached.stats()
-    assert stats["window_snapshots"] <= 4 and stats["window_pages_running"] == 0
+    assert stats["window_snapshots"] <= 8 and stats["window_pages_running"] == stats["window_pages_pending"] == 0
     assert stats["window_pages_free"] >= stats["window_pages_total"] - 4 * ring
     print(f"\n4k session: {len(prompt) + 24} tokens, window pool {stats['window_pages_total']} pages, "
           f"peak {stats['window_pages_peak']} window pages per request (ring {ring}), "
           f"{stats['window_pages_freed']} freed, {stats['window_prefix_tokens']} tokens resumed from windows")
+
+
+def rerendered_session(engine: Engine, seed: int, new=(300, 200, 333, 250)):
+    """Turns whose prompt is the last prompt, its reply re-rendered (half of it, every token other
+    than generated: harmony drops the analysis and ends the turn with <|end|>) and new tokens, so
+    the prompt parts from the cached tokens right after the last prompt. 512 is a page multiple."""
+    gen = torch.Generator().manual_seed(seed)
+    history: list[int] = []
+    for turn, n in enumerate(new):
+        history = history + torch.randint(0, 127, (n,), generator=gen).tolist()
+        before = dict(engine.stats())
+        out = run(engine, [req(f"h{turn}", history, max_tokens=24, ignore_eos=True)])[f"h{turn}"][0]
+        yield turn, list(history), out, before, engine.stats()
+        history = history + [(t + 1) % 127 for t in out[::2]]
+
+
+def test_a_rerendered_turn_resumes_from_the_prompt_end_window(checkpoint):
+    """Each follow-up matches the last prompt only; its sliding layers resume from the window kept
+    at that prompt's last page boundary, where its full layers resume, and recompute nothing before
+    it. Every page is accounted for after each step, and after the prefix cache is emptied."""
+    model_dir, hf = checkpoint
+    cached, scratch = make_engine(model_dir), make_engine(model_dir, prefix_cache=False)
+    seen, fresh = record_logits(cached), record_logits(scratch)
+    last = 0
+    for turn, prompt, out, before, after in rerendered_session(cached, seed=3):
+        assert out == run(scratch, [req("s", prompt, max_tokens=24, ignore_eos=True)])["s"][0], turn
+        got = sampled_logits(seen, len(prompt))
+        assert rel_err(got, sampled_logits(fresh, len(prompt))) < TOL, turn
+        seen.clear()
+        fresh.clear()
+        delta = {k: after[k] - before[k] for k in ("window_prefix_tokens", "kv_prefix_tokens_gpu",
+                                                   "window_recomputed_tokens", "window_prompt_snapshots")}
+        assert delta == dict(window_prefix_tokens=last // PAGE * PAGE, kv_prefix_tokens_gpu=last // PAGE * PAGE,
+                             window_recomputed_tokens=0, window_prompt_snapshots=1), (turn, delta)
+        last = len(prompt)
+    assert rel_err(hf_logits(hf, prompt)[-1], got[0]) < TOL
+    stats = cached.stats()
+    assert stats["window_pages_running"] == stats["window_pages_pending"] == 0
+    assert stats["window_snapshots"] == 8 and stats["window_pages_free"] < stats["window_pages_total"]
+    pages = cached.pages
+    freed, _ = pages.radix.evict(pages.radix.num_pages, lambda node: None)
+    pages.pool.free(freed)
+    cached.check_pages()
+    stats = cached.stats()
+    assert stats["window_snapshots"] == 0 and stats["window_pages_free"] == stats["window_pages_total"]
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    print(f"\nre-rendered session: {stats['window_snapshots_taken']} windows kept "
+          f"({stats['window_prompt_snapshots']} at prompt ends), {stats['window_prefix_tokens']} tokens resumed "
+          f"from windows, {stats['kv_prefix_tokens_gpu']} by the full layers, "
+          f"{stats['window_recomputed_tokens']} recomputed before the resume point")
 
 
 @pytest.mark.parametrize("tight", ["window pool", "KV pool"])
