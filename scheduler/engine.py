@@ -33,7 +33,7 @@ import torch
 
 from scheduler.config import EngineConfig
 from scheduler.faults import FaultHooks, poisons_device
-from scheduler.grammar import HostMask
+from scheduler.grammar import HostMask, library_failure, one_line
 from scheduler.messages.from_scheduler import TokenUpdate
 from scheduler.page_manager import PageManager
 from scheduler.request import Request
@@ -258,10 +258,10 @@ class Engine:
         whose grammar allows no token (it fails), gets a row allowing every token: its draw is
         dropped, and a well-formed row keeps the sampler's input ordinary."""
         live = [(r, row) for r, row in zip(reqs, rows) if row >= 0 and not r.finished]
-        empty = set(self.mask.fill([(r.grammar, row) for r, row in live])) if live else set()
+        empty = self.mask.fill([(r.grammar, row) for r, row in live]) if live else {}
         for req, row in live:
-            if row in empty:  # the matcher's own reason when it stopped (a step limit), else none allowed
-                error = req.grammar.get_error() if req.grammar.is_error() else ""
+            if row in empty:  # llguidance's error (a panic), the matcher's reason when it stopped (a step limit)
+                error = empty[row] or (req.grammar.get_error() if req.grammar.is_error() else "")
                 reason = error.splitlines()[0] if error else "the grammar allows no next token (an unsatisfiable schema?)"
                 self._fail(req, f"{reason} (after {len(req.output)} tokens)", internal=False)
         self.mask.allow_all([row for r, row in zip(reqs, rows) if row >= 0 and r.finished])
@@ -369,7 +369,14 @@ class Engine:
         for req, sampled, token in zip(launched.reqs, launched.samples, launched.tokens.tolist()):
             if not sampled or req.finished:
                 continue
-            if not req.accept(token):
+            try:  # the matcher consumes the token: llguidance may raise, a Rust panic too (a BaseException)
+                accepted = req.accept(token)
+            except BaseException as exc:
+                if not library_failure(exc):
+                    raise
+                self._fail(req, f"the grammar failed on sampled token {token}: {one_line(exc)}", internal=False)
+                continue
+            if not accepted:
                 error = req.grammar.get_error().partition("\n")[0]  # not the parser state dumped after it
                 self._fail(req, f"the grammar refused sampled token {token}: {error}", internal=False)
                 continue

@@ -32,6 +32,17 @@ class GrammarError(ValueError):
     """A grammar that does not compile, or that allows no token."""
 
 
+def library_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by an llguidance call, is the library's failure: any Exception, or a
+    Rust panic, which pyo3 raises as ``PanicException``, a BaseException (``except Exception`` misses it)."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line: its first (a panic's message is followed by a backtrace)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
 def _read_tokenizer(llguidance, tokenizer_json: str, vocab: int, eos_ids: list[int]):
     """Newer llguidance takes every end-of-turn id; older releases (1.6) take one, and then a grammar
     ends its text on the first id only (the others stay masked where the grammar is complete)."""
@@ -68,8 +79,13 @@ class Grammars:
         """A fresh matcher for ``grammar``, or GrammarError naming what is wrong with it."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
-                                       log_level=0, limits=parser_limits(llguidance))
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
+                                           log_level=0, limits=parser_limits(llguidance))
+        except BaseException as exc:
+            if not library_failure(exc):
+                raise
+            raise GrammarError(f"{grammar.what}: llguidance failed to compile it ({one_line(exc)})") from None
         if matcher.is_error():
             raise GrammarError(f"{grammar.what}: {matcher.get_error()}")
         return matcher
@@ -84,14 +100,37 @@ class HostMask:
         self.device_words = torch.zeros_like(self.host, device=device) if cuda else self.host
         self.executor: llguidance.LLExecutor | None = None
 
-    def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> list[int]:
-        """Fill the rows of ``(matcher, row)``; returns the rows their grammar leaves no token in."""
+    def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> dict[int, str]:
+        """Fill the rows of ``(matcher, row)``; returns the rows their grammar leaves no token in, each
+        with the one-line error of an llguidance call that raised for it (a Rust panic too), else ""."""
         import llguidance
         import llguidance.torch as llt
 
         self.executor = self.executor or llguidance.LLExecutor()
-        llt.fill_next_token_bitmask_par(self.executor, matchers, self.host)
-        return [row for m, row in matchers if m.is_error() or not bool(self.host[row].any())]
+        try:
+            llt.fill_next_token_bitmask_par(self.executor, matchers, self.host)
+            raised = {}
+        except BaseException as exc:
+            if not library_failure(exc):
+                raise
+            raised = self._fill_each(matchers)  # the batch call names no matcher: each row again, alone
+        return {row: raised.get(row, "") for m, row in matchers
+                if row in raised or m.is_error() or not bool(self.host[row].any())}
+
+    def _fill_each(self, matchers: list[tuple[llguidance.LLMatcher, int]]) -> dict[int, str]:
+        """Fill each row by itself; returns the rows whose call raised (left allowing nothing), with why."""
+        import llguidance.torch as llt
+
+        raised = {}
+        for matcher, row in matchers:
+            try:
+                llt.fill_next_token_bitmask(matcher, self.host, row)
+            except BaseException as exc:
+                if not library_failure(exc):
+                    raise
+                self.host[row] = 0  # never a half-written row: the engine fails it and allows every token there
+                raised[row] = one_line(exc)
+        return raised
 
     def allow_all(self, rows: list[int]) -> None:
         self.host[rows] = -1  # every bit set

@@ -200,3 +200,18 @@ def test_a_limit_field_an_older_llguidance_lacks_is_left_out():
                 self.fields = fields
 
     assert set(grammar_limits.parser_limits(Old).fields) == set(grammar_limits.LIMITS) - {"step_max_items"}
+
+
+def test_a_panic_checking_a_grammar_is_a_400_not_a_dead_server(monkeypatch):
+    """A Rust panic in llguidance comes as pyo3's PanicException, a BaseException: the check turns
+    it into the API's error, with one line of why."""
+    class PanicException(BaseException):
+        pass
+
+    def panics(*args, **kw):
+        raise PanicException("num_rows=3 row_infos=2\n<backtrace>")
+
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar_with_warnings", panics)
+    with pytest.raises(ApiError, match=r"llguidance failed on it \(PanicException: num_rows=3 row_infos=2\)$") as err:
+        grammar_of(response_format={"type": "json_object"})
+    assert err.value.status == 400 and err.value.param == "response_format"

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("llguidance")  # constrained decoding's library; the GPU machines may lack it
 
-from frontend.http.grammars import json_grammar, tool_call_grammar  # noqa: E402
+from frontend.http.grammars import free_grammar, json_grammar, tool_call_grammar  # noqa: E402
 from frontend.http.parsers import ReplyFormat  # noqa: E402
 from frontend.http.parsers.json_calls import parse_tool_calls  # noqa: E402
 from scheduler.engine import Engine, EngineConfig  # noqa: E402
@@ -244,3 +244,100 @@ def test_a_grammar_past_the_step_limits_fails_its_request_only(runner, grammars)
     assert "max is 500" in failure.message, failure.message
     assert results["fine"][1] in ("stop", "length") and results["heavy"][1] is None
     assert 50 < len(results["heavy"][0]) < 400 and max(costs[1:]) < 0.2  # the first makes the executor
+
+
+# ==== llguidance failing inside a call: a Rust panic is a BaseException, not an Exception ====
+
+MAY_REASON = ReplyFormat.of("<think></think>", "<|im_start|>assistant\n", {})
+
+
+class PanicException(BaseException):
+    """pyo3's exception for a Rust panic, as llguidance raises it (``pyo3_runtime.PanicException``)."""
+
+
+def test_the_reasoning_budget_walk_that_panics_fails_its_request_only(runner, grammars):
+    """llguidance 1.6.1 and 1.9.1 panic ("num_rows=3 row_infos=2") computing the mask after the model
+    writes ``</think`` under a budgeted reasoning grammar (a ``stop`` lexeme followed by its own
+    closing tag): the request fails with the one-line panic, a request beside it finishes, and
+    every page comes back."""
+    grammar = free_grammar(None, MAY_REASON, 20, "thinking_token_budget", "thinking_token_budget")
+    engine = engine_on(runner, dict(max_running=4))
+    thinking = constrained("thinking", grammars, grammar, max_tokens=40)
+    assert thinking.grammar.consume_tokens(list(b"<think>hmm</think"))  # the mask after it panics
+    results = run(engine, [thinking, free("fine", list(b"abc"), 30)])
+    [failure] = engine.take_failures()
+    assert failure.rid == "thinking" and not failure.internal and "\n" not in failure.message
+    assert "panic" in failure.message, failure.message
+    assert results["fine"][1] in ("stop", "length") and results["thinking"][1] is None
+    assert engine.pages.pool.num_free == engine.pages.pool.capacity and not engine.running
+
+
+def test_a_raised_panic_in_the_mask_fails_its_request_only(runner, grammars, monkeypatch):
+    """When the batched fill raises (here a panic), each row is filled alone: the one that raises
+    fails with a one-line reason, its row allows every token, the other constrained request goes on."""
+    import llguidance.torch as llt
+
+    grammar = Grammar(lark="start: /[a-z]{20}/", what="test")
+    bad, good = constrained("bad", grammars, grammar, max_tokens=20), constrained("good", grammars, grammar, max_tokens=20)
+    fill_par, fill_one, rows = llt.fill_next_token_bitmask_par, llt.fill_next_token_bitmask, {}
+
+    def par(executor, matchers, bitmask):
+        rows.update(bad=bad.slot)
+        if any(row == bad.slot for _, row in matchers):
+            bitmask[bad.slot] = 7  # half written, then the panic
+            raise PanicException("num_rows=3 row_infos=2\n<backtrace>")
+        return fill_par(executor, matchers, bitmask)
+
+    def one(matcher, bitmask, index=0):
+        if index == bad.slot:
+            raise PanicException("num_rows=3 row_infos=2\n<backtrace>")
+        return fill_one(matcher, bitmask, index)
+
+    monkeypatch.setattr(llt, "fill_next_token_bitmask_par", par)
+    monkeypatch.setattr(llt, "fill_next_token_bitmask", one)
+    engine = engine_on(runner, dict(max_running=4))
+    allowed = []
+    to_device = engine.mask.to_device
+    engine.mask.to_device = lambda: (allowed.append(engine.mask.host[rows["bad"]].tolist()), to_device())[1]
+    results = run(engine, [bad, good, free("fine", list(b"abc"), 10)])
+    [failure] = engine.take_failures()
+    assert failure.rid == "bad" and not failure.internal
+    assert failure.message == "PanicException: num_rows=3 row_infos=2 (after 0 tokens)", failure.message
+    assert all(w == -1 for w in allowed[0])  # the failed row allows every token, not half of what it had
+    assert results["good"][1] == "stop" and len(text(results["good"][0])) == 20
+    assert results["fine"][1] in ("stop", "length")
+    assert engine.pages.pool.num_free == engine.pages.pool.capacity
+
+
+def test_a_panic_consuming_a_token_or_compiling_fails_that_request_only(runner, grammars, monkeypatch):
+    import llguidance
+
+    engine = engine_on(runner, dict(max_running=4))
+    bad = constrained("bad", grammars, Grammar(lark="start: /[a-z]{20}/", what="test"), max_tokens=20)
+    accept = Request.accept
+
+    def panics(self, token):
+        if self.rid == "bad":
+            raise PanicException("consume\n<backtrace>")
+        return accept(self, token)
+
+    monkeypatch.setattr(Request, "accept", panics)
+    results = run(engine, [bad, free("fine", list(b"abc"), 10)])
+    [failure] = engine.take_failures()
+    assert failure.rid == "bad" and not failure.internal and "\n" not in failure.message
+    assert "PanicException: consume" in failure.message
+    assert results["fine"][1] in ("stop", "length") and engine.pages.pool.num_free == engine.pages.pool.capacity
+
+    class Matcher:
+        grammar_from_lark = staticmethod(lambda lark: lark)
+
+        def __init__(self, *args, **kw):
+            raise PanicException("compile\n<backtrace>")
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Matcher)
+    with pytest.raises(GrammarError, match=r"^test: llguidance failed to compile it \(PanicException: compile\)$"):
+        grammars.compile(Grammar(lark="start: /[a-z]/", what="test"))
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):  # only llguidance's failures are caught, not an interrupt
+        monkeypatch.setattr(Request, "accept", lambda self, token: (_ for _ in ()).throw(KeyboardInterrupt()))
+        run(engine_on(runner, dict(max_running=4)), [constrained("x", grammars, Grammar(lark="start: /[a-z]{3}/"))])

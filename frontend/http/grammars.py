@@ -124,8 +124,15 @@ def checked(grammar: Grammar, param: str) -> Grammar:
         raise ApiError(501, f"{grammar.what} needs the llguidance package, which this server lacks "
                        "(pip install llguidance)", param=param) from None
 
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=parser_limits(llguidance))
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.LLMatcher.grammar_from_lark(grammar.lark), None, limits=parser_limits(llguidance))
+    except BaseException as exc:  # a Rust panic comes as pyo3's PanicException, a BaseException
+        if not (isinstance(exc, Exception) or type(exc).__name__ == "PanicException"):
+            raise
+        line = (str(exc).strip().splitlines() or [""])[0]
+        raise ApiError(400, f"{grammar.what} is not supported: llguidance failed on it ({type(exc).__name__}: {line})",
+                       param=param) from None
     if failed:
         reason = re.sub(r"^at \d+\(\d+\): ", "", messages[0].split("\n")[0]) if messages else "it does not compile"
         raise ApiError(400, f"{grammar.what} is not supported: {reason}", param=param)
