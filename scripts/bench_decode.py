@@ -292,10 +292,11 @@ def dense_bytes(runner) -> int:
 def tensor_bytes(weights) -> int:
     """The bytes of every tensor of a weights dataclass, and of the dataclasses it holds."""
     total = 0
-    for value in vars(weights).values():
+    values = weights if isinstance(weights, (tuple, list)) else vars(weights).values()  # gpt-oss: NamedTuples
+    for value in values:
         if isinstance(value, torch.Tensor):
             total += value.numel() * value.element_size()
-        elif value is not None:
+        elif isinstance(value, (tuple, list)) or hasattr(value, "__dict__"):
             total += tensor_bytes(value)
     return total
 

@@ -147,10 +147,18 @@ class Sequence(NamedTuple):
             runner.state_pool.copy([self.snapshot], [self.slot])
 
 
+def window_pages(runner: ModelRunner, pages: list[int]) -> list[int] | None:
+    """gpt-oss's sliding layers: the sequence's logical pages folded into the window pool in order
+    (a ring), so the pages a chunk and its window use stay apart however long the prefix."""
+    pool = runner.window_pool
+    return None if pool is None else [1 + i % (pool.num_pages - 1) for i in range(len(pages))]
+
+
 def run_chunk(runner: ModelRunner, tokens: list[int], prefix: int, seq: Sequence) -> float:
     sync()
     start = time.perf_counter()
-    runner.forward([SequenceChunk(tokens, prefix, seq.pages, state_slot=seq.slot)], [SamplingParams()], [0])
+    chunk = SequenceChunk(tokens, prefix, seq.pages, state_slot=seq.slot, window_pages=window_pages(runner, seq.pages))
+    runner.forward([chunk], [SamplingParams()], [0])
     sync()
     return time.perf_counter() - start
 
