@@ -62,7 +62,8 @@ def install() -> CompileWatch:
 
     def hook(*args, **kwargs):
         fn = kwargs.get("fn")
-        WATCH.on_compile(getattr(fn, "name", repr(fn)), str(kwargs.get("repr", ""))[:240])
+        # the whole specialisation (argument types, divisibility, constants): cut, it hid which differed
+        WATCH.on_compile(getattr(fn, "name", repr(fn)), str(kwargs.get("repr", "")))
         return before(*args, **kwargs) if before is not None else None
 
     hook.sluice_watch = True
