@@ -158,6 +158,22 @@ def test_a_thinking_budget_forces_the_end_of_the_reasoning(tokenizer):
         grammar_of(OPENED, thinking_token_budget=20, tools=[WEATHER], tool_choice="required")
 
 
+@pytest.mark.parametrize("budget", [20, None])
+def test_the_model_closing_its_reasoning_computes_every_mask(tokenizer, budget):
+    """Each mask on the way (llguidance 1.6 and 1.9 panicked after ``</think`` under a ``stop``
+    lexeme followed by the tag), the model closing the reasoning itself, then a strict call."""
+    import llguidance.torch as llt
+
+    grammar = grammar_of(MAY_REASON, thinking_token_budget=budget, tools=[STRICT])
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark))
+    mask = llt.allocate_token_bitmask(1, tokenizer.vocab_size)
+    for token in tokenizer.tokenize_str("<think>hmm </thin </think>" + CALL):
+        llt.fill_next_token_bitmask(matcher, mask)
+        assert not matcher.is_error() and (int(mask[0, token // 32]) >> (token % 32)) & 1, matcher.get_error()
+        assert matcher.consume_token(token)
+    assert matcher.is_accepting()
+
+
 @pytest.mark.parametrize("reply, fields, match", [
     (JSON_REPLY, dict(thinking_token_budget=5), "needs a model that reasons"),
     (MAY_REASON, dict(thinking_token_budget=-1), "at least 0"),

@@ -255,20 +255,20 @@ class PanicException(BaseException):
     """pyo3's exception for a Rust panic, as llguidance raises it (``pyo3_runtime.PanicException``)."""
 
 
-def test_the_reasoning_budget_walk_that_panics_fails_its_request_only(runner, grammars):
-    """llguidance 1.6.1 and 1.9.1 panic ("num_rows=3 row_infos=2") computing the mask after the model
-    writes ``</think`` under a budgeted reasoning grammar (a ``stop`` lexeme followed by its own
-    closing tag): the request fails with the one-line panic, a request beside it finishes, and
-    every page comes back."""
+def test_reasoning_the_model_closes_under_a_budget_finishes(runner, grammars):
+    """The budgeted reasoning grammar once panicked in llguidance 1.6.1 and 1.9.1 ("num_rows=3
+    row_infos=2") computing the mask after the model wrote ``</think`` (a ``stop`` lexeme followed
+    by its own closing tag): the reasoning is now whole lexemes, and the request finishes."""
     grammar = free_grammar(None, MAY_REASON, 20, "thinking_token_budget", "thinking_token_budget")
     engine = engine_on(runner, dict(max_running=4))
     thinking = constrained("thinking", grammars, grammar, max_tokens=40)
-    assert thinking.grammar.consume_tokens(list(b"<think>hmm</think"))  # the mask after it panics
+    assert thinking.grammar.consume_tokens(list(b"<think>hmm</think"))  # the mask after it panicked
     results = run(engine, [thinking, free("fine", list(b"abc"), 30)])
-    [failure] = engine.take_failures()
-    assert failure.rid == "thinking" and not failure.internal and "\n" not in failure.message
-    assert "panic" in failure.message, failure.message
-    assert results["fine"][1] in ("stop", "length") and results["thinking"][1] is None
+    assert not engine.take_failures()
+    tokens, reason, _ = results["thinking"]
+    reply = "hmm</think" + text(tokens)  # the model may go on thinking: the tag is closed only once
+    assert reason in ("stop", "length") and reply.count("</think>") == 1 and "<think>" not in reply, reply
+    assert results["fine"][1] in ("stop", "length")
     assert engine.pages.pool.num_free == engine.pages.pool.capacity and not engine.running
 
 

@@ -29,6 +29,11 @@ OPEN_CALL, CLOSE_CALL = "<tool_call>\n", "\n</tool_call>"
 ANY_TEXT = "/(.|\\n)*/"
 # Where the template knows reasoning, free text may not open it: only the bounded think rule may.
 NO_REASONING = " & ~/\\s*<think>(?s:.*)/"
+# Reasoning as whole lexemes: not yet closed, or closed by the model (ending at its first </think>).
+# A ``stop="</think>"`` lexeme followed by the tag makes llguidance (1.6, 1.9) panic computing the
+# mask once the model writes the tag itself ("num_rows=3 row_infos=2").
+OPEN_THOUGHT = "/(.|\\n)*/ & ~/(?s:.*)<\\/think>(?s:.*)/"
+CLOSED_THOUGHT = "/(?s:.*)<\\/think>/ & ~/(?s:.*)<\\/think>(?s:.+)/"
 
 
 def json_grammar(schema: Any, what: str, param: str) -> Grammar:
@@ -60,8 +65,7 @@ def free_grammar(tools: list[dict[str, Any]] | None, reply: ReplyFormat, budget:
     lines = [f"start: {_reasoning_rule(reply)}body"]
     free = ANY_TEXT
     if reply.markup.reasoning:
-        limit = f", max_tokens={budget + 1}" if budget is not None else ""
-        lines.append(f"think[stop={json.dumps(END_THINK)}{limit}]: {ANY_TEXT}")
+        lines += _think_rules(budget)
         free += NO_REASONING
     if not tools:
         return checked(Grammar(lark="\n".join(lines + ["body: TEXT", f"TEXT: {free}"]), what=what), param)
@@ -75,10 +79,20 @@ def free_grammar(tools: list[dict[str, Any]] | None, reply: ReplyFormat, budget:
 
 def _reasoning_rule(reply: ReplyFormat) -> str:
     """What comes before the body: the reasoning the prompt opened, one the model may open, or none."""
-    close = f"think {json.dumps(END_THINK)} "
     if reply.in_reasoning:
-        return close
-    return f"({json.dumps(THINK)} {close})? " if reply.markup.reasoning else ""
+        return "think "
+    return f"({json.dumps(THINK)} think)? " if reply.markup.reasoning else ""
+
+
+def _think_rules(budget: int | None) -> list[str]:
+    """The reasoning up to and with its closing tag. With a budget both lexemes stop at ``budget + 1``
+    tokens (the tag the model writes counted); llguidance ends a lexeme cut there as the first
+    alternative, the open one, so the tag is forced after it."""
+    if budget is None:
+        return ["think: CLOSED_THOUGHT", f"CLOSED_THOUGHT: {CLOSED_THOUGHT}"]
+    limit = f"[max_tokens={budget + 1}]"
+    return [f"think: open_thought {json.dumps(END_THINK)} | closed_thought",
+            f"open_thought{limit}: {OPEN_THOUGHT}", f"closed_thought{limit}: {CLOSED_THOUGHT}"]
 
 
 def _json_rule(schema: Any, what: str, param: str) -> str:
