@@ -95,7 +95,7 @@ def test_host_rows_from_llguidance(tmp_path):
     digits = grammars.compile(Grammar(lark='start: /[0-9]+/ "!"'))
     done = grammars.compile(Grammar(lark='start: "a"'))
     assert done.consume_token(ord("a"))
-    assert host.fill([(digits, 2), (done, 0)]) == []
+    assert host.fill([(digits, 2), (done, 0)]) == {}  # no row left without a token
     bits = ((host.host.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab]
     assert set(bits[2].nonzero().flatten().tolist()) == set(range(ord("0"), ord("9") + 1))
     assert bits[0].nonzero().flatten().tolist() == [EOS_ID]  # complete: only the end
