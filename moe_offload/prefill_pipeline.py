@@ -194,11 +194,11 @@ class PrefillPipeline:
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
             if self.chunk_stage == "misses":  # hits in place in the cache, misses in the buffer
-                banks = (self.misses.slots(buf, self._buffer_slots(ids)), self.cache.w13, self.cache.w2,
-                         self.cache.scales)
+                slots = self.misses.slots(buf, self._buffer_slots(ids))
+                w13, w2, scales = self.cache.w13, self.cache.w2, self.cache.scales
             else:
-                banks = (self._buffer_slots(ids), self.buf_w13[buf], self.buf_w2[buf], self.gemm_scales[buf])
-            slots, w13, w2, scales = banks
+                slots = self._buffer_slots(ids)
+                w13, w2, scales = self.buf_w13[buf], self.buf_w2[buf], self.gemm_scales[buf]
             out = grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales, out_dtype=out_dtype,
                                  activation=activation, **bias_args(bias, ids))
         self.streams.record(f"release{buf}", "compute")

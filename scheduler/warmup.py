@@ -23,10 +23,10 @@ log = logging.getLogger("sluice.scheduler")
 
 MID_CHUNK = 1024  # a chunk that still streams experts but chooses the stage kernel under "auto"
 SMALL_CHUNK = 7  # below the pipeline threshold, and a length that is no multiple of 16
-# The warm-up's chunks on the GPU: a full chunk, a second one over it (the long-prefix attention path once the chunk's
-# prefix work reaches cudnn_prefill.MIN_PREFIX_WORK), a mid and a small chunk over prefixes that
-# are multiples of 16, then a mid and a small one over prefixes that are not: Triton specialises
-# integer arguments by divisibility by 16, and serving meets every combination.
+# The warm-up's chunks on the GPU: a full chunk, a second one over it (the long-prefix attention
+# path once the chunk's prefix work reaches cudnn_prefill.MIN_PREFIX_WORK), a mid and a small chunk
+# over prefixes that are multiples of 16, then a mid and a small one over prefixes that are not:
+# Triton specialises integer arguments by divisibility by 16, and serving meets every combination.
 CPU_FULL_CHUNK = 16  # nothing compiles on the CPU: keep the warm-up a formality there
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
 
