@@ -33,6 +33,7 @@ CPU_CASES = [  # heads, kv_heads, D, page, rows (prefix, q_len): GQA 1/4/8, pref
     (4, 4, 16, 4, [(9, 5), (0, 3), (30, 1)]),
     (8, 2, 32, 4, [(13, 17), (1, 2)]),
     (16, 2, 16, 8, [(70, 33), (0, 9), (8, 8)]),
+    (4, 2, 16, 4, [(21, 16), (3, 32)]),  # rows that fill their query bucket: nothing padded
 ]
 
 
@@ -78,6 +79,41 @@ def test_merge_pair_weighs_the_parts_by_their_lse(backend):
     torch.testing.assert_close(out[3, 2], o2[3, 2])
     torch.testing.assert_close(out, merge_pair_eager(o1, lse1, o2, lse2), rtol=1e-5, atol=1e-5)
     assert not full[:, 0].any() and not full[:, heads + 1].any()
+
+
+def test_query_buckets_are_few_and_pad_at_most_an_eighth():
+    """Every length maps to a bucket at least as long and, from 128 rows on, at most 1/8 longer;
+    buckets are fixed points; a 2k-token turn and a 4,000-token prompt take their own buckets; a
+    prefill of up to 8k rows within 256k tokens reaches 41 buckets."""
+    from worker.attention.cudnn_prefill import query_bucket, query_buckets
+
+    for n in range(1, 9000):
+        b = query_bucket(n)
+        assert b >= n and b % 16 == 0 and query_bucket(b) == b
+        assert n < 128 or b * 8 <= n * 9
+    assert [query_bucket(n) for n in (2048, 2064, 4000)] == [2048, 2304, 4096]
+    buckets = query_buckets(8192, 1 << 18)
+    assert buckets[0] == 256 and buckets[-1] == 8192 and len(buckets) == 41
+    assert all(query_bucket(n) in buckets for n in range(256, 8193))  # every length the path takes
+    assert query_buckets(2048, 1 << 15) == [2048]  # 2k x 32k is the least work the path takes
+
+
+def test_warm_plans_runs_every_reachable_bucket_over_the_pool(monkeypatch):
+    """Warm-up runs the composition once per bucket, causal and over a prefix the path would take,
+    reading the pool's pages only (the pool is unchanged)."""
+    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 10)
+    seen = []
+    real = cudnn_prefill.dense_attention
+    monkeypatch.setattr(cudnn_prefill, "dense_attention",
+                        lambda q, k, v, causal, scale: seen.append((q.shape[2], k.shape[2], causal)) or
+                        real(q, k, v, causal, scale))
+    k_cache, v_cache = torch.randn(2, 40, 4, 2, 16).unbind(0)  # 40 pages of 4 tokens, page 0 the scratch
+    before = (k_cache.clone(), v_cache.clone())
+    ran = cudnn_prefill.warm_plans(8, k_cache, v_cache, 64, 10_000, 0.25)
+    assert ran == len(cudnn_prefill.query_buckets(64, 39 * 4)) == 4
+    assert [n for n, _, causal in seen if causal] == [16, 32, 48, 64]
+    assert [(n, keys) for n, keys, causal in seen if not causal] == [(16, 65), (32, 33), (48, 23), (64, 17)]
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
 def test_host_checks_raise():

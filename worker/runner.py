@@ -142,6 +142,15 @@ class ModelRunner:
     def reset_stats(self) -> None:
         self.experts.reset_stats()
 
+    def warm_attention_plans(self) -> int:
+        """Plan the long-prefix attention for every query bucket a prefill chunk can reach (the
+        scheduler's warm-up); returns how many. gpt-oss's layers never take that path."""
+        warm = getattr(self.model.attention, "warm_plans", None)
+        if warm is None or self.model_config.attention_sinks:
+            return 0
+        cfg = self.model_config
+        return warm(cfg.num_heads, self.plan.prefill_tokens, cfg.max_context)
+
     def save_routing_record(self) -> None:
         """With ``--record-routing FILE``: write the routing recorded so far to FILE (reads the
         device; the entry points call it when they finish)."""

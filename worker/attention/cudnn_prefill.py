@@ -10,6 +10,14 @@ on sm90), which reads contiguous keys only; the pages are gathered first. Per ro
  out                      merge of the two by log-sum-exp (one Triton launch)
 ```
 
+Each row's query length is padded up to a bucket (``query_bucket``: eight steps an octave, at
+most 1/8 more rows) with zero queries and, for the causal part, zero keys and values after the
+chunk's: top-left causal, query i sees keys 0..i only, so the real rows' results are exact and the
+padded rows are dropped. cuDNN builds a plan per shape, and on the H200 a new query length cost
+about 1.7 s in a served turn where a new prefix length cost little, so the query lengths a prefill
+can reach are few and warmed before serving (``warm_plans``). The prefix length is not bucketed:
+padding keys would change the softmax without a mask.
+
 The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
 for a 2k chunk over 128k keys); the merge reads both parts once. Lengths come from the host, page
 ids are clamped on the device before the gather, nothing is read back. cuDNN takes GQA natively
@@ -22,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from worker import compile_watch
 from moe_offload.kernels.triton_support import next_pow2, use_triton
@@ -36,18 +45,38 @@ from moe_offload.kernels.triton_support import next_pow2, use_triton
 MIN_PREFIX_WORK = 1 << 26
 MERGE_ROWS = 32
 HEAD_DIMS = (64, 128)
+BUCKET_BITS = 3  # 2^3 query buckets an octave: padding costs at most 1/8 of a row's attention
+MIN_BUCKET = 16
 
 
 def usable(q: torch.Tensor, q_lens: list[int], prefixes: list[int]) -> bool:
-    """Whether this batch takes the cuDNN path: a CUDA tensor in bf16/fp16 with a head dim cuDNN
-    fuses, on sm90 or newer (measured on sm90 only), with enough prefix work."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] in HEAD_DIMS):
+    """Whether this batch takes the cuDNN path: ``supported`` queries with enough prefix work."""
+    return supported(q.device, q.dtype, q.shape[2]) and sum(n * p for n, p in zip(q_lens, prefixes)) >= MIN_PREFIX_WORK
+
+
+def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """CUDA in bf16/fp16 with a head dim cuDNN fuses, on sm90 or newer (measured on sm90 only)."""
+    if not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim in HEAD_DIMS):
         return False
-    if not torch.backends.cudnn.is_available():
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
-        return False
-    return sum(n * p for n, p in zip(q_lens, prefixes)) >= MIN_PREFIX_WORK
+    return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def query_bucket(n: int) -> int:
+    """The query length a row of ``n`` is padded to: a multiple of 2^(m-3) for ``n`` in [2^m, 2^(m+1)),
+    at least ``MIN_BUCKET`` (so 2,064 -> 2,304, 2,048 -> 2,048, 4,000 -> 4,096)."""
+    step = max(1 << max(n.bit_length() - 1 - BUCKET_BITS, 0), MIN_BUCKET)
+    return -(-n // step) * step
+
+
+def query_buckets(max_q: int, max_context: int) -> list[int]:
+    """Every bucket a row of at most ``max_q`` queries can take on this path: a row needs
+    ``q_len * prefix >= MIN_PREFIX_WORK`` with its prefix inside ``max_context``."""
+    lo = query_bucket(max(1, -(-MIN_PREFIX_WORK // max(max_context, 1))))
+    buckets, n = [], lo
+    while n <= query_bucket(max_q):
+        buckets.append(n)
+        n = query_bucket(n + 1)
+    return buckets
 
 
 def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -60,19 +89,36 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     num_pages, page = k_cache.shape[:2]
     out, start = torch.empty_like(q), 0
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
-        q_b, k_b, v_b = (x[start:start + n].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, n, D]
+        q_b, k_b, v_b = (_padded_rows(x[start:start + n], query_bucket(n)) for x in (q, k, v))
         o2, lse2 = dense_attention(q_b, k_b, v_b, True, scale)
         if prefix == 0:
-            out[start:start + n] = o2[0].transpose(0, 1)
+            out[start:start + n] = o2[0, :, :n].transpose(0, 1)
         else:
             pages = page_table[b, :-(-prefix // page)].clamp(0, num_pages - 1)
             k_p, v_p = (c.index_select(0, pages).flatten(0, 1)[:prefix].transpose(0, 1)[None]
                         for c in (k_cache, v_cache))
             o1, lse1 = dense_attention(q_b, k_p, v_p, False, scale)
-            merge_pair(o1[0].transpose(0, 1), lse1[0, :, :, 0].t(), o2[0].transpose(0, 1), lse2[0, :, :, 0].t(),
-                       out[start:start + n])
+            merge_pair(o1[0, :, :n].transpose(0, 1), lse1[0, :, :n, 0].t(), o2[0, :, :n].transpose(0, 1),
+                       lse2[0, :, :n, 0].t(), out[start:start + n])
         start += n
     return out
+
+
+def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: int, max_context: int,
+               scale: float) -> int:
+    """Run the path once for every query bucket a prefill can reach (``query_buckets``), over a
+    prefix of the pool's pages (read only), so that cuDNN has planned each bucket before serving.
+    Returns how many buckets it ran."""
+    num_pages, page, kv_heads, D = k_cache.shape
+    room = (num_pages - 1) * page  # page 0 is the scratch page
+    buckets = [n for n in query_buckets(max_q, min(max_context, room)) if -(-MIN_PREFIX_WORK // n) + n <= room]
+    for n in buckets:
+        prefix = -(-MIN_PREFIX_WORK // n) | 1  # a length the path takes, and no multiple of 16
+        q = k_cache.new_zeros(n, heads, D)
+        k = k_cache.new_zeros(n, kv_heads, D)
+        table = torch.arange(1, -(-(prefix + n) // page) + 1, dtype=torch.int32, device=k_cache.device)[None]
+        cached_prefix_attention(q, k, k, k_cache, v_cache, table, [n], [prefix], scale)
+    return len(buckets)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -97,6 +143,13 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         scores = scores.masked_fill(torch.ones(n, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return (torch.exp(scores - lse) @ values).to(q.dtype), lse
+
+
+def _padded_rows(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """``x [n, heads, D]`` as ``[1, heads, bucket, D]``, zero rows after its own (exact: see above)."""
+    if bucket > x.shape[0]:
+        x = F.pad(x, (0, 0, 0, 0, 0, bucket - x.shape[0]))
+    return x.transpose(0, 1)[None]
 
 
 class CudnnRefused(RuntimeError):

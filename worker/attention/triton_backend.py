@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from worker.attention import cudnn_prefill
+import worker.attention.cudnn_prefill as cudnn_prefill
 from worker.attention.registry import register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
@@ -68,6 +68,19 @@ class TritonAttention:
                 plan = self._plan = plan._replace(blocks=_block_table(batch, q, k_cache, plan.prefixes))
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=plan.blocks)
+
+    def warm_plans(self, heads: int, max_q: int, max_context: int) -> int:
+        """Plan cuDNN's attention for every query bucket the long-prefix path can take (warm-up);
+        returns how many. A refusal here sends every prefill to the paged kernel, as in serving."""
+        k_cache, v_cache = self.pool.k[0], self.pool.v[0]
+        if not (self.cudnn and cudnn_prefill.supported(k_cache.device, k_cache.dtype, k_cache.shape[-1])):
+            return 0
+        try:
+            return cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, max_context, self.scale)
+        except cudnn_prefill.CudnnRefused as e:
+            self.cudnn = False
+            log.warning("%s; the paged kernel takes every prefill from now on", e)
+            return 0
 
     def _prefill_plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
                       cudnn: bool = True) -> PrefillPlan:
