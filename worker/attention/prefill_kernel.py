@@ -1,7 +1,14 @@
 """The Triton kernels of ``worker.attention.triton_prefill`` (layout, twin and checks are there) and
 of its split-KV merge (``worker.attention.split_kv``), and the merge of the cuDNN path's two parts
 (``worker.attention.cudnn_prefill``). This module imports triton at the top; only the ops import it,
-when a kernel launches."""
+when a kernel launches.
+
+Triton specialises an int argument on ``== 1`` and divisibility by 16, and a pointer on 16-byte
+alignment, and compiles once per combination: the arguments that follow the batch (token and row
+counts, splits, the page table's width) and the pointers into the batch's packed index buffer
+(``worker.batch.to_device``: the page table and lengths start at offsets that follow the token
+count) are left unspecialised, so a length the warm-up did not meet compiles nothing. Strides and
+sizes fixed by the model stay specialised: they carry the alignment the vector loads use."""
 import triton
 import triton.language as tl
 
@@ -102,7 +109,8 @@ def attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, strid
     return acc, l, m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "tokens", "splits"],
+            do_not_specialize_on_alignment=["table_ptr", "lens_ptr", "sink_ptr"])
 def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_ptr, lens_ptr, blocks_ptr, sink_ptr,
                    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                    stride_page, stride_tok, stride_head, table_stride_b, num_pages, max_tokens, qk_scale,
@@ -181,7 +189,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, table_p
                  (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "splits"])
 def merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, rows, heads, splits, o_stride_t, o_stride_h,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows (token, head) of ``part_o [splits, rows, D]`` weighted by ``exp2(lse - max lse)``."""
@@ -202,7 +210,9 @@ def merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, rows, heads, splits, o_stride_
              (acc / weight[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# the log-sum-exps come from cuDNN as [1, heads, n, 1]: their head stride is the token count. The
+# outputs' strides are multiples of the head dim whatever their layout, so they stay specialised.
+@triton.jit(do_not_specialize=["rows", "l1_st", "l1_sh", "l2_st", "l2_sh"])
 def merge_pair_kernel(o1_ptr, lse1_ptr, o2_ptr, lse2_ptr, out_ptr, rows, heads,
                       o1_st, o1_sh, l1_st, l1_sh, o2_st, o2_sh, l2_st, l2_sh, out_st, out_sh,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
