@@ -73,14 +73,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial[(B, kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, sink_ptr, m, denom, acc, out, out.stride(0), out.stride(1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        num_pages, max_tokens, split_tokens, scale * _LOG2E, window,
-        HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=splits, BLOCK_G=max(16, next_pow2(group)),
+        num_pages, max_tokens, split_tokens, splits, scale * _LOG2E, window,
+        HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_SINK=sinks is not None,
         num_warps=4, **pdl_args(q))
     reduce[(B, heads)](
-        m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens,
-        HEADS=heads, HEAD_DIM=D, NUM_SPLITS=splits, BLOCK_S=max(16, next_pow2(splits)), BLOCK_D=block_d,
-        CHUNK=REDUCE_CHUNK, HAS_SINK=sinks is not None, num_warps=4, **pdl_args(q))
+        m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
+        HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, CHUNK=REDUCE_CHUNK, HAS_SINK=sinks is not None, num_warps=4,
+        **pdl_args(q))
     return out
 
 
@@ -127,13 +127,16 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # what follows the batch (the page table's width, the split plan, pointers into the batch's packed
+    # index buffer) is not specialised: an eager step at a new width compiles nothing
+    @triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "split_tokens", "splits"],
+                do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
     def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
                               out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
                               stride_head, table_stride_b,
-                              num_pages, max_tokens, split_tokens, qk_scale, window,
+                              num_pages, max_tokens, split_tokens, splits, qk_scale, window,
                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                              NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see triton_support.pdl_args
             tl.extra.cuda.gdc_wait()
@@ -192,17 +195,16 @@ def _kernels():
             tl.store(out_ptr + b * out_stride_b + head[:, None] * out_stride_h + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
             return
-        part = (b * HEADS + head) * NUM_SPLITS + split
+        part = (b * HEADS + head) * splits + split
         keep = g_live & (start + 0 * g < seq_len)  # a vector compare: the interpreter rejects a broadcast scalar mask
         tl.store(m_ptr + part, m, mask=keep)
         tl.store(l_ptr + part, l, mask=keep)
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_tokens", "split_tokens", "splits"], do_not_specialize_on_alignment=["lens_ptr"])
     def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out_stride_b, out_stride_h,
-                             max_tokens, split_tokens, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                             CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
+                             max_tokens, split_tokens, splits, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see triton_support.pdl_args
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -212,9 +214,11 @@ def _kernels():
         active = (seq_len + split_tokens - 1) // split_tokens  # the splits that stored a partial
         if active <= 1:  # the one split wrote the output itself
             return
-        base = (b * HEADS + h) * NUM_SPLITS
-        s = tl.arange(0, BLOCK_S)
-        top = tl.max(tl.load(m_ptr + base + s, mask=s < active, other=-1e30), 0)
+        base = (b * HEADS + h) * splits
+        top = tl.full((), -1e30, tl.float32)
+        for s0 in range(0, active, CHUNK):  # the largest maximum first, CHUNK splits a step
+            sc = s0 + tl.arange(0, CHUNK)
+            top = tl.maximum(top, tl.max(tl.load(m_ptr + base + sc, mask=sc < active, other=-1e30), 0))
         d = tl.arange(0, BLOCK_D)
         acc = tl.zeros([BLOCK_D], tl.float32)
         total = tl.zeros((), tl.float32)
