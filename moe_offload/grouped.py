@@ -4,6 +4,20 @@ combined with the routing weights.
 Weight banks are indexed by "slot": for resident experts a slot is the expert id, under offload it
 is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows), ``w2[s]`` is
 ``[H, I]``.
+
+Paths: CUDA tensors take the sync-free Triton path (``kernels.grouped_gemm``; decode batches of
+float banks ``grouped_gemm_decode``; fp8 banks ``grouped_gemm_fp8``; 4-bit banks their room's W4A16
+GEMM), anything else the eager twin; ``grouped_swiglu``'s ``backend`` (or ``SLUICE_KERNELS``)
+forces one (``kernels.triton_support``). Slot ids are not checked on the host (that would read
+the device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
+skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
+rest in range.
+
+Fills: experts an expert-cache lookup admitted into ``slots`` and still to copy in from the host
+(a ``SlotFill``). The decode path of float banks, and the batch-1 path of fp8 banks
+(``grouped_gemm_decode_fp8``), copy them in their gate_up launch (so the hits compute while the
+misses cross PCIe); every other path gathers them first (``gather_missing``), in stream order
+before the GEMM.
 """
 from __future__ import annotations
 
@@ -40,18 +54,8 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     ``fp8_activations_for`` (fp8 x fp8 for 16-bit batches of prefill size: on the H200 weight-only
     was 2.5x slower at 2k tokens).
 
-    CUDA tensors take the sync-free Triton path (``kernels.grouped_gemm``; decode batches of float
-    banks ``grouped_gemm_decode``; fp8 banks ``grouped_gemm_fp8``), anything else the eager twin;
-    ``backend`` (or ``SLUICE_KERNELS``) forces one (``kernels.triton_support``). Slot ids are not
-    checked on the host (that would read the device): the Triton path treats ids outside ``[0, N)``
-    as contributing zero; the eager twin skips negative ids alike (expert parallelism masks other
-    ranks' experts to -1) and requires the rest in range.
-
-    ``fill``: experts an expert-cache lookup admitted into ``slots``, still to be copied in from the
-    host. The decode path of float banks, and the batch-1 path of fp8 banks
-    (``grouped_gemm_decode_fp8``), copy them in their gate_up launch (so the hits compute while the
-    misses cross PCIe); every other path gathers them first (``gather_missing``), in stream order
-    before the GEMM.
+    ``backend`` forces a path and ``fill`` carries the experts still to copy in: the module's
+    docstring says which path runs and when each copies its fill.
 
     gpt-oss's experts: ``w13_bias [E, 2I]`` (gate | up) and ``w2_bias [E, H]`` are indexed by
     ``bias_ids [T, k]`` (the routed expert ids; default ``slots``, as for resident experts), so the
@@ -60,10 +64,7 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
     extras = _expert_extras(slots, w13, w2, w13_bias, w2_bias, bias_ids, activation)
-    if fp8_activations is None:
-        fp8_activations = fp8_activations_for(hidden, scales)
-    if fp8_activations and (scales is None or scales.kind):
-        raise ValueError("fp8_activations needs fp8 experts (scales)")
+    fp8_activations = _fp8_activations(hidden, scales, fp8_activations)
     if scales is not None and scales.kind and use_triton(hidden, backend):  # 4-bit: the room's W4A16 GEMM
         _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, backend, **extras)
@@ -73,6 +74,15 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     if scales is not None:
         return _fp8_path(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, fill, backend, extras)
     return _float_path(hidden, weights, slots, w13, w2, out_dtype, fill, backend, extras)
+
+
+def _fp8_activations(hidden: torch.Tensor, scales: ExpertScales | None, asked: bool | None) -> bool:
+    """``fp8_activations`` as asked, or as ``fp8_activations_for`` picks it (``None``): only fp8
+    experts quantize their activations."""
+    chosen = fp8_activations_for(hidden, scales) if asked is None else asked
+    if chosen and (scales is None or scales.kind):
+        raise ValueError("fp8_activations needs fp8 experts (scales)")
+    return chosen
 
 
 def _fp8_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
