@@ -251,42 +251,59 @@ def input_messages(input_: str | list[dict[str, Any]], harmony: bool = False) ->
     analysis, which it keeps before a tool result and drops once a final answer closed the turn)."""
     if isinstance(input_, str):
         return [Message(role="user", content=input_)]
-    messages: list[Message] = []
-    calls: set[str] = set()
-    thought: str | None = None  # a reasoning item's text, for the assistant message that follows
+    conversation = _Conversation(harmony)
     for i, item in enumerate(input_):
-        where, kind = f"input[{i}]", item.get("type", "message")
+        conversation.add(item, f"input[{i}]")
+    if not conversation.messages:
+        raise ApiError(400, "input has no message", param="input")
+    return conversation.messages
+
+
+class _Conversation:
+    """The Chat messages of the input items read so far."""
+
+    def __init__(self, harmony: bool) -> None:
+        self.harmony = harmony
+        self.messages: list[Message] = []
+        self.calls: set[str] = set()  # the call ids an output may answer
+        self.thought: str | None = None  # a reasoning item's text, for the assistant message that follows
+
+    def add(self, item: dict[str, Any], where: str) -> None:
+        kind = item.get("type", "message")
         if kind == "message":
-            m = _typed(item, _MessageItem, where)
-            messages.append(Message(role=m.role, content=_text(m.content, where)))
-            if m.role == "assistant":
-                messages[-1].reasoning_content, thought = thought, None
+            self._message(_typed(item, _MessageItem, where), where)
         elif kind == "function_call":
-            c = _typed(item, _FunctionCall, where)
-            call = ToolCall(id=c.call_id, function=CalledFunction(name=c.name, arguments=c.arguments))
-            if not messages or messages[-1].role != "assistant" or thought is not None:
-                messages.append(Message(role="assistant", tool_calls=[], reasoning_content=thought))
-                thought = None
-            messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
-            calls.add(c.call_id)
+            self._call(_typed(item, _FunctionCall, where))
         elif kind == "function_call_output":
-            o = _typed(item, _FunctionCallOutput, where)
-            if o.call_id not in calls:
-                raise ApiError(400, f"{where}: no function_call with call_id {o.call_id!r} comes "
-                               "before this output", param=where)
-            messages.append(Message(role="tool", tool_call_id=o.call_id, content=_text(o.output, where)))
+            self._output(_typed(item, _FunctionCallOutput, where), where)
         elif kind == "reasoning":
             # Else dropped: chat templates leave earlier turns' reasoning out of the prompt, and an
             # item from OpenAI carries it encrypted (no content), which no local model can read.
-            thought = _reasoning_text(item, where) if harmony else None
+            self.thought = _reasoning_text(item, where) if self.harmony else None
         elif kind == "item_reference":
             raise ApiError(400, f"stateless: {where} item_reference is not supported; send the "
                            "item itself", param=where)
         else:
             raise ApiError(400, f"{where}: input item of type {kind!r} is not supported", param=where)
-    if not messages:
-        raise ApiError(400, "input has no message", param="input")
-    return messages
+
+    def _message(self, m: _MessageItem, where: str) -> None:
+        self.messages.append(Message(role=m.role, content=_text(m.content, where)))
+        if m.role == "assistant":
+            self.messages[-1].reasoning_content, self.thought = self.thought, None
+
+    def _call(self, c: _FunctionCall) -> None:
+        call = ToolCall(id=c.call_id, function=CalledFunction(name=c.name, arguments=c.arguments))
+        if not self.messages or self.messages[-1].role != "assistant" or self.thought is not None:
+            self.messages.append(Message(role="assistant", tool_calls=[], reasoning_content=self.thought))
+            self.thought = None
+        self.messages[-1].tool_calls = [*(self.messages[-1].tool_calls or []), call]
+        self.calls.add(c.call_id)
+
+    def _output(self, o: _FunctionCallOutput, where: str) -> None:
+        if o.call_id not in self.calls:
+            raise ApiError(400, f"{where}: no function_call with call_id {o.call_id!r} comes "
+                           "before this output", param=where)
+        self.messages.append(Message(role="tool", tool_call_id=o.call_id, content=_text(o.output, where)))
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str | None:
