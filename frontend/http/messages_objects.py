@@ -96,18 +96,20 @@ class MessageStart(_Event, kw_only=True, tag="message_start"):
     message: MessageOut
 
 
-class BlockStart(_Event, kw_only=True, tag="content_block_start"):
-    index: int
+class _BlockEvent(_Event, kw_only=True):
+    index: int  # the content block's place in the message
+
+
+class BlockStart(_BlockEvent, kw_only=True, tag="content_block_start"):
     content_block: Block
 
 
-class BlockDelta(_Event, kw_only=True, tag="content_block_delta"):
-    index: int
+class BlockDelta(_BlockEvent, kw_only=True, tag="content_block_delta"):
     delta: Union[TextDelta, InputJsonDelta, ThinkingDelta, SignatureDelta]
 
 
-class BlockStop(_Event, kw_only=True, tag="content_block_stop"):
-    index: int
+class BlockStop(_BlockEvent, kw_only=True, tag="content_block_stop"):
+    pass
 
 
 class MessageDelta(_Event, kw_only=True, tag="message_delta"):

@@ -10,6 +10,8 @@ from typing import Literal
 import msgspec
 
 from frontend.api.replies import Usage as InternalUsage
+from frontend.http.responses_objects import CachedTokens  # the prompt's usage details, as /v1/responses'
+from frontend.http.schemas import CalledFunction, ToolCall  # a reply's calls, as the next request sends them back
 from frontend.http.tool_calls import ParsedCall
 
 
@@ -17,32 +19,17 @@ class _Out(msgspec.Struct, kw_only=True):
     pass
 
 
-class PromptTokensDetails(_Out, kw_only=True):
-    cached_tokens: int
-
-
 class Usage(_Out, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: CachedTokens
 
 
 def usage(u: InternalUsage) -> Usage:
     return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                  total_tokens=u.prompt_tokens + u.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_prompt_tokens))
-
-
-class CalledFunction(_Out, kw_only=True):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Out, kw_only=True):
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
+                 prompt_tokens_details=CachedTokens(cached_tokens=u.cached_prompt_tokens))
 
 
 class StreamedFunction(_Out, kw_only=True, omit_defaults=True):

@@ -65,7 +65,9 @@ class TextConfigOut(_Out, kw_only=True):
     format: TextFormatOut = TextFormatOut()
 
 
-class InputTokensDetails(_Out, kw_only=True):
+class CachedTokens(_Out, kw_only=True):
+    """The prompt's usage details in both OpenAI APIs (Chat's ``prompt_tokens_details``)."""
+
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
@@ -75,7 +77,7 @@ class OutputTokensDetails(_Out, kw_only=True):
 
 class Usage(_Out, kw_only=True):
     input_tokens: int
-    input_tokens_details: InputTokensDetails
+    input_tokens_details: CachedTokens
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
@@ -85,7 +87,7 @@ def usage(u: InternalUsage, reasoning_tokens: int) -> Usage:
     # No cache_write_tokens: the scheduler reports the prompt tokens it read from its prefix cache,
     # not the ones it wrote.
     return Usage(input_tokens=u.prompt_tokens,
-                 input_tokens_details=InputTokensDetails(cached_tokens=u.cached_prompt_tokens),
+                 input_tokens_details=CachedTokens(cached_tokens=u.cached_prompt_tokens),
                  output_tokens=u.completion_tokens,
                  output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                  total_tokens=u.prompt_tokens + u.completion_tokens)
