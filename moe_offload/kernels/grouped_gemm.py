@@ -88,7 +88,8 @@ def _max_fn(a, b):
 IN_KERNEL_SORT_MAX = 1024
 
 
-@triton.jit
+# pair and block counts follow the batch: not specialised (a new token count compiles nothing)
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
 def _align_kernel(slots_ptr, sorted_ptr, sorted_pairs_ptr, total_ptr, num_pairs, num_slots, capacity,
                   SORT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     if SORT_BLOCK > 0:
@@ -241,7 +242,7 @@ def down_rows(a_ptrs, a_mask, w_ptrs, col_ok, inter, stride_wi,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, ids_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
                     num_pairs, top_k, hidden, inter, num_blocks, num_bias,
                     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
@@ -265,7 +266,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, ids_ptr, act_ptr, sorted_pairs_ptr,
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_kernel(act_ptr, w2_ptr, b2_ptr, ids_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr, weights_ptr,
                  num_pairs, hidden, inter, num_blocks, num_bias,
                  stride_ws, stride_wh, stride_wi,

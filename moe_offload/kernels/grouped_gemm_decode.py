@@ -84,7 +84,8 @@ class DecodeConfig(NamedTuple):
     fill_rows: int = 16
 
 
-@triton.jit
+# the pair count and the fill plan's length follow the batch: not specialised
+@triton.jit(do_not_specialize=["num_pairs", "plan_len"])
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                            host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
@@ -196,7 +197,7 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     tl.store(out_ptr + token * hidden + cols, (tl.sum(acc, 0) + biased).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
                              inter, stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, BLOCK_P: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,

@@ -89,7 +89,8 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+# the pair count follows the batch: not specialised
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_pairs, top_k,
                             num_slots, hidden, inter, stride_xt, stride_xh, stride_qs, stride_qn, stride_ss, stride_sn,
                             stride_cs, num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -140,7 +141,7 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, pair_out_ptr,
                          num_pairs, num_slots, hidden, inter, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs,
                          num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
