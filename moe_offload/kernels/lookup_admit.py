@@ -258,7 +258,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the routed count and the plan's length follow the batch; the ids may be a per-layer view of
+    # every layer's routing (synthetic routing), at an offset that follows it: none specialised
+    @triton.jit(do_not_specialize=["num_routed", "plan_cap"], do_not_specialize_on_alignment=["ids_ptr"])
     def lookup_admit_kernel(ids_ptr, slot_for_id_ptr, id_of_slot_ptr, score_ptr, last_use_ptr, step_ptr, stats_ptr,
                             plan_src_ptr, plan_dst_ptr, count_ptr, slots_ptr,
                             num_routed, layer, num_experts, slot_start, num_slots, plan_cap,

@@ -68,7 +68,9 @@ def _draw(cdf_row, hashed, E: tl.constexpr, DRAW_MASK: tl.constexpr, STEPS: tl.c
     return tl.minimum(n, E - 1)
 
 
-@triton.jit
+# the token count follows the batch, and the positions and token ids are views into the batch's
+# packed index buffer at offsets that follow it: neither is specialised
+@triton.jit(do_not_specialize=["tokens"], do_not_specialize_on_alignment=["seq_ptr", "pos_ptr", "tok_ptr"])
 def _route_kernel(seq_ptr, pos_ptr, tok_ptr, cdf_ptr, phase_ptr, lane_ptr, pick_ptr, fresh_ptr, weight_ptr,
                   weights_ptr, ids_ptr, tokens, layer_start, layer_step, seed_h,
                   E: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -127,7 +129,8 @@ def _route_kernel(seq_ptr, pos_ptr, tok_ptr, cdf_ptr, phase_ptr, lane_ptr, pick_
              mask=live[:, None] & rank_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"],
+            do_not_specialize_on_alignment=["seq_ptr", "pos_ptr", "tok_ptr", "ids_ptr"])
 def _guess_kernel(seq_ptr, pos_ptr, tok_ptr, cdf_ptr, guess_ptr, ids_ptr, out_ptr, tokens, layer_start, layer_step,
                   seed_h, E: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                   STEPS: tl.constexpr, DRAW_MASK: tl.constexpr, KEEP_MASK: tl.constexpr, KEEP_BELOW: tl.constexpr):
