@@ -88,8 +88,12 @@ def _max_fn(a, b):
 IN_KERNEL_SORT_MAX = 1024
 
 
-# pair and block counts follow the batch: not specialised (a new token count compiles nothing)
-@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+# Triton compiles a kernel once per combination of its int arguments' == 1 and % 16 and its pointers'
+# 16-byte alignment. Pair and block counts follow the batch, and the routing's weights, ids and slots
+# may be views of every layer's routing (synthetic routing) at offsets that follow it: none of them is
+# specialised, so a token count the warm-up did not meet compiles nothing.
+@triton.jit(do_not_specialize=["num_pairs", "capacity"],
+            do_not_specialize_on_alignment=["slots_ptr"])
 def _align_kernel(slots_ptr, sorted_ptr, sorted_pairs_ptr, total_ptr, num_pairs, num_slots, capacity,
                   SORT_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     if SORT_BLOCK > 0:
@@ -242,7 +246,8 @@ def down_rows(a_ptrs, a_mask, w_ptrs, col_ok, inter, stride_wi,
     return acc
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"],
+            do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, ids_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
                     num_pairs, top_k, hidden, inter, num_blocks, num_bias,
                     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
@@ -266,7 +271,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, b13_ptr, ids_ptr, act_ptr, sorted_pairs_ptr,
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"],
+            do_not_specialize_on_alignment=["ids_ptr", "slots_ptr", "weights_ptr"])
 def _down_kernel(act_ptr, w2_ptr, b2_ptr, ids_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr, weights_ptr,
                  num_pairs, hidden, inter, num_blocks, num_bias,
                  stride_ws, stride_wh, stride_wi,
@@ -288,7 +294,7 @@ def _down_kernel(act_ptr, w2_ptr, b2_ptr, ids_ptr, out_ptr, sorted_pairs_ptr, to
     store_weighted(out_ptr, acc, weights_ptr, pairs, row_ok, cols, col_ok, hidden)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _sum_k_kernel(pair_out_ptr, slots_ptr, out_ptr, num_slots, hidden, top_k,
                   TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j pair_out[t*k + j] in fp32, in a fixed order; out-of-range slots were never

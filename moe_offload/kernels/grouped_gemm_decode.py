@@ -84,8 +84,9 @@ class DecodeConfig(NamedTuple):
     fill_rows: int = 16
 
 
-# the pair count and the fill plan's length follow the batch: not specialised
-@triton.jit(do_not_specialize=["num_pairs", "plan_len"])
+# the pair count, the fill plan's length and the routing's pointers not specialised (see grouped_gemm._align_kernel)
+@triton.jit(do_not_specialize=["num_pairs", "plan_len"],
+            do_not_specialize_on_alignment=["slots_ptr", "ids_ptr"])
 def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, hidden, inter,
                            stride_xt, stride_xh, stride_ws, stride_wn, stride_wh,
                            host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
@@ -120,7 +121,7 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
                  mask=live[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr", "ids_ptr"])
 def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
                                 stride_wh, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
                                 plan_len, stride_h13, stride_h2, stride_w2s, b13_ptr, ids_ptr, num_bias,
@@ -161,7 +162,7 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr", "ids_ptr"])
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
                         stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, TOP_K: tl.constexpr,
                         INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
@@ -197,7 +198,8 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     tl.store(out_ptr + token * hidden + cols, (tl.sum(acc, 0) + biased).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs"],
+            do_not_specialize_on_alignment=["weights_ptr", "slots_ptr", "ids_ptr"])
 def _decode_slot_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
                              inter, stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, BLOCK_P: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,

@@ -46,7 +46,8 @@ def _scale_row(s_ptr, rows, k0, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constex
     return tl.load(s_ptr + (rows // SCALE_ROWS).to(tl.int64) * stride_sr + col)
 
 
-@triton.jit
+# the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
                              stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w13_bytes_ptr, w2_bytes_ptr,
                              plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s,
@@ -85,7 +86,7 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr"])
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,

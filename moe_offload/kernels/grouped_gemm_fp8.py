@@ -109,8 +109,9 @@ def _act_scale(as_ptrs, k0, act_group, mask, A_FP8: tl.constexpr):
     return scale
 
 
-# pair and block counts follow the batch: not specialised (a new token count compiles nothing)
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+# pair and block counts, and the routing's pointers, not specialised (see grouped_gemm._align_kernel)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"],
+            do_not_specialize_on_alignment=["slots_ptr"])
 def _gate_up_fp8_kernel(x_ptr, xs_ptr, w13_ptr, s13_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
                         num_pairs, top_k, hidden, inter, num_blocks, scale_rows, scale_cols, up_scale_row, act_group,
                         stride_xt, stride_xh, stride_xst, stride_ws, stride_wn, stride_wh,
@@ -150,7 +151,8 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, w13_ptr, s13_ptr, act_ptr, sorted_pairs_p
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"],
+            do_not_specialize_on_alignment=["slots_ptr", "weights_ptr"])
 def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr, weights_ptr,
                      num_pairs, hidden, inter, num_blocks, scale_rows, scale_cols, act_group, stride_ast,
                      stride_ws, stride_wh, stride_wi, stride_ss, stride_sr, stride_sc,

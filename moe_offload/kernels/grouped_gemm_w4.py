@@ -53,8 +53,9 @@ def check_config(config: BlockConfig, fmt: str) -> None:
 
 # ==== prefill: rows grouped by slot (grouped_gemm's alignment) ====
 
-# pair and block counts follow the batch: not specialised (a new token count compiles nothing)
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+# pair and block counts, and the routing's pointers, not specialised (see grouped_gemm._align_kernel)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"],
+            do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
                        num_pairs, top_k, hidden, inter, num_blocks, stride_xt, stride_xh,
                        stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
@@ -77,7 +78,8 @@ def _gate_up_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, sort
              mask=col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"],
+            do_not_specialize_on_alignment=["ids_ptr", "slots_ptr", "weights_ptr"])
 def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorted_pairs_ptr, total_ptr, slots_ptr,
                     weights_ptr, num_pairs, hidden, inter, num_blocks, stride_qs, stride_qn, stride_ss, stride_sn,
                     stride_cs, num_bias, stride_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

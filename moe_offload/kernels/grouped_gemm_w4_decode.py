@@ -58,7 +58,8 @@ def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stri
     return part * group_scale(s, E8M0)
 
 
-@triton.jit
+# the routing's pointers (and the slot kernels' pair count) not specialised (see grouped_gemm._align_kernel)
+@triton.jit(do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_slots, inter,
                             stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
                             TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -89,8 +90,8 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
-# the pair count follows the batch: not specialised
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs"],
+            do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_pairs, top_k,
                             num_slots, hidden, inter, stride_xt, stride_xh, stride_qs, stride_qn, stride_ss, stride_sn,
                             stride_cs, num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,7 +112,7 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
                  mask=live[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["ids_ptr", "weights_ptr", "slots_ptr"])
 def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, out_ptr, num_slots,
                           hidden, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
                           TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -141,7 +142,8 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs"],
+            do_not_specialize_on_alignment=["ids_ptr", "weights_ptr", "slots_ptr"])
 def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, pair_out_ptr,
                          num_pairs, num_slots, hidden, inter, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs,
                          num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
