@@ -70,7 +70,9 @@ def _round_key(seed, step, rnd, ROUND_SEED: tl.constexpr):
     return _fmix32(seed_r * tl.full(seed.shape, 0x9E3779B1, tl.uint32) + step)
 
 
-@triton.jit
+# the parameters are rows of two packed [fields, B] buffers (``SamplingTensors.build``), at offsets
+# that follow the batch size: not specialised on alignment (each program loads one of each)
+@triton.jit(do_not_specialize_on_alignment=["temp_ptr", "topk_ptr", "topp_ptr", "seed_ptr", "step_ptr"])
 def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, out_ptr, vocab,
                    BLOCK: tl.constexpr, ROUND_SEED: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see triton_support.pdl_args

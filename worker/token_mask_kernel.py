@@ -18,7 +18,9 @@ def launch(logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor) -> Non
                        **pdl_args(logits))
 
 
-@triton.jit
+# the rows are a row of the sampling parameters' packed buffer, at an offset that follows the batch
+# size: not specialised on alignment
+@triton.jit(do_not_specialize_on_alignment=["rows_ptr"])
 def _mask_kernel(logits_ptr, logits_stride, words_ptr, words_stride, rows_ptr, vocab,
                  BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see triton_support.pdl_args

@@ -39,7 +39,9 @@ def _in_state(c, C, slot, S):
     return c < tl.where((slot >= 0) & (slot < S), C, 0)
 
 
-@triton.jit
+# slots and sequence starts are views into the batch's packed index buffer, at offsets that follow
+# the token count: not specialised on alignment
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr", "cu_ptr"])
 def varlen_conv(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, out_ptr, C, S, x_stride, out_stride,
                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)
@@ -63,7 +65,7 @@ def varlen_conv(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, out_ptr, C, S, x_str
              mask=in_t[:, None] & in_c[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr", "cu_ptr"])
 def state_update(x_ptr, state_ptr, slots_ptr, cu_ptr, C, S, x_stride, K: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0)
     bos = tl.load(cu_ptr + b).to(tl.int64)
@@ -79,7 +81,7 @@ def state_update(x_ptr, state_ptr, slots_ptr, cu_ptr, C, S, x_stride, K: tl.cons
         tl.store(state + c * (K - 1) + i, v.to(state_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def step(x_ptr, w_ptr, state_ptr, slots_ptr, out_ptr, C, S, x_stride, out_stride,
          K: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

@@ -17,7 +17,8 @@ import triton.language as tl
 MAX_BLOCK_V = 32  # value columns per program (H200, Dk=Dv=128: 32 with 2 warps beat 8, 16 and 64)
 
 
-@triton.jit
+# the slots are a view into the batch's packed index buffer: not specialised on alignment
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def gated_delta_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, o_ptr,
                             q_stride, k_stride, v_stride, S, scale, eps,
                             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,

@@ -185,7 +185,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # positions and slots are views into the batch's packed index buffer, at offsets that follow the
+    # token count: not specialised on alignment (each program loads one of each)
+    @triton.jit(do_not_specialize_on_alignment=["loc_ptr", "pos_ptr"])
     def qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, pos_ptr,
                        cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
                        v_stride_t, v_stride_h, num_slots, max_positions, eps,
