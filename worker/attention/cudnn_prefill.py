@@ -205,7 +205,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
 
 @functools.cache
 def _merge_pair_kernel():
-    from worker.attention import prefill_kernel  # imports triton: only when a kernel launches
+    import worker.attention.prefill_kernel as prefill_kernel  # imports triton: only when a kernel launches
 
     return prefill_kernel.merge_pair_kernel
 

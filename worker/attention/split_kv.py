@@ -91,6 +91,6 @@ def merge_splits_eager(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Te
 
 @functools.cache
 def _merge_kernel():
-    from worker.attention import prefill_kernel  # imports triton: only when a kernel launches
+    import worker.attention.prefill_kernel as prefill_kernel  # imports triton: only when a kernel launches
 
     return prefill_kernel.merge_kernel

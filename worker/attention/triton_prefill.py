@@ -225,6 +225,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_t
 
 @functools.cache
 def _kernel():
-    from worker.attention import prefill_kernel  # imports triton: only when a kernel launches
+    import worker.attention.prefill_kernel as prefill_kernel  # imports triton: only when a kernel launches
 
     return prefill_kernel.prefill_kernel
