@@ -27,6 +27,11 @@ SMALL_CHUNK = 7  # below the pipeline threshold, and a length that is no multipl
 # path once the chunk's prefix work reaches cudnn_prefill.MIN_PREFIX_WORK), a mid and a small chunk
 # over prefixes that are multiples of 16, then a mid and a small one over prefixes that are not:
 # Triton specialises integer arguments by divisibility by 16, and serving meets every combination.
+# Then, from position 0, chunks at both ends of every token-count range that picks a kernel's tiles
+# at compile time: the grouped GEMMs' tile tables (up to 32, 128, 512 tokens, then any), the align
+# kernel's sort block (the next power of two of tokens x top-k, up to 1,024) and the decode GEMMs'
+# block of pairs; every other integer that follows a batch's lengths is left unspecialised.
+LADDER = (8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512)
 CPU_FULL_CHUNK = 16  # nothing compiles on the CPU: keep the warm-up a formality there
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
 
@@ -64,6 +69,9 @@ def _warm_runner(runner: ModelRunner) -> int:
             continue
         runner.forward([_chunk(n, done, pages, runner.page_size, state)], [GREEDY], [0])
         done += n
+    for n in LADDER if on_gpu else ():
+        if n <= room:  # over the sequence's first pages again: nothing reads what the chunks wrote
+            runner.forward([_chunk(n, 0, pages, runner.page_size, state)], [GREEDY], [0])
     allow_all = torch.full((1, mask_words(runner.model_config.vocab_size)), -1, dtype=torch.int32,
                            device=runner.device)
     for params, mask in ((GREEDY, None), (SAMPLED, None), (SAMPLED, TokenMask(allow_all, [0]))):  # grammars' too
