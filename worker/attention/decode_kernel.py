@@ -1,0 +1,118 @@
+"""The paged decode attention's two Triton kernels (``worker.attention.triton_decode`` launches
+them): each program's split of a row's keys, then the merge of the splits by their maxima.
+
+May import: triton, and the decode kernels' shared pieces.
+"""
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.decode_tiles import pdl_wait
+
+
+# what follows the batch (the page table's width, the split plan, pointers into the batch's packed
+# index buffer) is not specialised: an eager step at a new width compiles nothing
+@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "split_tokens", "splits"],
+            do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
+def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
+                          out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
+                          stride_head, table_stride_b,
+                          num_pages, max_tokens, split_tokens, splits, qk_scale, window,
+                          HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # see triton_support.pdl_args
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + g
+    g_live = g < GROUP
+    d_live = d < HEAD_DIM
+    q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
+                mask=g_live[:, None] & d_live[None, :], other=0.0)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq_len)
+    first = start
+    if window > 0:  # keys before the window: a split wholly before it stores an empty partial
+        first = tl.maximum(start, seq_len - window)
+    # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for t0 in range(first, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_live = t < end
+        page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        row = page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
+        kv_mask = t_live[:, None] & d_live[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_live[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    if seq_len <= split_tokens:  # the row's one split: its output, normalised; the merge skips the row
+        if HAS_SINK:  # the sink's mass joins the denominator, rescaled to the larger maximum
+            sink = tl.load(sink_ptr + head, mask=g_live, other=0.0) * 1.4426950408889634
+            top = tl.maximum(m, sink)
+            acc = acc * tl.exp2(m - top)[:, None]
+            l = l * tl.exp2(m - top) + tl.exp2(sink - top)
+        out = acc / tl.maximum(l, 1.0)[:, None]  # l >= 1 when the row has a token or a sink; 0 leaves zeros
+        tl.store(out_ptr + b * out_stride_b + head[:, None] * out_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
+        return
+    part = (b * HEADS + head) * splits + split
+    keep = g_live & (start + 0 * g < seq_len)  # a vector compare: the interpreter rejects a broadcast scalar mask
+    tl.store(m_ptr + part, m, mask=keep)
+    tl.store(l_ptr + part, l, mask=keep)
+    tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
+
+@triton.jit(do_not_specialize=["max_tokens", "split_tokens", "splits"], do_not_specialize_on_alignment=["lens_ptr"])
+def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out_stride_b, out_stride_h,
+                         max_tokens, split_tokens, splits, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)  # see triton_support.pdl_args
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
+    active = (seq_len + split_tokens - 1) // split_tokens  # the splits that stored a partial
+    if active <= 1:  # the one split wrote the output itself
+        return
+    base = (b * HEADS + h) * splits
+    top = tl.full((), -1e30, tl.float32)
+    for s0 in range(0, active, CHUNK):  # the largest maximum first, CHUNK splits a step
+        sc = s0 + tl.arange(0, CHUNK)
+        top = tl.maximum(top, tl.max(tl.load(m_ptr + base + sc, mask=sc < active, other=-1e30), 0))
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros((), tl.float32)
+    if HAS_SINK:  # the sink's mass joins the denominator
+        sink = tl.load(sink_ptr + h) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+        total += tl.exp2(sink - top)
+    for s0 in range(0, active, CHUNK):
+        sc = s0 + tl.arange(0, CHUNK)
+        live = sc < active
+        w = tl.where(live, tl.exp2(tl.load(m_ptr + base + sc, mask=live, other=-1e30) - top), 0.0)
+        total += tl.sum(w * tl.load(l_ptr + base + sc, mask=live, other=0.0), 0)
+        part = tl.load(acc_ptr + (base + sc)[:, None] * BLOCK_D + d[None, :],
+                       mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    # total >= 1 when the row has a token (its maximum contributes exp2(0)); 0 leaves zeros
+    out = acc / tl.maximum(total, 1.0)
+    tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
