@@ -47,3 +47,28 @@ def test_warm_up_takes_no_page_resets_the_counters_and_changes_no_output(model_d
     got = run(warm, [req(f"r{i}", p) for i, p in enumerate(batch)])
     want = run(cold, [req(f"r{i}", p) for i, p in enumerate(batch)])
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+def test_the_ladder_meets_every_tile_a_token_count_picks(top_k):
+    """Every compile-time choice that follows a chunk's token count (the grouped GEMMs' tiles by
+    format, the align kernel's sort block, the decode GEMMs' pair block) is made by some chunk of
+    the warm-up (its ladder from 8 tokens, the mid and full chunks) for every chunk length from 8
+    to 8k tokens: a change to a table that opens a new range fails here until the ladder reaches it."""
+    import torch
+    import triton
+
+    from moe_offload.kernels import grouped_gemm, grouped_gemm_decode, grouped_gemm_fp8, grouped_gemm_w4
+    from scheduler.warmup import LADDER, MID_CHUNK
+
+    def choices(n: int) -> tuple:
+        pairs = n * top_k
+        tiles = tuple(m.default_config(n, torch.bfloat16) for m in (grouped_gemm, grouped_gemm_fp8, grouped_gemm_w4))
+        sort_block = triton.next_power_of_2(pairs) if pairs <= grouped_gemm.IN_KERNEL_SORT_MAX else 0
+        decode = pairs <= grouped_gemm_decode.DECODE_MAX_PAIRS  # the decode GEMMs take this chunk
+        return tiles, sort_block, grouped_gemm_decode._block_p(pairs) if decode else 0
+
+    full = 8192
+    warmed = {choices(n) for n in (*LADDER, MID_CHUNK, full)}
+    missed = {n: choices(n) for n in range(8, full + 1) if choices(n) not in warmed}
+    assert not missed, f"{len(missed)} chunk lengths make a choice no warm-up chunk makes, e.g. {min(missed)}"
