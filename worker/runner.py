@@ -145,11 +145,10 @@ class ModelRunner:
     def warm_attention_plans(self) -> int:
         """Plan the long-prefix attention for every query bucket a prefill chunk can reach (the
         scheduler's warm-up); returns how many. gpt-oss's layers never take that path."""
-        warm = getattr(self.model.attention, "warm_plans", None)
-        if warm is None or self.model_config.attention_sinks:
-            return 0
         cfg = self.model_config
-        return warm(cfg.num_heads, self.plan.prefill_tokens, cfg.max_context)
+        if cfg.attention_sinks:
+            return 0
+        return self.model.attention.warm_plans(cfg.num_heads, self.plan.prefill_tokens, cfg.max_context)
 
     def save_routing_record(self) -> None:
         """With ``--record-routing FILE``: write the routing recorded so far to FILE (reads the

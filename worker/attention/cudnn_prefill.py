@@ -13,10 +13,11 @@ on sm90), which reads contiguous keys only; the pages are gathered first. Per ro
 Each row's query length is padded up to a bucket (``query_bucket``: eight steps an octave, at
 most 1/8 more rows) with zero queries and, for the causal part, zero keys and values after the
 chunk's: top-left causal, query i sees keys 0..i only, so the real rows' results are exact and the
-padded rows are dropped. cuDNN builds a plan per shape, and on the H200 a new query length cost
-about 1.7 s in a served turn where a new prefix length cost little, so the query lengths a prefill
-can reach are few and warmed before serving (``warm_plans``). The prefix length is not bucketed:
-padding keys would change the softmax without a mask.
+padded rows are dropped. cuDNN builds a plan per shape (about 50 ms on an H200, and 2.1 s for a
+process's first call: ``scripts/bench_prefill_attention.py``, "first ms"), so the query lengths a
+prefill can reach are few and planned before serving (``warm_plans``). The prefix length is not
+bucketed: padding keys would change the softmax without a mask, so a new prefix length still
+plans once.
 
 The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
 for a 2k chunk over 128k keys); the merge reads both parts once. Lengths come from the host, page

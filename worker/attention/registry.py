@@ -24,6 +24,12 @@ class AttentionBackend(Protocol):
         keys ending at its own position."""
         ...
 
+    def warm_plans(self, heads: int, max_q: int, max_context: int) -> int:
+        """Build before serving whatever the backend plans per shape on first use (prefill chunks of
+        up to ``max_q`` queries of ``heads`` heads, contexts up to ``max_context``); returns how many
+        shapes it planned."""
+        ...
+
 
 BACKENDS: dict[str, Callable[[KVPool, float], AttentionBackend]] = {}
 

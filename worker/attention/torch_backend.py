@@ -23,6 +23,9 @@ class TorchAttention:
         self.pool = pool
         self.scale = scale
 
+    def warm_plans(self, heads: int, max_q: int, max_context: int) -> int:
+        return 0  # nothing is planned per shape
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, *,
                 sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         heads = q.shape[1]

@@ -63,8 +63,7 @@ class TritonAttention:
                 return cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table,
                                                              batch.q_lens, plan.prefixes, self.scale)
             except cudnn_prefill.CudnnRefused as e:
-                self.cudnn = False
-                log.warning("%s; the paged kernel takes every prefill from now on", e)
+                self._refused(e)
                 plan = self._plan = plan._replace(blocks=_block_table(batch, q, k_cache, plan.prefixes))
         return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
                                        self.scale, blocks=plan.blocks)
@@ -78,9 +77,12 @@ class TritonAttention:
         try:
             return cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, max_context, self.scale)
         except cudnn_prefill.CudnnRefused as e:
-            self.cudnn = False
-            log.warning("%s; the paged kernel takes every prefill from now on", e)
+            self._refused(e)
             return 0
+
+    def _refused(self, e: cudnn_prefill.CudnnRefused) -> None:
+        self.cudnn = False
+        log.warning("%s; the paged kernel takes every prefill from now on", e)
 
     def _prefill_plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor,
                       cudnn: bool = True) -> PrefillPlan:
