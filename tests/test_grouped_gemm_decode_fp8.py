@@ -24,8 +24,9 @@ TRIALS = 20  # on a GPU; interpreted, 6 a configuration (each fill case and a ba
 INTERPRETED_TRIALS = 6
 FILL_CASES = ["none", "some", "all"]
 # scale blocks: several rows and columns at interpreter sizes, columns that are no power of two
-# (the k step shrinks to 16), per channel
-BLOCKS = [ScaleBlock(16, 16), ScaleBlock(8, 48), PER_CHANNEL]
+# (the k step shrinks to 16), per channel; the kernel's scale modes: "k" (a block's rows span a
+# tile's 8 columns), "kn" (4 rows: a tile spans two blocks), "n" (per channel)
+BLOCKS = [ScaleBlock(16, 16), ScaleBlock(8, 48), ScaleBlock(4, 16), PER_CHANNEL]
 # slots, hidden, inter, top-k, tiles: on the tiles, and off them (hidden and inter not multiples)
 SHAPES = [(12, 96, 32, 4), (9, 80, 24, 3)]
 SMALL = dict(pair_n=8, pair_k=32, down_n=8, down_k=32, fill_k=16, fill_rows=4)

@@ -74,9 +74,10 @@ class RankProcesses:
         """A rank died mid-run: say so once, kill the others, end this process."""
         self.died.set()
         others = ", ".join(f"{p.name} (pid {p.pid})" for p in self.running) or "none left"
-        print(f"error: {dead.name} (pid {dead.pid}) {describe_exit(dead.exitcode)}; its experts are gone, so the "
-              f"run stops: rank 0 (pid {os.getpid()}) exits and ends the other ranks: {others}",
-              file=sys.stderr, flush=True)
+        line = (f"error: {dead.name} (pid {dead.pid}) {describe_exit(dead.exitcode)}; its experts are gone, so the "
+                f"run stops: rank 0 (pid {os.getpid()}) exits and ends the other ranks: {others}\n")
+        sys.stderr.flush()  # one write of the whole line: the engine's thread may be logging the failed step
+        os.write(sys.stderr.fileno(), line.encode())
         self.kill()
         os._exit(RANK_DIED_EXIT)
 
