@@ -19,7 +19,9 @@ Bf16 batches of up to ``DECODE_MAX_PAIRS`` (token, expert) pairs take the decode
 (``grouped_gemm_decode``, two or three launches); rows "bf16-align" time the general four-launch
 path at the same sizes ("vs bf16" below 1: the decode path is faster). ``--decode-sweep`` times
 the decode path's tiles (gate_up n, gate_up k, down n, down k, warps, stages; the per-slot down's
-tiles stay at their defaults).
+tiles stay at their defaults). ``--fp8-decode-sweep`` times one token's fp8 path
+(``grouped_gemm_decode_fp8``) over its tiles: the gate_up's (columns, k step, warps) with the
+down at its defaults, then the down's (columns, k step, warps) with the gate_up at its defaults.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ SWEEP_KEYS = (("variant", ">5"), ("tokens", "7d"))  # a sweep's groups, as print
 DECODE_SWEEP = [(32, 128, 16, 256, 4, 3), (16, 128, 16, 256, 4, 3), (32, 256, 16, 256, 4, 3), (64, 128, 32, 256, 4, 3),
                 (32, 128, 8, 256, 4, 3), (32, 128, 16, 128, 4, 4), (16, 256, 16, 128, 4, 4), (32, 128, 32, 128, 8, 3),
                 (16, 128, 8, 256, 4, 4), (32, 64, 16, 256, 4, 5)]
+FP8_PAIR_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)]
+FP8_DOWN_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8, 16)]
 
 
 def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
@@ -149,6 +153,25 @@ def decode_sweep(num_tokens: int, args: argparse.Namespace, banks: tuple) -> lis
     return rows
 
 
+def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
+    """One token over fp8 banks: each gate_up tile with the default down, each down tile with the
+    default gate_up (``FP8_DECODE_TILES``)."""
+    from moe_offload.kernels.grouped_gemm_decode_fp8 import FP8_DECODE_TILES, decode_grouped_swiglu_fp8
+
+    w13, w2, scales = banks
+    hidden, weights, slots = routing(1, args)
+    configs = [("gate_up", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w)) for n, k, w in FP8_PAIR_SWEEP]
+    configs += [("down", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w)) for n, k, w in FP8_DOWN_SWEEP]
+    rows = []
+    for part, config in configs:
+        graph_us, _ = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
+        tiles = ((config.pair_n, config.pair_k, config.pair_warps) if part == "gate_up"
+                 else (config.down_n, config.down_k, config.down_warps))
+        rows.append({"variant": part, "tokens": 1, "config": tiles, "default": config == FP8_DECODE_TILES,
+                     "time_us": graph_us})
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     bf16 = {r["tokens"]: r["time_us"] for r in rows if r["dtype"] == "bf16"}
     print(f"{'dtype':>10} {'tokens':>7} {'experts':>7} {'graph us':>9} {'launched us':>11} {'HBM us':>8} "
@@ -173,6 +196,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
     parser.add_argument("--decode-sweep", action="store_true",
                         help=f"also time the bf16 decode path's tiles at sizes up to {DECODE_MAX_PAIRS} pairs")
+    parser.add_argument("--fp8-decode-sweep", action="store_true",
+                        help="also time one token's fp8 path over its gate_up and down tiles")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
 
@@ -201,6 +226,10 @@ def main() -> int:
         print_sweep(decode_rows, "bf16 decode tile sweep (gate_up n, gate_up k, down n, down k, warps, stages)",
                     SWEEP_KEYS, 28)
         sweep_rows += decode_rows
+    if args.fp8_decode_sweep and "fp8" in banks:
+        fp8_rows = fp8_decode_sweep(args, banks["fp8"])
+        print_sweep(fp8_rows, "fp8 one-token tile sweep (columns, k step, warps)", SWEEP_KEYS, 28)
+        sweep_rows += fp8_rows
     if args.json:
         geometry = {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k", "scale_block")}
         Path(args.json).write_text(json.dumps({"geometry": geometry, "rows": rows, "sweep": sweep_rows}, indent=2))
