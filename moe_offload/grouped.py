@@ -14,10 +14,10 @@ skips negative ids alike (expert parallelism masks other ranks' experts to -1) a
 rest in range.
 
 Fills: experts an expert-cache lookup admitted into ``slots`` and still to copy in from the host
-(a ``SlotFill``). The decode path of float banks, and the batch-1 path of fp8 banks
-(``grouped_gemm_decode_fp8``), copy them in their gate_up launch (so the hits compute while the
-misses cross PCIe); every other path gathers them first (``gather_missing``), in stream order
-before the GEMM.
+(a ``SlotFill``). The decode path of float banks, and the batch-1 paths of fp8 banks
+(``grouped_gemm_decode_fp8``) and 4-bit banks (``grouped_gemm_w4_decode``), copy them in their
+gate_up launch (so the hits compute while the misses cross PCIe); every other path gathers them
+first (``gather_missing``), in stream order before the GEMM.
 """
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     extras = _expert_extras(slots, w13, w2, w13_bias, w2_bias, bias_ids, activation)
     fp8_activations = _fp8_activations(hidden, scales, fp8_activations)
     if scales is not None and scales.kind and use_triton(hidden, backend):  # 4-bit: the room's W4A16 GEMM
-        _gather_first(fill, w13, w2, scales, backend)
-        return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, backend, **extras)
+        return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, backend, fill=fill, **extras)
     if not use_triton(hidden, backend):
         _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, **extras)

@@ -1,5 +1,6 @@
 """Experts to copy into their cache slots before or while a GEMM reads them (the decode GEMM of
-float banks copies them itself; every other path gathers them first)."""
+float banks, and one token's over fp8 or 4-bit banks, copies their weights itself; every other
+path gathers them first)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,3 +30,13 @@ class SlotFill(NamedTuple):
             raise ValueError("quantized slots fill from host scales, float ones from none")
         pools = {} if scales is None else {"host_scales": self.host_scales.tensors(), "slot_scales": scales.tensors()}
         gather_missing(*self.plan, self.host_w13, self.host_w2, w13, w2, backend, **pools)
+
+    def gather_scales(self, slot_scales: tuple[torch.Tensor, ...], backend: str | None = None) -> None:
+        """Copy only the planned experts' scale banks into ``slot_scales`` (the slots' banks in
+        ``ExpertScales.tensors()`` order), for a GEMM that copies their weights in itself: a few
+        hundred bytes an expert, one ``gather_missing`` launch a bank."""
+        host = self.host_scales.tensors() if self.host_scales is not None else ()
+        if len(host) != len(slot_scales) or len(host) < 2:
+            raise ValueError(f"the host has {len(host)} scale banks, the slots {len(slot_scales)}")
+        rest = dict(host_scales=host[2:], slot_scales=slot_scales[2:]) if len(host) > 2 else {}
+        gather_missing(*self.plan, host[0], host[1], slot_scales[0], slot_scales[1], backend, **rest)

@@ -7,17 +7,23 @@ from __future__ import annotations
 import torch
 
 from moe_offload.expert_scales import ExpertScales
+from moe_offload.slot_fill import SlotFill
 
 
 def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, scales: ExpertScales, out_dtype: torch.dtype | None = None,
-                      backend: str | None = None, **extras) -> torch.Tensor:
+                      backend: str | None = None, fill: SlotFill | None = None, **extras) -> torch.Tensor:
     """``grouped_swiglu`` over packed e2m1 banks ``w13 [S, 2I, H/2]``, ``w2 [S, H, I/2]`` with
     ``scales`` (nvfp4: e4m3 groups and per-row channel scales; mxfp4: e8m0 groups); ``extras``:
-    gpt-oss's biases and activation."""
+    gpt-oss's biases and activation. ``fill``: copied in by the GEMM where its path can (one
+    token on the Triton path), else gathered first."""
     from moe_offload.kernels import grouped_gemm_w4
 
+    if fill is not None and not grouped_gemm_w4.fills_in_gemm(hidden, slots, backend):
+        fill.gather(w13, w2, scales, backend)
+        fill = None
     ch13 = None if scales.w13_channel is None else scales.w13_channel[..., 0]
     ch2 = None if scales.w2_channel is None else scales.w2_channel[..., 0]
     return grouped_gemm_w4.grouped_swiglu_w4(hidden, weights, slots, w13, scales.w13, ch13, w2, scales.w2, ch2,
-                                             fmt=scales.kind, out_dtype=out_dtype, backend=backend, **extras)
+                                             fmt=scales.kind, out_dtype=out_dtype, backend=backend, fill=fill,
+                                             **extras)

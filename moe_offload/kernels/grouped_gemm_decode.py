@@ -272,16 +272,16 @@ def _block_p(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
-def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
-               grid_n: int) -> tuple[tuple, dict, int]:
+def fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig, grid_n: int,
+              view=lambda bank: bank) -> tuple[tuple, dict, int]:
     """The gate_up kernels' fill arguments (placeholders without a fill: FILL is then off), their
     constexprs, and how many rows of copy programs the grid gets beside the pairs' (enough for
-    ``fill_rows`` w2 rows each)."""
+    ``fill_rows`` w2 rows each). ``view``: the banks as the kernel copies them (4-bit: int32 words)."""
     if fill is None:
         return (w13, w2, w2, w13, w13, w13, 0, 0, 0, 0), dict(FILL=False, PLAN=1, FILL_ROWS=1, FILL_K=1), 0
     src, dst, count = fill.plan
-    args = (fill.host_w13, fill.host_w2, w2, src, dst, count, src.numel(), fill.host_w13.stride(0),
-            fill.host_w2.stride(0), w2.stride(0))
+    host13, host2, w2 = view(fill.host_w13), view(fill.host_w2), view(w2)
+    args = (host13, host2, w2, src, dst, count, src.numel(), host13.stride(0), host2.stride(0), w2.stride(0))
     consts = dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_ROWS=cfg.fill_rows,
                   FILL_K=cfg.fill_k)
     return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
@@ -295,18 +295,18 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 1 and hidden.is_contiguous():
         grid_n = triton.cdiv(inter, cfg.pair_n)
-        fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+        copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n)
         _decode_gate_up_pair_kernel[(top_k + copy_rows, grid_n)](
-            hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
+            hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *copy_args,
             bias.b13, bias.ids, bias.num, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
             EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, BIAS=bias.on,
             **activation_consts(activation), num_warps=cfg.pair_warps, **pdl_args(hidden))
         return act
     grid_n = triton.cdiv(inter, cfg.gate_up_n)
-    fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
+    copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n)
     _decode_gate_up_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *fill_args,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), *copy_args,
         bias.b13, bias.ids, bias.num, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
         BLOCK_K=cfg.gate_up_k, PRECISION=_precision(hidden.dtype), **fill_consts, BIAS=bias.on,
         **activation_consts(activation), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))

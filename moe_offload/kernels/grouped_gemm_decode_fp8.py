@@ -26,7 +26,6 @@ import triton.language as tl
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
-from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, row_step, tile_step,
                                               w2_copy_program)
 from moe_offload.kernels.grouped_gemm_decode import DecodeConfig
@@ -177,8 +176,7 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
     out = torch.empty(1, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
     slots, weights = slots.contiguous(), weights.contiguous()
     if fill is not None:
-        hs, ss = fill.host_scales, scales
-        gather_missing(*fill.plan, hs.w13, hs.w2, ss.w13, ss.w2)
+        fill.gather_scales(scales.tensors())
     act = _gate_up(hidden, slots, w13, w2, scales, cfg, fill)
     _down(act, weights, slots, w2, scales, out, cfg)
     return out

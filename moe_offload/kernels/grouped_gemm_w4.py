@@ -9,8 +9,9 @@ twin: ``grouped_gemm_w4_banks``. This file holds the prefill path, the bf16 kern
 accumulators, and ``activation="gpt_oss"`` clamps (``gate <= 7``, ``|up| <= 7``) and takes
 ``gate * sigmoid(1.702 gate) * (up + 1)``.
 
-No 4-bit path fills missing experts as it computes: a cache lookup's misses are gathered into
-their slots first (``gather_missing``, one raw-byte launch a bank), in stream order. With fp16
+One token fills a cache lookup's misses as it computes (``grouped_gemm_w4_decode``; its
+``SlotFill`` rides the call, ``fills_in_gemm`` says when); every other batch has them gathered into
+their slots first (``gather_missing``, one raw-byte launch a bank, by the caller), in stream order. With fp16
 activations the dots take the decoded weights in fp16, which holds nvfp4's products and e8m0
 scales within 2^-24..2^13 (beyond, bf16 or fp32 activations keep the range).
 """
@@ -24,12 +25,15 @@ from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _pair_tile
                                               store_weighted, sum_over_k, token_rows)
 from moe_offload.kernels.grouped_gemm_w4_banks import (ACTIVATIONS, GROUP, W4Bank, activation_consts, bank_args,
                                                        check_w4_args, grouped_swiglu_w4_eager, kernel_consts)
+from moe_offload.kernels import grouped_gemm_w4_decode
 from moe_offload.kernels.grouped_gemm_w4_decode import DECODE_MAX_PAIRS, decode_grouped_swiglu_w4
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, channel_scaled, swiglu_w4_rows, w4_dot
 from moe_offload.kernels.triton_support import use_triton
+from moe_offload.slot_fill import SlotFill
 
 __all__ = ["ACTIVATIONS", "DECODE_MAX_PAIRS", "GROUP", "BlockConfig", "W4Bank", "decode_grouped_swiglu_w4",
-           "default_config", "fused_grouped_swiglu_w4", "grouped_swiglu_w4", "grouped_swiglu_w4_eager"]
+           "default_config", "fills_in_gemm", "fused_grouped_swiglu_w4", "grouped_swiglu_w4",
+           "grouped_swiglu_w4_eager"]
 
 
 def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
@@ -159,16 +163,26 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
                       w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
                       out_dtype: torch.dtype | None = None, w13_bias: torch.Tensor | None = None,
                       w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
-                      activation: str = "swiglu", backend: str | None = None) -> torch.Tensor:
+                      activation: str = "swiglu", backend: str | None = None,
+                      fill: SlotFill | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights`` and ``slots [T, k]`` over 4-bit banks -> ``[T, H]``. CUDA
     tensors take the decode path up to ``DECODE_MAX_PAIRS`` (token, slot) pairs and the prefill
     path above; anything else the eager twin (``backend`` or ``SLUICE_KERNELS`` forces one:
-    ``triton_support.use_triton``)."""
+    ``triton_support.use_triton``). ``fill``: only where ``fills_in_gemm`` (else gather first)."""
     args = (hidden, weights, slots, w13, w13_scale, w13_channel_scale, w2, w2_scale, w2_channel_scale)
     kwargs = dict(fmt=fmt, out_dtype=out_dtype, w13_bias=w13_bias, w2_bias=w2_bias, bias_ids=bias_ids,
                   activation=activation)
+    if fill is not None and not fills_in_gemm(hidden, slots, backend):
+        raise ValueError("this batch's path cannot fill as it computes: gather the fill first")
     if not use_triton(hidden, backend):
         return grouped_swiglu_w4_eager(*args, **kwargs)
     if slots.numel() <= DECODE_MAX_PAIRS:
-        return decode_grouped_swiglu_w4(*args, **kwargs)
+        return decode_grouped_swiglu_w4(*args, **kwargs, fill=fill)
     return fused_grouped_swiglu_w4(*args, **kwargs)
+
+
+def fills_in_gemm(hidden: torch.Tensor, slots: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether ``grouped_swiglu_w4`` copies a ``SlotFill`` in as it computes for this batch: one
+    token on the Triton path."""
+    return (use_triton(hidden, backend) and slots.numel() <= DECODE_MAX_PAIRS
+            and grouped_gemm_w4_decode.fills_in_gemm(hidden))

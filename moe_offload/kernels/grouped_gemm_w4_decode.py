@@ -17,8 +17,11 @@ The multiply-add tiles sum a group's products first and scale the sum once (``fm
 weight about two integer operations of decoding, a widening and 1.5 float operations (sm90 SASS,
 compiled offline: about 5.5 instructions a weight, so batch 1 is near the issue rate while the
 weights stream at HBM speed; a quarter of bf16's bytes either way). Grids depend on shapes only,
-so a decode step is CUDA-graph capturable. Misses are gathered into their slots before
-(``gather_missing``): no fill inside these kernels. Slots outside ``[0, S)`` contribute zero.
+so a decode step is CUDA-graph capturable. One token's misses (a ``SlotFill``) fill inside its
+gate_up launch as the bf16 path's do: their scale banks are gathered first (a few hundred bytes an
+expert), then a program whose slot the plan fills copies its rows' packed words from the host
+before it reads them, and copy programs beside the pairs' move the planned experts' w2 words; more
+tokens gather first (``gather_missing``, the caller). Slots outside ``[0, S)`` contribute zero.
 """
 from __future__ import annotations
 
@@ -26,22 +29,24 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.decode_tiles import column_tile, pair_slot, pdl_wait, round_pairs, slot_program
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
+                                              slot_program, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
-from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
                                                        packed_tile, swiglu_w4_rows, w4_dot)
 from moe_offload.kernels.triton_support import pdl_args
+from moe_offload.slot_fill import SlotFill
 
 __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4"]
 
 
-# The bf16 path's tiles but for the per-slot down's columns and one token's gate_up step (in
-# weights; every step a multiple of 32, so both formats' groups fit); the fill tiles go unused (misses
-# are gathered before). Unmeasured guesses: ``scripts/bench_grouped_gemm_w4.py --decode-sweep``.
-W4_DECODE_TILES = DecodeConfig(slot_down_n=64, pair_k=256)
+# The bf16 path's tiles but for the per-slot down's columns, one token's gate_up step (in weights;
+# every step a multiple of 32, so both formats' groups fit) and a fill's copy step (int32 words: 512
+# bytes, as bf16's 256 items). Unmeasured guesses: ``scripts/bench_grouped_gemm_w4.py --decode-sweep``.
+W4_DECODE_TILES = DecodeConfig(slot_down_n=64, pair_k=256, fill_k=128)
 
 
 @triton.jit
@@ -61,18 +66,27 @@ def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stri
 # the routing's pointers (and the slot kernels' pair count) not specialised (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_slots, inter,
-                            stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
-                            TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
-                            GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b, host13_ptr,
+                            host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
+                            stride_h2, stride_w2s, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
+                            BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+                            PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
+                            FILL_K: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, the reduction over
     ``HIDDEN`` unrolled at compile time (every step's loads issue ahead of their arithmetic); a slot
-    outside ``[0, S)`` leaves its row unwritten."""
+    outside ``[0, S)`` leaves its row unwritten. FILL: the lookup's planned experts' packed words
+    are copied in as they are read (their scales were gathered before), as the bf16 path does."""
     pdl_wait(PDL)
+    if w2_copy_program(TOP_K, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter // 8,
+                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
+        return
     pair, slot, skip = pair_slot(slots_ptr, num_slots)
     if skip:
         return
+    if FILL:  # a row is HIDDEN / 8 words
+        fill_w13_tile(host13_ptr, q_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
+                      inter, HIDDEN // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K)
     cols, col_ok = column_tile(inter, BLOCK_N)
     q_slot, s_slot, live = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, slot >= 0
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
@@ -167,9 +181,12 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
                              w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
                              out_dtype: torch.dtype | None = None, config: DecodeConfig | None = None,
                              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                             bias_ids: torch.Tensor | None = None, activation: str = "swiglu") -> torch.Tensor:
+                             bias_ids: torch.Tensor | None = None, activation: str = "swiglu",
+                             fill: SlotFill | None = None) -> torch.Tensor:
     """The decode path: ``[T, H]`` in ``out_dtype`` (default hidden's) for at most
-    ``DECODE_MAX_PAIRS`` pairs, two launches (three past ``DECODE_MAX_TOKENS`` tokens)."""
+    ``DECODE_MAX_PAIRS`` pairs, two launches (three past ``DECODE_MAX_TOKENS`` tokens). ``fill``
+    (one token only, ``fills_in_gemm``): the planned experts' scales are gathered first, their
+    packed weights copied in by the gate_up launch."""
     bank13 = W4Bank(w13, w13_scale, w13_channel_scale, w13_bias)
     bank2 = W4Bank(w2, w2_scale, w2_channel_scale, w2_bias)
     check_w4_args(hidden, weights, slots, bank13, bank2, fmt, activation, out_dtype, bias_ids)
@@ -185,7 +202,10 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     slots, weights = slots.contiguous(), weights.contiguous()
     ids = slots if bias_ids is None else bias_ids.contiguous()
     consts = kernel_consts(fmt, hidden.dtype)
-    act = _gate_up(hidden, slots, ids, bank13, cfg, consts, activation)
+    if fill is not None:
+        _check_fill(fill, hidden, bank13, bank2, fmt)
+        fill.gather_scales(_scale_banks(bank13, bank2))
+    act = _gate_up(hidden, slots, ids, bank13, bank2, cfg, consts, activation, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
         _down_per_token(act, weights, slots, ids, bank2, out, cfg, consts)
     else:
@@ -200,22 +220,52 @@ def _check_config(cfg: DecodeConfig, fmt: str) -> None:
                          f"{GROUP[fmt]} and >= 32, the per-slot kernels' columns >= 16 (tl.dot)")
 
 
+def fills_in_gemm(hidden: torch.Tensor) -> bool:
+    """Whether a fill can ride this batch's gate_up launch: one contiguous token (the per-pair kernel)."""
+    return hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(1) == 1
+
+
+def _check_fill(fill: SlotFill, hidden: torch.Tensor, bank13: W4Bank, bank2: W4Bank, fmt: str) -> None:
+    if not fills_in_gemm(hidden):
+        raise ValueError(f"a fill rides one contiguous token's gate_up; got {tuple(hidden.shape)}: gather first")
+    if fill.host_scales is None or fill.host_scales.kind != fmt:
+        raise ValueError(f"{fmt} slots fill from the host's {fmt} scales")
+    for host, pool in ((fill.host_w13, bank13.packed), (fill.host_w2, bank2.packed)):
+        if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
+            raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
+                             f"{tuple(pool.shape)} {pool.dtype}")
+
+
+def _scale_banks(bank13: W4Bank, bank2: W4Bank) -> tuple[torch.Tensor, ...]:
+    """The slots' scale banks in ``ExpertScales.tensors()`` order (channel scales as ``[S, N, 1]``)."""
+    banks = (bank13.scale, bank2.scale)
+    if bank13.channel_scale is not None:
+        banks += (bank13.channel_scale.unsqueeze(-1), bank2.channel_scale.unsqueeze(-1))
+    return banks
+
+
+def _words(bank: torch.Tensor) -> torch.Tensor:
+    return bank.view(torch.int32)
+
+
 def _block_p(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank, cfg: DecodeConfig,
-             consts: dict, activation: str) -> torch.Tensor:
+def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank, bank2: W4Bank,
+             cfg: DecodeConfig, consts: dict, activation: str, fill: SlotFill | None) -> torch.Tensor:
     """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = bank.packed.shape[0], hidden.shape[1], bank.packed.shape[1] // 2
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     (q, s, c, b), strides, bank_consts = bank_args(bank)
     consts = {**consts, **bank_consts, **activation_consts(activation), **pdl_args(hidden)}
-    if num_tokens == 1 and hidden.stride(1) == 1:
-        _gate_up_pair_w4_kernel[(top_k, triton.cdiv(inter, cfg.pair_n))](
-            hidden, q, s, c, b, ids, act, slots, num_slots, inter, *strides, TOP_K=top_k, HIDDEN=dim,
-            BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, num_warps=cfg.pair_warps)
+    if fills_in_gemm(hidden):
+        grid_n = triton.cdiv(inter, cfg.pair_n)
+        copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)
+        _gate_up_pair_w4_kernel[(top_k + copy_rows, grid_n)](
+            hidden, q, s, c, b, ids, act, slots, num_slots, inter, *strides, *copy_args, TOP_K=top_k, HIDDEN=dim,
+            BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, **fill_consts, num_warps=cfg.pair_warps)
         return act
     _gate_up_slot_w4_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
         hidden, q, s, c, b, ids, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter, hidden.stride(0),
