@@ -6,17 +6,17 @@ is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows
 ``[H, I]``.
 
 Paths: CUDA tensors take the sync-free Triton path (``kernels.grouped_gemm``; decode batches of
-float banks ``grouped_gemm_decode``; fp8 banks ``grouped_gemm_fp8``; 4-bit banks their room's W4A16
-GEMM), anything else the eager twin; ``grouped_swiglu``'s ``backend`` (or ``SLUICE_KERNELS``)
+float banks ``grouped_gemm_decode``, of fp8 banks ``grouped_gemm_decode_fp8``; larger fp8 batches
+``grouped_gemm_fp8``; 4-bit banks their room's W4A16 GEMM), anything else the eager twin; ``grouped_swiglu``'s ``backend`` (or ``SLUICE_KERNELS``)
 forces one (``kernels.triton_support``). Slot ids are not checked on the host (that would read
 the device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
 skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
 rest in range.
 
 Fills: experts an expert-cache lookup admitted into ``slots`` and still to copy in from the host
-(a ``SlotFill``). The decode path of float banks, and the batch-1 paths of fp8 banks
-(``grouped_gemm_decode_fp8``) and 4-bit banks (``grouped_gemm_w4_decode``), copy them in their
-gate_up launch (so the hits compute while the misses cross PCIe); every other path gathers them
+(a ``SlotFill``). The decode paths of float and fp8 banks (``grouped_gemm_decode``,
+``grouped_gemm_decode_fp8``) and one token's over 4-bit banks (``grouped_gemm_w4_decode``) copy
+them in their gate_up launch (so the hits compute while the misses cross PCIe); every other path gathers them
 first (``gather_missing``), in stream order before the GEMM.
 """
 from __future__ import annotations
@@ -87,13 +87,13 @@ def _fp8_activations(hidden: torch.Tensor, scales: ExpertScales | None, asked: b
 def _fp8_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               scales: ExpertScales, fp8_activations: bool, out_dtype: torch.dtype | None, fill: SlotFill | None,
               backend: str | None, extras: dict) -> torch.Tensor:
-    """fp8 banks on the Triton path: one token fills in its two-launch GEMM, the rest gather first."""
+    """fp8 banks on the Triton path: decode batches fill in their GEMM, larger ones gather first."""
     if extras:
         raise ValueError("fp8 experts with biases or the gpt_oss activation are not supported (bf16 only)")
     from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8
     from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
-    if decode_fp8.supports(hidden, scales, fp8_activations):
+    if decode_fp8.supports(hidden, slots, scales, fp8_activations):
         return decode_fp8.decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, out_dtype=out_dtype,
                                                     fill=fill)
     _gather_first(fill, w13, w2, scales, backend)

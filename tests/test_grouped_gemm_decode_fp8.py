@@ -1,7 +1,8 @@
-"""The batch-1 fp8 decode path (moe_offload/kernels/grouped_gemm_decode_fp8.py) against the eager
-twin: interpreted on the CPU in float32 (the interpreter loads e4m3 and widens it exactly), with
-scale blocks of several shapes, slots out of range and fills from host banks; compiled in bf16,
-sync-free, from pinned host banks and graph-captured on a GPU."""
+"""The fp8 decode path (moe_offload/kernels/grouped_gemm_decode_fp8.py: one token's per-pair
+kernels, more tokens' per-slot gate_up, the per-token and per-slot downs) against the eager twin:
+interpreted on the CPU in float32 (the interpreter loads e4m3 and widens it exactly), with scale
+blocks of several shapes, slots out of range, slots shared by tokens and fills from host banks;
+compiled in bf16, sync-free, from pinned host banks and graph-captured on a GPU."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,10 @@ FILL_CASES = ["none", "some", "all"]
 BLOCKS = [ScaleBlock(16, 16), ScaleBlock(8, 48), ScaleBlock(4, 16), PER_CHANNEL]
 # slots, hidden, inter, top-k, tiles: on the tiles, and off them (hidden and inter not multiples)
 SHAPES = [(12, 96, 32, 4), (9, 80, 24, 3)]
-SMALL = dict(pair_n=8, pair_k=32, down_n=8, down_k=32, fill_k=16, fill_rows=4)
+SMALL = dict(pair_n=8, pair_k=32, down_n=8, down_k=32, fill_k=16, fill_rows=4, gate_up_n=16, gate_up_k=32,
+             slot_down_n=16, slot_down_k=16)
+# tokens a trial, in turn: one (per-pair gate_up), the per-token down (<= 4), the per-slot down
+TOKENS = [1, 3, 6, 1, 2, 5]
 
 
 def decode_fp8():
@@ -38,13 +42,13 @@ def decode_fp8():
     return grouped_gemm_decode_fp8
 
 
-def routing(gen: torch.Generator, top_k: int, num_slots: int, device: str, trial: int):
-    """Distinct slots as a router picks them; every fourth trial one slot out of range (-1 or N),
-    which contributes zero."""
-    slots = torch.randperm(num_slots, generator=gen)[:top_k].view(1, top_k)
+def routing(gen: torch.Generator, tokens: int, top_k: int, num_slots: int, device: str, trial: int):
+    """Distinct slots a token as a router picks them, tokens sharing slots; every fourth trial one
+    slot out of range (-1 or N), which contributes zero."""
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:top_k] for _ in range(tokens)])
     if trial % 4 == 3:
-        slots[0, 0] = -1 if trial % 8 == 3 else num_slots
-    return torch.rand(1, top_k, generator=gen).to(device), slots.to(device)
+        slots[-1, 0] = -1 if trial % 8 == 3 else num_slots
+    return torch.rand(tokens, top_k, generator=gen).to(device), slots.to(device)
 
 
 def fill_case(banks, host, slots: torch.Tensor, trial: int, gen: torch.Generator):
@@ -77,8 +81,9 @@ def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_dev
         if host_device == "cpu":
             host = (host[0].cpu().pin_memory(), host[1].cpu().pin_memory(),
                     ExpertScales(host[2].w13.cpu().pin_memory(), host[2].w2.cpu().pin_memory(), block))
-        weights, slots = routing(gen, top_k, num_slots, device, trial)
-        hidden = torch.randn(1, dim, generator=gen).to(device, dtype)
+        tokens = TOKENS[trial % len(TOKENS)]
+        weights, slots = routing(gen, tokens, top_k, num_slots, device, trial)
+        hidden = torch.randn(tokens, dim, generator=gen).to(device, dtype)
         fill, want = fill_case(banks, host, slots, trial, gen) if trial % 2 else (None, None)
         cases.append((hidden, weights, slots, banks, fill, want))
     if sync_free:
@@ -105,26 +110,29 @@ def test_parity_with_fills_interpreted(shape, block):
 
 
 @interpreted
-def test_public_op_takes_the_batch1_path_for_one_token(monkeypatch):
-    """``grouped_swiglu`` over fp8 banks: one token takes this path (fill included), two tokens the
-    general fp8 kernels."""
+def test_public_op_takes_the_decode_path_up_to_its_pairs(monkeypatch):
+    """``grouped_swiglu`` over fp8 banks: batches of up to DECODE_MAX_PAIRS pairs take this path,
+    larger ones the general fp8 kernels."""
+    from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS
+
     calls = []
     real = decode_fp8().decode_grouped_swiglu_fp8
     monkeypatch.setattr(decode_fp8(), "decode_grouped_swiglu_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
     w13, w2, scales = make_fp8_banks(6, 64, 16, ScaleBlock(16, 16))
-    for tokens in (1, 2):
-        weights, slots = torch.rand(tokens, 2), torch.tensor([[1, 4], [0, 5]][:tokens])
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 2, DECODE_MAX_PAIRS // 2 + 1):
+        weights, slots = routing(gen, tokens, 2, 6, "cpu", 0)
         hidden = torch.randn(tokens, 64)
         out = grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales, backend="triton")
         assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)) < 1e-5
-    assert calls == [1]
+    assert calls == [1, 1]
 
 
 def test_refuses_what_it_cannot_read():
     w13, w2, scales = make_fp8_banks(4, 32, 16, ScaleBlock(16, 16))
-    with pytest.raises(ValueError, match="one contiguous token"):
-        decode_fp8().decode_grouped_swiglu_fp8(torch.randn(2, 32), torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.long),
-                                              w13, w2, scales)
+    with pytest.raises(ValueError, match="contiguous tokens of at most"):
+        decode_fp8().decode_grouped_swiglu_fp8(torch.randn(33, 32), torch.rand(33, 2),
+                                              torch.zeros(33, 2, dtype=torch.long), w13, w2, scales)
     plan = CopyPlan(*(torch.zeros(2, dtype=torch.int32) for _ in range(2)), torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="host's fp8 scales"):
         decode_fp8().decode_grouped_swiglu_fp8(torch.randn(1, 32), torch.rand(1, 2), torch.zeros(1, 2, dtype=torch.long),

@@ -1,21 +1,31 @@
-"""One token's grouped SwiGLU over fp8 experts (weight-only): the batch-1 decode step.
+"""Decode batches over fp8 experts (weight-only, up to DECODE_MAX_PAIRS (token, slot) pairs): the
+plan of the float decode path (``grouped_gemm_decode``) over e4m3 weights and their float32 scales.
 
 The general fp8 path (``grouped_gemm_fp8``) aligns the pairs by slot and runs 16-row ``tl.dot``
-tiles with 15 dead rows at one token, four launches, and an expert-cache miss is gathered before
-it starts. At one token the float path's shape is the right one (``grouped_gemm_decode``): every
-(slot, column tile) its own program, float32 multiply-adds with the reduction unrolled, the k
-outputs summed inside the down projection, two launches; and with a fill, the gate_up launch
-copies the missed experts' weights in as it runs, so the hits compute while the misses cross
-PCIe. Here the weights are e4m3 bytes, each widened and multiplied by its scale block's float32
-scale as it is loaded (a k step lies inside one scale block: the step is at most the block's
-columns), so a step reads half the bytes of bf16's.
+tiles, four launches, and an expert-cache miss is gathered before it starts. With few pairs a
+program finds its slot's pairs itself, with few tokens the k outputs are summed inside the down,
+and with a fill the gate_up launch copies the missed experts' weights in as it runs, so the hits
+compute while the misses cross PCIe (their scales, a few hundred bytes an expert, are gathered
+first). How a tile meets its scales (``scale_mode``): "k" when a block's rows span the tile's
+columns (128x128 blocks): the scales of a step are a vector over k; "n" per channel: the sums are
+scaled; "kn" otherwise: each weight times its block's scale, the step inside one block.
 
 ```
  [scales of the planned experts]  gather_missing, two small launches (a fill only)
- gate_up    grid (k + copy rows, I / BLOCK_N)   program (j, n): act[j, n], its w13 tile filled first
-                                                when the plan admits its slot; copy programs move
-                                                the planned experts' w2 rows
- down       grid (1, H / BLOCK_N)               out[h] = sum_j weight_j * act_j . w2[slot_j, h]
+ T = 1
+ gate_up    grid (k + copy rows, I / BLOCK_N)   program (j, n): act[j, n], float32 multiply-adds
+                                                with the reduction unrolled, its w13 tile filled
+                                                first when the plan admits its slot; copy programs
+                                                move the planned experts' w2 rows
+ T > 1
+ gate_up    grid (T*k + copy rows, I / BLOCK_N) a slot's first pair runs every pair on the slot
+                                                (16-row tl.dots over the dequantized tile; the
+                                                other programs exit at once), filling first
+ T <= DECODE_MAX_TOKENS
+ down       grid (T, H / BLOCK_N)               out[t, h] = sum_j weight_tj * act_tj . w2[slot_tj, h]
+ larger
+ down       grid (T*k, H / BLOCK_N)             per slot as gate_up, rows times their weight, then
+                                                grouped_gemm.sum_over_k
 ```
 """
 from __future__ import annotations
@@ -26,15 +36,16 @@ import triton.language as tl
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, row_step, tile_step,
-                                              w2_copy_program)
-from moe_offload.kernels.grouped_gemm_decode import DecodeConfig
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs, row_step,
+                                              slot_program, tile_step, w2_copy_program)
+from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
+from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.triton_support import pdl_args
 from moe_offload.slot_fill import SlotFill
 
 
-# The bf16 path's tiles but for the k steps (a step reads as many bytes a row as bf16's), the down's
-# warps and a fill's copy step (bytes).
+# The bf16 path's tiles but for the one-token k steps (a step reads as many bytes a row as bf16's),
+# the down's warps and a fill's copy step (bytes). The per-slot kernels' tiles are bf16's guesses.
 FP8_DECODE_TILES = DecodeConfig(pair_k=128, down_k=256, down_warps=8, fill_k=512)
 
 
@@ -91,11 +102,51 @@ def _scaled_sum(acc, s_ptr, rows, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.const
     return total
 
 
+@triton.jit
+def _dequant_step(w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr,
+                  MODE: tl.constexpr):
+    """A step's ``[BLOCK_K, BLOCK_N]`` tile in float32 times its scales for a dot (mode "n": unscaled,
+    the caller scales the products' columns, ``_scaled_columns``)."""
+    w = w.to(tl.float32)
+    if MODE == "k":
+        w = w * _scale_cols(s_ptr, row0, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr)[:, None]
+    elif MODE == "kn":
+        w = w * _scale_row(s_ptr, rows, tl.min(ks, 0), SCALE_ROWS, SCALE_COLS, stride_sr)[None, :]
+    return w
+
+
+@triton.jit
+def _scaled_columns(acc, s_ptr, rows, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr,
+                    MODE: tl.constexpr):
+    """``acc [M, BLOCK_N]`` times the rows' channel scales in mode "n" (one slot's)."""
+    if MODE == "n":
+        acc = acc * _scale_row(s_ptr, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)[None, :]
+    return acc
+
+
+@triton.jit
+def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr,
+              MODE: tl.constexpr):
+    """``a . (w x scales)`` ``[16, BLOCK_N]`` in float32: 16 activation rows (``a_ptrs [16, 1]``,
+    contiguous over k, rows not ``a_ok`` read as 0) against one slot's fp8 rows (``w_ptrs [1, N]``,
+    contiguous over k), each step's tile dequantized to the activations' dtype."""
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_len
+        a = tl.load(a_ptrs + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = _dequant_step(w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    return _scaled_columns(acc, s_ptr, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+
+
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
-                             stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w13_bytes_ptr, w2_bytes_ptr,
-                             plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s,
+                             stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w2_bytes_ptr, plan_src_ptr,
+                             plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s, w13_bytes_ptr,
                              TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                              MODE: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
@@ -135,59 +186,120 @@ def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, n
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      MODE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """out[h] = sum_j (weight_j * act_j) . (w2[slot_j, h] x scale), one float32 accumulator; a
-    slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never written). Per channel
-    the scales differ by slot, so the host gives mode "kn" for it (each weight scaled)."""
+    """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
+    accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
+    written). Per channel the scales differ by slot, so the host gives mode "kn" for it (each
+    weight scaled)."""
     pdl_wait(PDL)
+    token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for j in tl.static_range(TOP_K):
-        slot = tl.load(slots_ptr + j).to(tl.int64)
+        pair = token * TOP_K + j
+        slot = tl.load(slots_ptr + pair).to(tl.int64)
         ok = (slot >= 0) & (slot < num_slots)
-        weight = tl.where(ok, tl.load(weights_ptr + j).to(tl.float32), 0.0)
+        weight = tl.where(ok, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
         slot = tl.where(ok, slot, 0)
         w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = row_step(act_ptr + j * INTER, ks, INTER, EVEN)
+            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN)
             w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
             a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
             acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
                                    SCALE_COLS, stride_sr, MODE)
-    tl.store(out_ptr + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def supports(hidden: torch.Tensor, scales: ExpertScales | None, fp8_activations: bool) -> bool:
-    """Whether this call takes the batch-1 fp8 path: one contiguous token over fp8 (not 4-bit)
-    weights, weight-only, with float32 scale grids."""
-    return (scales is not None and not scales.kind and not fp8_activations and hidden.shape[0] == 1
+@triton.jit(do_not_specialize=["num_pairs", "plan_len"], do_not_specialize_on_alignment=["slots_ptr"])
+def _slot_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_pairs, top_k, num_slots, inter,
+                             up_scale_row, stride_xt, stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr,
+                             w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2,
+                             stride_w2s, w13_bytes_ptr, HIDDEN: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                             SCALE_COLS: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr,
+                             FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr,
+                             PDL: tl.constexpr):
+    """act[p, n] = silu(x[p // k] . gate[s, n]) * (x[p // k] . up[s, n]) for every pair p on slot s,
+    16 pairs a round, the slot's tile filled first when the plan admits it."""
+    pdl_wait(PDL)
+    if w2_copy_program(num_pairs, host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter,
+                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
+        return
+    slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, inter, BLOCK_P, BLOCK_N)
+    if count == 0:
+        return
+    if FILL:
+        fill_w13_tile(host13_ptr, w13_bytes_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot,
+                      tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13, stride_ws, HIDDEN, PLAN, BLOCK_N, FILL_K)
+    g_ptrs = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * HIDDEN
+    s_gate, rows, row0 = s13_ptr + slot * stride_ss, tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
+    for r0 in range(0, count, 16):
+        pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        a_ptrs = x_ptr + (pairs // top_k)[:, None] * stride_xt
+        gate = _dot_rows(a_ptrs, live, g_ptrs, col_ok, s_gate, row0, rows, HIDDEN, PRECISION, BLOCK_N, BLOCK_K,
+                         SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        up = _dot_rows(a_ptrs, live, g_ptrs + inter * HIDDEN, col_ok, s_gate + up_scale_row * stride_sr, row0, rows,
+                       HIDDEN, PRECISION, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["weights_ptr", "slots_ptr"])
+def _slot_down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, pair_out_ptr, num_pairs, num_slots, hidden,
+                          stride_ws, stride_ss, stride_sr, INTER: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                          SCALE_COLS: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """pair_out[p, h] = weight[p] * act[p] . (w2[s, h] x scale) for every pair p on slot s."""
+    pdl_wait(PDL)
+    slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, hidden, BLOCK_P, BLOCK_N)
+    w_ptrs = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+    s_slot, rows, row0 = s2_ptr + slot * stride_ss, tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
+    for r0 in range(0, count, 16):  # none unless this program runs its slot
+        pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
+        acc = _dot_rows(act_ptr + pairs[:, None] * INTER, live, w_ptrs, col_ok, s_slot, row0, rows, INTER, PRECISION,
+                        BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        store_weighted(pair_out_ptr, acc, weights_ptr, pairs, live, cols, col_ok, hidden)
+
+
+def supports(hidden: torch.Tensor, slots: torch.Tensor, scales: ExpertScales | None, fp8_activations: bool) -> bool:
+    """Whether this call takes the fp8 decode path: contiguous tokens of at most ``DECODE_MAX_PAIRS``
+    pairs over fp8 (not 4-bit) weights, weight-only, with float32 scale grids."""
+    return (scales is not None and not scales.kind and not fp8_activations and slots.numel() <= DECODE_MAX_PAIRS
             and hidden.is_contiguous() and scales.w13.dtype == torch.float32)
 
 
 def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                               w2: torch.Tensor, scales: ExpertScales, config: DecodeConfig | None = None,
                               out_dtype: torch.dtype | None = None, fill: SlotFill | None = None) -> torch.Tensor:
-    """``hidden [1, H]`` over fp8 ``w13 [N, 2I, H]``, ``w2 [N, H, I]`` and their ``scales`` (arguments
-    checked by ``grouped_swiglu``) -> ``[1, H]`` in ``out_dtype`` (default hidden's). ``fill``: the
+    """``hidden [T, H]`` over fp8 ``w13 [N, 2I, H]``, ``w2 [N, H, I]`` and their ``scales`` (arguments
+    checked by ``grouped_swiglu``) -> ``[T, H]`` in ``out_dtype`` (default hidden's). ``fill``: the
     planned experts' scales are gathered first, their weights copied in by the gate_up launch."""
     cfg = config or FP8_DECODE_TILES
-    _check(hidden, w13, w2, scales, fill)
-    out = torch.empty(1, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
+    _check(hidden, slots, w13, w2, fill)
+    out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
+    if hidden.shape[0] == 0:  # nothing routed: a lookup planned nothing
+        return out
     slots, weights = slots.contiguous(), weights.contiguous()
     if fill is not None:
         fill.gather_scales(scales.tensors())
     act = _gate_up(hidden, slots, w13, w2, scales, cfg, fill)
-    _down(act, weights, slots, w2, scales, out, cfg)
+    if hidden.shape[0] <= DECODE_MAX_TOKENS:
+        _down_per_token(act, weights, slots, w2, scales, out, cfg)
+    else:
+        _down_per_slot(act, weights, slots, w2, scales, out, cfg)
     return out
 
 
-def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
+def _check(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
            fill: SlotFill | None) -> None:
     if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("the batch-1 fp8 path reads contiguous w13 and w2 banks")
-    if hidden.shape[0] != 1 or not hidden.is_contiguous():
-        raise ValueError(f"the batch-1 fp8 path takes one contiguous token, got {tuple(hidden.shape)}")
+        raise ValueError("the fp8 decode path reads contiguous w13 and w2 banks")
+    if not hidden.is_contiguous() or slots.numel() > DECODE_MAX_PAIRS:
+        raise ValueError(f"the fp8 decode path takes contiguous tokens of at most {DECODE_MAX_PAIRS} pairs, got "
+                         f"{tuple(hidden.shape)} x {slots.shape[-1]}")
     if fill is None:
         return
     if fill.host_scales is None or fill.host_scales.kind:
@@ -204,47 +316,70 @@ def _step(k: int, block: ScaleBlock, mode: str) -> int:
     return min(k, block.cols & -block.cols) if mode == "kn" and block.cols else k
 
 
-def _fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
-               grid_n: int) -> tuple[tuple, dict, int]:
-    """As ``grouped_gemm_decode._fill_args``, over the banks' bytes."""
-    w13_bytes, w2_bytes = w13.view(torch.uint8), w2.view(torch.uint8)
-    if fill is None:
-        return (w13_bytes, w2_bytes, w13_bytes, w2_bytes, w13, w13, w13, 0, 0, 0, 0), dict(
-            FILL=False, PLAN=1, FILL_ROWS=1, FILL_K=1), 0
-    src, dst, count = fill.plan
-    args = (fill.host_w13.view(torch.uint8), fill.host_w2.view(torch.uint8), w13_bytes, w2_bytes, src, dst, count,
-            src.numel(), fill.host_w13.stride(0), fill.host_w2.stride(0), w2.stride(0))
-    consts = dict(FILL=True, PLAN=triton.next_power_of_2(max(src.numel(), 1)), FILL_ROWS=cfg.fill_rows,
-                  FILL_K=cfg.fill_k)
-    return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
+def _bytes(bank: torch.Tensor) -> torch.Tensor:
+    return bank.view(torch.uint8)
+
+
+def _scale_consts(block: ScaleBlock, block_n: int, block_k: int, mode: str | None = None) -> dict:
+    """The scale constexprs of a launch whose tiles are ``block_n`` columns and (at most) ``block_k`` deep."""
+    mode = mode or scale_mode(block, block_n)
+    return dict(BLOCK_K=_step(block_k, block, mode), SCALE_ROWS=block.rows, SCALE_COLS=block.cols, MODE=mode)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
              cfg: DecodeConfig, fill: SlotFill | None) -> torch.Tensor:
-    top_k, (num_slots, two_inter, dim) = slots.shape[1], w13.shape
-    inter, block = two_inter // 2, scales.block
-    act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    grid_n = triton.cdiv(inter, cfg.pair_n)
-    fill_args, fill_consts, copy_rows = _fill_args(fill, w13, w2, cfg, grid_n)
-    mode = scale_mode(block, cfg.pair_n)
-    block_k = _step(cfg.pair_k, block, mode)
-    s13 = scales.w13
-    _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
-        hidden, w13, s13, act, slots, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0),
-        s13.stride(1), *fill_args, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=block_k,
-        SCALE_ROWS=block.rows, SCALE_COLS=block.cols, MODE=mode, EVEN=dim % block_k == 0 and inter % cfg.pair_n == 0,
-        **fill_consts, num_warps=cfg.pair_warps, **pdl_args(hidden))
+    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+    (num_tokens, top_k), (num_slots, two_inter, dim) = slots.shape, w13.shape
+    inter, block, s13 = two_inter // 2, scales.block, scales.w13
+    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    block_n = cfg.pair_n if num_tokens == 1 else cfg.gate_up_n
+    grid_n = triton.cdiv(inter, block_n)
+    copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n, _bytes)
+    common = (s13, act, slots)
+    tail = (*copy_args, _bytes(w13))
+    if num_tokens == 1:
+        consts = _scale_consts(block, block_n, cfg.pair_k)
+        _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
+            hidden, w13, *common, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0), s13.stride(1),
+            *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts, EVEN=dim % consts["BLOCK_K"] == 0
+            and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps, **pdl_args(hidden))
+        return act
+    _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
+        hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),
+        w13.stride(0), s13.stride(0), s13.stride(1), *tail, HIDDEN=dim, BLOCK_P=_block_p(num_tokens * top_k),
+        BLOCK_N=block_n, **_scale_consts(block, block_n, cfg.gate_up_k), PRECISION=_precision(hidden.dtype),
+        **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
     return act
 
 
-def _down(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
-          out: torch.Tensor, cfg: DecodeConfig) -> None:
+def _block_p(num_pairs: int) -> int:
+    return max(16, triton.next_power_of_2(num_pairs))
+
+
+def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
+                    scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig) -> None:
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
     mode = "k" if scale_mode(block, cfg.down_n) == "k" else "kn"  # per channel: by slot, so by weight
-    block_k = _step(cfg.down_k, block, mode)
-    _down_fp8_kernel[(1, triton.cdiv(dim, cfg.down_n))](
+    consts = _scale_consts(block, cfg.down_n, cfg.down_k, mode)
+    _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
-        TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=block_k, SCALE_ROWS=block.rows,
-        SCALE_COLS=block.cols, MODE=mode, EVEN=inter % block_k == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps,
-        **pdl_args(act))
+        TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps, **pdl_args(act))
+
+
+def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
+                   scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig) -> None:
+    (num_tokens, top_k), (num_slots, dim, inter) = slots.shape, w2.shape
+    num_pairs, s2 = num_tokens * top_k, scales.w2
+    pair_out = torch.empty(num_pairs, dim, dtype=act.dtype, device=out.device)
+    _slot_down_fp8_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
+        act, w2, s2, weights, slots, pair_out, num_pairs, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
+        INTER=inter, BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n,
+        **_scale_consts(scales.block, cfg.slot_down_n, cfg.slot_down_k), PRECISION=_precision(act.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(act))
+    sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)
