@@ -1,10 +1,11 @@
-"""One token over 4-bit (nvfp4, mxfp4) experts copies an expert-cache lookup's misses in as its
-gate_up launch runs (moe_offload/kernels/grouped_gemm_w4_decode.py, a ``SlotFill``), as the bf16
-and fp8 decode paths do: the planned experts' scale banks are gathered first, then the packed
-words of each planned slot land before its program reads them and copy programs move the w2
-words. Checked against a gather followed by the eager twin: the slot pools after the call, byte
-for byte, and the output; interpreted on the CPU, and on a GPU from pinned host banks under the
-sync check. Every other batch gathers first, through the public op."""
+"""A decode batch over 4-bit (nvfp4, mxfp4) experts copies an expert-cache lookup's misses in as
+its gate_up launch runs (moe_offload/kernels/grouped_gemm_w4_decode.py, a ``SlotFill``), as the
+bf16 and fp8 decode paths do: the planned experts' scale banks are gathered first, then the packed
+words of each planned slot land before its program reads them (one token's per-pair kernel, more
+tokens' per-slot one) and copy programs move the w2 words. Checked against a gather followed by
+the eager twin: the slot pools after the call, byte for byte, and the output; interpreted on the
+CPU, and on a GPU from pinned host banks under the sync check. Larger batches gather first,
+through the public op."""
 from __future__ import annotations
 
 import os
@@ -22,16 +23,19 @@ from moe_offload.formats.expert_format import ScaleBlock  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP, grouped_swiglu_w4_eager  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
 from moe_offload.slot_fill import SlotFill  # noqa: E402
-from tests.test_grouped_gemm_w4 import (FORMATS, TOLERANCE, Banks, decode, make_extras, random_banks,  # noqa: E402
-                                        rel_err)
+from tests.test_grouped_gemm_w4 import (FORMATS, TOLERANCE, Banks, decode, kernels, make_extras,  # noqa: E402
+                                        random_banks, rel_err)
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 FILL_CASES = ["none", "some", "all"]
 # (slots, hidden, inter, top-k) at interpreter sizes: K a multiple of the group, not of 128
 CPU_SHAPES = {"nvfp4": (9, 80, 48, 3), "mxfp4": (9, 96, 64, 3)}
 # one token's tiles, the fill's copy step (words) and w2 rows a copy program: three configurations
-CPU_TILES = [dict(pair_n=16, pair_k=32, fill_k=4, fill_rows=4), dict(pair_n=32, pair_k=64, fill_k=8, fill_rows=8),
-             dict(pair_n=16, pair_k=64, fill_k=16, fill_rows=16)]
+CPU_TILES = [dict(pair_n=16, pair_k=32, gate_up_n=16, gate_up_k=32, fill_k=4, fill_rows=4),
+             dict(pair_n=32, pair_k=64, gate_up_n=32, gate_up_k=64, fill_k=8, fill_rows=8),
+             dict(pair_n=16, pair_k=64, gate_up_n=16, gate_up_k=32, fill_k=16, fill_rows=16)]
+# tokens a trial, in turn: one (the per-pair gate_up) and more (the per-slot one, both downs)
+TOKENS = [1, 3, 6]
 
 
 def scales_of(banks: Banks, fmt: str) -> ExpertScales:
@@ -71,9 +75,10 @@ def pinned(banks: Banks) -> Banks:
 
 
 def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_free=False):
-    """``trials`` one-token calls, each with its own banks and a fill of none, some or all of its
-    routed slots (every fourth trial a slot out of range; every other one gpt-oss's biases and
-    clamped activation): pools and output against a gather and the twin."""
+    """``trials`` calls of 1, 3 or 6 tokens (slots shared between tokens), each with its own banks and
+    a fill of none, some or all of its routed slots (every fourth trial a slot out of range; every
+    other one gpt-oss's biases and clamped activation): pools and output against a gather and the
+    twin."""
     num_slots, dim, inter, top_k = shape
     cases = []
     for trial in range(trials):
@@ -81,12 +86,13 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
         banks = random_banks(num_slots, dim, inter, fmt, device, seed=trial, gain=3.0)
         host = random_banks(num_slots + 6, dim, inter, fmt, device, seed=trial + 50, gain=3.0)
         host = pinned(host) if host_device == "cpu" else host
-        slots = torch.randperm(num_slots, generator=gen)[:top_k].view(1, top_k)
+        tokens = TOKENS[trial % len(TOKENS)]
+        slots = torch.stack([torch.randperm(num_slots, generator=gen)[:top_k] for _ in range(tokens)])
         if trial % 4 == 3:
-            slots[0, 0] = -1 if trial % 8 == 3 else num_slots
-        weights, slots = torch.rand(1, top_k, generator=gen).to(device), slots.to(device)
+            slots[-1, 0] = -1 if trial % 8 == 3 else num_slots
+        weights, slots = torch.rand(tokens, top_k, generator=gen).to(device), slots.to(device)
         extras = make_extras(gen, banks, slots, with_bias=trial % 2 == 1, gpt_oss=trial % 2 == 1)
-        hidden = torch.randn(1, dim, generator=gen).to(device, torch.float32 if device == "cpu" else torch.bfloat16)
+        hidden = torch.randn(tokens, dim, generator=gen).to(device, torch.float32 if device == "cpu" else torch.bfloat16)
         fill, want = fill_case(banks, host, fmt, slots, trial, gen)
         cases.append((hidden, weights, slots, banks, extras, fill, want))
     if sync_free:
@@ -107,23 +113,26 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
 @pytest.mark.parametrize("case", range(3))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fill_matches_a_gather_interpreted(fmt, case):
-    """3 configurations x 6 trials: none, some or all of the routed slots filled, out-of-range slots."""
+    """3 configurations x 6 trials: 1, 3 and 6 tokens, none, some or all of the routed slots
+    filled, out-of-range slots."""
     config = decode().W4_DECODE_TILES._replace(**CPU_TILES[case])
     run_trials(fmt, CPU_SHAPES[fmt], "cpu", trials=6, config=config)
 
 
 @interpreted
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_public_op_fills_one_token_and_gathers_more(fmt, monkeypatch):
-    """``grouped_swiglu`` over 4-bit slots: one token hands its fill to the GEMM (no whole gather),
-    two tokens gather first; both leave the pools a gather leaves and the twin's output."""
+def test_public_op_fills_decode_batches_and_gathers_larger_ones(fmt, monkeypatch):
+    """``grouped_swiglu`` over 4-bit slots: a decode batch hands its fill to the GEMM (no whole
+    gather), a larger one gathers first; both leave the pools a gather leaves and the twin's output."""
+    from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS
+
     from moe_offload.grouped import grouped_swiglu
 
     gathers = []
     real = SlotFill.gather
     monkeypatch.setattr(SlotFill, "gather", lambda self, *a, **k: gathers.append(1) or real(self, *a, **k))
     num_slots, dim, inter, top_k = CPU_SHAPES[fmt]
-    for tokens in (1, 2):
+    for tokens in (1, 2, DECODE_MAX_PAIRS // top_k + 1):
         gen = torch.Generator().manual_seed(tokens)
         banks = random_banks(num_slots, dim, inter, fmt, seed=tokens, gain=3.0)
         host = random_banks(num_slots + 6, dim, inter, fmt, seed=tokens + 50, gain=3.0)
@@ -135,7 +144,7 @@ def test_public_op_fills_one_token_and_gathers_more(fmt, monkeypatch):
         assert all(torch.equal(got, w) for got, w in zip(tensors(banks), tensors(want)))
         ref = grouped_swiglu_w4_eager(hidden, weights, slots, *want, fmt=fmt)
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
-    assert gathers == [1]  # the two-token call only
+    assert gathers == [1]  # the call past the decode path only
 
 
 def test_refuses_a_fill_it_cannot_ride():
@@ -143,10 +152,11 @@ def test_refuses_a_fill_it_cannot_ride():
     banks, host = random_banks(num_slots, dim, inter, fmt), random_banks(num_slots, dim, inter, fmt, seed=1)
     plan = CopyPlan(*(torch.full((2 * top_k,), -1, dtype=torch.int32) for _ in range(2)),
                     torch.zeros(1, dtype=torch.int32))
-    slots = torch.arange(2 * top_k).view(2, top_k)
-    with pytest.raises(ValueError, match="one contiguous token"):
-        decode().decode_grouped_swiglu_w4(torch.randn(2, dim), torch.rand(2, top_k), slots, *banks, fmt=fmt,
-                                          fill=SlotFill(plan, host.w13, host.w2, scales_of(host, fmt)))
+    slots = torch.arange(2 * top_k).view(2, top_k) % num_slots
+    with pytest.raises(ValueError, match="cannot fill as it computes"):
+        many = torch.zeros(33, top_k, dtype=torch.long)
+        kernels().grouped_swiglu_w4(torch.randn(33, dim), torch.rand(33, top_k), many, *banks, fmt=fmt,
+                                    backend="triton", fill=SlotFill(plan, host.w13, host.w2, scales_of(host, fmt)))
     nvfp4_host = random_banks(num_slots, dim, inter, "nvfp4")
     with pytest.raises(ValueError, match="host's mxfp4 scales"):
         decode().decode_grouped_swiglu_w4(torch.randn(1, dim), torch.rand(1, top_k), slots[:1], *banks, fmt=fmt,
@@ -159,7 +169,7 @@ def test_refuses_a_fill_it_cannot_ride():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(128, 2048, 768, 8), (64, 2880, 2880, 4)], ids=["qwen3-30b", "gpt-oss"])
 def test_cuda_fill_from_pinned_host_banks_sync_free(fmt, shape):
-    """qwen3-30b's and gpt-oss-120b's shapes, default tiles: 20 one-token fills from pinned host
-    banks, each call under the sync check once compiled."""
+    """qwen3-30b's and gpt-oss-120b's shapes, default tiles: 20 fills of 1, 3 and 6 tokens from
+    pinned host banks, each call under the sync check once compiled."""
     run_trials(fmt, shape, "cuda", trials=3, host_device="cpu")  # compiles every variant
     run_trials(fmt, shape, "cuda", trials=20, host_device="cpu", sync_free=True)

@@ -9,8 +9,8 @@ twin: ``grouped_gemm_w4_banks``. This file holds the prefill path, the bf16 kern
 accumulators, and ``activation="gpt_oss"`` clamps (``gate <= 7``, ``|up| <= 7``) and takes
 ``gate * sigmoid(1.702 gate) * (up + 1)``.
 
-One token fills a cache lookup's misses as it computes (``grouped_gemm_w4_decode``; its
-``SlotFill`` rides the call, ``fills_in_gemm`` says when); every other batch has them gathered into
+Decode batches fill a cache lookup's misses as they compute (``grouped_gemm_w4_decode``; the
+``SlotFill`` rides the call, ``fills_in_gemm`` says when); larger batches have them gathered into
 their slots first (``gather_missing``, one raw-byte launch a bank, by the caller), in stream order. With fp16
 activations the dots take the decoded weights in fp16, which holds nvfp4's products and e8m0
 scales within 2^-24..2^13 (beyond, bf16 or fp32 activations keep the range).
@@ -25,7 +25,6 @@ from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _pair_tile
                                               store_weighted, sum_over_k, token_rows)
 from moe_offload.kernels.grouped_gemm_w4_banks import (ACTIVATIONS, GROUP, W4Bank, activation_consts, bank_args,
                                                        check_w4_args, grouped_swiglu_w4_eager, kernel_consts)
-from moe_offload.kernels import grouped_gemm_w4_decode
 from moe_offload.kernels.grouped_gemm_w4_decode import DECODE_MAX_PAIRS, decode_grouped_swiglu_w4
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, channel_scaled, swiglu_w4_rows, w4_dot
 from moe_offload.kernels.triton_support import use_triton
@@ -182,7 +181,6 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
 
 
 def fills_in_gemm(hidden: torch.Tensor, slots: torch.Tensor, backend: str | None = None) -> bool:
-    """Whether ``grouped_swiglu_w4`` copies a ``SlotFill`` in as it computes for this batch: one
-    token on the Triton path."""
-    return (use_triton(hidden, backend) and slots.numel() <= DECODE_MAX_PAIRS
-            and grouped_gemm_w4_decode.fills_in_gemm(hidden))
+    """Whether ``grouped_swiglu_w4`` copies a ``SlotFill`` in as it computes for this batch: a
+    decode batch on the Triton path."""
+    return use_triton(hidden, backend) and slots.numel() <= DECODE_MAX_PAIRS

@@ -17,11 +17,11 @@ The multiply-add tiles sum a group's products first and scale the sum once (``fm
 weight about two integer operations of decoding, a widening and 1.5 float operations (sm90 SASS,
 compiled offline: about 5.5 instructions a weight, so batch 1 is near the issue rate while the
 weights stream at HBM speed; a quarter of bf16's bytes either way). Grids depend on shapes only,
-so a decode step is CUDA-graph capturable. One token's misses (a ``SlotFill``) fill inside its
+so a decode step is CUDA-graph capturable. A lookup's misses (a ``SlotFill``) fill inside the
 gate_up launch as the bf16 path's do: their scale banks are gathered first (a few hundred bytes an
-expert), then a program whose slot the plan fills copies its rows' packed words from the host
-before it reads them, and copy programs beside the pairs' move the planned experts' w2 words; more
-tokens gather first (``gather_missing``, the caller). Slots outside ``[0, S)`` contribute zero.
+expert), then a program whose slot the plan fills (the pair's, or the slot's first pair's) copies
+its rows' packed words from the host before it reads them, and copy programs beside the pairs'
+move the planned experts' w2 words. Slots outside ``[0, S)`` contribute zero.
 """
 from __future__ import annotations
 
@@ -104,18 +104,27 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["num_pairs"],
+@triton.jit(do_not_specialize=["num_pairs", "plan_len"],
             do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_pairs, top_k,
                             num_slots, hidden, inter, stride_xt, stride_xh, stride_qs, stride_qn, stride_ss, stride_sn,
-                            stride_cs, num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
-                            BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            stride_cs, num_bias, stride_b, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr,
+                            count_ptr, plan_len, stride_h13, stride_h2, stride_w2s, BLOCK_P: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+                            CHANNEL: tl.constexpr, BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr,
+                            ALPHA: tl.constexpr, PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
+                            FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
     """act[p, n] for every pair p on this program's slot, 16 pairs a round (one read of the slot's
-    w13 tile for all of them when they fit one round)."""
+    w13 tile for all of them when they fit one round); FILL as the per-pair kernel, once a slot."""
     pdl_wait(PDL)
+    if w2_copy_program(num_pairs, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, hidden, inter // 8,
+                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
+        return
     slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, inter, BLOCK_P, BLOCK_N)
+    if FILL:
+        if count > 0:
+            fill_w13_tile(host13_ptr, q_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
+                          inter, hidden // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K)
     for r0 in range(0, count, 16):  # none unless this program runs its slot
         pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         act = swiglu_w4_rows(x_ptr + (pairs // top_k) * stride_xt, live, tl.program_id(0), q_ptr + slot * stride_qs,
@@ -184,9 +193,9 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
                              bias_ids: torch.Tensor | None = None, activation: str = "swiglu",
                              fill: SlotFill | None = None) -> torch.Tensor:
     """The decode path: ``[T, H]`` in ``out_dtype`` (default hidden's) for at most
-    ``DECODE_MAX_PAIRS`` pairs, two launches (three past ``DECODE_MAX_TOKENS`` tokens). ``fill``
-    (one token only, ``fills_in_gemm``): the planned experts' scales are gathered first, their
-    packed weights copied in by the gate_up launch."""
+    ``DECODE_MAX_PAIRS`` pairs, two launches (three past ``DECODE_MAX_TOKENS`` tokens). With a
+    ``fill`` the planned experts' scales are gathered first, their packed weights copied in by the
+    gate_up launch."""
     bank13 = W4Bank(w13, w13_scale, w13_channel_scale, w13_bias)
     bank2 = W4Bank(w2, w2_scale, w2_channel_scale, w2_bias)
     check_w4_args(hidden, weights, slots, bank13, bank2, fmt, activation, out_dtype, bias_ids)
@@ -203,7 +212,7 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     ids = slots if bias_ids is None else bias_ids.contiguous()
     consts = kernel_consts(fmt, hidden.dtype)
     if fill is not None:
-        _check_fill(fill, hidden, bank13, bank2, fmt)
+        _check_fill(fill, bank13, bank2, fmt)
         fill.gather_scales(_scale_banks(bank13, bank2))
     act = _gate_up(hidden, slots, ids, bank13, bank2, cfg, consts, activation, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
@@ -220,14 +229,7 @@ def _check_config(cfg: DecodeConfig, fmt: str) -> None:
                          f"{GROUP[fmt]} and >= 32, the per-slot kernels' columns >= 16 (tl.dot)")
 
 
-def fills_in_gemm(hidden: torch.Tensor) -> bool:
-    """Whether a fill can ride this batch's gate_up launch: one contiguous token (the per-pair kernel)."""
-    return hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(1) == 1
-
-
-def _check_fill(fill: SlotFill, hidden: torch.Tensor, bank13: W4Bank, bank2: W4Bank, fmt: str) -> None:
-    if not fills_in_gemm(hidden):
-        raise ValueError(f"a fill rides one contiguous token's gate_up; got {tuple(hidden.shape)}: gather first")
+def _check_fill(fill: SlotFill, bank13: W4Bank, bank2: W4Bank, fmt: str) -> None:
     if fill.host_scales is None or fill.host_scales.kind != fmt:
         raise ValueError(f"{fmt} slots fill from the host's {fmt} scales")
     for host, pool in ((fill.host_w13, bank13.packed), (fill.host_w2, bank2.packed)):
@@ -260,17 +262,19 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank:
     act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     (q, s, c, b), strides, bank_consts = bank_args(bank)
     consts = {**consts, **bank_consts, **activation_consts(activation), **pdl_args(hidden)}
-    if fills_in_gemm(hidden):
+    if num_tokens == 1 and hidden.stride(1) == 1:
         grid_n = triton.cdiv(inter, cfg.pair_n)
         copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)
         _gate_up_pair_w4_kernel[(top_k + copy_rows, grid_n)](
             hidden, q, s, c, b, ids, act, slots, num_slots, inter, *strides, *copy_args, TOP_K=top_k, HIDDEN=dim,
             BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, **fill_consts, num_warps=cfg.pair_warps)
         return act
-    _gate_up_slot_w4_kernel[(num_tokens * top_k, triton.cdiv(inter, cfg.gate_up_n))](
+    grid_n = triton.cdiv(inter, cfg.gate_up_n)
+    copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)
+    _gate_up_slot_w4_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, q, s, c, b, ids, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter, hidden.stride(0),
-        hidden.stride(1), *strides, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
-        BLOCK_K=cfg.gate_up_k, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        hidden.stride(1), *strides, *copy_args, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
+        BLOCK_K=cfg.gate_up_k, **consts, **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return act
 
 
