@@ -7,11 +7,11 @@ is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows
 
 Paths: CUDA tensors take the sync-free Triton path (``kernels.grouped_gemm``; decode batches of
 float banks ``grouped_gemm_decode``, of fp8 banks ``grouped_gemm_decode_fp8``; larger fp8 batches
-``grouped_gemm_fp8``; 4-bit banks their room's W4A16 GEMM), anything else the eager twin; ``grouped_swiglu``'s ``backend`` (or ``SLUICE_KERNELS``)
-forces one (``kernels.triton_support``). Slot ids are not checked on the host (that would read
-the device): the Triton path treats ids outside ``[0, N)`` as contributing zero; the eager twin
-skips negative ids alike (expert parallelism masks other ranks' experts to -1) and requires the
-rest in range.
+``grouped_gemm_fp8``; 4-bit banks their room's W4A16 GEMM), anything else the eager twin;
+``grouped_swiglu``'s ``backend`` (or ``SLUICE_KERNELS``) forces one (``kernels.triton_support``).
+Slot ids are not checked on the host (that would read the device): the Triton path treats ids
+outside ``[0, N)`` as contributing zero; the eager twin skips negative ids alike (expert parallelism
+masks other ranks' experts to -1) and requires the rest in range.
 
 Fills: experts an expert-cache lookup admitted into ``slots`` and still to copy in from the host
 (a ``SlotFill``). The decode paths of float and fp8 banks (``grouped_gemm_decode``,

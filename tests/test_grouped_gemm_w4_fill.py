@@ -92,7 +92,8 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
             slots[-1, 0] = -1 if trial % 8 == 3 else num_slots
         weights, slots = torch.rand(tokens, top_k, generator=gen).to(device), slots.to(device)
         extras = make_extras(gen, banks, slots, with_bias=trial % 2 == 1, gpt_oss=trial % 2 == 1)
-        hidden = torch.randn(tokens, dim, generator=gen).to(device, torch.float32 if device == "cpu" else torch.bfloat16)
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        hidden = torch.randn(tokens, dim, generator=gen).to(device, dtype)
         fill, want = fill_case(banks, host, fmt, slots, trial, gen)
         cases.append((hidden, weights, slots, banks, extras, fill, want))
     if sync_free:

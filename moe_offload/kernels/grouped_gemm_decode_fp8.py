@@ -81,15 +81,12 @@ def _scaled_dot_step(acc, x, w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS: tl.con
                      stride_sr, MODE: tl.constexpr):
     """``acc += x[:, None] * (w x scales)`` for one reduction step over weight rows ``rows`` (the
     tile's first ``row0``), the scales as ``MODE`` says ("n": left to the caller, who scales the sums)."""
-    if MODE == "k":
+    if MODE == "k":  # the scales meet the activations: one multiply a reduction column
         x = x * _scale_cols(s_ptr, row0, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr)
-        acc += x[:, None] * w.to(tl.float32)
-    elif MODE == "n":
-        acc += x[:, None] * w.to(tl.float32)
+        w = w.to(tl.float32)
     else:
-        s = _scale_row(s_ptr, rows, tl.min(ks, 0), SCALE_ROWS, SCALE_COLS, stride_sr)
-        acc += x[:, None] * (w.to(tl.float32) * s[None, :])
-    return acc
+        w = _dequant_step(w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+    return acc + x[:, None] * w
 
 
 @triton.jit
@@ -126,8 +123,8 @@ def _scaled_columns(acc, s_ptr, rows, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.c
 
 @triton.jit
 def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr,
-              MODE: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+              stride_sr, MODE: tl.constexpr):
     """``a . (w x scales)`` ``[16, BLOCK_N]`` in float32: 16 activation rows (``a_ptrs [16, 1]``,
     contiguous over k, rows not ``a_ok`` read as 0) against one slot's fp8 rows (``w_ptrs [1, N]``,
     contiguous over k), each step's tile dequantized to the activations' dtype."""
