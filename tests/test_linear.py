@@ -164,3 +164,57 @@ def test_norm_fused_on_two_rows_takes_the_norm_then_the_gemm():
 
 def test_block_k_divides_k():
     assert [gemv.block_k(k) for k in (4096, 2048, 768, 48, 24, 16, 8)] == [1024, 1024, 256, 16, 0, 16, 0]
+
+
+# ==== the shared expert's down projection, its SwiGLU before and its gate and sum after ====
+
+def check_gated(n: int, k: int, dtype: torch.dtype, device: str, trials: int = TRIALS) -> None:
+    """``add + sigmoid(logit) * linear(silu(gate) * up, w)`` against the same ops in torch: within
+    a rounding of the output (the twin rounds after each op, as the kernel does)."""
+    gen = torch.Generator(device=device).manual_seed(n * k + 1)
+    for _ in range(trials):
+        x = (torch.randn(1, 2 * k + 1, generator=gen, device=device) * 2).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
+        add = torch.randn(1, n, generator=gen, device=device).to(dtype)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = gemv.swiglu_linear_gated_add(x, w, add, backend="triton")
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        gate, up, logit = x.split([k, k, 1], dim=-1)
+        want = add + torch.sigmoid(logit) * F.linear(F.silu(gate) * up, w)
+        assert out.shape == want.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@interpreted
+@WHOLE_CPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(40, 64), (33, 48), (16, 512)], ids=lambda c: "N{}K{}".format(*c))
+def test_gated_kernel_matches_twin_interpreted(shape, dtype, whole, monkeypatch):
+    monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
+    with count_launches() as counter:
+        check_gated(*shape, dtype, "cpu", trials=5)
+    assert counter.launches["triton.gemv_kernel"] == 5  # one launch a call, nothing else
+
+
+@interpreted
+def test_gated_on_two_rows_or_float32_takes_the_twin():
+    for rows, dtype in ((2, torch.bfloat16), (1, torch.float32)):
+        x, w, add = torch.randn(rows, 65).to(dtype), torch.randn(16, 32).to(dtype), torch.randn(rows, 16).to(dtype)
+        with count_launches() as counter:
+            out = gemv.swiglu_linear_gated_add(x, w, add, backend="triton")
+        assert "triton.gemv_kernel" not in counter.launches
+        gate, up, logit = x.split([32, 32, 1], dim=-1)
+        torch.testing.assert_close(out, add + torch.sigmoid(logit) * F.linear(F.silu(gate) * up, w))
+
+
+@pytest.mark.cuda
+@WHOLE
+@pytest.mark.parametrize("shape", [(2048, 512), (2048, 768), (151, 1024)], ids=lambda c: "N{}K{}".format(*c))
+def test_gated_kernel_matches_twin_on_gpu_without_syncs(shape, whole, monkeypatch):
+    """Qwen3.5-35B-A3B's and Qwen3-Next's shared-expert shapes, and a ragged one."""
+    monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
+    check_gated(*shape, torch.bfloat16, "cuda")

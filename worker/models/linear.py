@@ -1,5 +1,6 @@
 """``x @ w.T`` for one row of ``x``: the dense projections (qkv, o, the router) of a batch-1 decode
-step, the qkv one with the residual add and RMSNorm before it folded in.
+step, the qkv one with the residual add and RMSNorm before it folded in, and a shared expert's
+down projection with its SwiGLU before it and its sigmoid gate and the MoE's sum after it.
 
 At one row a projection is a matrix-vector product bound by reading ``w``; in a qwen3-30b decode
 step on the H200 (``scripts/bench_decode.py --top-kernels``) cuBLAS's kernels for it reached about
@@ -19,7 +20,10 @@ a program loads its whole ``[K, BLOCK_N]`` tile in one go before it waits for th
 the weights stream while that kernel finishes, and only the input row waits.
 
 The norm's launch (about 2 us of a 60 us layer) is worth more than its arithmetic, which every
-program repeats on a 2k-element row. Numerics follow ``worker.models.norm``: the sum rounded to the
+program repeats on a 2k-element row. The same goes for the shared expert's glue (Qwen3-Next,
+Qwen3.5): ``silu(gate) * up`` before its down projection and ``moe + sigmoid(logit) * out`` after
+were five launches a layer around it, and are now read and written by the down's own programs
+(``swiglu_linear_gated_add``). Numerics follow ``worker.models.norm``: the sum rounded to the
 input dtype, normalised in float32, rounded, times the weight, rounded again.
 
 ``linear`` and ``add_rms_norm_linear`` take the kernel for one row of a 16-bit dtype on CUDA whose
@@ -67,6 +71,21 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     return _launch(x, residual, norm_weight, eps, w)
 
 
+def swiglu_linear_gated_add(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor, *,
+                            backend: str | None = None) -> torch.Tensor:
+    """``add + sigmoid(logit) * linear(silu(gate) * up, w)`` for ``x = [gate | up | logit]``
+    ``[..., 2K + 1]``, ``w [N, K]`` and ``add [..., N]``: a shared expert's down projection with its
+    activation, its gate and the routed experts' sum. One row of a 16-bit dtype takes the kernel
+    (each rounding where the twin rounds), anything else the twin."""
+    k = w.shape[1]
+    gate, up, logit = x.split([k, k, 1], dim=-1)
+    fused = (x.numel() == 2 * k + 1 and x.is_contiguous() and _fits(gate, w) and use_triton(x, backend)
+             and add.shape == (*x.shape[:-1], w.shape[0]) and add.dtype == x.dtype)
+    if not fused:
+        return add + torch.sigmoid(logit) * F.linear(F.silu(gate) * up, w)
+    return _launch(x, add.contiguous(), None, 0.0, w, gated=True)[0]
+
+
 def block_k(k: int) -> int:
     """The largest power of two up to MAX_BLOCK_K that divides ``k`` (0: none of at least 16)."""
     step = MAX_BLOCK_K
@@ -83,18 +102,19 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-            w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated``: ``x`` is ``[gate | up | logit]`` and ``residual`` the sum added after the gate."""
     n, k = w.shape
     pdl = pdl_args(x)
     whole = k == next_pow2(k) and (pdl["PDL"] if WHOLE_TILE is None else WHOLE_TILE)
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else x
+    summed = torch.empty_like(x) if residual is not None and not gated else x
     _kernel()[(-(-n // BLOCK_N),)](
         x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
         summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), BLOCK_ROW=next_pow2(k),
-        EVEN_N=n % BLOCK_N == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        WHOLE=whole, num_warps=16 if k >= 4096 else 4, **pdl)
+        EVEN_N=n % BLOCK_N == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None and not gated,
+        GATED=gated, WHOLE=whole, num_warps=16 if k >= 4096 else 4, **pdl)
     return out, summed
 
 
@@ -106,7 +126,8 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_N: tl.constexpr,
-                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, WHOLE: tl.constexpr,
+                    PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         w_rows = w_ptr + rows[None, :].to(tl.int64) * stride_wn
@@ -132,24 +153,35 @@ def _kernel():
                 normed = (whole.to(tl.float32) * inv).to(whole.dtype).to(tl.float32)
                 xs = (normed * tl.load(norm_ptr + cols).to(tl.float32)).to(whole.dtype)
             else:
-                xs = tl.load(x_ptr + tl.arange(0, K))
-            out = tl.sum(xs.to(tl.float32)[:, None] * w_all.to(tl.float32), 0)
-            tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-            return
-        acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-        for step in tl.static_range(K // BLOCK_K):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN_N:
-                w = tl.load(w_rows + ks[:, None])
-            else:
-                w = tl.load(w_rows + ks[:, None], mask=row_ok[None, :], other=0.0)
-            xs = tl.load(x_ptr + ks)
-            if NORM:
-                if RESIDUAL:
-                    xs = (xs.to(tl.float32) + tl.load(res_ptr + ks).to(tl.float32)).to(xs.dtype)
-                normed = (xs.to(tl.float32) * inv).to(xs.dtype).to(tl.float32)
-                xs = (normed * tl.load(norm_ptr + ks).to(tl.float32)).to(xs.dtype)
-            acc += xs.to(tl.float32)[:, None] * w.to(tl.float32)
-        tl.store(out_ptr + rows, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=row_ok)
+                ks = tl.arange(0, K)
+                xs = tl.load(x_ptr + ks)
+                if GATED:  # silu(gate) * up, each rounded to the dtype as the twin's two ops round
+                    act = (xs.to(tl.float32) * tl.sigmoid(xs.to(tl.float32))).to(xs.dtype).to(tl.float32)
+                    xs = (act * tl.load(x_ptr + K + ks).to(tl.float32)).to(xs.dtype)
+            acc = xs.to(tl.float32)[:, None] * w_all.to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+            for step in tl.static_range(K // BLOCK_K):
+                ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+                if EVEN_N:
+                    w = tl.load(w_rows + ks[:, None])
+                else:
+                    w = tl.load(w_rows + ks[:, None], mask=row_ok[None, :], other=0.0)
+                xs = tl.load(x_ptr + ks)
+                if GATED:
+                    act = (xs.to(tl.float32) * tl.sigmoid(xs.to(tl.float32))).to(xs.dtype).to(tl.float32)
+                    xs = (act * tl.load(x_ptr + K + ks).to(tl.float32)).to(xs.dtype)
+                if NORM:
+                    if RESIDUAL:
+                        xs = (xs.to(tl.float32) + tl.load(res_ptr + ks).to(tl.float32)).to(xs.dtype)
+                    normed = (xs.to(tl.float32) * inv).to(xs.dtype).to(tl.float32)
+                    xs = (normed * tl.load(norm_ptr + ks).to(tl.float32)).to(xs.dtype)
+                acc += xs.to(tl.float32)[:, None] * w.to(tl.float32)
+        out = tl.sum(acc, 0).to(out_ptr.dtype.element_ty)
+        if GATED:  # add + sigmoid(logit) * out, logit = x[2K], rounded after each op as the twin rounds
+            gate = tl.sigmoid(tl.load(x_ptr + 2 * K).to(tl.float32)).to(out.dtype).to(tl.float32)
+            out = (gate * out.to(tl.float32)).to(out.dtype)
+            out = (tl.load(res_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
+        tl.store(out_ptr + rows, out, mask=row_ok)
 
     return gemv_kernel

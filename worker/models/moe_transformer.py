@@ -20,7 +20,7 @@ from worker.batch import ForwardBatch
 from worker.config import ModelConfig
 from worker.kv.state_pool import StatePool
 from worker.models.hybrid_weights import SharedExpertWeights
-from worker.models.linear import add_rms_norm_linear, linear
+from worker.models.linear import add_rms_norm_linear, linear, swiglu_linear_gated_add
 from worker.models.norm import add_rms_norm
 from worker.models.rotary import KVWrite, Rotary, qk_rope
 from worker.models.weights import LayerWeights, ModelWeights
@@ -75,7 +75,7 @@ class MoETransformer:
             moe_out = self.experts.forward(i, h, weights, ids, guess, pipelined=batch.pipelined, bias=lw.expert_bias,
                                            activation=self.cfg.expert_activation)
             if lw.shared is not None:
-                moe_out = moe_out + shared_expert(h, lw.shared)
+                moe_out = shared_expert(h, lw.shared, moe_out)
         # the last residual add joins the final norm (of every token: prefill's extra rows cost nothing)
         h, _ = add_rms_norm(x, moe_out, w.final_norm, eps)
         return F.linear(h[batch.last_index], w.lm_head).float()
@@ -128,12 +128,11 @@ def router(lw: LayerWeights) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     return lw.router if lw.router_bias is None else (lw.router, lw.router_bias)
 
 
-def shared_expert(h: torch.Tensor, w: SharedExpertWeights) -> torch.Tensor:
-    """The shared expert's SwiGLU, scaled by the sigmoid of its gate (one projection computes
-    gate, up and the gate's logit)."""
-    size = w.w2.shape[1]
-    gate, up, logit = linear(h, w.w13).split([size, size, 1], dim=-1)
-    return torch.sigmoid(logit) * linear(F.silu(gate) * up, w.w2)
+def shared_expert(h: torch.Tensor, w: SharedExpertWeights, routed: torch.Tensor) -> torch.Tensor:
+    """``routed`` plus the shared expert's SwiGLU scaled by the sigmoid of its gate: one projection
+    computes gate, up and the gate's logit, the down projection takes the rest (one launch each
+    at one row, ``swiglu_linear_gated_add``)."""
+    return swiglu_linear_gated_add(linear(h, w.w13), w.w2, routed)
 
 
 def token_keys(batch: ForwardBatch) -> TokenKeys:
