@@ -32,6 +32,18 @@ def pair_slot(slots_ptr, num_slots):
 
 
 @triton.jit
+def routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K: tl.constexpr):
+    """Token ``token``'s ``j``-th (token, slot) pair for a per-token down: its index, its slot (0
+    when outside ``[0, N)``, so its reads stay in bounds), whether the slot is in range, and its
+    combine weight (0 when not)."""
+    pair = token * TOP_K + j
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    ok = (slot >= 0) & (slot < num_slots)
+    weight = tl.where(ok, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
+    return pair, tl.where(ok, slot, 0), ok, weight
+
+
+@triton.jit
 def slot_program(slots_ptr, num_pairs, num_slots, width, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """A slot-grouped program (p, n): the slot of pair p, which pairs are on it, their ranks among
     them, how many this program runs (all of them if p is its slot's first pair and the slot is in

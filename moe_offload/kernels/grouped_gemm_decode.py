@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from moe_offload.slot_fill import SlotFill
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs, row_step,
-                                              slot_program, tile_step, w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
+                                              routed_pair, row_step, slot_program, tile_step, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
@@ -183,14 +183,12 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     biased = tl.zeros((BLOCK_N,), tl.float32)  # gpt-oss: sum_j weight_j b2[id_j]
     for j in tl.static_range(TOP_K):
-        slot = tl.load(slots_ptr + token * TOP_K + j).to(tl.int64)
-        ok = (slot >= 0) & (slot < num_slots)
-        weight = tl.where(ok, tl.load(weights_ptr + token * TOP_K + j).to(tl.float32), 0.0)
+        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
         if BIAS:
-            pair_v = token * TOP_K + j + 0 * cols
-            biased += weight * bias_rows(b2_ptr, ids_ptr, pair_v, col_ok, cols, col_ok, num_bias, hidden, BIAS)
-        w_row = w2_ptr + tl.where(ok, slot, 0) * stride_ws + cols[None, :].to(tl.int64) * stride_wh
-        a_row = act_ptr + (token * TOP_K + j) * INTER
+            biased += weight * bias_rows(b2_ptr, ids_ptr, pair + 0 * cols, col_ok, cols, col_ok, num_bias, hidden,
+                                         BIAS)
+        w_row = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wh
+        a_row = act_ptr + pair * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.where(ok, row_step(a_row, ks, INTER, EVEN).to(tl.float32) * weight, 0.0)

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs, row_step,
-                                              slot_program, tile_step, w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
+                                              routed_pair, row_step, slot_program, tile_step, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.triton_support import pdl_args
@@ -193,11 +193,7 @@ def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, n
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        slot = tl.load(slots_ptr + pair).to(tl.int64)
-        ok = (slot >= 0) & (slot < num_slots)
-        weight = tl.where(ok, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
-        slot = tl.where(ok, slot, 0)
+        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
         w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)

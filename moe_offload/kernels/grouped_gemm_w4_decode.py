@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
-                                              slot_program, w2_copy_program)
+                                              routed_pair, slot_program, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
@@ -150,11 +150,7 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     bias = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        slot = tl.load(slots_ptr + pair).to(tl.int64)
-        ok = (slot >= 0) & (slot < num_slots)
-        weight = tl.where(ok, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
-        slot = tl.where(ok, slot, 0)
+        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
         scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             part = fma_tile(act_ptr + pair * INTER, ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols,
