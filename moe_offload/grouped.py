@@ -14,10 +14,10 @@ outside ``[0, N)`` as contributing zero; the eager twin skips negative ids alike
 masks other ranks' experts to -1) and requires the rest in range.
 
 Fills: experts an expert-cache lookup admitted into ``slots`` and still to copy in from the host
-(a ``SlotFill``). The decode paths of float and fp8 banks (``grouped_gemm_decode``,
-``grouped_gemm_decode_fp8``) and one token's over 4-bit banks (``grouped_gemm_w4_decode``) copy
-them in their gate_up launch (so the hits compute while the misses cross PCIe); every other path gathers them
-first (``gather_missing``), in stream order before the GEMM.
+(a ``SlotFill``). The decode paths of float, fp8 and 4-bit banks (``grouped_gemm_decode``,
+``grouped_gemm_decode_fp8``, ``grouped_gemm_w4_decode``) copy them in their gate_up launch (so the
+hits compute while the misses cross PCIe); every other path gathers them first
+(``gather_missing``), in stream order before the GEMM.
 """
 from __future__ import annotations
 

@@ -40,3 +40,13 @@ class SlotFill(NamedTuple):
             raise ValueError(f"the host has {len(host)} scale banks, the slots {len(slot_scales)}")
         rest = dict(host_scales=host[2:], slot_scales=slot_scales[2:]) if len(host) > 2 else {}
         gather_missing(*self.plan, host[0], host[1], slot_scales[0], slot_scales[1], backend, **rest)
+
+    def check_quantized(self, w13: torch.Tensor, w2: torch.Tensor, kind: str) -> None:
+        """Before a quantized GEMM fills these slots: the host banks match the pools ``w13``, ``w2``
+        row for row (contiguous, same dtype) and carry scales of ``kind`` ("" fp8, else 4-bit)."""
+        if self.host_scales is None or self.host_scales.kind != kind:
+            raise ValueError(f"{kind or 'fp8'} slots fill from the host's {kind or 'fp8'} scales")
+        for host, pool in ((self.host_w13, w13), (self.host_w2, w2)):
+            if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
+                raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
+                                 f"{tuple(pool.shape)} {pool.dtype}")

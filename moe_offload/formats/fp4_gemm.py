@@ -15,8 +15,8 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
                       backend: str | None = None, fill: SlotFill | None = None, **extras) -> torch.Tensor:
     """``grouped_swiglu`` over packed e2m1 banks ``w13 [S, 2I, H/2]``, ``w2 [S, H, I/2]`` with
     ``scales`` (nvfp4: e4m3 groups and per-row channel scales; mxfp4: e8m0 groups); ``extras``:
-    gpt-oss's biases and activation. ``fill``: copied in by the GEMM where its path can (one
-    token on the Triton path), else gathered first."""
+    gpt-oss's biases and activation. ``fill``: copied in by the GEMM where its path can (a
+    decode batch on the Triton path), else gathered first."""
     from moe_offload.kernels import grouped_gemm_w4
 
     if fill is not None and not grouped_gemm_w4.fills_in_gemm(hidden, slots, backend):

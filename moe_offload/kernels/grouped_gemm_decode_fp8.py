@@ -293,14 +293,8 @@ def _check(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: tor
     if not hidden.is_contiguous() or slots.numel() > DECODE_MAX_PAIRS:
         raise ValueError(f"the fp8 decode path takes contiguous tokens of at most {DECODE_MAX_PAIRS} pairs, got "
                          f"{tuple(hidden.shape)} x {slots.shape[-1]}")
-    if fill is None:
-        return
-    if fill.host_scales is None or fill.host_scales.kind:
-        raise ValueError("fp8 slots fill from the host's fp8 scales")
-    for host, pool in ((fill.host_w13, w13), (fill.host_w2, w2)):
-        if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
-            raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
-                             f"{tuple(pool.shape)} {pool.dtype}")
+    if fill is not None:
+        fill.check_quantized(w13, w2, "")
 
 
 def _step(k: int, block: ScaleBlock, mode: str) -> int:

@@ -208,7 +208,7 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     ids = slots if bias_ids is None else bias_ids.contiguous()
     consts = kernel_consts(fmt, hidden.dtype)
     if fill is not None:
-        _check_fill(fill, bank13, bank2, fmt)
+        fill.check_quantized(bank13.packed, bank2.packed, fmt)
         fill.gather_scales(_scale_banks(bank13, bank2))
     act = _gate_up(hidden, slots, ids, bank13, bank2, cfg, consts, activation, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
@@ -223,15 +223,6 @@ def _check_config(cfg: DecodeConfig, fmt: str) -> None:
     if any(k % GROUP[fmt] or k < 32 or k & (k - 1) for k in steps) or min(cfg.gate_up_n, cfg.slot_down_n) < 16:
         raise ValueError(f"decode tiles {cfg}: reduction steps must be powers of two, multiples of {fmt}'s group "
                          f"{GROUP[fmt]} and >= 32, the per-slot kernels' columns >= 16 (tl.dot)")
-
-
-def _check_fill(fill: SlotFill, bank13: W4Bank, bank2: W4Bank, fmt: str) -> None:
-    if fill.host_scales is None or fill.host_scales.kind != fmt:
-        raise ValueError(f"{fmt} slots fill from the host's {fmt} scales")
-    for host, pool in ((fill.host_w13, bank13.packed), (fill.host_w2, bank2.packed)):
-        if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
-            raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
-                             f"{tuple(pool.shape)} {pool.dtype}")
 
 
 def _scale_banks(bank13: W4Bank, bank2: W4Bank) -> tuple[torch.Tensor, ...]:
