@@ -6,8 +6,9 @@ is a slot of the expert cache. ``w13[s]`` is ``[2I, H]`` (gate rows then up rows
 ``[H, I]``.
 
 Paths: CUDA tensors take the sync-free Triton path (``kernels.grouped_gemm``; decode batches of
-float banks ``grouped_gemm_decode``, of fp8 banks ``grouped_gemm_decode_fp8``; larger fp8 batches
-``grouped_gemm_fp8``; 4-bit banks their room's W4A16 GEMM), anything else the eager twin;
+float banks ``grouped_gemm_decode``, of fp8 banks ``grouped_gemm_decode_fp8`` (past
+``RESIDENT_MAX_PAIRS`` pairs only when they fill); larger fp8 batches ``grouped_gemm_fp8``; 4-bit
+banks their room's W4A16 GEMM), anything else the eager twin;
 ``grouped_swiglu``'s ``backend`` (or ``SLUICE_KERNELS``) forces one (``kernels.triton_support``).
 Slot ids are not checked on the host (that would read the device): the Triton path treats ids
 outside ``[0, N)`` as contributing zero; the eager twin skips negative ids alike (expert parallelism
@@ -93,7 +94,7 @@ def _fp8_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, 
     from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8
     from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
-    if decode_fp8.supports(hidden, slots, scales, fp8_activations):
+    if decode_fp8.supports(hidden, slots, scales, fp8_activations, filling=fill is not None):
         return decode_fp8.decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, out_dtype=out_dtype,
                                                     fill=fill)
     _gather_first(fill, w13, w2, scales, backend)

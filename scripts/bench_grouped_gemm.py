@@ -17,8 +17,10 @@ block_k, group_m, warps, stages) per size, for each fp8 variant asked for.
 
 Bf16 batches of up to ``DECODE_MAX_PAIRS`` (token, expert) pairs take the decode path
 (``grouped_gemm_decode``, two or three launches); rows "bf16-align" time the general four-launch
-path at the same sizes ("vs bf16" below 1: the decode path is faster). Fp8 batches of that size
-take theirs (``grouped_gemm_decode_fp8``); rows "fp8-align" time the general fp8 path there. ``--decode-sweep`` times
+path at the same sizes ("vs bf16" below 1: the decode path is faster). Fp8 rows time the public op,
+which takes the fp8 decode path (``grouped_gemm_decode_fp8``) up to ``RESIDENT_MAX_PAIRS`` pairs
+here (no fill); rows "fp8-decode" time that path and "fp8-align" the general fp8 path at every
+decode size, the measurements that set the limit. ``--decode-sweep`` times
 the decode path's tiles (gate_up n, gate_up k, down n, down k, warps, stages; the per-slot down's
 tiles stay at their defaults). ``--fp8-decode-sweep`` times one token's fp8 path
 (``grouped_gemm_decode_fp8``) over its tiles: the gate_up's (columns, k step, warps) with the
@@ -111,6 +113,10 @@ def bench_one(num_tokens: int, args: argparse.Namespace, dtype: str, banks: tupl
         from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
         graph_us, launched_us = time_us(lambda: fused_grouped_swiglu(hidden, weights, slots, w13, w2))
+    elif dtype == "fp8-decode":
+        from moe_offload.kernels.grouped_gemm_decode_fp8 import decode_grouped_swiglu_fp8
+
+        graph_us, launched_us = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales))
     elif dtype == "fp8-align":
         from moe_offload.kernels.grouped_gemm_fp8 import fused_grouped_swiglu_fp8
 
@@ -221,7 +227,8 @@ def main() -> int:
     if "bf16" in banks:
         rows += [bench_one(t, args, "bf16-align", banks["bf16"]) for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS]
     if "fp8" in banks:
-        rows += [bench_one(t, args, "fp8-align", banks["fp8"]) for t in tokens if t * args.top_k <= DECODE_MAX_PAIRS]
+        rows += [bench_one(t, args, variant, banks["fp8"]) for variant in ("fp8-decode", "fp8-align") for t in tokens
+                 if t * args.top_k <= DECODE_MAX_PAIRS]
     print_rows(rows)
     variants = [False, True] if args.fp8_activations else [False]
     sweep_rows = [r for a8 in variants for t in tokens for r in sweep(t, args, banks["fp8"], a8)] if args.sweep else []

@@ -111,21 +111,33 @@ def test_parity_with_fills_interpreted(shape, block):
 
 @interpreted
 def test_public_op_takes_the_decode_path_up_to_its_pairs(monkeypatch):
-    """``grouped_swiglu`` over fp8 banks: batches of up to DECODE_MAX_PAIRS pairs take this path,
-    larger ones the general fp8 kernels."""
+    """``grouped_swiglu`` over fp8 banks: without a fill, batches of up to RESIDENT_MAX_PAIRS pairs
+    take this path and larger ones the general fp8 kernels; with one, up to DECODE_MAX_PAIRS (the
+    misses copied in the gate_up), past that the general kernels after a gather."""
     from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS
 
     calls = []
     real = decode_fp8().decode_grouped_swiglu_fp8
     monkeypatch.setattr(decode_fp8(), "decode_grouped_swiglu_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
-    w13, w2, scales = make_fp8_banks(6, 64, 16, ScaleBlock(16, 16))
-    gen = torch.Generator().manual_seed(0)
-    for tokens in (1, 2, DECODE_MAX_PAIRS // 2 + 1):
+    block = ScaleBlock(16, 16)
+    resident = decode_fp8().RESIDENT_MAX_PAIRS // 2
+    expect = []
+    for trial, (tokens, filled) in enumerate([(1, False), (resident, False), (resident + 1, False),
+                                              (resident + 1, True), (DECODE_MAX_PAIRS // 2, True),
+                                              (DECODE_MAX_PAIRS // 2 + 1, True), (DECODE_MAX_PAIRS // 2 + 1, False)]):
+        gen = torch.Generator().manual_seed(trial)
+        banks = make_fp8_banks(6, 64, 16, block, seed=trial)
         weights, slots = routing(gen, tokens, 2, 6, "cpu", 0)
-        hidden = torch.randn(tokens, 64)
-        out = grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales, backend="triton")
-        assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)) < 1e-5
-    assert calls == [1, 1]
+        fill, want = fill_case(banks, make_fp8_banks(8, 64, 16, block, seed=trial + 50), slots, 1, gen) \
+            if filled else (None, None)
+        hidden = torch.randn(tokens, 64, generator=gen)
+        calls.clear()
+        out = grouped_swiglu(hidden, weights, slots, *banks[:2], scales=banks[2], backend="triton", fill=fill)
+        if want is not None:
+            assert all(torch.equal(got, w) for got, w in zip((banks[0], banks[1], banks[2].w13, banks[2].w2), want))
+        assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, *banks[:2], banks[2])) < 1e-5
+        expect.append((tokens, filled, bool(calls)))
+    assert [taken for *_, taken in expect] == [True, True, False, True, True, False, False], expect
 
 
 def test_refuses_what_it_cannot_read():

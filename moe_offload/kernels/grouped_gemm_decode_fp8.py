@@ -44,9 +44,14 @@ from moe_offload.kernels.triton_support import pdl_args
 from moe_offload.slot_fill import SlotFill
 
 
-# The bf16 path's tiles but for the one-token k steps (a step reads as many bytes a row as bf16's),
-# the down's warps and a fill's copy step (bytes). The per-slot kernels' tiles are bf16's guesses.
-FP8_DECODE_TILES = DecodeConfig(pair_k=128, down_k=256, down_warps=8, fill_k=512)
+# The bf16 path's tiles but for one token's (gate_up 16 columns by 128 with 8 warps, down 8 columns
+# by 256 with 16: the fastest of `bench_grouped_gemm.py --fp8-decode-sweep` on the H200) and a fill's
+# copy step (bytes). The per-slot kernels' tiles are bf16's guesses.
+FP8_DECODE_TILES = DecodeConfig(pair_k=128, pair_warps=8, down_n=8, down_k=256, down_warps=16, fill_k=512)
+# Without a fill, batches past this many pairs run faster on the general fp8 kernels (H200,
+# qwen3-30b's shapes, one layer: 4 tokens 80.1 us there against 95.8 here, 8 tokens 117.7 against
+# 162.9); with one, this path copies the misses in its gate_up where the general one gathers first.
+RESIDENT_MAX_PAIRS = 16
 
 
 def scale_mode(block: ScaleBlock, block_n: int) -> str:
@@ -257,10 +262,13 @@ def _slot_down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, pair_
         store_weighted(pair_out_ptr, acc, weights_ptr, pairs, live, cols, col_ok, hidden)
 
 
-def supports(hidden: torch.Tensor, slots: torch.Tensor, scales: ExpertScales | None, fp8_activations: bool) -> bool:
+def supports(hidden: torch.Tensor, slots: torch.Tensor, scales: ExpertScales | None, fp8_activations: bool,
+             filling: bool) -> bool:
     """Whether this call takes the fp8 decode path: contiguous tokens of at most ``DECODE_MAX_PAIRS``
-    pairs over fp8 (not 4-bit) weights, weight-only, with float32 scale grids."""
-    return (scales is not None and not scales.kind and not fp8_activations and slots.numel() <= DECODE_MAX_PAIRS
+    pairs (``RESIDENT_MAX_PAIRS`` when not ``filling``) over fp8 (not 4-bit) weights, weight-only,
+    with float32 scale grids."""
+    max_pairs = DECODE_MAX_PAIRS if filling else RESIDENT_MAX_PAIRS
+    return (scales is not None and not scales.kind and not fp8_activations and slots.numel() <= max_pairs
             and hidden.is_contiguous() and scales.w13.dtype == torch.float32)
 
 
