@@ -25,7 +25,7 @@ class SlotFill(NamedTuple):
     def gather(self, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
                backend: str | None = None) -> None:
         """Copy the planned experts into the slot pools ``w13``, ``w2`` (and an fp8 cache's
-        ``scales``) now, in stream order: one ``gather_missing`` launch a bank."""
+        ``scales``) now, in stream order: one ``gather_missing`` launch."""
         if (self.host_scales is None) != (scales is None):
             raise ValueError("quantized slots fill from host scales, float ones from none")
         pools = {} if scales is None else {"host_scales": self.host_scales.tensors(), "slot_scales": scales.tensors()}
@@ -34,7 +34,7 @@ class SlotFill(NamedTuple):
     def gather_scales(self, slot_scales: tuple[torch.Tensor, ...], backend: str | None = None) -> None:
         """Copy only the planned experts' scale banks into ``slot_scales`` (the slots' banks in
         ``ExpertScales.tensors()`` order), for a GEMM that copies their weights in itself: a few
-        hundred bytes an expert, one ``gather_missing`` launch a bank."""
+        hundred kilobytes an expert at most, one ``gather_missing`` launch."""
         host = self.host_scales.tensors() if self.host_scales is not None else ()
         if len(host) != len(slot_scales) or len(host) < 2:
             raise ValueError(f"the host has {len(host)} scale banks, the slots {len(slot_scales)}")

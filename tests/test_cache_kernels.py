@@ -295,6 +295,38 @@ def test_gather_missing_interpreted(shape):
         run_gather(shape, trial, "cpu", "triton")
 
 
+def scale_banks(count: int, num_ids: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Banks of several item sizes and shapes, as quantized experts carry them: e4m3 block scales,
+    float32 channel scales, uint8 e8m0 exponents, one bank longer than a block."""
+    shapes = [(3, 5), (7, 1), (2, 3000), (4, 9)][:count]
+    dtypes = [torch.float8_e4m3fn, torch.float32, torch.uint8, torch.bfloat16][:count]
+    return [torch.randn(num_ids, *shape, generator=gen).to(dtype) if dtype != torch.uint8
+            else torch.randint(0, 255, (num_ids, *shape), generator=gen, dtype=torch.uint8)
+            for shape, dtype in zip(shapes, dtypes)]
+
+
+@interpreted
+@pytest.mark.parametrize("num_scales", [1, 2, 4])
+def test_gather_missing_moves_every_bank_in_one_launch_interpreted(num_scales):
+    """w13, w2 and 1, 2 or 4 scale banks of other item sizes: one launch, every bank's planned rows
+    byte for byte, every other row untouched."""
+    for trial in range(6):
+        gen = torch.Generator().manual_seed(trial)
+        plan, host, slots = random_gather(GATHER_SHAPES[trial % len(GATHER_SHAPES)], gen)
+        host_scales = scale_banks(num_scales, host[0].shape[0], gen)
+        slot_scales = [t[:slots[0].shape[0]].clone() for t in scale_banks(num_scales, host[0].shape[0], gen)]
+        want = [t.clone() for t in (*slots, *slot_scales)]
+        gather_mod.gather_missing(*plan, *host, *want[:2], backend="eager", host_scales=host_scales,
+                                  slot_scales=want[2:])
+        got = [t.clone() for t in (*slots, *slot_scales)]
+        with count_launches() as launches:
+            gather_mod.gather_missing(*plan, *host, *got[:2], backend="triton", host_scales=host_scales,
+                                      slot_scales=got[2:])
+        assert dict(launches.launches) == {"triton.gather_missing_kernel": 1}
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), trial
+
+
 def test_gather_missing_checks():
     plan, host, slots = random_gather(GATHER_SHAPES[0], torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="does not match"):
@@ -303,6 +335,9 @@ def test_gather_missing_checks():
         gather_mod.gather_missing(plan[0].long(), plan[1], plan[2], *host, *slots)
     with pytest.raises(ValueError, match="same experts"):
         gather_mod.gather_missing(*plan, host[0][:-1].contiguous(), host[1], *slots)
+    many = scale_banks(4, host[0].shape[0], torch.Generator().manual_seed(1)) * 2
+    with pytest.raises(ValueError, match="at most 4"):
+        gather_mod.gather_missing(*plan, *host, *slots, host_scales=many[:5], slot_scales=many[:5])
 
 
 # ==== invalidate_slots ====
@@ -364,8 +399,8 @@ def test_offloaded_experts_interpreted(fill):
 @interpreted
 def test_kernels_really_interpret():
     """Forcing the Triton path on the CPU must run the interpreter, not silently the twin."""
-    for module in (lookup_mod, gather_mod, invalidate_mod):
-        assert type(module._kernel()).__name__ == "InterpretedFunction"
+    for kernel in (lookup_mod._kernel(), gather_mod.gather_missing_kernel, invalidate_mod._kernel()):
+        assert type(kernel).__name__ == "InterpretedFunction"
 
 
 # ==== GPU ====

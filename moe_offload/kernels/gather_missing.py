@@ -9,18 +9,22 @@ launch of empty loops, and a decode step's few misses are read side by side, not
 (PCIe reads are latency-bound: the more in flight, the closer to the link's rate).
 
 The kernel copies raw bytes (each bank viewed as the integer type of its item size), so one kernel
-serves bf16 banks, fp8 banks (1 byte) and their float32 scale banks alike: one launch per bank.
+serves bf16 banks, fp8 and 4-bit banks (1 byte) and their scale banks alike, and every bank of a
+call in one launch: the grid's first axis runs over the banks' blocks one bank after another
+(``MAX_BANKS`` at most: w13, w2 and nvfp4's four scale banks), so a decode step's small scale rows
+cross PCIe beside each other, not one launch's latency after another's.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+import triton
+import triton.language as tl
 
 from moe_offload.kernels.triton_support import pdl_args, raw_bytes, use_triton
 
 BLOCK = 4096
 SPLIT = 8  # programs per block, each taking every SPLIT-th planned expert
+MAX_BANKS = 6
 
 
 def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
@@ -44,34 +48,51 @@ def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
 
 def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                    host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
-                   backend: str | None = None, host_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   slot_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Copy rows ``host[plan_src[i]] -> slots[plan_dst[i]]`` for ``i < count``, every bank.
+                   backend: str | None = None, host_scales: tuple[torch.Tensor, ...] | None = None,
+                   slot_scales: tuple[torch.Tensor, ...] | None = None) -> None:
+    """Copy rows ``host[plan_src[i]] -> slots[plan_dst[i]]`` for ``i < count``, every bank, in one
+    launch.
 
     ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``, ``slot_w13 [S, 2I, H]``, ``slot_w2 [S, H, I]``;
-    fp8 banks also move their scales: ``host_scales`` ``(w13 [L*E, R13, C13], w2 [L*E, R2, C2])``
-    into ``slot_scales`` ``([S, R13, C13], [S, R2, C2])``.
+    quantized banks also move their scales: ``host_scales`` (each ``[L*E, R, C]``; fp8's w13 and w2,
+    nvfp4's also its channel scales: at most ``MAX_BANKS - 2``) into ``slot_scales`` (``[S, R, C]``
+    each, in the same order).
     Plan entries are not checked (that would read the device): ``lookup_admit`` produces them in
     range. On CUDA the host banks must be device-addressable (pinned/registered, or device views).
     """
     banks = _pairs(host_w13, host_w2, slot_w13, slot_w2, host_scales, slot_scales)
     _check(plan_src, plan_dst, count, banks)
     if use_triton(slot_w13, backend):
-        for host, slots in banks:
-            host, slots = raw_bytes(host), raw_bytes(slots)
-            numel = host[0].numel()
-            split = max(1, min(SPLIT, plan_src.shape[0]))
-            _kernel()[(_num_blocks(numel), split)](host, slots, plan_src, plan_dst, count, numel, BLOCK=BLOCK,
-                                                   **pdl_args(slots))
+        _launch(plan_src, plan_dst, count, banks)
     else:
         gather_missing_eager(plan_src, plan_dst, count, banks)
 
 
+def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+            banks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One launch over every bank: each bank's (host, slots, an expert's items) as raw bytes, padded
+    to ``MAX_BANKS`` with the first bank, and where each bank's blocks start on the grid (the
+    padding's start at the grid's end, so no program reaches it)."""
+    args, starts, total = [], [], 0
+    for host, slots in banks:
+        host, slots = raw_bytes(host), raw_bytes(slots)
+        starts.append(total)
+        args += [host, slots, host[0].numel()]
+        total += _num_blocks(host[0].numel())
+    args += args[:3] * (MAX_BANKS - len(banks))
+    starts += [total] * (MAX_BANKS - len(banks))
+    split = max(1, min(SPLIT, plan_src.shape[0]))
+    gather_missing_kernel[(total, split)](plan_src, plan_dst, count, *args, *starts[1:], BLOCK=BLOCK, **pdl_args(banks[0][1]))
+
+
 def _pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
-           host_scales: tuple[torch.Tensor, torch.Tensor] | None,
-           slot_scales: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+           host_scales: tuple[torch.Tensor, ...] | None,
+           slot_scales: tuple[torch.Tensor, ...] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if (host_scales is None) != (slot_scales is None):
         raise ValueError("scales must be given for both the host banks and the slots, or for neither")
+    if host_scales is not None and (len(host_scales) != len(slot_scales) or len(host_scales) > MAX_BANKS - 2):
+        raise ValueError(f"{len(host_scales)} host and {len(slot_scales)} slot scale banks: give the same number, "
+                         f"at most {MAX_BANKS - 2}")
     pairs = [(host_w13, slot_w13), (host_w2, slot_w2)]
     return pairs + list(zip(host_scales, slot_scales)) if host_scales is not None else pairs
 
@@ -90,23 +111,36 @@ def gather_missing_eager(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: 
         slots[plan_dst[:num].long()] = host[src].to(slots.device)
 
 
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
+@triton.jit
+def _copy_block(src_ptr, dst_ptr, numel, block, plan_src_ptr, plan_dst_ptr, count, BLOCK: tl.constexpr):
+    """Block ``block`` of every planned expert this program takes (every num_programs(1)-th)."""
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < numel
+    for j in range(tl.program_id(1), count, tl.num_programs(1)):
+        src = tl.load(plan_src_ptr + j).to(tl.int64)
+        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
+        vals = tl.load(src_ptr + src * numel + offs, mask=inside)
+        tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
 
-    @triton.jit
-    def gather_missing_kernel(src_ptr, dst_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, numel, BLOCK: tl.constexpr,
-                              PDL: tl.constexpr):
-        if PDL:  # see triton_support.pdl_args
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < numel
-        for j in range(tl.program_id(1), tl.load(count_ptr), tl.num_programs(1)):
-            src = tl.load(plan_src_ptr + j).to(tl.int64)
-            dst = tl.load(plan_dst_ptr + j).to(tl.int64)
-            vals = tl.load(src_ptr + src * numel + offs, mask=inside)
-            tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
 
-    return gather_missing_kernel
+@triton.jit
+def gather_missing_kernel(plan_src_ptr, plan_dst_ptr, count_ptr, src0, dst0, numel0, src1, dst1, numel1,
+                          src2, dst2, numel2, src3, dst3, numel3, src4, dst4, numel4, src5, dst5, numel5,
+                          start1, start2, start3, start4, start5, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    if pid < start1:
+        _copy_block(src0, dst0, numel0, pid, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+    elif pid < start2:
+        _copy_block(src1, dst1, numel1, pid - start1, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+    elif pid < start3:
+        _copy_block(src2, dst2, numel2, pid - start2, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+    elif pid < start4:
+        _copy_block(src3, dst3, numel3, pid - start3, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+    elif pid < start5:
+        _copy_block(src4, dst4, numel4, pid - start4, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+    else:
+        _copy_block(src5, dst5, numel5, pid - start5, plan_src_ptr, plan_dst_ptr, count, BLOCK)

@@ -11,7 +11,7 @@ columns (128x128 blocks): the scales of a step are a vector over k; "n" per chan
 scaled; "kn" otherwise: each weight times its block's scale, the step inside one block.
 
 ```
- [scales of the planned experts]  gather_missing, two small launches (a fill only)
+ [scales of the planned experts]  gather_missing, one small launch (a fill only)
  T = 1
  gate_up    grid (k + copy rows, I / BLOCK_N)   program (j, n): act[j, n], float32 multiply-adds
                                                 with the reduction unrolled, its w13 tile filled

@@ -11,7 +11,7 @@ accumulators, and ``activation="gpt_oss"`` clamps (``gate <= 7``, ``|up| <= 7``)
 
 Decode batches fill a cache lookup's misses as they compute (``grouped_gemm_w4_decode``; the
 ``SlotFill`` rides the call, ``fills_in_gemm`` says when); larger batches have them gathered into
-their slots first (``gather_missing``, one raw-byte launch a bank, by the caller), in stream
+their slots first (``gather_missing``, one raw-byte launch for every bank, by the caller), in stream
 order. With fp16 activations the dots take the decoded weights in fp16, which holds nvfp4's products and e8m0
 scales within 2^-24..2^13 (beyond, bf16 or fp32 activations keep the range).
 """
