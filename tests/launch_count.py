@@ -6,6 +6,9 @@ triton``): each kernel launch counts one, by its name; every aten op that would 
 a GPU counts one too (views and allocations launch nothing). The interpreter's own tensor copies
 inside a launch are not counted. A cuBLAS matmul counts one here though it may be two kernels on a
 GPU (split-K), so this is the glue's count, not the profiler's.
+
+``sync_errors`` is its GPU counterpart for the hot-path rule: the block runs under
+``set_sync_debug_mode("error")``, so a hidden device-to-host sync raises.
 """
 from __future__ import annotations
 
@@ -71,3 +74,19 @@ def count_launches() -> Iterator[LaunchCounter]:
             yield counter
     finally:
         InterpretedFunction.run = original
+
+
+class sync_errors:
+    """``torch.cuda.set_sync_debug_mode("error")`` for the block (when ``on``); back to "default"
+    after it."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch.cuda.set_sync_debug_mode("default")

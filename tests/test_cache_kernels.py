@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_offload.choices import FILL_MODES  # noqa: E402
-from tests.launch_count import count_launches  # noqa: E402
+from tests.launch_count import count_launches, sync_errors  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels import invalidate_slots as invalidate_mod  # noqa: E402
@@ -446,17 +446,3 @@ def test_cache_kernels_do_not_sync():
             gather_mod.gather_missing(*plan, *host, *pools)
             invalidate_mod.invalidate_slots(0, cfg.table_slots, tables)
     torch.cuda.synchronize()
-
-
-class sync_errors:
-    """``set_sync_debug_mode("error")`` for the block (when ``on``)."""
-
-    def __init__(self, on: bool = True):
-        self.on = on
-
-    def __enter__(self):
-        if self.on:
-            torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")

@@ -26,6 +26,7 @@ from moe_offload.store_fill import open_checkpoint_experts, open_dummy_experts  
 from moe_offload.store_layout import ExpertGeometry, StoreIdentity  # noqa: E402
 from moe_offload.store_quantize import fill_dummy_fp8, quantize_into  # noqa: E402
 from moe_offload.store_layout import BankLayout  # noqa: E402
+from tests.launch_count import sync_errors  # noqa: E402
 from tests.test_expert_cache import make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
@@ -321,14 +322,6 @@ def test_dummy_geometry_runs_in_fp8():
 
 
 # ==== GPU ====
-
-class sync_errors:
-    def __enter__(self):
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(6, 4, 10, 3), (5, 3, 7, 5), (40, 16, 256, 96)], ids=str)

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, ScaleBlock  # noqa: E402
 from moe_offload.grouped import ExpertScales, SlotFill, grouped_swiglu, grouped_swiglu_eager  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
+from tests.launch_count import sync_errors  # noqa: E402
 from tests.test_grouped_gemm_fp8 import make_fp8_banks, rel_err  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -73,8 +74,7 @@ def fill_case(banks, host, slots: torch.Tensor, trial: int, gen: torch.Generator
 def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_device=None, sync_free=False):
     num_slots, dim, inter, top_k = shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    cases = []
-    for trial in range(trials):
+    for trial in range(trials):  # one trial's banks at a time: a GPU run pins them in host memory
         gen = torch.Generator().manual_seed(trial)
         banks = make_fp8_banks(num_slots, dim, inter, block, device, seed=trial)
         host = make_fp8_banks(num_slots + 6, dim, inter, block, device, seed=trial + 50)
@@ -85,15 +85,8 @@ def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_dev
         weights, slots = routing(gen, tokens, top_k, num_slots, device, trial)
         hidden = torch.randn(tokens, dim, generator=gen).to(device, dtype)
         fill, want = fill_case(banks, host, slots, trial, gen) if trial % 2 else (None, None)
-        cases.append((hidden, weights, slots, banks, fill, want))
-    if sync_free:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        outs = [decode_fp8().decode_grouped_swiglu_fp8(h, w, s, b[0], b[1], b[2], config, fill=f)
-                for h, w, s, b, f, _ in cases]
-    finally:
-        torch.cuda.set_sync_debug_mode("default") if sync_free else None
-    for trial, (out, (hidden, weights, slots, banks, fill, want)) in enumerate(zip(outs, cases)):
+        with sync_errors(sync_free):
+            out = decode_fp8().decode_grouped_swiglu_fp8(hidden, weights, slots, *banks, config, fill=fill)
         if want is not None:
             assert all(torch.equal(got, w) for got, w in zip((banks[0], banks[1], banks[2].w13, banks[2].w2), want))
         ok = (slots >= 0) & (slots < num_slots)

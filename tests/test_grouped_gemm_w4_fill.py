@@ -23,6 +23,7 @@ from moe_offload.formats.expert_format import ScaleBlock  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP, grouped_swiglu_w4_eager  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
 from moe_offload.slot_fill import SlotFill  # noqa: E402
+from tests.launch_count import sync_errors  # noqa: E402
 from tests.test_grouped_gemm_w4 import (FORMATS, TOLERANCE, Banks, decode, kernels, make_extras,  # noqa: E402
                                         random_banks, rel_err)
 
@@ -80,8 +81,7 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
     other one gpt-oss's biases and clamped activation): pools and output against a gather and the
     twin."""
     num_slots, dim, inter, top_k = shape
-    cases = []
-    for trial in range(trials):
+    for trial in range(trials):  # one trial's banks at a time: a GPU run pins them in host memory
         gen = torch.Generator().manual_seed(trial)
         banks = random_banks(num_slots, dim, inter, fmt, device, seed=trial, gain=3.0)
         host = random_banks(num_slots + 6, dim, inter, fmt, device, seed=trial + 50, gain=3.0)
@@ -95,16 +95,9 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         hidden = torch.randn(tokens, dim, generator=gen).to(device, dtype)
         fill, want = fill_case(banks, host, fmt, slots, trial, gen)
-        cases.append((hidden, weights, slots, banks, extras, fill, want))
-    if sync_free:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        outs = [decode().decode_grouped_swiglu_w4(h, w, s, *b, fmt=fmt, config=config, fill=f, **e.kwargs())
-                for h, w, s, b, e, f, _ in cases]
-    finally:
-        if sync_free:
-            torch.cuda.set_sync_debug_mode("default")
-    for trial, (out, (hidden, weights, slots, banks, extras, _, want)) in enumerate(zip(outs, cases)):
+        with sync_errors(sync_free):
+            out = decode().decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config, fill=fill,
+                                                    **extras.kwargs())
         assert all(torch.equal(got, w) for got, w in zip(tensors(banks), tensors(want))), trial
         ref = grouped_swiglu_w4_eager(hidden, weights, slots, *want, fmt=fmt, **extras.kwargs())
         assert rel_err(out, ref) < TOLERANCE[hidden.dtype], (trial, rel_err(out, ref))

@@ -19,6 +19,7 @@ from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
 from moe_offload.prefill_pipeline import AUTO_MEMCPY_FLOPS_PER_BYTE, HostStreams  # noqa: E402
+from tests.launch_count import sync_errors  # noqa: E402
 from tests.test_expert_cache import assert_consistent, make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.batch import SequenceChunk  # noqa: E402
@@ -351,14 +352,6 @@ def test_auto_prefill_tokens_on_cpu(model_dir):
 
 
 # ==== GPU ====
-
-class sync_errors:
-    def __enter__(self):
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")
-
 
 @pytest.mark.cuda
 def test_cuda_pipeline_bf16_matches_resident_without_sync():
