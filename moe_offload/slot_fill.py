@@ -38,8 +38,8 @@ class SlotFill(NamedTuple):
         host = self.host_scales.tensors() if self.host_scales is not None else ()
         if len(host) != len(slot_scales) or len(host) < 2:
             raise ValueError(f"the host has {len(host)} scale banks, the slots {len(slot_scales)}")
-        rest = dict(host_scales=host[2:], slot_scales=slot_scales[2:]) if len(host) > 2 else {}
-        gather_missing(*self.plan, host[0], host[1], slot_scales[0], slot_scales[1], backend, **rest)
+        gather_missing(*self.plan, host[0], host[1], slot_scales[0], slot_scales[1], backend,
+                       host_scales=host[2:], slot_scales=slot_scales[2:])
 
     def check_quantized(self, w13: torch.Tensor, w2: torch.Tensor, kind: str) -> None:
         """Before a quantized GEMM fills these slots: the host banks match the pools ``w13``, ``w2``

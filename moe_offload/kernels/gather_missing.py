@@ -82,7 +82,8 @@ def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
     args += args[:3] * (MAX_BANKS - len(banks))
     starts += [total] * (MAX_BANKS - len(banks))
     split = max(1, min(SPLIT, plan_src.shape[0]))
-    gather_missing_kernel[(total, split)](plan_src, plan_dst, count, *args, *starts[1:], BLOCK=BLOCK, **pdl_args(banks[0][1]))
+    gather_missing_kernel[(total, split)](plan_src, plan_dst, count, *args, *starts[1:], BLOCK=BLOCK,
+                                          **pdl_args(banks[0][1]))
 
 
 def _pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
