@@ -220,9 +220,10 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     decode_run(runner, 1, 16, 4, seed=0)  # warm-up: compile kernels
     if args.prefill_every:  # ... and the prefill path those prefills take
         decode_run(runner, 1, 16, 4, seed=0, prefill_every=2, prefill_tokens=args.prefill_tokens)
+    progress("warm-up", start)
     if runner.graphs is not None:
         runner.graphs.capture_all()  # capture outside the timed loop
-    progress("warm-up and graph capture", start)
+        progress(f"graph capture ({len(runner.graphs.buckets)} batch sizes)", start)
     setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
                  fill=fill if fraction < 1.0 else "-", prefill_every=args.prefill_every)
     rows = []

@@ -43,10 +43,13 @@ from moe_offload.slot_fill import SlotFill
 __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4"]
 
 
-# The bf16 path's tiles but for the per-slot down's columns, one token's gate_up step (in weights;
-# every step a multiple of 32, so both formats' groups fit) and a fill's copy step (int32 words: 512
-# bytes, as bf16's 256 items). Unmeasured guesses: ``scripts/bench_grouped_gemm_w4.py --decode-sweep``.
-W4_DECODE_TILES = DecodeConfig(slot_down_n=64, pair_k=256, fill_k=128)
+# One token's gate_up: 8 columns a program (more programs for a latency-bound read), a 256-weight
+# step (every step a multiple of 32, so both formats' groups fit); the slot path's gate_up and down
+# at 64 columns x 64 steps and 128 x 64; a fill's copy step in int32 words (512 bytes, as bf16's
+# 256 items). From ``scripts/bench_grouped_gemm_w4.py --decode-sweep`` (H200, qwen3-30b's shapes:
+# one token 36.9 -> 33.5 us a layer in nvfp4, eight 212 -> 197 us with the slot down alone).
+W4_DECODE_TILES = DecodeConfig(gate_up_n=64, gate_up_k=64, slot_down_n=128, slot_down_k=64, pair_n=8, pair_k=256,
+                               fill_k=128)
 
 
 @triton.jit
