@@ -36,7 +36,7 @@ from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, default_config,  # noqa: E402
                                                  fused_grouped_swiglu_w4, grouped_swiglu_w4)
 from moe_offload.kernels.grouped_gemm_w4_decode import W4_DECODE_TILES, decode_grouped_swiglu_w4  # noqa: E402
-from report_table import print_sweep  # noqa: E402  (beside this script)
+from scripts.report_table import print_sweep  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 7.86e14
@@ -44,9 +44,12 @@ GEOMETRIES = {"qwen3-30b": dict(hidden=2048, inter=768, experts=128, top_k=8),
               "gpt-oss": dict(hidden=2880, inter=2880, experts=128, top_k=4)}
 SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4), (64, 128, 128, 16, 4, 3),
          (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
-DECODE_SWEEP = [dict(), dict(pair_k=128), dict(pair_n=32, pair_warps=8), dict(pair_n=8), dict(down_warps=8),
-                dict(down_n=8, down_warps=4), dict(down_n=32, down_k=128), dict(gate_up_n=64, gate_up_k=64),
-                dict(slot_down_n=128, slot_down_k=64)]
+# changes from W4_DECODE_TILES: the one-token gate_up (pair_*), the per-token down (down_*), the
+# slot path's gate_up and down (gate_up_*, slot_down_*), their warps
+DECODE_SWEEP = [dict(), dict(pair_n=4), dict(pair_n=16), dict(pair_warps=2), dict(pair_warps=8), dict(pair_k=512),
+                dict(pair_k=128, pair_n=4), dict(down_warps=8), dict(down_n=8, down_warps=4), dict(down_k=512),
+                dict(gate_up_n=32, gate_up_k=128), dict(gate_up_n=128, gate_up_k=64), dict(slot_down_n=64),
+                dict(slot_down_k=128), dict(num_warps=8)]
 SWEEP_KEYS = (("geometry", ">10"), ("variant", ">13"), ("tokens", "6d"))  # a sweep's groups, as print_sweep prints them
 
 

@@ -64,3 +64,16 @@ def capture_graph():
         return graph, out
 
     return capture
+
+
+def pytest_runtest_logreport(report):
+    """``SLUICE_TEST_LOG=PATH``: each phase of each test (seconds, phase, outcome, id) appended as it
+    ends, so a run cut off by a time limit (the lent GPU's calls) still says where its time went.
+    Under xdist the controller writes it (workers' reports reach it), once."""
+    path = os.environ.get("SLUICE_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    with open(path, "a") as log:
+        log.write(f"{report.duration:9.2f} {report.when:8} {report.outcome:7} {getattr(worker, 'id', '-'):5} "
+                  f"{report.nodeid}\n")

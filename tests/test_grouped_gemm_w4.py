@@ -425,22 +425,17 @@ def test_cuda_float16_and_float32_activations(fmt):
                  dtypes=[torch.float16, torch.float32], device="cuda", seed=1)
 
 
-W4_SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4), (64, 128, 128, 16, 4, 3),
-            (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
-W4_DECODE_SWEEP = [dict(), dict(pair_k=128), dict(pair_n=32, pair_warps=8), dict(pair_n=8), dict(down_warps=8),
-                   dict(down_n=8, down_warps=4), dict(down_n=32, down_k=128), dict(gate_up_n=64, gate_up_k=64),
-                   dict(slot_down_n=128, slot_down_k=64)]
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_explicit_tiles(fmt):
     """The tiles the benchmark sweeps compute the same thing."""
+    from scripts.bench_grouped_gemm_w4 import DECODE_SWEEP, SWEEP
+
     banks = random_banks(64, 1056, 352, fmt, "cuda")
-    for tiles in W4_SWEEP:
+    for tiles in SWEEP:
         check_trials("prefill", banks, fmt, kernels().BlockConfig(*tiles), trials=3, token_counts=[5, 300, 1024],
                      top_ks=[4], dtypes=[torch.bfloat16], device="cuda", seed=2)
-    for tiles in W4_DECODE_SWEEP:
+    for tiles in DECODE_SWEEP:
         check_trials("decode", banks, fmt, decode().W4_DECODE_TILES._replace(**tiles), trials=4, token_counts=[1, 3, 6, 8],
                      top_ks=[8], dtypes=[torch.bfloat16], device="cuda", seed=3)
 
