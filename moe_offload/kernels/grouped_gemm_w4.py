@@ -64,7 +64,8 @@ def _gate_up_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, sort
                        stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
-                       GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr):
+                       GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr,
+                       EVEN_K: tl.constexpr):
     """act[row, n] = activation(x[token] . w13[slot, n] + b, x[token] . w13[slot, I + n] + b)."""
     rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, inter, total_ptr, sorted_pairs_ptr, slots_ptr,
                                                        BLOCK_M, BLOCK_N, GROUP_M)
@@ -75,7 +76,7 @@ def _gate_up_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, sort
     act = swiglu_w4_rows(x_ptr + tokens * stride_xt, row_ok, first, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
                          c_ptr + slot * stride_cs, b_ptr, ids_ptr, cols, col_ok, hidden, inter, num_bias, stride_xh,
                          stride_qn, stride_sn, stride_b, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, E8M0, CHANNEL, BIAS,
-                         GPT_OSS, LIMIT, ALPHA, PRECISION)
+                         GPT_OSS, LIMIT, ALPHA, PRECISION, EVEN_K)
     # Padding rows are stored too (zeros in, zeros out) so the down GEMM reads no uninitialised memory.
     tl.store(act_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=col_ok[None, :])
@@ -87,7 +88,7 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
                     weights_ptr, num_pairs, hidden, inter, num_blocks, stride_qs, stride_qn, stride_ss, stride_sn,
                     stride_cs, num_bias, stride_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
-                    CHANNEL: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                    CHANNEL: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """out[pair, h] = weight[pair] * (act[row] . w2[slot, h] + bias[pair's id, h]), one row a pair;
     ``sum_over_k`` adds up a token's k rows afterwards."""
     rows, pairs, slot, cols, col_ok, done = _pair_tile(num_blocks, hidden, total_ptr, sorted_pairs_ptr, slots_ptr,
@@ -96,7 +97,8 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
         return
     row_ok = pairs < num_pairs
     acc = w4_dot(act_ptr + rows.to(tl.int64) * inter, row_ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
-                 cols, col_ok, inter, 1, stride_qn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
+                 cols, col_ok, inter, 1, stride_qn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION,
+                 EVEN_K)
     acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
     first = tl.load(sorted_pairs_ptr + tl.min(rows, 0))  # the block's pairs share its slot, so its bias id
     acc += bias_rows(b_ptr, ids_ptr, first, first >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b, BIAS)
@@ -141,7 +143,8 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank:
         hidden, q, s, c, b, ids, act, align.sorted_pairs, align.total, slots, slots.numel(), top_k, dim, inter,
         align.num_blocks, hidden.stride(0), hidden.stride(1), *strides,
         BLOCK_M=cfg.block_m, BLOCK_N=n1, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **consts, **bank_consts,
-        **activation_consts(activation), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        **activation_consts(activation), EVEN_K=dim % cfg.block_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return act
 
 
@@ -152,7 +155,8 @@ def _down(act: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, weights: to
     _down_w4_kernel[(align.num_blocks * triton.cdiv(dim, cfg.block_n),)](
         act, q, s, c, b, ids, pair_out, align.sorted_pairs, align.total, slots, weights, slots.numel(), dim, inter,
         align.num_blocks, *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, **consts, **bank_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, **consts, **bank_consts, EVEN_K=inter % cfg.block_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 # ==== the public op ====

@@ -53,12 +53,13 @@ W4_DECODE_TILES = DecodeConfig(gate_up_n=64, gate_up_k=64, slot_down_n=128, slot
 
 
 @triton.jit
-def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_R: tl.constexpr,
-             BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len: tl.constexpr, stride_qn, stride_sn,
+             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
     """``sum_k x[k] * w[rows, k]`` over the K tile at k0, per group: ``[R, BLOCK_K/G]`` fp32, each
     group's products summed (in one thread) before its scale multiplies (``x_ptr`` a contiguous
     row, read as zero unless ``x_ok``; the channel scale is the caller's)."""
-    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP)
+    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP,
+                       k_len % BLOCK_K == 0)
     ks = k0 + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     # x_ok folds into the bound: the interpreter mistypes a 0-d bool & a block bool
     x = tl.load(x_ptr + ks, mask=ks < tl.where(x_ok, k_len, 0), other=0.0).to(tl.float32)
@@ -116,7 +117,7 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
                             CHANNEL: tl.constexpr, BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr,
                             ALPHA: tl.constexpr, PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
-                            FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
+                            FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr):
     """act[p, n] for every pair p on this program's slot, 16 pairs a round (one read of the slot's
     w13 tile for all of them when they fit one round); FILL as the per-pair kernel, once a slot."""
     pdl_wait(PDL)
@@ -133,7 +134,7 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
         act = swiglu_w4_rows(x_ptr + (pairs // top_k) * stride_xt, live, tl.program_id(0), q_ptr + slot * stride_qs,
                              s_ptr + slot * stride_ss, c_ptr + slot * stride_cs, b_ptr, ids_ptr, cols, col_ok, hidden,
                              inter, num_bias, stride_xh, stride_qn, stride_sn, stride_b, 16, BLOCK_N, BLOCK_K, GROUP,
-                             E8M0, CHANNEL, BIAS, GPT_OSS, LIMIT, ALPHA, PRECISION)
+                             E8M0, CHANNEL, BIAS, GPT_OSS, LIMIT, ALPHA, PRECISION, EVEN_K)
         tl.store(act_ptr + pairs[:, None] * inter + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])
 
@@ -170,14 +171,14 @@ def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_p
                          num_pairs, num_slots, hidden, inter, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs,
                          num_bias, stride_b, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr):
     """pair_out[p, h] = weight[p] * (act[p] . w2[s, h] + bias[id_p, h]) for every pair p on slot s."""
     pdl_wait(PDL)
     slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, hidden, BLOCK_P, BLOCK_N)
     for r0 in range(0, count, 16):  # none unless this program runs its slot
         pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         acc = w4_dot(act_ptr + pairs * inter, live, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols, col_ok,
-                     inter, 1, stride_qn, stride_sn, 16, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION)
+                     inter, 1, stride_qn, stride_sn, 16, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION, EVEN_K)
         acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
         acc += bias_rows(b_ptr, ids_ptr, tl.program_id(0), slot >= 0, cols[None, :], col_ok[None, :], num_bias,
                          stride_b, BIAS)
@@ -264,7 +265,8 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank:
     _gate_up_slot_w4_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, q, s, c, b, ids, act, slots, num_tokens * top_k, top_k, num_slots, dim, inter, hidden.stride(0),
         hidden.stride(1), *strides, *copy_args, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
-        BLOCK_K=cfg.gate_up_k, **consts, **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.gate_up_k, **consts, **fill_consts, EVEN_K=dim % cfg.gate_up_k == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return act
 
 
@@ -288,5 +290,6 @@ def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
     _down_slot_w4_kernel[(num_pairs, triton.cdiv(dim, cfg.slot_down_n))](
         act, q, s, c, b, ids, weights, slots, pair_out, num_pairs, num_slots, dim, act.shape[1], *strides,
         BLOCK_P=_block_p(num_pairs), BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k, **consts, **bank_consts,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(act))
+        EVEN_K=act.shape[1] % cfg.slot_down_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(act))
     sum_over_k(pair_out, slots.reshape(-1), out, num_slots, top_k)

@@ -52,15 +52,25 @@ def group_scale(s, E8M0: tl.constexpr):
 
 @triton.jit
 def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
-                BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+                BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
     """Packed words ``[R, BLOCK_K/G, G/8]`` (int32, ``q_ptr`` and ``stride_qn`` in words) and the
     group scales ``[R, BLOCK_K/G]`` of rows ``rows`` and k in ``[k0, k0 + BLOCK_K)`` of one slot's
     bank (the pointers at the slot); groups past ``k_len`` (a multiple of G) and rows not
-    ``row_ok`` read as zero."""
+    ``row_ok`` read as zero. A group's words are one load: mxfp4's 16 bytes. nvfp4's group is 8
+    bytes, so with EVEN_K (``k_len`` a multiple of BLOCK_K: no mask along k) its row of BLOCK_K/8
+    words loads as one run, 16 bytes at a time, and is split into groups after (compiled for sm90
+    at qwen3-30b's shapes: the per-slot down's copies become 16-byte, its registers 215 -> 168)."""
     gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    ok = row_ok[:, None] & (gs < k_len // GROUP)[None, :]
-    words = (gs * (GROUP // 8))[None, :, None] + tl.arange(0, GROUP // 8)[None, None, :]
-    q = tl.load(q_ptr + rows[:, None, None].to(tl.int64) * stride_qn + words, mask=ok[:, :, None], other=0)
+    row = rows.to(tl.int64) * stride_qn
+    if EVEN_K and GROUP < 32:
+        ws = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        q = tl.load(q_ptr + row[:, None] + ws[None, :], mask=row_ok[:, None], other=0)
+        q = tl.reshape(q, (q.shape[0], BLOCK_K // GROUP, GROUP // 8))
+        ok = row_ok[:, None] & (gs >= 0)[None, :]
+    else:
+        ok = row_ok[:, None] & (gs < k_len // GROUP)[None, :]
+        words = (gs * (GROUP // 8))[None, :, None] + tl.arange(0, GROUP // 8)[None, None, :]
+        q = tl.load(q_ptr + row[:, None, None] + words, mask=ok[:, :, None], other=0)
     s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + gs[None, :], mask=ok, other=0.0)
     return q, s
 
@@ -73,41 +83,44 @@ def group_values(q, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.cons
 
 @triton.jit
 def dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, EVEN_K: tl.constexpr):
     """The weights of ``packed_tile`` in fp32 (without the channel scale), transposed for a dot:
     ``[BLOCK_K, R]``."""
-    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP)
+    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP, EVEN_K)
     w = group_values(q, BLOCK_R, BLOCK_K, GROUP) * group_scale(s, E8M0)[:, :, None]
     return tl.trans(tl.reshape(w, (BLOCK_R, BLOCK_K)))
 
 
 @triton.jit
 def w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, PRECISION: tl.constexpr):
+            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, PRECISION: tl.constexpr,
+            EVEN_K: tl.constexpr):
     """``acc + a . w[cols]^T`` for the K tile at k0 (``a`` the activations' tile, ``[M, BLOCK_K]``),
     the weight in the activations' dtype, as the dot takes it."""
-    w = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
+    w = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0,
+                     EVEN_K)
     return tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit
-def a_tile(a_ptrs, row_ok, k0, k_len, stride_k, BLOCK_K: tl.constexpr):
+def a_tile(a_ptrs, row_ok, k0, k_len, stride_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """Activations ``[M, BLOCK_K]`` at k0 (``a_ptrs [M]`` the rows' starts; rows not ``row_ok``
-    and k past ``k_len`` read as 0)."""
+    and k past ``k_len`` read as 0; EVEN_K: no k past it, no mask along k)."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(a_ptrs[:, None] + ks[None, :] * stride_k, mask=row_ok[:, None] & (ks < k_len)[None, :], other=0.0)
+    k_ok = (ks >= 0) if EVEN_K else (ks < k_len)
+    return tl.load(a_ptrs[:, None] + ks[None, :] * stride_k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
 
 
 @triton.jit
 def w4_dot(a_ptrs, row_ok, q_ptr, s_ptr, cols, col_ok, k_len, stride_ak, stride_qn, stride_sn,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-           E8M0: tl.constexpr, PRECISION: tl.constexpr):
+           E8M0: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """``a . w[cols]^T`` ``[M, N]`` in fp32 over all of K, rows ``a_ptrs [M]``, one slot's weight."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        a = a_tile(a_ptrs, row_ok, k0, k_len, stride_ak, BLOCK_K)
+        a = a_tile(a_ptrs, row_ok, k0, k_len, stride_ak, BLOCK_K, EVEN_K)
         acc = w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N, BLOCK_K, GROUP,
-                      E8M0, PRECISION)
+                      E8M0, PRECISION, EVEN_K)
     return acc
 
 
@@ -160,18 +173,18 @@ def swiglu_w4_rows(a_ptrs, row_ok, bias_pair, q_ptr, s_ptr, c_ptr, b_ptr, ids_pt
                    num_bias, stride_ak, stride_qn, stride_sn, stride_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
                    BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     """act ``[M, N]`` (fp32) of rows ``a_ptrs [M]`` and gate/up columns ``cols`` of one slot's w13
     (pointers at the slot; up row n is row ``I + n``, its scales likewise); the bias row is
     ``bias_pair``'s, one of the slot's pairs (a slot holds one expert: its pairs share a bias id)."""
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, hidden, BLOCK_K):  # one read of the activations for both halves
-        a = a_tile(a_ptrs, row_ok, k0, hidden, stride_ak, BLOCK_K)
+        a = a_tile(a_ptrs, row_ok, k0, hidden, stride_ak, BLOCK_K, EVEN_K)
         gate = w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, hidden, stride_qn, stride_sn, gate, BLOCK_N, BLOCK_K,
-                       GROUP, E8M0, PRECISION)
+                       GROUP, E8M0, PRECISION, EVEN_K)
         up = w4_step(a, q_ptr, s_ptr, inter + cols, col_ok, k0, hidden, stride_qn, stride_sn, up, BLOCK_N, BLOCK_K,
-                     GROUP, E8M0, PRECISION)
+                     GROUP, E8M0, PRECISION, EVEN_K)
     gate = channel_scaled(gate, c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
     up = channel_scaled(up, c_ptr, inter + cols[None, :], col_ok[None, :], CHANNEL)
     gate += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b,
