@@ -1,0 +1,131 @@
+"""Compile the 4-bit grouped GEMM's kernels for a GPU architecture on a machine without one, and
+print what the compiler made of each: registers, shared memory, spills, instructions, and the
+global loads and copies by width. Device time is scarce; this shows, before any run, whether a
+change vectorises a weight stream or costs registers (occupancy). It measures nothing.
+
+    python scripts/kernel_sass.py [--arch 90] [--formats nvfp4 mxfp4] [--kernels down_slot ...]
+
+Arguments get the hints a launch gives them at qwen3-30b's shapes (pointers 16-byte aligned and
+integers divisible by 16 where they are, unless the kernel marks them ``do_not_specialize``).
+Triton's own ptxas, cuobjdump and nvdisasm do the work; the Triton here may differ from the GPU
+machine's, so the counts are a guide, and the benchmarks decide.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moe_offload.kernels import grouped_gemm_w4 as prefill  # noqa: E402
+from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
+from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
+
+# element types of the kernels' pointer arguments (the scale banks' depend on the format)
+POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16", q_ptr="i32", ids_ptr="i32",
+                slots_ptr="i32", weights_ptr="fp32", host13_ptr="i32", host2_ptr="i32", w2_ptr="i32",
+                plan_src_ptr="i32", plan_dst_ptr="i32", count_ptr="i32", sorted_pairs_ptr="i32", total_ptr="i32")
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # qwen3-30b
+LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
+
+
+def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bfloat16)) -> dict:
+    """name -> (kernel, its constexprs, warps, stages, bank: w13 [2I, H] or w2 [H, I])."""
+    act = dict(GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
+    nofill = dict(FILL=False, PLAN=False, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+    even = dict(EVEN_K=True)
+    return {
+        "gate_up_pair": (decode._gate_up_pair_w4_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
+                                                              BLOCK_K=cfg.pair_k, **act, **nofill), cfg.pair_warps, 3,
+                         "w13"),
+        "down_token": (decode._down_token_w4_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
+                                                          BLOCK_K=cfg.down_k, PDL=False), cfg.down_warps, 3, "w2"),
+        "gate_up_slot": (decode._gate_up_slot_w4_kernel, dict(BLOCK_P=16, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
+                                                              **act, **nofill, **even), cfg.num_warps, cfg.num_stages,
+                         "w13"),
+        "down_slot": (decode._down_slot_w4_kernel, dict(BLOCK_P=16, BLOCK_N=cfg.slot_down_n, BLOCK_K=cfg.slot_down_k,
+                                                        PDL=False, **even), cfg.num_warps, cfg.num_stages, "w2"),
+        "prefill_gate_up": (prefill._gate_up_w4_kernel, dict(BLOCK_M=pcfg.block_m, BLOCK_N=pcfg.block_n // 2,
+                                                             BLOCK_K=pcfg.block_k, GROUP_M=pcfg.group_m, **act, **even),
+                            pcfg.num_warps, pcfg.num_stages, "w13"),
+        "prefill_down": (prefill._down_w4_kernel, dict(BLOCK_M=pcfg.block_m, BLOCK_N=pcfg.block_n, BLOCK_K=pcfg.block_k,
+                                                       GROUP_M=pcfg.group_m, **even), pcfg.num_warps, pcfg.num_stages,
+                         "w2"),
+    }
+
+
+def launch_values(fmt: str, bank: str) -> dict:
+    """The integer arguments' values at the real shapes (strides of packed words and scales)."""
+    rows, k = (2 * INTER, HIDDEN) if bank == "w13" else (HIDDEN, INTER)
+    g = GROUP[fmt]
+    return dict(num_slots=EXPERTS, hidden=HIDDEN, inter=INTER, stride_xt=HIDDEN, stride_xh=1, num_bias=1, stride_b=1,
+                top_k=TOP_K, stride_h13=HIDDEN // 8, stride_h2=INTER // 8, stride_w2s=HIDDEN * INTER // 8, plan_len=8,
+                stride_qs=rows * k // 8, stride_qn=k // 8, stride_ss=rows * k // g, stride_sn=k // g, stride_cs=rows)
+
+
+def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
+    """The kernel with its constexprs and the divisibility hints a launch would give its arguments."""
+    scale = "fp8e4nv" if fmt == "nvfp4" else "u8"
+    types = {name: "*" + t for name, t in POINTERS.items()}
+    types.update(s_ptr=f"*{scale}", c_ptr="*fp32" if fmt == "nvfp4" else f"*{scale}", b_ptr=f"*{scale}")
+    consts = dict(GROUP=GROUP[fmt], E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False, PRECISION="tf32",
+                  **consts)
+    names = fn.arg_names
+    unhinted = {names[i] if isinstance(i, int) else i
+                for i in (*(fn.do_not_specialize or ()), *(fn.do_not_specialize_on_alignment or ()))}
+    values = launch_values(fmt, bank)
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        signature[name] = "constexpr" if name in consts else types.get(name, "i32")
+        pointer = signature[name].startswith("*")
+        aligned = pointer or values.get(name, 1) % 16 == 0
+        if name not in consts and name not in unhinted and aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, signature, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
+
+
+def summary(compiled) -> str:
+    """Registers / shared bytes / spill stores, instructions, and loads by width, from the cubin."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tools / "nvdisasm", "-c", cubin.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
+    instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
+    loads = ", ".join(f"{op} {n}" for op, n in sorted(Counter(LOAD_OPS.findall(sass)).items()))
+    return (f"regs {regs[1]:>3}  shared {regs[2]:>5}  local {regs[3]:>3}  instructions {instructions:5d}  "
+            f"{loads}")
+
+
+def main() -> None:
+    table = kernels()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
+    p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4"], choices=sorted(GROUP))
+    p.add_argument("--kernels", nargs="+", default=list(table), choices=list(table))
+    args = p.parse_args()
+    target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
+    for fmt in args.formats:
+        for name in args.kernels:
+            fn, consts, warps, stages, bank = table[name]
+            compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
+                                      options=dict(num_warps=warps, num_stages=stages))
+            print(f"{fmt:6} {name:16} {summary(compiled)}")
+
+
+if __name__ == "__main__":
+    main()
