@@ -1,9 +1,9 @@
-"""Compile the 4-bit grouped GEMM's kernels for a GPU architecture on a machine without one, and
+"""Compile the expert GEMM's decode and 4-bit kernels for a GPU architecture on a machine without one, and
 print what the compiler made of each: registers, shared memory, spills, instructions, and the
 global loads and copies by width. Device time is scarce; this shows, before any run, whether a
 change vectorises a weight stream or costs registers (occupancy). It measures nothing.
 
-    python scripts/kernel_sass.py [--arch 90] [--formats nvfp4 mxfp4] [--kernels down_slot ...]
+    python scripts/kernel_sass.py [--arch 90] [--formats nvfp4 mxfp4 fp8] [--kernels down_slot ...]
 
 Arguments get the hints a launch gives them at qwen3-30b's shapes (pointers 16-byte aligned and
 integers divisible by 16 where they are, unless the kernel marks them ``do_not_specialize``).
@@ -30,13 +30,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moe_offload.kernels import grouped_gemm_w4 as prefill  # noqa: E402
+from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8  # noqa: E402
 from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
 
 # element types of the kernels' pointer arguments (the scale banks' depend on the format)
 POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16", q_ptr="i32", ids_ptr="i32",
                 slots_ptr="i32", weights_ptr="fp32", host13_ptr="i32", host2_ptr="i32", w2_ptr="i32",
-                plan_src_ptr="i32", plan_dst_ptr="i32", count_ptr="i32", sorted_pairs_ptr="i32", total_ptr="i32")
+                plan_src_ptr="i32", plan_dst_ptr="i32", count_ptr="i32", sorted_pairs_ptr="i32", total_ptr="i32",
+                w13_ptr="fp8e4nv", s13_ptr="fp32", s2_ptr="fp32", w13_bytes_ptr="u8",
+                w2_bytes_ptr="u8")
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # qwen3-30b
 LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
 
@@ -66,21 +69,41 @@ def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bf
     }
 
 
+def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
+    """The fp8 decode path's one-token kernels at the releases' 128 x 128 scale blocks (mode "k")."""
+    nofill = dict(FILL=False, PLAN=False, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+    scales = dict(SCALE_ROWS=128, SCALE_COLS=128, MODE="k", EVEN=True)
+    return {
+        "gate_up_pair": (decode_fp8._pair_gate_up_fp8_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
+                                                                   BLOCK_K=cfg.pair_k, **scales, **nofill),
+                         cfg.pair_warps, 3, "w13"),
+        "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
+                                                         BLOCK_K=cfg.down_k, PDL=False, **scales), cfg.down_warps, 3,
+                       "w2"),
+    }
+
+
 def launch_values(fmt: str, bank: str) -> dict:
-    """The integer arguments' values at the real shapes (strides of packed words and scales)."""
+    """The integer arguments' values at the real shapes (strides of the weights and their scales)."""
     rows, k = (2 * INTER, HIDDEN) if bank == "w13" else (HIDDEN, INTER)
-    g = GROUP[fmt]
-    return dict(num_slots=EXPERTS, hidden=HIDDEN, inter=INTER, stride_xt=HIDDEN, stride_xh=1, num_bias=1, stride_b=1,
-                top_k=TOP_K, stride_h13=HIDDEN // 8, stride_h2=INTER // 8, stride_w2s=HIDDEN * INTER // 8, plan_len=8,
-                stride_qs=rows * k // 8, stride_qn=k // 8, stride_ss=rows * k // g, stride_sn=k // g, stride_cs=rows)
+    values = dict(num_slots=EXPERTS, hidden=HIDDEN, inter=INTER, stride_xt=HIDDEN, stride_xh=1, num_bias=1, stride_b=1,
+                  top_k=TOP_K, stride_h13=HIDDEN // 8, stride_h2=INTER // 8, stride_w2s=HIDDEN * INTER // 8,
+                  plan_len=8, stride_cs=rows, stride_ws=rows * k, up_scale_row=INTER // 128)
+    if fmt == "fp8":  # e4m3 bytes, float32 scales of 128 x 128 blocks
+        return dict(values, stride_ss=rows * k // 128 ** 2, stride_sr=k // 128, stride_h13=HIDDEN, stride_h2=INTER,
+                    stride_w2s=HIDDEN * INTER)
+    g = GROUP[fmt]  # int32 words of 8 codes, a scale byte per group
+    return dict(values, stride_qs=rows * k // 8, stride_qn=k // 8, stride_ss=rows * k // g, stride_sn=k // g)
 
 
 def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
     """The kernel with its constexprs and the divisibility hints a launch would give its arguments."""
     scale = "fp8e4nv" if fmt == "nvfp4" else "u8"
     types = {name: "*" + t for name, t in POINTERS.items()}
+    if fmt == "fp8":
+        types.update(w2_ptr="*fp8e4nv")
     types.update(s_ptr=f"*{scale}", c_ptr="*fp32" if fmt == "nvfp4" else f"*{scale}", b_ptr=f"*{scale}")
-    consts = dict(GROUP=GROUP[fmt], E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False, PRECISION="tf32",
+    consts = dict(GROUP=GROUP.get(fmt), E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False, PRECISION="tf32",
                   **consts)
     names = fn.arg_names
     unhinted = {names[i] if isinstance(i, int) else i
@@ -115,13 +138,15 @@ def main() -> None:
     table = kernels()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
-    p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4"], choices=sorted(GROUP))
-    p.add_argument("--kernels", nargs="+", default=list(table), choices=list(table))
+    p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "fp8"], choices=[*sorted(GROUP), "fp8"])
+    p.add_argument("--kernels", nargs="+", default=list(table), choices=list(table),
+                   help="fp8 has gate_up_pair and down_token (its one-token kernels)")
     args = p.parse_args()
     target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
     for fmt in args.formats:
-        for name in args.kernels:
-            fn, consts, warps, stages, bank = table[name]
+        kinds = fp8_kernels() if fmt == "fp8" else table
+        for name in [k for k in args.kernels if k in kinds]:
+            fn, consts, warps, stages, bank = kinds[name]
             compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
                                       options=dict(num_warps=warps, num_stages=stages))
             print(f"{fmt:6} {name:16} {summary(compiled)}")
