@@ -181,8 +181,9 @@ def _open_existing(path: Path, identity: StoreIdentity, layout: BankLayout) -> E
 
 
 def _check_space(shm_dir: Path, nbytes: int) -> None:
-    """Writing past tmpfs' limit through a mapping is a SIGBUS, so refuse up front. Stores of an
-    older checkpoint version are never reused, yet hold RAM until someone removes them: say so."""
+    """Writing past tmpfs' limit through a mapping is a SIGBUS, so refuse up front (``_reserve``
+    then makes it true for processes filling stores at once). Stores of an older checkpoint version
+    are never reused, yet hold RAM until someone removes them: say so."""
     others = list_segments(shm_dir)
     if others:
         log.warning(
@@ -210,7 +211,7 @@ def _create(path: Path, identity: StoreIdentity, layout: BankLayout, fill: Calla
             return None
         finally:
             os.unlink(tmp)
-        os.ftruncate(fd, layout.total_bytes)
+        _reserve(fd, path, layout.total_bytes)
         mm = mmap.mmap(fd, layout.total_bytes)
         store = ExpertStore(path, mm, write_header(mm, identity, layout))
         log.info("filling expert store %s (%.1f GB) for %s", store.name, store.nbytes / 1e9, identity.label)
@@ -226,6 +227,22 @@ def _create(path: Path, identity: StoreIdentity, layout: BankLayout, fill: Calla
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _reserve(fd: int, path: Path, nbytes: int) -> None:
+    """Give the segment all its pages before the fill writes through the mapping. A sparse file
+    (ftruncate alone) takes pages as the fill touches them, so two processes that both passed
+    ``_check_space`` could fill tmpfs between them and both die of SIGBUS mid-fill; allocated
+    here, the one that does not fit gets ENOSPC, in one line, before it maps anything."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"{path.parent} has no room for the expert store's "
+                                        f"{nbytes / 1e9:.1f} GB (another process filled it meanwhile?)") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)  # a filesystem that cannot allocate ahead: sparse, as before
 
 
 class SegmentInfo(NamedTuple):

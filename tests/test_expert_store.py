@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import importlib.util
 import io
 import json
@@ -244,6 +245,67 @@ def test_concurrent_openers_fill_once(identity):
     for store in stores:
         assert torch.equal(store.host_banks().w13, torch.full(GEOMETRY.w13_shape, 4.0, dtype=torch.bfloat16))
     assert [p.name for p in SHM_DIR.glob(ident.name + "*")] == [ident.name]
+
+
+def test_the_segment_holds_all_its_pages_before_the_fill_writes(identity):
+    """Two processes filling stores at once must not run tmpfs out of pages mid-fill (a SIGBUS
+    in both, as the GPU suite's workers once died together): the pages are allocated first."""
+    held = []
+
+    def fill(store: ExpertStore) -> None:
+        held.append(os.stat(store.path).st_blocks * 512)
+        fill_with(1.0)(store)
+
+    ExpertStore.open_or_create(identity(), LAYOUT, fill).close()
+    assert held and held[0] >= LAYOUT.total_bytes
+
+
+def test_no_room_for_the_pages_is_one_error_and_leaves_no_segment(identity, monkeypatch):
+    import moe_offload.expert_store as expert_store
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(expert_store.os, "posix_fallocate", full)
+    ident, calls = identity(), []
+    with pytest.raises(OSError, match=r"no room for the expert store's [0-9.]+ GB") as raised:
+        ExpertStore.open_or_create(ident, LAYOUT, fill_with(1.0, calls))
+    assert raised.value.errno == errno.ENOSPC and calls == []
+    assert not list(SHM_DIR.glob(ident.name + "*"))
+
+
+RACE = """
+import sys, time, torch
+from moe_offload.expert_store import ExpertStore
+from moe_offload.store_layout import BankLayout, ExpertGeometry, StoreIdentity
+def fill(store):
+    time.sleep(1.0)  # both creators are past the space check before either writes
+    for bank in store.host_banks().tensors():
+        bank.fill_(1.0)
+layout = BankLayout.experts(ExpertGeometry(num_layers=1, num_experts=24, hidden=192, intermediate=192), torch.bfloat16)
+try:
+    ExpertStore.open_or_create(StoreIdentity("race", sys.argv[1]), layout, fill, shm_dir=sys.argv[2])
+    print("filled")
+except OSError as e:
+    print("refused", e.errno)
+"""
+
+
+def test_two_stores_racing_for_a_small_tmpfs_end_in_one_fill_and_one_enospc(tmp_path):
+    """The race itself, on an 8 MB tmpfs where each 5.4 MB store fits alone: without the pages
+    reserved first, both pass the space check and one dies of SIGBUS mid-fill."""
+    shm = tmp_path / "tmpfs"
+    shm.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(shm)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        procs = [subprocess.Popen([sys.executable, "-c", RACE, key, str(shm)], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, text=True) for key in ("a", "b")]
+        results = [(p.wait(timeout=120), p.stdout.read().strip()) for p in procs]
+    finally:
+        subprocess.run(["umount", str(shm)])
+    assert sorted(results) == [(0, "filled"), (0, f"refused {errno.ENOSPC}")], results
 
 
 def test_fill_dummy_is_deterministic_by_seed(identity):
