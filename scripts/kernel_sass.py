@@ -5,8 +5,9 @@ change vectorises a weight stream or costs registers (occupancy). It measures no
 
     python scripts/kernel_sass.py [--arch 90] [--formats nvfp4 mxfp4 fp8] [--kernels down_slot ...]
 
-Arguments get the hints a launch gives them at qwen3-30b's shapes (pointers 16-byte aligned and
-integers divisible by 16 where they are, unless the kernel marks them ``do_not_specialize``).
+Arguments get the specialisation a launch gives them at qwen3-30b's shapes (pointers 16-byte
+aligned, integers divisible by 16 where they are, an integer 1 a constant), unless the kernel marks
+them ``do_not_specialize``.
 Triton's own ptxas, cuobjdump and nvdisasm do the work; the Triton here may differ from the GPU
 machine's, so the counts are a guide, and the benchmarks decide.
 """
@@ -30,6 +31,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moe_offload.kernels import grouped_gemm_w4 as prefill  # noqa: E402
+from moe_offload.kernels import grouped_gemm_decode as decode_bf16  # noqa: E402
 from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8  # noqa: E402
 from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
@@ -83,12 +85,29 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
     }
 
 
+def bf16_kernels(cfg=decode_bf16.DecodeConfig()) -> dict:
+    """The bf16 decode path's one-token kernels, the rate the others are held to per byte."""
+    nofill = dict(FILL=False, PLAN=False, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+    plain = dict(EVEN=True, BIAS=False, GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
+    return {
+        "gate_up_pair": (decode_bf16._decode_gate_up_pair_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
+                                                                       BLOCK_K=cfg.pair_k, **plain, **nofill),
+                         cfg.pair_warps, 3, "w13"),
+        "down_token": (decode_bf16._decode_down_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
+                                                             BLOCK_K=cfg.down_k, EVEN=True, BIAS=False, PDL=False),
+                       cfg.down_warps, 3, "w2"),
+    }
+
+
 def launch_values(fmt: str, bank: str) -> dict:
     """The integer arguments' values at the real shapes (strides of the weights and their scales)."""
     rows, k = (2 * INTER, HIDDEN) if bank == "w13" else (HIDDEN, INTER)
     values = dict(num_slots=EXPERTS, hidden=HIDDEN, inter=INTER, stride_xt=HIDDEN, stride_xh=1, num_bias=1, stride_b=1,
                   top_k=TOP_K, stride_h13=HIDDEN // 8, stride_h2=INTER // 8, stride_w2s=HIDDEN * INTER // 8,
                   plan_len=8, stride_cs=rows, stride_ws=rows * k, up_scale_row=INTER // 128)
+    if fmt == "bf16":  # w13 [S, 2I, H] strides (ws, wn, wh); w2 [S, H, I] strides (ws, wh, wi)
+        strides = dict(stride_wn=HIDDEN, stride_wh=1) if bank == "w13" else dict(stride_wh=INTER, stride_wi=1)
+        return dict(values, **strides, stride_h13=HIDDEN, stride_h2=INTER, stride_w2s=HIDDEN * INTER)
     if fmt == "fp8":  # e4m3 bytes, float32 scales of 128 x 128 blocks
         return dict(values, stride_ss=rows * k // 128 ** 2, stride_sr=k // 128, stride_h13=HIDDEN, stride_h2=INTER,
                     stride_w2s=HIDDEN * INTER)
@@ -102,13 +121,18 @@ def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
     types = {name: "*" + t for name, t in POINTERS.items()}
     if fmt == "fp8":
         types.update(w2_ptr="*fp8e4nv")
+    if fmt == "bf16":
+        types.update(w13_ptr="*bf16", w2_ptr="*bf16", host13_ptr="*bf16", host2_ptr="*bf16", b13_ptr="*bf16",
+                     b2_ptr="*bf16")
     types.update(s_ptr=f"*{scale}", c_ptr="*fp32" if fmt == "nvfp4" else f"*{scale}", b_ptr=f"*{scale}")
-    consts = dict(GROUP=GROUP.get(fmt), E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False, PRECISION="tf32",
-                  **consts)
+    consts = {**dict(GROUP=GROUP.get(fmt), E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False,
+                     PRECISION="tf32"), **consts}
     names = fn.arg_names
     unhinted = {names[i] if isinstance(i, int) else i
                 for i in (*(fn.do_not_specialize or ()), *(fn.do_not_specialize_on_alignment or ()))}
     values = launch_values(fmt, bank)
+    # a launch compiles an integer argument that is 1 as the constant 1 (strides of 1: contiguity)
+    consts.update({name: 1 for name in names if values.get(name) == 1 and name not in unhinted})
     signature, attrs = {}, {}
     for i, name in enumerate(names):
         signature[name] = "constexpr" if name in consts else types.get(name, "i32")
@@ -138,13 +162,14 @@ def main() -> None:
     table = kernels()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
-    p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "fp8"], choices=[*sorted(GROUP), "fp8"])
+    p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "fp8", "bf16"],
+                   choices=[*sorted(GROUP), "fp8", "bf16"])
     p.add_argument("--kernels", nargs="+", default=list(table), choices=list(table),
-                   help="fp8 has gate_up_pair and down_token (its one-token kernels)")
+                   help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels)")
     args = p.parse_args()
     target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
     for fmt in args.formats:
-        kinds = fp8_kernels() if fmt == "fp8" else table
+        kinds = dict(fp8=fp8_kernels, bf16=bf16_kernels).get(fmt, lambda: table)()
         for name in [k for k in args.kernels if k in kinds]:
             fn, consts, warps, stages, bank = kinds[name]
             compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
