@@ -55,6 +55,10 @@ DECODE_SWEEP = [(32, 128, 16, 256, 4, 3), (16, 128, 16, 256, 4, 3), (32, 256, 16
                 (16, 128, 8, 256, 4, 4), (32, 64, 16, 256, 4, 5)]
 FP8_PAIR_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)]
 FP8_DOWN_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8, 16)]
+# one token's gate_up with its registers capped (ptxas maxnreg), the default tiles otherwise: compiled for
+# sm90 (scripts/kernel_sass.py), fp8's gate_up takes 136 registers at 8 warps, one program an SM; at 128
+# the same code fits two. bf16's takes 182 at 4 warps (two programs; 128: four)
+PAIR_REGS_SWEEP = (128, 96, 64)
 
 
 def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
@@ -155,10 +159,13 @@ def decode_sweep(num_tokens: int, args: argparse.Namespace, banks: tuple) -> lis
 
     w13, w2, _ = banks
     hidden, weights, slots = routing(num_tokens, args)
+    configs = [DecodeConfig(*tiles) for tiles in DECODE_SWEEP]
+    if num_tokens == 1:  # one token's gate_up, its registers capped
+        configs += [DecodeConfig(pair_regs=r) for r in PAIR_REGS_SWEEP]
     rows = []
-    for tiles in DECODE_SWEEP:
-        config = DecodeConfig(*tiles)
+    for config in configs:
         graph_us, _ = time_us(lambda: decode_grouped_swiglu(hidden, weights, slots, w13, w2, config))
+        tiles = tuple(config)[:6] if not config.pair_regs else f"pair_regs={config.pair_regs}"
         rows.append({"variant": "decode", "tokens": num_tokens, "config": tiles,
                      "default": config == DecodeConfig(), "time_us": graph_us})
     return rows
@@ -172,11 +179,12 @@ def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
     w13, w2, scales = banks
     hidden, weights, slots = routing(1, args)
     configs = [("gate_up", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w)) for n, k, w in FP8_PAIR_SWEEP]
+    configs += [("gate_up", FP8_DECODE_TILES._replace(pair_regs=r)) for r in PAIR_REGS_SWEEP]
     configs += [("down", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w)) for n, k, w in FP8_DOWN_SWEEP]
     rows = []
     for part, config in configs:
         graph_us, _ = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
-        tiles = ((config.pair_n, config.pair_k, config.pair_warps) if part == "gate_up"
+        tiles = ((config.pair_n, config.pair_k, config.pair_warps, config.pair_regs) if part == "gate_up"
                  else (config.down_n, config.down_k, config.down_warps))
         rows.append({"variant": part, "tokens": 1, "config": tiles, "default": config == FP8_DECODE_TILES,
                      "time_us": graph_us})
@@ -242,7 +250,7 @@ def main() -> int:
         sweep_rows += decode_rows
     if args.fp8_decode_sweep and "fp8" in banks:
         fp8_rows = fp8_decode_sweep(args, banks["fp8"])
-        print_sweep(fp8_rows, "fp8 one-token tile sweep (columns, k step, warps)", SWEEP_KEYS, 28)
+        print_sweep(fp8_rows, "fp8 one-token tile sweep (columns, k step, warps[, register cap])", SWEEP_KEYS, 28)
         sweep_rows += fp8_rows
     if args.json:
         geometry = {k: getattr(args, k) for k in ("hidden", "inter", "experts", "top_k", "scale_block")}

@@ -45,11 +45,12 @@ GEOMETRIES = {"qwen3-30b": dict(hidden=2048, inter=768, experts=128, top_k=8),
 SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4), (64, 128, 128, 16, 4, 3),
          (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
 # changes from W4_DECODE_TILES: the one-token gate_up (pair_*), the per-token down (down_*), the
-# slot path's gate_up and down (gate_up_*, slot_down_*), their warps
+# slot path's gate_up and down (gate_up_*, slot_down_*), their warps; one token's gate_up with its registers
+# capped (nvfp4's takes 134 at 4 warps, three programs an SM, in scripts/kernel_sass.py's sm90 build)
 DECODE_SWEEP = [dict(), dict(pair_n=4), dict(pair_n=16), dict(pair_warps=2), dict(pair_warps=8), dict(pair_k=512),
                 dict(pair_k=128, pair_n=4), dict(down_warps=8), dict(down_n=8, down_warps=4), dict(down_k=512),
                 dict(gate_up_n=32, gate_up_k=128), dict(gate_up_n=128, gate_up_k=64), dict(slot_down_n=64),
-                dict(slot_down_k=128), dict(num_warps=8)]
+                dict(slot_down_k=128), dict(num_warps=8), dict(pair_regs=128), dict(pair_regs=96), dict(pair_regs=64)]
 SWEEP_KEYS = (("geometry", ">10"), ("variant", ">13"), ("tokens", "6d"))  # a sweep's groups, as print_sweep prints them
 
 

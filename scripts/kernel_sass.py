@@ -35,6 +35,7 @@ from moe_offload.kernels import grouped_gemm_decode as decode_bf16  # noqa: E402
 from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8  # noqa: E402
 from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
+from moe_offload.kernels.triton_support import reg_cap  # noqa: E402
 
 # element types of the kernels' pointer arguments (the scale banks' depend on the format)
 POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16", q_ptr="i32", ids_ptr="i32",
@@ -154,8 +155,10 @@ def summary(compiled) -> str:
     regs = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
     instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
     loads = ", ".join(f"{op} {n}" for op, n in sorted(Counter(LOAD_OPS.findall(sass)).items()))
-    return (f"regs {regs[1]:>3}  shared {regs[2]:>5}  local {regs[3]:>3}  instructions {instructions:5d}  "
-            f"{loads}")
+    warps = compiled.metadata.num_warps
+    per_sm = min(65536 // (max(int(regs[1]), 1) * 32 * warps), 64 // warps)  # register file, warp slots
+    return (f"regs {regs[1]:>3}  shared {regs[2]:>5}  local {regs[3]:>3}  programs/SM {per_sm:2d}  "
+            f"instructions {instructions:5d}  {loads}")
 
 
 def main() -> None:
@@ -164,6 +167,8 @@ def main() -> None:
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "fp8", "bf16"],
                    choices=[*sorted(GROUP), "fp8", "bf16"])
+    p.add_argument("--pair-regs", type=int, default=0, metavar="N",
+                   help="cap one token's gate_up at N registers (DecodeConfig.pair_regs; 0: none)")
     p.add_argument("--kernels", nargs="+", default=list(table), choices=list(table),
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels)")
     args = p.parse_args()
@@ -172,8 +177,9 @@ def main() -> None:
         kinds = dict(fp8=fp8_kernels, bf16=bf16_kernels).get(fmt, lambda: table)()
         for name in [k for k in args.kernels if k in kinds]:
             fn, consts, warps, stages, bank = kinds[name]
+            cap = reg_cap(args.pair_regs) if name == "gate_up_pair" else {}
             compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
-                                      options=dict(num_warps=warps, num_stages=stages))
+                                      options=dict(num_warps=warps, num_stages=stages, **cap))
             print(f"{fmt:6} {name:16} {summary(compiled)}")
 
 

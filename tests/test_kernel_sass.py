@@ -1,5 +1,5 @@
-"""scripts/kernel_sass.py compiles the 4-bit kernels for sm90 on a machine without a GPU and reads
-the cubin with Triton's own tools: the summary names registers and the load widths."""
+"""scripts/kernel_sass.py compiles the decode and 4-bit kernels for sm90 on a machine without a GPU
+and reads the cubin with Triton's own tools: registers, programs an SM holds, load widths."""
 from __future__ import annotations
 
 import subprocess
@@ -11,14 +11,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_per_slot_down_compiles_for_sm90_with_16_byte_weight_copies():
+def sass(*args: str) -> list[str]:
     bindir = Path(pytest.importorskip("triton").__file__).parent / "backends" / "nvidia" / "bin"
     if not (bindir / "ptxas").exists():
         pytest.skip("this Triton carries no ptxas")
-    run = subprocess.run([sys.executable, "scripts/kernel_sass.py", "--formats", "nvfp4", "--kernels", "down_slot"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "scripts/kernel_sass.py", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    line = next(line for line in run.stdout.splitlines() if "down_slot" in line)
-    assert int(line.split("regs")[1].split()[0]) > 0
+    return [line for line in run.stdout.splitlines() if "regs" in line]
+
+
+def field(line: str, name: str) -> int:
+    return int(line.split(name)[1].split()[0])
+
+
+def test_the_per_slot_down_compiles_for_sm90_with_16_byte_weight_copies():
+    (line,) = sass("--formats", "nvfp4", "--kernels", "down_slot")
+    assert field(line, "regs") > 0 and field(line, "programs/SM") >= 1
     # nvfp4's 8-byte groups load as one run of a row's words where K is a multiple of the step
     assert "LDGSTS.E.BYPASS.128" in line and "LDGSTS.E.64" not in line, line
+
+
+def test_a_register_cap_reaches_the_compiler_and_spills_nothing_at_128():
+    """DecodeConfig.pair_regs goes to ptxas as maxnreg (triton_support.reg_cap): fp8's one-token
+    gate_up takes more than 128 registers uncapped, one program an SM; capped, two and no spill."""
+    (free,) = sass("--formats", "fp8", "--kernels", "gate_up_pair")
+    (capped,) = sass("--formats", "fp8", "--kernels", "gate_up_pair", "--pair-regs", "128")
+    assert field(free, "regs") > 128 and field(capped, "regs") <= 128, (free, capped)
+    assert field(capped, "local") == 0 and field(capped, "programs/SM") > field(free, "programs/SM")

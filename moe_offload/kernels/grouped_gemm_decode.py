@@ -49,7 +49,7 @@ from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_s
 from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
-from moe_offload.kernels.triton_support import pdl_args
+from moe_offload.kernels.triton_support import pdl_args, reg_cap
 
 # Batches of up to this many pairs take this path: every program scans all pairs' slots, and
 # compacts its slot's pairs with a [16, T*k] selection.
@@ -64,9 +64,10 @@ class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
     columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
     down's columns and step, the per-token down's warps, one token's gate_up (columns, step,
-    warps), and a fill's copy step (columns) and w2 rows per copy program. The defaults are bf16's;
-    the fp8 and 4-bit decode paths run the same plan from their own (``FP8_DECODE_TILES``,
-    ``W4_DECODE_TILES``)."""
+    warps), and a fill's copy step (columns) and w2 rows per copy program; one token's gate_up may
+    cap its registers (``pair_regs``, ptxas' maxnreg; 0: the compiler's choice), which decides how
+    many of its programs an SM holds at once. The defaults are bf16's; the fp8 and 4-bit decode
+    paths run the same plan from their own (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``)."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
@@ -82,6 +83,7 @@ class DecodeConfig(NamedTuple):
     pair_warps: int = 4
     fill_k: int = 256
     fill_rows: int = 16
+    pair_regs: int = 0
 
 
 # the pair count, the fill plan's length and the routing's pointers not specialised (see grouped_gemm._align_kernel)
@@ -298,7 +300,7 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
             hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *copy_args,
             bias.b13, bias.ids, bias.num, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
             EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, BIAS=bias.on,
-            **activation_consts(activation), num_warps=cfg.pair_warps, **pdl_args(hidden))
+            **activation_consts(activation), num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs), **pdl_args(hidden))
         return act
     grid_n = triton.cdiv(inter, cfg.gate_up_n)
     copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n)

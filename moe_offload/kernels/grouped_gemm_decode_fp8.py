@@ -40,7 +40,7 @@ from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_s
                                               routed_pair, row_step, slot_program, tile_step, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
-from moe_offload.kernels.triton_support import pdl_args
+from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
 
@@ -341,7 +341,8 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, *common, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0), s13.stride(1),
             *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts, EVEN=dim % consts["BLOCK_K"] == 0
-            and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps, **pdl_args(hidden))
+            and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs),
+            **pdl_args(hidden))
         return act
     _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),

@@ -37,7 +37,7 @@ from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
                                                        packed_tile, swiglu_w4_rows, w4_dot)
-from moe_offload.kernels.triton_support import pdl_args
+from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
 __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4"]
@@ -258,7 +258,8 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank:
         copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)
         _gate_up_pair_w4_kernel[(top_k + copy_rows, grid_n)](
             hidden, q, s, c, b, ids, act, slots, num_slots, inter, *strides, *copy_args, TOP_K=top_k, HIDDEN=dim,
-            BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, **fill_consts, num_warps=cfg.pair_warps)
+            BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, **fill_consts, num_warps=cfg.pair_warps,
+            **reg_cap(cfg.pair_regs))
         return act
     grid_n = triton.cdiv(inter, cfg.gate_up_n)
     copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)

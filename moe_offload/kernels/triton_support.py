@@ -42,6 +42,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def reg_cap(regs: int) -> dict[str, int]:
+    """Launch arguments capping a kernel's registers per thread at ``regs`` (ptxas' maxnreg; 0: no
+    cap). Only a cap below what the kernel takes uncapped means anything: ptxas may spend up to a
+    cap it is given, so a cap above raises the count. Fewer registers, more programs an SM holds."""
+    return {"maxnreg": regs} if regs else {}
+
+
 def pdl_args(tensor: torch.Tensor) -> dict[str, bool]:
     """Launch arguments for programmatic dependent launch (PDL), on for CUDA devices of compute
     capability 9 or more unless ``SLUICE_PDL=0``: ``kernel[grid](..., **pdl_args(x))``.
