@@ -260,3 +260,17 @@ def test_decode_path_graph_replay_with_new_routing(capture_graph):
         slots.copy_(new_slots)
         graph.replay()
         assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2)) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("regs", [128, 96, 64])
+def test_one_token_gate_up_under_a_register_cap(regs):
+    """``pair_regs`` (ptxas' maxnreg, tried by the decode sweep) changes where values live, not
+    what is computed: qwen3-30b's shapes, one token, against the eager twin."""
+    w13, w2 = make_banks(64, 2048, 768, torch.bfloat16, "cuda")
+    config = decode().DecodeConfig(pair_regs=regs)
+    for seed in range(3):
+        hidden = torch.randn(1, 2048, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
+        weights, slots = make_routing("random", 1, 8, 64, "cuda", seed=seed)
+        out = decode().decode_grouped_swiglu(hidden, weights, slots, w13, w2, config)
+        assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2)) < 2e-2, seed

@@ -172,3 +172,18 @@ def test_graph_replay_with_new_routing():
         graph.replay()
         ref = grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)
         assert rel_err(out, ref) < 2e-2, seed
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("regs", [128, 96, 64])
+def test_one_token_gate_up_under_a_register_cap(regs):
+    """``pair_regs`` (ptxas' maxnreg, tried by the decode sweep) changes where values live, not
+    what is computed: qwen3-30b's shapes, one token, against the eager twin."""
+    w13, w2, scales = make_fp8_banks(64, 2048, 768, BLOCK_128, "cuda")
+    config = decode_fp8().FP8_DECODE_TILES._replace(pair_regs=regs)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(1, 2048, generator=gen).bfloat16().cuda()
+        weights, slots = torch.rand(1, 8, generator=gen).cuda(), torch.randperm(64, generator=gen)[:8].view(1, 8).cuda()
+        out = decode_fp8().decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config)
+        assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)) < 2e-2, seed
