@@ -36,6 +36,7 @@ from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8  # noqa: E
 from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
 from moe_offload.kernels.triton_support import reg_cap  # noqa: E402
+from scripts.bench_grouped_gemm_w4 import GEOMETRIES  # noqa: E402
 
 # element types of the kernels' pointer arguments (the scale banks' depend on the format)
 POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16", q_ptr="i32", ids_ptr="i32",
@@ -43,7 +44,8 @@ POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16
                 plan_src_ptr="i32", plan_dst_ptr="i32", count_ptr="i32", sorted_pairs_ptr="i32", total_ptr="i32",
                 w13_ptr="fp8e4nv", s13_ptr="fp32", s2_ptr="fp32", w13_bytes_ptr="u8",
                 w2_bytes_ptr="u8")
-HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # qwen3-30b
+# the shapes the 4-bit benchmark times
+HIDDEN, INTER, EXPERTS, TOP_K = (GEOMETRIES["qwen3-30b"][k] for k in ("hidden", "inter", "experts", "top_k"))
 LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
 
 
