@@ -19,7 +19,10 @@ INVALIDATE_MODES = ("fixed", "eager")
 # stays on the device (a CUDA graph per layer of conditional copies, moe_offload.miss_copies). It
 # needs a torch with conditional graph nodes (not the H200 host's 2.11), so it is not measured and
 # "auto" does not pick it.
-STAGE_MODES = ("kernel", "memcpy", "misses", "auto")
+# "mirror": the misses by the copy engine too, planned on the host from a mirror of the cache's table
+# that the device copies into pinned memory after every decode step and chunk; a gather launch per
+# layer repairs what the mirror got wrong, so results never depend on it (moe_offload.mirrored_misses).
+STAGE_MODES = ("kernel", "memcpy", "misses", "mirror", "auto")
 # What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
 # (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
 # lent slots ranked offloaded.LENT_PENALTY_STEPS steps older than they are as victims, so that they

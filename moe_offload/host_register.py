@@ -61,6 +61,14 @@ def host_register(ptr: int, nbytes: int, device: torch.device) -> int:
     return device_ptr.value
 
 
+def pinned_device_pointer(ptr: int, device: torch.device) -> int:
+    """The device address of memory that is already pinned (``torch.empty(..., pin_memory=True)``)."""
+    with torch.cuda.device(device):
+        device_ptr = ctypes.c_void_p()
+        _check(_cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), ptr, 0), "cudaHostGetDevicePointer")
+    return device_ptr.value
+
+
 def host_unregister(ptr: int) -> None:
     _check(_cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
 

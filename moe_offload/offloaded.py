@@ -142,6 +142,9 @@ class OffloadedExperts:
         if pipelined:
             return self.pipeline.forward(layer, hidden, weights, ids, out_dtype, bias, activation)
         plan, slots = self.cache.lookup(layer, ids, self.decode_start, low=self.low)
+        last = layer == self.cache.num_layers - 1
+        if last and self.pipeline is not None:  # the step's tables are final: a mirror copies them
+            self.pipeline.lookups_done()
         fill = None
         if self.fill == "gemm":
             fill = SlotFill(plan, self.host_w13, self.host_w2, self.host_scales)
@@ -156,6 +159,8 @@ class OffloadedExperts:
                              **bias_args(bias, ids))
         if fill is not None:  # the GEMM reads this layer's misses over PCIe: the guess's gather waits for it
             self._prefetch(layer, next_ids)
+        if last and self.pipeline is not None:
+            self.pipeline.lookups_joined()
         return out
 
     def _prefetch(self, layer: int, next_ids: torch.Tensor | None) -> None:

@@ -37,6 +37,7 @@ from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swi
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, share_count, stage_experts
 from moe_offload.miss_copies import MissCopies
+from moe_offload.mirrored_misses import MirroredMisses
 
 # half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
 AUTO_MEMCPY_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
@@ -167,6 +168,7 @@ class PrefillPipeline:
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
         self.misses = self._miss_copies(host_scales) if stage == "misses" else None
+        self.mirrored = self._mirrored_misses(host_scales) if stage == "mirror" else None
         self._next_layer = 0
         self._begun = False
 
@@ -193,8 +195,9 @@ class PrefillPipeline:
         buf = layer % 2
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
-            if self.chunk_stage == "misses":  # hits in place in the cache, misses in the buffer
-                slots = self.misses.slots(buf, self._buffer_slots(ids))
+            if self.chunk_stage in ("misses", "mirror"):  # hits in place in the cache, misses in the buffer
+                staging = self.misses if self.chunk_stage == "misses" else self.mirrored
+                slots = staging.slots(buf, self._buffer_slots(ids))
                 w13, w2, scales = self.cache.w13, self.cache.w2, self.cache.scales
             else:
                 slots = self._buffer_slots(ids)
@@ -220,6 +223,9 @@ class PrefillPipeline:
         self.streams.record("begin", "compute")
         self.streams.wait("copy", "begin")
         self.chunks[self.chunk_stage] += 1
+        if self.chunk_stage == "mirror":
+            with self.streams.on_copy("plan the chunk's copies from the mirror"):
+                self.mirrored.plan()
         self._stage(0)
         self._next_layer = 0
 
@@ -233,6 +239,11 @@ class PrefillPipeline:
                 invalidate_slots_eager(buf * count, count, self.cache.tables)
             if self.chunk_stage == "misses":
                 self.misses.stage(layer, self.staged)
+            elif self.chunk_stage == "mirror":
+                self.mirrored.stage(layer, self.staged)
+                if layer == self.cache.num_layers - 1:  # the next chunk plans from the tables as they are now
+                    self.mirrored.refresh()
+                    self.mirrored.join()
             elif self.chunk_stage == "memcpy":
                 # a share is strided in the host bank: then a copy kernel, not the copy engine, moves it
                 experts = slice(layer * num_experts + self.share.first, (layer + 1) * num_experts, self.share.stride)
@@ -251,14 +262,36 @@ class PrefillPipeline:
     def _miss_copies(self, host_scales: ExpertScales | None) -> MissCopies:
         """The misses-only staging of this pipeline's share: on CUDA its copy graphs are captured on
         the copy stream here, once."""
-        cache, share = self.cache, self.share
-        banks = [(self.host_w13, cache.w13), (self.host_w2, cache.w2)]
-        if host_scales is not None:
-            banks += list(zip(host_scales.tensors(), cache.scales.tensors()))
-        experts = torch.arange(share.first, cache.num_experts, share.stride)
+        cache = self.cache
         stream = self.streams.copy if isinstance(self.streams, CudaStreams) else None
-        return MissCopies(cache.tables.slot_for_id, banks, cache.num_layers, cache.num_experts, experts, self.lent,
-                          stream)
+        return MissCopies(cache.tables.slot_for_id, self._host_banks(host_scales), cache.num_layers,
+                          cache.num_experts, self._share_experts(), self.lent, stream)
+
+    def _mirrored_misses(self, host_scales: ExpertScales | None) -> MirroredMisses:
+        """The staging planned on the host from a mirror of the table, for this pipeline's share."""
+        cache = self.cache
+        return MirroredMisses(cache.tables.slot_for_id, self._host_banks(host_scales), cache.num_layers,
+                              cache.num_experts, self._share_experts(), self.lent, cache.backend)
+
+    def _host_banks(self, host_scales: ExpertScales | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(host bank, pool)`` of the weights and every scale bank."""
+        banks = [(self.host_w13, self.cache.w13), (self.host_w2, self.cache.w2)]
+        if host_scales is not None:
+            banks += list(zip(host_scales.tensors(), self.cache.scales.tensors()))
+        return banks
+
+    def _share_experts(self) -> torch.Tensor:
+        return torch.arange(self.share.first, self.cache.num_experts, self.share.stride)
+
+    def lookups_done(self) -> None:
+        """A decode step has made its last lookup: under "mirror", copy the tables into the host's
+        mirror beside the step's remaining work (``lookups_joined`` rejoins it)."""
+        if self.mirrored is not None:
+            self.mirrored.refresh()
+
+    def lookups_joined(self) -> None:
+        if self.mirrored is not None:
+            self.mirrored.join()
 
     @staticmethod
     def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None, buf: int,
@@ -273,13 +306,16 @@ class PrefillPipeline:
         self.staged.zero_()
         if self.misses is not None:
             self.misses.in_place.zero_()
+        if self.mirrored is not None:
+            self.mirrored.reset_stats()
         self.chunks = dict.fromkeys(self.chunks, 0)
 
     def stats(self) -> dict:
         """Experts staged from the cache and from the host, hits read in place (``misses`` chunks),
         the bytes moved, chunks per stage mode; reads the device, so call it off the hot path."""
         from_cache, from_host = (int(v) for v in self.staged.sum(0).tolist())
-        in_place = 0 if self.misses is None else int(self.misses.in_place.sum())
-        return {"from_cache": from_cache, "from_host": from_host, "in_place": in_place,
+        in_place = sum(int(staging.in_place.sum()) for staging in (self.misses, self.mirrored) if staging is not None)
+        mirror = self.mirrored.stats() if self.mirrored is not None else {}
+        return {**mirror, "from_cache": from_cache, "from_host": from_host, "in_place": in_place,
                 "bytes_h2d": from_host * self.cache.slot_bytes, "bytes_d2d": from_cache * self.cache.slot_bytes,
                 **{f"chunks_{mode}": n for mode, n in self.chunks.items()}}

@@ -3,7 +3,7 @@ bytes over PCIe and HBM, and the ratio to the bound max(PCIe bytes / 55 GB/s, FL
 for each chunk size, cache fraction, invalidation mode, with and without a cached prefix.
 
     python scripts/bench_prefill.py [--model qwen3-30b-geometry | qwen3.5-35b-a3b-geometry] [--fractions 0.25 0.5]
-        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--misses] [--auto]
+        [--chunks 8192 16384 32768] [--prefix 65536] [--invalidate fixed eager] [--memcpy] [--misses] [--mirror] [--auto]
         [--expert-dtype bf16 fp8 nvfp4 mxfp4] [--json FILE] [--device cpu]
 
 Runs with ``--dummy-weights`` unless --model is a checkpoint directory. Before timing, the decode
@@ -13,8 +13,10 @@ many tokens is prefilled once (untimed), then each timed chunk attends over it; 
 does not fit in memory is reported as "oom". ``--attention torch`` times the reference attention
 backend instead of the paged Triton kernel. Rows "fixed"/"eager" stage through the kernel (hits on
 the GPU, misses over PCIe); "memcpy" moves whole layers by the copy engine; "misses" moves only the
-misses by the copy engine (a conditional copy per expert, hits read in place); "auto" is what
-serving does (the choice per chunk, shown as auto-k / auto-m for kernel / misses). First a short table compares the
+misses by the copy engine (a conditional copy per expert, hits read in place); "mirror" moves the
+misses by the copy engine as the host's mirror of the cache table plans them (hits read in place,
+the mirror's errors repaired by a gather); "auto" is what serving does (the choice per chunk, shown
+as auto-kernel, auto-memcpy, ...). First a short table compares the
 stage kernel (zero-copy reads of the mapped store, all misses) with a copy-engine copy of a layer.
 Each ``--expert-dtype`` gets its own runner and rows (fp8: the experts quantized 128x128, half the
 slot bytes, so the same fraction of experts takes half the cache memory); the PCIe bound counts
@@ -187,7 +189,7 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
             flops_s = runner.model_config.forward_flops([chunk], [prefix]) / FLOPS_PER_S
             hits = staged["from_cache"] + staged["in_place"]
             if mode == "auto":  # which way it went
-                mode = next(f"auto-{m[0]}" for m in ("misses", "memcpy", "kernel") if staged[f"chunks_{m}"])
+                mode = next(f"auto-{m}" for m in ("misses", "mirror", "memcpy", "kernel") if staged[f"chunks_{m}"])
             rows.append(dict(fraction=fraction, experts=fmt, expert_mb=experts.cache.slot_bytes / 1e6,
                              invalidate=mode, chunk=chunk, prefix=prefix,
                              seconds=seconds, tok_s=chunk / seconds, hit_rate=hits / max(hits + staged["from_host"], 1),
@@ -213,6 +215,8 @@ def bench_pipelines(args: argparse.Namespace, experts: OffloadedExperts) -> dict
         pipelines["memcpy"] = PrefillPipeline(*banks, stage="memcpy", host_scales=scales)
     if args.misses:  # the misses alone by the copy engine, hits read in place
         pipelines["misses"] = PrefillPipeline(*banks, stage="misses", host_scales=scales)
+    if args.mirror:  # the same, planned on the host from the mirror of the table
+        pipelines["mirror"] = PrefillPipeline(*banks, stage="mirror", host_scales=scales)
     if args.auto:  # the serving default: kernel or copy engine per chunk
         pipelines["auto"] = PrefillPipeline(*banks, stage="auto", host_scales=scales)
     return pipelines
@@ -267,6 +271,9 @@ def main() -> None:
     p.add_argument("--memcpy", action="store_true", help="also stage whole layers with the copy engine (row 'memcpy')")
     p.add_argument("--pipeline-programs", type=int, nargs="*", default=[],
                    help="also rows 'fixed-pN': the chunk staged by the kernel on N CTAs (default 32)")
+    p.add_argument("--mirror", action="store_true",
+                   help="also stage the misses by the copy engine as the host's mirror of the table plans them "
+                        "(row 'mirror')")
     p.add_argument("--misses", action="store_true",
                    help="also stage only the misses with the copy engine (row 'misses': conditional copy graphs)")
     p.add_argument("--auto", action="store_true", help="also the per-chunk choice serving uses (row 'auto')")

@@ -74,6 +74,9 @@ def test_dummy_runner_offloaded_equals_resident():
 def test_bench_prefill_runs_on_the_tiny_gpt_oss_geometry(tmp_path):
     out = tmp_path / "prefill.json"
     run_script(["scripts/bench_prefill.py", "--device", "cpu", "--model", TINY, "--fractions", "0.75",
-                "--chunks", "24", "--prefix", "20", "--invalidate", "fixed", "--warmup", "0", "--json", str(out)])
+                "--chunks", "24", "--prefix", "20", "--invalidate", "fixed", "--mirror", "--warmup", "0",
+                "--json", str(out)])
     rows = json.loads(out.read_text())["chunks"]
-    assert [(r["chunk"], r["prefix"]) for r in rows] == [(24, 0), (24, 20)]
+    assert [(r["chunk"], r["prefix"], r["invalidate"]) for r in rows] == [
+        (24, 0, "fixed"), (24, 0, "mirror"), (24, 20, "fixed"), (24, 20, "mirror")]
+    assert all(r["pcie_gb"] > 0 for r in rows)

@@ -111,8 +111,8 @@ def test_twin_and_memcpy_runs(name):
 
 
 def test_runs_merge_consecutive_pairs():
-    assert page_copy._runs([3, 4, 5, 9, 1], [7, 8, 2, 3, 4]) == [(3, 7, 2), (5, 2, 1), (9, 3, 1), (1, 4, 1)]
-    assert page_copy._runs([], []) == []
+    assert page_copy.copy_runs([3, 4, 5, 9, 1], [7, 8, 2, 3, 4]) == [(3, 7, 2), (5, 2, 1), (9, 3, 1), (1, 4, 1)]
+    assert page_copy.copy_runs([], []) == []
 
 
 def test_bounds_and_shapes_are_checked_on_the_host():

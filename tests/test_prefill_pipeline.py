@@ -109,11 +109,12 @@ def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
     assert (stats["from_cache"] == 0) == (stage == "memcpy")  # the copy engine moves hits too
 
 
-@pytest.mark.parametrize("stage", ["kernel", "memcpy", "misses"])
+@pytest.mark.parametrize("stage", ["kernel", "memcpy", "misses", "mirror"])
 def test_every_stage_mode_equals_resident_and_moves_its_bytes(stage):
     """Each stage mode gives the resident results and leaves the lent slots empty and the tables
-    consistent; the kernel and "misses" read only the misses from the host (the same count: both
-    take hits from slots ``>= 2E``), "memcpy" every expert."""
+    consistent; the kernel, "misses" and "mirror" (its mirror exact here: refreshed in program
+    order) read only the misses from the host (the same count: all take hits from slots ``>= 2E``),
+    "memcpy" every expert."""
     banks, offloaded = setup(stage=stage)
     resident = ResidentExperts(banks)
     chunks = 0
@@ -132,13 +133,59 @@ def test_every_stage_mode_equals_resident_and_moves_its_bytes(stage):
         assert stats["from_host"] == staged
     else:
         assert 0 < stats["from_host"] < staged  # decode left experts that the chunks reused
-    assert (stats["in_place"] > 0) == (stage == "misses") and (stats["from_cache"] > 0) == (stage == "kernel")
+    assert (stats["in_place"] > 0) == (stage in ("misses", "mirror")) and (stats["from_cache"] > 0) == (stage == "kernel")
+    if stage == "mirror":
+        assert stats["mirror_wasted"] == stats["mirror_repaired"] == 0 and stats["mirror_copies"] > 0
     if stage != "memcpy":  # the same routing and tables: the same misses
         _, kernel = setup(stage="kernel")
         for step in batches(0):
             for layer, args in enumerate(step):
                 kernel.forward(layer, *args)
         assert kernel.pipeline.stats()["from_host"] == stats["from_host"]
+
+
+def test_mirror_follows_decode_and_chunks_and_runs_coalesce_copies():
+    """The mirror is -1 before anything ran, so a first chunk copies every expert, one copy per
+    bank per layer (a single run); after a decode step's last lookup, and after a chunk, it equals
+    the table."""
+    _, offloaded = setup(stage="mirror")
+    mirrored = offloaded.pipeline.mirrored
+    assert bool((mirrored.mirror == -1).all())
+    steps = iter(batches(2))
+    for layer, args in enumerate(next(steps)):  # a chunk on an empty cache
+        offloaded.forward(layer, *args)
+    stats = offloaded.pipeline.stats()
+    assert stats["mirror_copies"] == LAYERS * 2 and stats["from_host"] == LAYERS * EXPERTS
+    decode = next(steps)
+    for layer, args in enumerate(decode):
+        offloaded.forward(layer, *args)
+        if layer < LAYERS - 1:  # the step's lookups are not done: the mirror still shows the chunk's end
+            assert not torch.equal(mirrored.mirror, offloaded.cache.tables.slot_for_id)
+    assert torch.equal(mirrored.mirror, offloaded.cache.tables.slot_for_id)
+
+
+def test_a_stale_mirror_stages_exactly_and_counts_its_errors():
+    """Whatever the host's mirror says (scrambled before every chunk here, as a torn or old copy
+    could be), chunks give the resident results and leave the lent slots empty: experts it thought
+    resident and are not are repaired by the gather, those it thought missing and are resident
+    were copied for nothing; both are counted, and the repairs are moved bytes."""
+    banks, offloaded = setup(stage="mirror")
+    resident = ResidentExperts(banks)
+    mirrored = offloaded.pipeline.mirrored
+    gen = torch.Generator().manual_seed(5)
+    for step in batches(1):
+        if len(step[0][0]) == PREFILL:
+            mirrored.mirror.copy_(torch.randint(-1, 3 * EXPERTS, mirrored.mirror.shape, generator=gen))
+        for layer, (x, weights, ids) in enumerate(step):
+            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids),
+                                       rtol=1e-5, atol=1e-5)
+        if len(step[0][0]) == PREFILL:
+            assert lent_slots_are_empty(offloaded.cache)
+        assert_consistent(offloaded.cache)
+    stats = offloaded.pipeline.stats()
+    assert stats["mirror_wasted"] > 0 and stats["mirror_repaired"] > 0
+    moved = stats["from_host"] + stats["in_place"] - stats["mirror_wasted"]
+    assert moved == stats["chunks_mirror"] * LAYERS * EXPERTS  # each expert of a layer: a hit, or moved once
 
 
 def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
@@ -414,10 +461,12 @@ def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("stage,expert_dtype", [("kernel", "auto"), ("misses", "auto"), ("misses", "fp8")])
+@pytest.mark.parametrize("stage,expert_dtype", [("kernel", "auto"), ("misses", "auto"), ("misses", "fp8"),
+                                                ("mirror", "auto"), ("mirror", "fp8"), ("mirror", "nvfp4")])
 def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype):
-    """Chunks staged by the kernel or by the misses' conditional copies (from the mapped host store,
-    bf16 and fp8 with its scale banks) give the logits of the plain cache path, under sync debug."""
+    """Chunks staged by the kernel, by the misses' conditional copies or by the copy engine from the
+    mirror (from the mapped host store, bf16 and fp8 or nvfp4 with their scale banks) give the
+    logits of the plain cache path, under sync debug."""
     from moe_offload.miss_copies import conditional_graphs
 
     if stage == "misses" and not conditional_graphs():
@@ -434,7 +483,7 @@ def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_
     assert ((logits - want).norm() / want.norm()).item() < 2e-2
     stats = r.experts.pipeline.stats()
     assert stats[f"chunks_{stage}"] > 0 and stats["from_host"] > 0
-    assert (stats["in_place"] > 0) == (stage == "misses")
+    assert (stats["in_place"] > 0) == (stage in ("misses", "mirror"))
 
 
 @pytest.mark.cuda
@@ -510,3 +559,24 @@ def test_cuda_qwen3_geometry_multichunk_prefill_at_quarter_cache_has_no_hidden_s
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     assert r.experts.pipeline.stats()["from_host"] > before
+
+
+@pytest.mark.cuda
+def test_cuda_mirror_follows_graph_decode_and_chunks():
+    """Under "mirror" a decode step's captured graph copies the table into the host's mirror (a copy
+    forked inside the graph and joined back) and so does each chunk's copy stream: after prefill
+    chunks and greedy decoding from graphs the mirror equals the table; the chunks after the first
+    planned from it, so they moved the misses, not every expert."""
+    r = small_runner(stage="mirror")
+    prompt = torch.randint(0, 512, (1400,), generator=torch.Generator().manual_seed(1)).tolist()
+    generate(r, prompt[:600], SamplingParams(), 24, max_prefill_tokens=512)
+    r.experts.reset_stats()
+    generate(r, prompt, SamplingParams(), 24, max_prefill_tokens=512)
+    torch.cuda.synchronize()
+    assert r.graphs is not None and r.graphs.captured and all(s.forward is not None for s in r.graphs.captured.values())
+    mirrored = r.experts.pipeline.mirrored
+    assert torch.equal(mirrored.mirror.cuda(), r.experts.cache.tables.slot_for_id)
+    stats = r.experts.pipeline.stats()
+    assert stats["chunks_mirror"] >= 2 and stats["in_place"] > 0
+    assert stats["from_host"] + stats["in_place"] - stats["mirror_wasted"] == stats["chunks_mirror"] * (
+        r.experts.cache.num_layers * r.experts.cache.num_experts)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.copy_runs import copy_runs
 from moe_offload.kernels.triton_support import next_pow2, use_triton
 
 MAX_BLOCK = 1024
@@ -102,23 +103,12 @@ def copy_page_runs(src: list[int], dst: list[int], src_k: torch.Tensor, src_v: t
         if bad:
             raise ValueError(f"{what} page {bad[0]} outside the pool of {limit} pages")
     copies = 0
-    for s, d, n in _runs(src, dst):
+    for s, d, n in copy_runs(src, dst):
         for layer in range(src_k.shape[0]):
             dst_k[layer, d:d + n].copy_(src_k[layer, s:s + n], non_blocking=True)
             dst_v[layer, d:d + n].copy_(src_v[layer, s:s + n], non_blocking=True)
             copies += 2
     return copies
-
-
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal ``(src_start, dst_start, length)`` runs of pairs consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 def _check(plan: PagePlan, src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor) -> None:
