@@ -9,14 +9,16 @@ experts are resident without a device-to-host sync. But it can hold a recent cop
   joined back into the current one, so a captured decode graph carries it too). The host reads it
   whenever it plans, with no event: it is at most the steps in flight old, and may even be torn;
 - **the plan** (``plan``, once per chunk): every expert the mirror does not hold at a slot
-  ``>= lent`` is a miss; the host copies those from the host banks into their buffer slots
-  (``b*n + j``), one ``cudaMemcpyAsync`` per run of consecutive experts per bank
-  (``copy_runs``), and sends its flags to the device (one small copy);
-- **the repair** (``stage``, per layer, on the device, fixed shapes): the layer's true hits (the
-  table read on the copy stream after ``begin``) are read in place through the GEMM's slot map,
-  as in ``miss_copies``; the experts the mirror thought resident and are not are gathered into
-  their buffer slots by one ``gather_missing`` launch (zero-copy reads), from a plan compacted on
-  the device. Experts the mirror thought missing and are resident were copied for nothing.
+  ``>= lent`` is a miss, which the host will copy from the host banks into its buffer slot
+  (``b*n + j``); its flags go to the device (one small copy), where a few launches for the whole
+  chunk read the table (on the copy stream after ``begin``: no lookup runs inside a chunk) and
+  write every layer's slot map (a true hit's own slot, read in place by the GEMM as in
+  ``miss_copies``; else the buffer slot) and a compacted plan of the experts the mirror thought
+  resident and are not;
+- **the staging** (``stage``, per layer): one ``gather_missing`` launch moves that layer's
+  repairs (zero-copy reads; its count stays on the device), then one ``cudaMemcpyAsync`` per run
+  of consecutive missed experts per bank (``copy_runs``) moves the rest. Experts the mirror thought
+  missing and are resident are copied for nothing.
 
 So the result is exact whatever the mirror says; only its bytes depend on it (counted in
 ``stale``: copies the mirror wasted, experts it had to repair). Nothing is read back inside a
@@ -46,24 +48,26 @@ class MirroredMisses:
         self.slot_for_id, self.banks, self.lent, self.count, self.backend = slot_for_id, banks, lent, count, backend
         self.host_rows = torch.arange(num_layers)[:, None] * num_experts + experts.cpu()[None, :]  # [L, n]
         self.rows = self.host_rows.to(device=device, dtype=torch.int32)
+        # layer l's buffer slots: (l % 2) * n + j
+        self.buffer_slots = ((torch.arange(num_layers)[:, None] % 2) * count + torch.arange(count)[None, :]).to(
+            device=device, dtype=torch.int32)
         self.cuda = device.type == "cuda"
         # -1 everywhere until the first refresh: a first chunk copies every expert, like "memcpy"
         self.mirror = torch.full((num_layers * num_experts,), -1, dtype=torch.int32, pin_memory=self.cuda)
         self._mirror_dst = _device_view(self.mirror, device) if self.cuda else self.mirror
         self.side = torch.cuda.Stream(device) if self.cuda else None
         self._forked = False
-        # this chunk's host copies: per layer (host row, share index) runs, from ``plan``
-        self.runs: list[list[tuple[int, int, int]]] = [copy_runs(rows, list(range(count)))
-                                                       for rows in self.host_rows.tolist()]
-        self.copied = torch.ones(num_layers, count, dtype=torch.bool, device=device)  # the same, on the device
-        self.slot_map = torch.zeros(2, count, dtype=torch.int32, device=device)
-        self.buffer_slots = torch.arange(2 * count, dtype=torch.int32, device=device).view(2, count)
+        # the chunk's plan (``plan``): the host's copies per layer as (host row, share index, length) runs
+        self.runs: list[list[tuple[int, int, int]]] = []
+        self.copied = torch.zeros(num_layers, count, dtype=torch.bool, device=device)  # the same, on the device
+        self.slot_map = torch.zeros(num_layers, count, dtype=torch.int32, device=device)  # the GEMMs' slots
+        # the repairs, compacted per layer: entries past a layer's count are -1, column ``n`` takes
+        # the scatter of every entry that is not a repair
+        self.repair_src = torch.full((num_layers, count + 1), -1, dtype=torch.int32, device=device)
+        self.repair_dst = torch.full((num_layers, count + 1), -1, dtype=torch.int32, device=device)
+        self.repair_count = torch.zeros(num_layers, dtype=torch.int32, device=device)
         self.in_place = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
-        # the repair's plan: rows past its count are -1, entry ``count`` is where non-repairs scatter
-        self.repair_src = torch.full((count + 1,), -1, dtype=torch.int32, device=device)
-        self.repair_dst = torch.full((count + 1,), -1, dtype=torch.int32, device=device)
-        self.repair_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
 
     def refresh(self) -> None:
@@ -84,55 +88,50 @@ class MirroredMisses:
             torch.cuda.current_stream(self.slot_for_id.device).wait_stream(self.side)
             self._forked = False
 
-    def plan(self) -> None:
-        """A chunk starts: its host copies from the mirror as it reads now, and their flags sent to
-        the device (on the current stream: the copy stream, after ``begin``)."""
+    def plan(self, staged: torch.Tensor) -> None:
+        """A chunk starts: the host's copies from the mirror as it reads now, their flags sent to the
+        device, and from them and the table every layer's slot map and repairs, in a few launches
+        for the whole chunk; enqueued on the current stream (the copy stream, after ``begin``: no
+        lookup runs inside a chunk, so the table's decode slots hold still until it ends). Counts
+        experts moved from the host into ``staged[:, 1]``, hits into ``in_place``, the mirror's
+        errors into ``stale``."""
         planned = self.mirror[self.host_rows] < self.lent  # host tensors, read as they are
         self.runs = [copy_runs([r for r, miss in zip(rows, flags) if miss], [j for j, miss in enumerate(flags) if miss])
                      for rows, flags in zip(self.host_rows.tolist(), planned.tolist())]
         self.copied.copy_(planned.pin_memory() if self.cuda else planned, non_blocking=True)
+        held = self.slot_for_id[self.rows]
+        resident = held >= self.lent
+        torch.where(resident, held, self.buffer_slots, out=self.slot_map)
+        repair = ~(resident | self.copied)
+        order = torch.cumsum(repair, 1, dtype=torch.int32)
+        place = torch.where(repair, order - 1, self.count).long()
+        self.repair_src.fill_(-1).scatter_(1, place, self.rows)
+        self.repair_dst.fill_(-1).scatter_(1, place, self.buffer_slots)
+        self.repair_count.copy_(order[:, -1])
+        hits, wasted = resident.sum(1), (resident & self.copied).sum(1)
+        staged[:, 1] += self.count - hits + wasted
+        self.in_place += hits
+        self.stale[:, 0] += wasted
+        self.stale[:, 1] += order[:, -1]
 
-    def stage(self, layer: int, staged: torch.Tensor) -> None:
-        """Copy the planned misses of ``layer`` into its buffer, write the buffer's slot map and
-        repair what the mirror got wrong; count experts moved from the host into ``staged[layer,
-        1]``, hits into ``in_place``, the mirror's errors into ``stale``. Enqueued on the current
-        stream (the copy stream); nothing is read back."""
-        buf, count = layer % 2, self.count
-        for src, j, length in self.runs[layer]:
-            for host, pool in self.banks:
-                pool[buf * count + j:buf * count + j + length].copy_(host[src:src + length], non_blocking=True)
-                self.copies += 1
-        held = self.slot_for_id[self.rows[layer]]
-        resident, copied = held >= self.lent, self.copied[layer]
-        torch.where(resident, held, self.buffer_slots[buf], out=self.slot_map[buf])
-        repair = ~(resident | copied)
-        self._repair(layer, buf, repair)
-        hits = resident.sum()
-        staged[layer, 1] += count - hits + (resident & copied).sum()
-        self.in_place[layer] += hits
-        self.stale[layer, 0] += (resident & copied).sum()
-        self.stale[layer, 1] += repair.sum()
-
-    def slots(self, buf: int, index: torch.Tensor) -> torch.Tensor:
-        """Pool slots of the routed experts at share ``index`` (-1: not this share's, stays -1)."""
-        return torch.where(index >= 0, self.slot_map[buf][index.clamp(min=0)], -1)
-
-    def _repair(self, layer: int, buf: int, repair: torch.Tensor) -> None:
-        """Gather the experts flagged in ``repair`` into their buffer slots: the plan compacted on
-        the device (a running count places each), one ``gather_missing`` launch."""
-        count = self.count
-        order = torch.cumsum(repair, 0, dtype=torch.int32)
-        place = torch.where(repair, order - 1, count).long()
-        self.repair_src.fill_(-1)
-        self.repair_dst.fill_(-1)
-        self.repair_src.scatter_(0, place, self.rows[layer])
-        self.repair_dst.scatter_(0, place, self.buffer_slots[buf])
-        self.repair_count.copy_(order[-1:])
+    def stage(self, layer: int) -> None:
+        """Fill ``layer``'s buffer: the repairs (one ``gather_missing`` launch, its count on the
+        device), then the host's copies, one per run per bank; on the current stream (the copy
+        stream), after the layer two back has let go of the buffer."""
         host = [h for h, _ in self.banks]
         pools = [p for _, p in self.banks]
         scales = {} if len(self.banks) == 2 else {"host_scales": tuple(host[2:]), "slot_scales": tuple(pools[2:])}
-        gather_missing(self.repair_src[:count], self.repair_dst[:count], self.repair_count, host[0], host[1],
-                       pools[0], pools[1], self.backend, **scales)
+        gather_missing(self.repair_src[layer, :self.count], self.repair_dst[layer, :self.count],
+                       self.repair_count[layer:layer + 1], host[0], host[1], pools[0], pools[1], self.backend, **scales)
+        start = (layer % 2) * self.count
+        for src, j, length in self.runs[layer]:
+            for h, pool in self.banks:
+                pool[start + j:start + j + length].copy_(h[src:src + length], non_blocking=True)
+                self.copies += 1
+
+    def slots(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """Pool slots of ``layer``'s routed experts at share ``index`` (-1: not this share's, stays -1)."""
+        return torch.where(index >= 0, self.slot_map[layer][index.clamp(min=0)], -1)
 
     def reset_stats(self) -> None:
         self.in_place.zero_()

@@ -150,7 +150,6 @@ class PrefillPipeline:
         if (host_scales is None) != (cache.scales is None):
             raise ValueError("a quantized cache stages from host scales, a float one from none")
         self.stage, self.programs = stage, programs  # programs: the stage kernel's CTAs
-        self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
         self.chunks = dict.fromkeys(STAGE_MODES[:-1], 0)  # chunks staged each way
         self.cache = cache
         self.host_w13, self.host_w2 = host_w13, host_w2
@@ -168,7 +167,10 @@ class PrefillPipeline:
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
         self.misses = self._miss_copies(host_scales) if stage == "misses" else None
-        self.mirrored = self._mirrored_misses(host_scales) if stage == "mirror" else None
+        # "auto" on a GPU stages every chunk from the mirror (measured: docs/architecture.md)
+        mirror = stage == "mirror" or (stage == "auto" and device.type == "cuda")
+        self.mirrored = self._mirrored_misses(host_scales) if mirror else None
+        self.chunk_stage = stage if stage != "auto" else "mirror" if mirror else "kernel"  # this chunk's (begin)
         self._next_layer = 0
         self._begun = False
 
@@ -176,7 +178,7 @@ class PrefillPipeline:
         """Start a chunk early: called before layer 0's attention, so staging layer 0 overlaps it
         instead of waiting for the first MoE layer. ``flops``, the chunk's estimated matmul work,
         picks the stage mode under "auto"."""
-        if self.stage == "auto":
+        if self.stage == "auto" and self.mirrored is None:
             expert_bytes = self.cache.num_layers * self.count * self.cache.slot_bytes
             self.chunk_stage = "memcpy" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
         self._begin()
@@ -196,8 +198,8 @@ class PrefillPipeline:
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
             if self.chunk_stage in ("misses", "mirror"):  # hits in place in the cache, misses in the buffer
-                staging = self.misses if self.chunk_stage == "misses" else self.mirrored
-                slots = staging.slots(buf, self._buffer_slots(ids))
+                index = self._buffer_slots(ids)
+                slots = self.misses.slots(buf, index) if self.chunk_stage == "misses" else self.mirrored.slots(layer, index)
                 w13, w2, scales = self.cache.w13, self.cache.w2, self.cache.scales
             else:
                 slots = self._buffer_slots(ids)
@@ -225,7 +227,7 @@ class PrefillPipeline:
         self.chunks[self.chunk_stage] += 1
         if self.chunk_stage == "mirror":
             with self.streams.on_copy("plan the chunk's copies from the mirror"):
-                self.mirrored.plan()
+                self.mirrored.plan(self.staged)
         self._stage(0)
         self._next_layer = 0
 
@@ -240,7 +242,7 @@ class PrefillPipeline:
             if self.chunk_stage == "misses":
                 self.misses.stage(layer, self.staged)
             elif self.chunk_stage == "mirror":
-                self.mirrored.stage(layer, self.staged)
+                self.mirrored.stage(layer)
                 if layer == self.cache.num_layers - 1:  # the next chunk plans from the tables as they are now
                     self.mirrored.refresh()
                     self.mirrored.join()

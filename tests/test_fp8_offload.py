@@ -359,7 +359,9 @@ def test_cuda_fp8_pipeline_and_cache_match_resident_without_sync():
             for layer in range(LAYERS):
                 torch.testing.assert_close(outs[layer], resident.forward(layer, *inputs[layer]), rtol=2e-2, atol=2e-2)
     stats = piped.pipeline.stats()
-    assert stats["from_cache"] > 0 and stats["from_host"] > 0 and piped.cache.stats()["total"]["misses"] > 0
+    # hits staged from the cache (the kernel) or read in place (the mirror, "auto" on a GPU)
+    assert stats["from_cache"] + stats["in_place"] > 0 and stats["from_host"] > 0
+    assert piped.cache.stats()["total"]["misses"] > 0
 
 
 def prefill_then_decode(r: ModelRunner, prompt: list[int], chunk: int, decode: int) -> torch.Tensor:

@@ -420,8 +420,8 @@ def test_cuda_pipeline_bf16_matches_resident_without_sync():
                 torch.cuda.set_sync_debug_mode("default")
             for layer in range(LAYERS):
                 torch.testing.assert_close(outs[layer], resident.forward(layer, *inputs[layer]), rtol=2e-2, atol=2e-2)
-    stats = piped.pipeline.stats()
-    assert stats["from_cache"] > 0 and stats["from_host"] > 0
+    stats = piped.pipeline.stats()  # hits from the cache (the kernel) or in place (the mirror: "auto" on a GPU)
+    assert stats["from_cache"] + stats["in_place"] > 0 and stats["from_host"] > 0
     assert lent_slots_are_empty(piped.cache)  # the last batch was a chunk
 
 
@@ -483,7 +483,7 @@ def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_
     assert ((logits - want).norm() / want.norm()).item() < 2e-2
     stats = r.experts.pipeline.stats()
     assert stats[f"chunks_{stage}"] > 0 and stats["from_host"] > 0
-    assert (stats["in_place"] > 0) == (stage in ("misses", "mirror"))
+    assert stage in ("misses", "mirror") or stats["in_place"] == 0  # no decode ran: no hit to read in place
 
 
 @pytest.mark.cuda

@@ -47,7 +47,11 @@ STATS = (
         "kind"),
     Stat("prefill_pipeline_chunks", True, "Prefill chunks through the expert pipeline", (
         ("kernel", "prefill_chunks_kernel"), ("memcpy", "prefill_chunks_memcpy"),
-        ("misses", "prefill_chunks_misses")), "stage"),
+        ("misses", "prefill_chunks_misses"), ("mirror", "prefill_chunks_mirror")), "stage"),
+    Stat("prefill_mirror_errors", True, "Experts the host's mirror of the expert cache got wrong in prefill "
+         "staging: copied though resident, or repaired by a gather", (("wasted", "prefill_mirror_wasted"),
+                                                                      ("repaired", "prefill_mirror_repaired")),
+         "kind"),
     Stat("compilations_after_warmup", True, "Kernels compiled and attention plans built while serving, after "
          "the warm-up (each a slow step)", (("triton", "compiles_after_warmup"), ("cudnn_plan", "plans_after_warmup")),
          "kind"),
