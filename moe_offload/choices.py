@@ -9,19 +9,20 @@ EXPERT_DTYPES = ("auto", "bf16", "fp8", "nvfp4", "mxfp4")  # see formats.resolve
 # blocks the host until the previous layer's compute is done; kept to measure what the sync costs.
 INVALIDATE_MODES = ("fixed", "eager")
 # "kernel": hits device-to-device, misses zero-copy over PCIe (kernels.stage_experts). "memcpy": the
-# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used). "auto":
-# per chunk, "memcpy" once the chunk computes enough that the SMs the stage kernel holds cost more
-# than the PCIe bytes it saves. On an H200 at 25% cache (qwen3-30b-geometry, bench_prefill.py) the
-# kernel won for 8k and 16k-token chunks without a prefix (0.913 vs 1.094 s, 0.998 vs 1.102 s: about
-# 1,200 and 3,400 FLOPs per byte of the layers' experts) and the copy engine won for 32k tokens
-# (1.380 vs 1.585 s: 10,300 FLOPs/byte) and 8k over a 64k prefix (1.289 vs 1.724 s: 8,500 FLOPs/byte).
+# whole layer from the host by the copy engine, hits included (no PCIe saved, no SMs used).
 # "misses": the misses alone by the copy engine, hits read in place from their cache slots; the plan
 # stays on the device (a CUDA graph per layer of conditional copies, moe_offload.miss_copies). It
-# needs a torch with conditional graph nodes (not the H200 host's 2.11), so it is not measured and
-# "auto" does not pick it.
-# "mirror": the misses by the copy engine too, planned on the host from a mirror of the cache's table
-# that the device copies into pinned memory after every decode step and chunk; a gather launch per
-# layer repairs what the mirror got wrong, so results never depend on it (moe_offload.mirrored_misses).
+# needs a torch with conditional graph nodes (not the H200 host's 2.11), so it is not measured.
+# "mirror": the misses by the copy engine too, hits read in place, planned on the host from a mirror
+# of the cache's table that the device copies into pinned memory after every decode step and chunk;
+# a gather per layer repairs what the mirror got wrong, so results never depend on it
+# (moe_offload.mirrored_misses). "auto": per chunk, "mirror" once the chunk computes enough that the
+# SMs the stage kernel holds cost more than the copy engine's calls, else "kernel". On an H200 at
+# 25% cache (qwen3-30b-geometry, bench_prefill.py, 2026-12-03) fp8 2k over a 131k prefix took
+# 0.455 / 0.461 s from the mirror, 0.578 / 0.574 by the kernel, 0.528 whole layers by memcpy; 8k over
+# 131k 1.552 / 1.550, 1.671 / 1.668, 1.538; 2k and 8k without a prefix the kernel won by 0-4%
+# (nvfp4: 2k 0.259 / 0.262 kernel, 0.269 / 0.280 mirror). The rule's threshold predates the mirror
+# (it was measured for memcpy: docs/architecture.md).
 STAGE_MODES = ("kernel", "memcpy", "misses", "mirror", "auto")
 # What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
 # (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the

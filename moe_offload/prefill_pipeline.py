@@ -39,8 +39,9 @@ from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, share_coun
 from moe_offload.miss_copies import MissCopies
 from moe_offload.mirrored_misses import MirroredMisses
 
-# half the H200's balance point: its 786 TFLOP/s matmul ceiling over the 55.3 GB/s of PCIe
-AUTO_MEMCPY_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
+# "auto" stages a chunk by the copy engine (from the mirror) from this many matmul FLOPs per byte of
+# the layers' experts, half the H200's balance point: its 786 TFLOP/s matmul ceiling over 55.3 GB/s of PCIe
+AUTO_COPY_ENGINE_FLOPS_PER_BYTE = 0.5 * 786e12 / 55.3e9
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
 
 
@@ -167,10 +168,8 @@ class PrefillPipeline:
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
         self.misses = self._miss_copies(host_scales) if stage == "misses" else None
-        # "auto" on a GPU stages every chunk from the mirror (measured: docs/architecture.md)
-        mirror = stage == "mirror" or (stage == "auto" and device.type == "cuda")
-        self.mirrored = self._mirrored_misses(host_scales) if mirror else None
-        self.chunk_stage = stage if stage != "auto" else "mirror" if mirror else "kernel"  # this chunk's (begin)
+        self.mirrored = self._mirrored_misses(host_scales) if stage in ("mirror", "auto") else None
+        self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
         self._next_layer = 0
         self._begun = False
 
@@ -178,9 +177,9 @@ class PrefillPipeline:
         """Start a chunk early: called before layer 0's attention, so staging layer 0 overlaps it
         instead of waiting for the first MoE layer. ``flops``, the chunk's estimated matmul work,
         picks the stage mode under "auto"."""
-        if self.stage == "auto" and self.mirrored is None:
+        if self.stage == "auto":  # the copy engine from the mirror once the stage kernel's SMs cost more
             expert_bytes = self.cache.num_layers * self.count * self.cache.slot_bytes
-            self.chunk_stage = "memcpy" if flops >= AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes else "kernel"
+            self.chunk_stage = "mirror" if flops >= AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes else "kernel"
         self._begin()
         self._begun = True
 

@@ -194,6 +194,15 @@ def test_a_killed_rank_ends_the_run_with_one_error_and_no_process_left(tmp_path)
     assert all(_gone(int(pid)) for pid in found.groups())
 
 
+def test_two_ranks_equal_one_staging_from_the_mirror(model_dir):
+    """A rank's share is strided in the host banks, so its mirror copies one expert at a time."""
+    want, got, two = greedy_runs(model_dir, cache_size=28, prefill_stage="mirror")
+    assert got == want
+    stats = two.experts.pipeline.stats()
+    assert stats["chunks_mirror"] > 0 and stats["from_host"] + stats["in_place"] - stats["mirror_wasted"] == (
+        4 * 4 * stats["chunks_mirror"])
+
+
 def test_each_rank_stages_only_its_share_of_each_layer(model_dir):
     _, _, two = greedy_runs(model_dir, cache_size=28, lent_slots="reserve")  # decode starts past the lent slots
     pipeline = two.experts.pipeline

@@ -18,7 +18,7 @@ from moe_offload.expert_cache import ExpertCache  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
-from moe_offload.prefill_pipeline import AUTO_MEMCPY_FLOPS_PER_BYTE, HostStreams  # noqa: E402
+from moe_offload.prefill_pipeline import AUTO_COPY_ENGINE_FLOPS_PER_BYTE, HostStreams  # noqa: E402
 from tests.launch_count import sync_errors  # noqa: E402
 from tests.test_expert_cache import assert_consistent, make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
@@ -89,11 +89,12 @@ def test_pipeline_equals_cache_path(invalidate):
     assert piped.cache.stats()["total"]["lookups"] < plain.cache.stats()["total"]["lookups"]
 
 
-@pytest.mark.parametrize("stage,flops_per_byte", [("kernel", 0.0), ("kernel", 0.99 * AUTO_MEMCPY_FLOPS_PER_BYTE),
-                                                   ("memcpy", AUTO_MEMCPY_FLOPS_PER_BYTE)])
+@pytest.mark.parametrize("stage,flops_per_byte", [("kernel", 0.0), ("kernel", 0.99 * AUTO_COPY_ENGINE_FLOPS_PER_BYTE),
+                                                   ("mirror", AUTO_COPY_ENGINE_FLOPS_PER_BYTE)])
 def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
-    """Chunks that compute little stage through the kernel (hits on the GPU), heavy ones through the
-    copy engine (whole layers from the host); the results are the resident ones either way."""
+    """Chunks that compute little stage through the kernel (hits on the GPU), heavy ones by the
+    copy engine from the mirror (the misses alone, hits read in place); the results are the
+    resident ones either way."""
     banks, offloaded = setup()
     resident = ResidentExperts(banks)
     cache = offloaded.cache
@@ -104,9 +105,9 @@ def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
             torch.testing.assert_close(offloaded.forward(layer, *args), resident.forward(layer, *args),
                                        rtol=1e-5, atol=1e-5)
     stats = offloaded.pipeline.stats()
-    other = "kernel" if stage == "memcpy" else "memcpy"
-    assert stats[f"chunks_{stage}"] == 3 and stats[f"chunks_{other}"] == 0 and stats["chunks_misses"] == 0
-    assert (stats["from_cache"] == 0) == (stage == "memcpy")  # the copy engine moves hits too
+    chunks = {mode: stats[f"chunks_{mode}"] for mode in ("kernel", "memcpy", "misses", "mirror")}
+    assert chunks == {mode: 3 if mode == stage else 0 for mode in chunks}
+    assert (stats["from_cache"] > 0) == (stage == "kernel") and (stats["in_place"] > 0) == (stage == "mirror")
 
 
 @pytest.mark.parametrize("stage", ["kernel", "memcpy", "misses", "mirror"])
@@ -197,8 +198,8 @@ def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
     assert cfg.forward_flops([8192], [1000]) - one == pytest.approx(cfg.num_layers * 4 * cfg.q_size * 8192 * 1000)
     expert_bytes = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
     # where the H200 measurements behind "auto" fall (prefill_pipeline.STAGE_MODES)
-    assert cfg.forward_flops([16384], [0]) < AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes
-    assert cfg.forward_flops([8192], [65536]) > AUTO_MEMCPY_FLOPS_PER_BYTE * expert_bytes
+    assert cfg.forward_flops([16384], [0]) < AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes
+    assert cfg.forward_flops([8192], [65536]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes
 
 
 def test_cache_below_three_layers_of_experts_is_refused():
