@@ -172,3 +172,29 @@ def test_non_text_content_is_refused_in_one_line(part):
     with pytest.raises(ApiError) as err:
         convert.chat_prompt_ids(body, None, None)
     assert err.value.status == 400 and part["type"] in str(err.value) and "\n" not in str(err.value)
+
+
+def test_chat_prompts_are_tokenized_off_the_event_loop(monkeypatch):
+    """Rendering the template over a /v1/messages body of tens of MB and tokenizing it ran on the
+    event loop, and stress.py's 5 s liveness probe went unanswered meanwhile. Here the tokenization
+    waits for the loop itself to release it: run on the loop, it never would be."""
+    import asyncio
+    import threading
+
+    from frontend.http import routes
+
+    released = threading.Event()
+
+    def tokenize(ctx, body):
+        assert released.wait(5), "the event loop was blocked while tokenizing"
+        return "generate", False
+
+    monkeypatch.setattr(routes, "chat_generate", tokenize)
+
+    async def main():
+        task = asyncio.create_task(routes.chat_generate_off_loop(None, None))
+        await asyncio.sleep(0.05)
+        released.set()  # runs only while the loop is free
+        return await task
+
+    assert asyncio.run(main()) == ("generate", False)

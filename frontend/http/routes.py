@@ -68,11 +68,18 @@ def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generat
     return generate, bool(tools)
 
 
+async def chat_generate_off_loop(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generate, bool]:
+    """``chat_generate`` on a worker thread: rendering the template over a body of tens of MB and
+    tokenizing it takes seconds, while the event loop serves every other client and the liveness
+    probe."""
+    return await asyncio.to_thread(chat_generate, ctx, body)
+
+
 async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, ChatRequest, ctx.max_body_bytes)
-    generate, _ = chat_generate(ctx, body)
+    generate, _ = await chat_generate_off_loop(ctx, body)
     reply = convert.reply_format(body, generate.input_ids or (), ctx.ready().tokenizer)
     response_ids = r.ResponseIds.new("chatcmpl", body.model)
     session = await _start(ctx, generate)
@@ -90,7 +97,7 @@ async def responses(request: Request) -> Response:
     body = await read_body(request, responses_api.ResponsesRequest, ctx.max_body_bytes)
     tokenizer = ctx.ready().tokenizer
     chat_body = responses_api.to_chat(body, speaks_harmony(tokenizer))
-    generate, _ = chat_generate(ctx, chat_body)
+    generate, _ = await chat_generate_off_loop(ctx, chat_body)
     reply = convert.reply_format(chat_body, generate.input_ids or (), tokenizer)
     frame = responses_api.frame(body)
     session = await _start(ctx, generate)
@@ -126,7 +133,7 @@ async def messages(request: Request) -> Response:
     ctx.ready()
     body = await read_body(request, messages_api.MessagesRequest, ctx.max_body_bytes)
     chat_body = _messages_chat(ctx, body)
-    generate, _ = chat_generate(ctx, chat_body)
+    generate, _ = await chat_generate_off_loop(ctx, chat_body)
     reply = convert.reply_format(chat_body, generate.input_ids or (), ctx.ready().tokenizer)
     message = messages_reply.new_message(body.model, len(generate.input_ids or ()))
     thinking = messages_api.thinking_display(body)
@@ -143,7 +150,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = _ctx(request)
     ctx.ready()
     body = await read_body(request, messages_api.MessagesPrompt, ctx.max_body_bytes)
-    generate, _ = chat_generate(ctx, _messages_chat(ctx, body))
+    generate, _ = await chat_generate_off_loop(ctx, _messages_chat(ctx, body))
     return json_response(messages_objects.TokenCount(input_tokens=len(generate.input_ids or ())))
 
 
