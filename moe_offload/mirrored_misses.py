@@ -62,13 +62,16 @@ class MirroredMisses:
         self.copied = torch.zeros(num_layers, count, dtype=torch.bool, device=device)  # the same, on the device
         self.slot_map = torch.zeros(num_layers, count, dtype=torch.int32, device=device)  # the GEMMs' slots
         # the repairs, compacted per layer: entries past a layer's count are -1, column ``n`` takes
-        # the scatter of every entry that is not a repair
-        self.repair_src = torch.full((num_layers, count + 1), -1, dtype=torch.int32, device=device)
-        self.repair_dst = torch.full((num_layers, count + 1), -1, dtype=torch.int32, device=device)
-        self.repair_count = torch.zeros(num_layers, dtype=torch.int32, device=device)
+        # the scatter of every entry that is not a repair; rows padded to 16 bytes, so that every
+        # layer's views have the alignment Triton specialised the gather on (one compilation)
+        width = -(-(count + 1) // 4) * 4
+        self.repair_src = torch.full((num_layers, width), -1, dtype=torch.int32, device=device)
+        self.repair_dst = torch.full((num_layers, width), -1, dtype=torch.int32, device=device)
+        self.repair_count = torch.zeros(num_layers, 4, dtype=torch.int32, device=device)  # column 0
         self.in_place = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
+        self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
 
     def refresh(self) -> None:
         """Enqueue a copy of the table into the mirror, beside the current stream's work on CUDA
@@ -107,7 +110,7 @@ class MirroredMisses:
         place = torch.where(repair, order - 1, self.count).long()
         self.repair_src.fill_(-1).scatter_(1, place, self.rows)
         self.repair_dst.fill_(-1).scatter_(1, place, self.buffer_slots)
-        self.repair_count.copy_(order[:, -1])
+        self.repair_count[:, 0] = order[:, -1]
         hits, wasted = resident.sum(1), (resident & self.copied).sum(1)
         staged[:, 1] += self.count - hits + wasted
         self.in_place += hits
@@ -118,20 +121,23 @@ class MirroredMisses:
         """Fill ``layer``'s buffer: the repairs (one ``gather_missing`` launch, its count on the
         device), then the host's copies, one per run per bank; on the current stream (the copy
         stream), after the layer two back has let go of the buffer."""
-        host = [h for h, _ in self.banks]
-        pools = [p for _, p in self.banks]
-        scales = {} if len(self.banks) == 2 else {"host_scales": tuple(host[2:]), "slot_scales": tuple(pools[2:])}
-        gather_missing(self.repair_src[layer, :self.count], self.repair_dst[layer, :self.count],
-                       self.repair_count[layer:layer + 1], host[0], host[1], pools[0], pools[1], self.backend, **scales)
+        self._repair(layer)
         start = (layer % 2) * self.count
         for src, j, length in self.runs[layer]:
             for h, pool in self.banks:
                 pool[start + j:start + j + length].copy_(h[src:src + length], non_blocking=True)
                 self.copies += 1
 
+    def _repair(self, layer: int) -> None:
+        host = [h for h, _ in self.banks]
+        pools = [p for _, p in self.banks]
+        scales = {} if len(self.banks) == 2 else {"host_scales": tuple(host[2:]), "slot_scales": tuple(pools[2:])}
+        gather_missing(self.repair_src[layer, :self.count], self.repair_dst[layer, :self.count],
+                       self.repair_count[layer, :1], host[0], host[1], pools[0], pools[1], self.backend, **scales)
+
     def slots(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Pool slots of ``layer``'s routed experts at share ``index`` (-1: not this share's, stays -1)."""
-        return torch.where(index >= 0, self.slot_map[layer][index.clamp(min=0)], -1)
+        return torch.where(index >= 0, self.slot_map[layer][index.clamp(0, self.count - 1)], -1)
 
     def reset_stats(self) -> None:
         self.in_place.zero_()

@@ -110,6 +110,24 @@ def test_no_launch_key_follows_the_batch(model_dir, keys, expert_dtype):
     assert any("prefill_kernel" in k for k in keys) and any("decode_partial" in k for k in keys)
 
 
+def test_the_mirrors_repair_gather_compiles_at_start_up(model_dir, keys):
+    """Prefill from the mirror repairs with one gather a layer over views of per-layer rows; they
+    keep one alignment, so the launch at construction (before the warm-up ends) is the only
+    specialisation that chunks meet, whichever layers and lengths."""
+    runner = ModelRunner(RunnerConfig(model_dir, device="cpu", dtype="bfloat16", page_size=16, kv_tokens=16384,
+                                      attention="triton", max_prefill_tokens=2048,
+                                      experts=ExpertOptions(cache_size=3 * EXPERTS, prefill_stage="mirror")))
+    assert runner.experts.pipeline.mirrored is not None
+    gather = "moe_offload.kernels.gather_missing.gather_missing_kernel"
+    assert len(keys[gather]) == 1  # the construction's launch
+    keys["phase"] = "later"
+    rng = random.Random(2)
+    for length, prefix in ((1024, 0), (777, 1024), (2047, 17)):
+        prefill(runner, rng, length, prefix, GREEDY, masked=False)
+    assert runner.experts.pipeline.stats()["chunks_mirror"] == 3
+    assert list(keys[gather].values()) == ["reference"]
+
+
 def differences(found: dict, new: list) -> list:
     """For each new key, the arguments in which it differs from the nearest reference key."""
     reference = [k for k, phase in found.items() if phase == "reference"]
