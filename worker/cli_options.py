@@ -98,8 +98,10 @@ def _add_offload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--prefill-stage", default=X.prefill_stage, choices=STAGE_MODES,
                    help="how the pipeline fills its buffer: kernel (experts cached elsewhere copied on the GPU, "
                         "the rest read over PCIe by a kernel that holds some SMs), memcpy (whole layers by the copy "
-                        "engine, no SMs), auto (per chunk, memcpy when the chunk's compute is long enough "
-                        "that the SMs matter more than the PCIe bytes saved)")
+                        "engine, no SMs), mirror (the misses alone by the copy engine, planned from the host's "
+                        "copy of the cache table, cached experts read in place), misses (the same planned on the "
+                        "device: needs CUDA-graph conditional nodes), auto (per chunk, mirror when the chunk's "
+                        "compute is long enough that the SMs matter more than the copy engine's calls, else kernel)")
     g.add_argument("--expert-dtype", default=X.expert_dtype, choices=EXPERT_DTYPES,
                    help="expert weights' format: auto keeps the checkpoint's, fp8 runs e4m3 experts with "
                         "128x128 block scales (a bf16 checkpoint is quantized once, when the expert store is filled: "
