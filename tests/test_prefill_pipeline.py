@@ -197,9 +197,11 @@ def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
     assert cfg.forward_flops([8192, 100], [0, 5000]) == pytest.approx(one + cfg.forward_flops([100], [5000]))
     assert cfg.forward_flops([8192], [1000]) - one == pytest.approx(cfg.num_layers * 4 * cfg.q_size * 8192 * 1000)
     expert_bytes = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
-    # where the H200 measurements behind "auto" fall (prefill_pipeline.STAGE_MODES)
-    assert cfg.forward_flops([16384], [0]) < AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes
-    assert cfg.forward_flops([8192], [65536]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes
+    # where the H200 measurements behind "auto" fall (prefill_pipeline.AUTO_COPY_ENGINE_FLOPS_PER_BYTE):
+    # the kernel won fp8's 8k chunk without a prefix, the mirror nvfp4's and every chunk over 131k
+    assert cfg.forward_flops([8192], [0]) < AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes / 2  # fp8's bytes
+    assert cfg.forward_flops([8192], [0]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes * 2.67 / 9.44  # nvfp4's
+    assert cfg.forward_flops([2048], [131072]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes / 2
 
 
 def test_cache_below_three_layers_of_experts_is_refused():
