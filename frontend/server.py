@@ -104,6 +104,11 @@ class Frontend:
     def tokenizer(self) -> ChatTokenizer:
         return self._tokenizer
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """``--max-prompt-chars``: the longest prompt text taken, checked before it is tokenized."""
+        return self._max_prompt_chars
+
     # ==== local clients ====
 
     def open_local(self) -> tuple[bytes, asyncio.Queue[replies.ServerReply]]:

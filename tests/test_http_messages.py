@@ -230,6 +230,19 @@ def test_malformed_json_and_a_refusal_through_the_client(server, claude):
         _create(claude, thinking={"type": "enabled", "budget_tokens": 1024})
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_text_past_the_prompt_limit_is_refused_before_tokenizing(server, path):
+    """A body under the byte limit whose text is past --max-prompt-chars (1M by default): rendering
+    and tokenizing 20 MB took this machine 39 s, past any client's patience; now one line, at once."""
+    body = {"model": "fake", "max_tokens": 8, "messages": [{"role": "user", "content": "x " * 600_000}]}
+    if path.endswith("count_tokens"):
+        del body["max_tokens"]
+    reply = httpx.post(server[0] + path, headers={"x-api-key": KEY}, json=body, timeout=WAIT_S)
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+    assert reply.json()["error"]["message"] == ("the messages hold 1200000 characters of text; this server takes "
+                                               "at most 1000000 (--max-prompt-chars)")
+
+
 @pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),
                                           (404, "not_found_error"), (413, "request_too_large"),
                                           (405, "invalid_request_error"), (500, "api_error"),

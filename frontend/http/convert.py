@@ -84,6 +84,20 @@ def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: Chat
         raise ApiError(400, str(exc), param="messages") from None
 
 
+def check_prompt_chars(body: ChatRequest, limit: int) -> None:
+    """Refuse messages whose text (content, reasoning, tool-call arguments) is longer than ``limit``
+    characters before the template renders it and the tokenizer reads it: tens of MB take a worker
+    thread tens of seconds (``--max-prompt-chars``, the limit of the ZMQ socket's prompts too)."""
+    chars = 0
+    for m in body.messages or ():
+        content = m.content
+        chars += sum(len(_text_of(p)) for p in content) if isinstance(content, list) else len(content or "")
+        chars += len(m.reasoning_content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
+    if chars > limit:
+        raise ApiError(400, f"the messages hold {chars} characters of text; this server takes at most {limit} "
+                       "(--max-prompt-chars)", param="messages")
+
+
 def template_kwargs(body: ChatRequest, template: str | None) -> dict[str, Any]:
     """``chat_template_kwargs``, and ``reasoning_effort`` where it means something real: "none"
     turns thinking off in a template that reads ``enable_thinking`` (a budget is not built)."""

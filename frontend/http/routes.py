@@ -58,6 +58,7 @@ def chat_generate(ctx: HttpContext, body: ChatRequest) -> tuple[requests.Generat
     whether the template was given tools (so that calls are parsed out of the reply)."""
     frontend = ctx.ready()
     convert.check_request(body, ctx.served_name(body.model))
+    convert.check_prompt_chars(body, frontend.max_prompt_chars)
     tools = convert.chat_tools(body)
     ids = convert.chat_prompt_ids(body, tools, frontend.tokenizer)
     reply = convert.reply_format(body, ids, frontend.tokenizer)
