@@ -15,10 +15,11 @@ experts are resident without a device-to-host sync. But it can hold a recent cop
   write every layer's slot map (a true hit's own slot, read in place by the GEMM as in
   ``miss_copies``; else the buffer slot) and a compacted plan of the experts the mirror thought
   resident and are not;
-- **the staging** (``stage``, per layer): one ``gather_missing`` launch moves that layer's
-  repairs (zero-copy reads; its count stays on the device), then one ``cudaMemcpyAsync`` per run
-  of consecutive missed experts per bank (``copy_runs``) moves the rest. Experts the mirror thought
-  missing and are resident are copied for nothing.
+- **the staging** (``stage``, per layer): one ``cudaMemcpyAsync`` per run of consecutive missed
+  experts per bank (``copy_runs``; a bank of a few bytes an expert, fp8's scales, is copied across
+  the hits between runs too, ``bridge_gaps``), then one ``gather_missing`` launch moves the layer's
+  repairs (zero-copy reads; its count stays on the device). Experts the mirror thought missing and
+  are resident are copied for nothing.
 
 So the result is exact whatever the mirror says; only its bytes depend on it (counted in
 ``stale``: copies the mirror wasted, experts it had to repair). Nothing is read back inside a
@@ -28,11 +29,15 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.copy_runs import copy_runs
+from moe_offload.copy_runs import bridge_gaps, copy_runs
 from moe_offload.host_register import mapped_device_bytes, pinned_device_pointer
 from moe_offload.kernels.gather_missing import gather_missing
 
 STALE_FIELDS = ("wasted", "repaired")  # per layer: host copies of experts that were resident; repairs
+# A bank whose rows are this small next to a whole expert (fp8's scales: 768 B of 4.7 MB) is copied
+# across the hits between two runs of misses too: a copy's set-up costs microseconds, the bytes nothing.
+BRIDGE_BYTES = 64 << 10
+BRIDGE_SHARE = 0.01
 
 
 class MirroredMisses:
@@ -71,6 +76,9 @@ class MirroredMisses:
         self.in_place = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
+        # per bank: how many hits a copy may bridge (0: none)
+        expert_bytes = sum(pool[0].numel() * pool.element_size() for _, pool in banks)
+        self.bridge = [_bridge(pool[0].numel() * pool.element_size(), expert_bytes, count) for _, pool in banks]
         self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
 
     def refresh(self) -> None:
@@ -118,15 +126,16 @@ class MirroredMisses:
         self.stale[:, 1] += order[:, -1]
 
     def stage(self, layer: int) -> None:
-        """Fill ``layer``'s buffer: the repairs (one ``gather_missing`` launch, its count on the
-        device), then the host's copies, one per run per bank; on the current stream (the copy
-        stream), after the layer two back has let go of the buffer."""
-        self._repair(layer)
+        """Fill ``layer``'s buffer: the host's copies, one per run per bank (a small bank's runs
+        bridged across hits), then the repairs (one ``gather_missing`` launch, its count on the
+        device); on the current stream (the copy stream), after the layer two back has let go of
+        the buffer."""
         start = (layer % 2) * self.count
-        for src, j, length in self.runs[layer]:
-            for h, pool in self.banks:
+        for (h, pool), bridge in zip(self.banks, self.bridge):
+            for src, j, length in bridge_gaps(self.runs[layer], bridge) if bridge else self.runs[layer]:
                 pool[start + j:start + j + length].copy_(h[src:src + length], non_blocking=True)
                 self.copies += 1
+        self._repair(layer)
 
     def _repair(self, layer: int) -> None:
         host = [h for h, _ in self.banks]
@@ -148,6 +157,14 @@ class MirroredMisses:
         """The mirror's errors and the copies issued; reads the device (off the hot path)."""
         wasted, repaired = (int(v) for v in self.stale.sum(0).tolist())
         return {"mirror_wasted": wasted, "mirror_repaired": repaired, "mirror_copies": self.copies}
+
+
+def _bridge(row_bytes: int, expert_bytes: int, count: int) -> int:
+    """The hits a copy of a bank with ``row_bytes`` an expert may bridge: as many as stay within
+    ``BRIDGE_BYTES`` and ``BRIDGE_SHARE`` of an expert's bytes (0 for weights)."""
+    if row_bytes > BRIDGE_SHARE * expert_bytes:
+        return 0
+    return min(count, BRIDGE_BYTES // row_bytes)
 
 
 def _device_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -165,6 +165,31 @@ def test_mirror_follows_decode_and_chunks_and_runs_coalesce_copies():
     assert torch.equal(mirrored.mirror, offloaded.cache.tables.slot_for_id)
 
 
+def test_a_small_bank_is_copied_across_the_hits_and_the_weights_are_not():
+    """fp8's scales are 768 bytes of a 4.7 MB expert: one copy per layer moves them (hits' rows
+    too, into buffer slots nobody reads), while the weights' copies stop at every hit."""
+    from moe_offload.copy_runs import bridge_gaps
+    from moe_offload.mirrored_misses import MirroredMisses
+
+    assert bridge_gaps([(10, 0, 2), (13, 3, 1), (20, 10, 2)], 1) == [(10, 0, 4), (20, 10, 2)]
+    assert bridge_gaps([(0, 0, 1), (2, 1, 1)], 5) == [(0, 0, 1), (2, 1, 1)]  # offsets differ: a strided share
+    gen = torch.Generator().manual_seed(6)
+    layers, experts, lent = 2, 8, 16
+    host = [torch.randn(layers * experts, 256, 64, generator=gen), torch.randn(layers * experts, 1, 4, generator=gen)]
+    pools = [torch.zeros(24, *h.shape[1:]) for h in host]
+    table = torch.full((layers * experts,), -1, dtype=torch.int32)
+    table[[1, 4, 6]] = torch.tensor([16, 17, 18], dtype=torch.int32)  # layer 0's hits
+    mirrored = MirroredMisses(table, list(zip(host, pools)), layers, experts, torch.arange(experts), lent)
+    mirrored.refresh()
+    mirrored.plan(torch.zeros(layers, 2, dtype=torch.int64))
+    mirrored.stage(0)
+    assert mirrored.copies == 4 + 1  # weights: misses {0}, {2, 3}, {5}, {7}; scales: 0..7 at once
+    misses = [0, 2, 3, 5, 7]
+    assert all(torch.equal(pools[0][j], host[0][j]) and torch.equal(pools[1][j], host[1][j]) for j in misses)
+    assert not pools[0][[1, 4, 6]].any()  # the hits' weights stay where they are
+    assert mirrored.slots(0, torch.arange(experts)).tolist() == [0, 16, 2, 3, 17, 5, 18, 7]
+
+
 def test_a_stale_mirror_stages_exactly_and_counts_its_errors():
     """Whatever the host's mirror says (scrambled before every chunk here, as a torn or old copy
     could be), chunks give the resident results and leave the lent slots empty: experts it thought
