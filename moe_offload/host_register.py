@@ -53,16 +53,15 @@ def host_register(ptr: int, nbytes: int, device: torch.device) -> int:
     lib = _cudart()
     with torch.cuda.device(device):
         _check(lib.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED), "cudaHostRegister")
-        device_ptr = ctypes.c_void_p()
-        err = lib.cudaHostGetDevicePointer(ctypes.byref(device_ptr), ptr, 0)
-        if err != 0:
-            lib.cudaHostUnregister(ptr)
-            _check(err, "cudaHostGetDevicePointer")
-    return device_ptr.value
+    try:
+        return pinned_device_pointer(ptr, device)
+    except RuntimeError:
+        lib.cudaHostUnregister(ptr)
+        raise
 
 
 def pinned_device_pointer(ptr: int, device: torch.device) -> int:
-    """The device address of memory that is already pinned (``torch.empty(..., pin_memory=True)``)."""
+    """The device address of pinned memory (registered, or ``torch.empty(..., pin_memory=True)``)."""
     with torch.cuda.device(device):
         device_ptr = ctypes.c_void_p()
         _check(_cudart().cudaHostGetDevicePointer(ctypes.byref(device_ptr), ptr, 0), "cudaHostGetDevicePointer")

@@ -32,6 +32,7 @@ import torch
 from moe_offload.copy_runs import bridge_gaps, copy_runs
 from moe_offload.host_register import mapped_device_bytes, pinned_device_pointer
 from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.miss_copies import through_slot_map
 
 STALE_FIELDS = ("wasted", "repaired")  # per layer: host copies of experts that were resident; repairs
 # A bank whose rows are this small next to a whole expert (fp8's scales: 768 B of 4.7 MB) is copied
@@ -52,6 +53,7 @@ class MirroredMisses:
         count = experts.numel()
         self.slot_for_id, self.banks, self.lent, self.count, self.backend = slot_for_id, banks, lent, count, backend
         self.host_rows = torch.arange(num_layers)[:, None] * num_experts + experts.cpu()[None, :]  # [L, n]
+        self._host_row_lists = self.host_rows.tolist()  # what each chunk's plan walks
         self.rows = self.host_rows.to(device=device, dtype=torch.int32)
         # layer l's buffer slots: (l % 2) * n + j
         self.buffer_slots = ((torch.arange(num_layers)[:, None] % 2) * count + torch.arange(count)[None, :]).to(
@@ -81,11 +83,12 @@ class MirroredMisses:
         self.bridge = [_bridge(pool[0].numel() * pool.element_size(), expert_bytes, count) for _, pool in banks]
         self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
 
-    def refresh(self) -> None:
-        """Enqueue a copy of the table into the mirror, beside the current stream's work on CUDA
-        (``join`` before the work that must follow it ends, e.g. a captured forward)."""
-        if not self.cuda:
-            self.mirror.copy_(self.slot_for_id)
+    def refresh(self, beside: bool = True) -> None:
+        """Enqueue a copy of the table into the mirror: ``beside`` the current stream's work on
+        CUDA (``join`` before the work that must follow it ends, e.g. a captured forward), else
+        on the current stream itself."""
+        if not (self.cuda and beside):
+            self._mirror_dst.copy_(self.slot_for_id, non_blocking=self.cuda)
             return
         current = torch.cuda.current_stream(self.slot_for_id.device)
         self.side.wait_stream(current)
@@ -108,7 +111,7 @@ class MirroredMisses:
         errors into ``stale``."""
         planned = self.mirror[self.host_rows] < self.lent  # host tensors, read as they are
         self.runs = [copy_runs([r for r, miss in zip(rows, flags) if miss], [j for j, miss in enumerate(flags) if miss])
-                     for rows, flags in zip(self.host_rows.tolist(), planned.tolist())]
+                     for rows, flags in zip(self._host_row_lists, planned.tolist())]
         self.copied.copy_(planned.pin_memory() if self.cuda else planned, non_blocking=True)
         held = self.slot_for_id[self.rows]
         resident = held >= self.lent
@@ -145,8 +148,8 @@ class MirroredMisses:
                        self.repair_count[layer, :1], host[0], host[1], pools[0], pools[1], self.backend, **scales)
 
     def slots(self, layer: int, index: torch.Tensor) -> torch.Tensor:
-        """Pool slots of ``layer``'s routed experts at share ``index`` (-1: not this share's, stays -1)."""
-        return torch.where(index >= 0, self.slot_map[layer][index.clamp(0, self.count - 1)], -1)
+        """Pool slots of ``layer``'s routed experts at share ``index``."""
+        return through_slot_map(self.slot_map[layer], index)
 
     def reset_stats(self) -> None:
         self.in_place.zero_()

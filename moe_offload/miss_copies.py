@@ -23,6 +23,13 @@ from __future__ import annotations
 import torch
 
 
+def through_slot_map(slot_map: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pool slots of routed experts at share ``index`` through a layer's ``slot_map [n]`` (a hit's
+    own slot, else its buffer slot); -1 (not this share's) stays -1. The index is clamped both ways,
+    so no value can read outside the map."""
+    return torch.where(index >= 0, slot_map[index.clamp(0, slot_map.numel() - 1)], -1)
+
+
 def conditional_graphs() -> bool:
     """Whether this torch captures CUDA-graph conditional nodes (``CUDAGraph.begin_capture_to_if_node``;
     torch 2.11 has none, 2.13 has them)."""
@@ -75,9 +82,9 @@ class MissCopies:
         else:
             self._copy_eager(layer, buf, miss)
 
-    def slots(self, buf: int, index: torch.Tensor) -> torch.Tensor:
-        """Pool slots of the routed experts at share ``index`` (-1: not this share's, stays -1)."""
-        return torch.where(index >= 0, self.slot_map[buf][index.clamp(min=0)], -1)
+    def slots(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """Pool slots of ``layer``'s routed experts at share ``index`` (its buffer's slot map)."""
+        return through_slot_map(self.slot_map[layer % 2], index)
 
     def _copy_eager(self, layer: int, buf: int, miss: torch.Tensor) -> None:
         for host, pool in self.banks:

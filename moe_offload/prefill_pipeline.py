@@ -201,8 +201,8 @@ class PrefillPipeline:
         self.streams.wait("compute", f"ready{buf}")
         with self.streams.on_compute(f"layer {layer} from buffer {buf}"):
             if self.chunk_stage in ("misses", "mirror"):  # hits in place in the cache, misses in the buffer
-                index = self._buffer_slots(ids)
-                slots = self.misses.slots(buf, index) if self.chunk_stage == "misses" else self.mirrored.slots(layer, index)
+                staging = self.misses if self.chunk_stage == "misses" else self.mirrored
+                slots = staging.slots(layer, self._buffer_slots(ids))
                 w13, w2, scales = self.cache.w13, self.cache.w2, self.cache.scales
             else:
                 slots = self._buffer_slots(ids)
@@ -247,8 +247,7 @@ class PrefillPipeline:
             elif self.chunk_stage == "mirror":
                 self.mirrored.stage(layer)
                 if layer == self.cache.num_layers - 1:  # the next chunk plans from the tables as they are now
-                    self.mirrored.refresh()
-                    self.mirrored.join()
+                    self.mirrored.refresh(beside=False)
             elif self.chunk_stage == "memcpy":
                 # a share is strided in the host bank: then a copy kernel, not the copy engine, moves it
                 experts = slice(layer * num_experts + self.share.first, (layer + 1) * num_experts, self.share.stride)
