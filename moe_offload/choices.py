@@ -18,11 +18,11 @@ INVALIDATE_MODES = ("fixed", "eager")
 # a gather per layer repairs what the mirror got wrong, so results never depend on it
 # (moe_offload.mirrored_misses). "auto": per chunk, "mirror" once the chunk computes enough that the
 # SMs the stage kernel holds cost more than the copy engine's calls, else "kernel". On an H200 at
-# 25% cache (qwen3-30b-geometry, bench_prefill.py, 2026-12-03) fp8 2k over a 131k prefix took
-# 0.455 / 0.461 s from the mirror, 0.578 / 0.574 by the kernel, 0.528 whole layers by memcpy; 8k over
-# 131k 1.552 / 1.550, 1.671 / 1.668, 1.538; 2k and 8k without a prefix the kernel won by 0-4%
-# (nvfp4: 2k 0.259 / 0.262 kernel, 0.269 / 0.280 mirror; 8k 0.300 / 0.307 kernel, 0.271 / 0.295
-# mirror): the threshold (prefill_pipeline.AUTO_COPY_ENGINE_FLOPS_PER_BYTE) lies between.
+# 25% cache (bench_prefill.py, 2026-12-03) qwen3-30b's fp8 2k over a 131k prefix took 0.435-0.461 s
+# from the mirror, 0.563-0.578 by the kernel, 0.528 whole layers by memcpy; the hybrid's fp8 2k over
+# 131k 0.498 from the mirror, 0.558 by the kernel; without a prefix the two came within 3% either way,
+# but for nvfp4's 2k, where the kernel led (0.259 / 0.262 against 0.269 / 0.280): the threshold
+# (prefill_pipeline.AUTO_COPY_ENGINE_FLOPS_PER_BYTE) lies between.
 STAGE_MODES = ("kernel", "memcpy", "misses", "mirror", "auto")
 # What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
 # (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the

@@ -40,12 +40,12 @@ from moe_offload.miss_copies import MissCopies
 from moe_offload.mirrored_misses import MirroredMisses
 
 # "auto" stages a chunk by the copy engine (from the mirror) from this many matmul FLOPs per byte of
-# the layers' experts: a quarter of the H200's balance point (its 786 TFLOP/s matmul ceiling over
-# 55.3 GB/s of PCIe), between the chunks where the stage kernel measured faster (qwen3-30b, 25%
-# cache: fp8 8k without a prefix, 0.17 of the balance point, by 1.5%) and those where the mirror did
-# (nvfp4 8k without a prefix, 0.31, by 4-10%; every chunk over a 131k prefix, 0.54 and up, by 1-20%).
-# (It was half the balance point while the copy engine moved whole layers, hits included.)
-AUTO_COPY_ENGINE_FLOPS_PER_BYTE = 0.25 * 786e12 / 55.3e9
+# the layers' experts: 0.08 of the H200's balance point (its 786 TFLOP/s matmul ceiling over 55.3
+# GB/s of PCIe), about 1,140. Measured at 25% cache (bench_prefill.py, 2026-12-03): the stage kernel
+# won only nvfp4's fresh 2k chunk on qwen3-30b (782 FLOPs a byte, by 4-7%); the mirror won every
+# chunk over a 131k prefix, the hybrid's 2k among them (1,690, by 11%), and fresh chunks from 1,432
+# up fell within +-3% either way (fp8 8k on qwen3-30b, 2,453; the hybrid's 8k, 1,432).
+AUTO_COPY_ENGINE_FLOPS_PER_BYTE = 0.08 * 786e12 / 55.3e9
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
 
 

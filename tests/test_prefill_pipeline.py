@@ -223,10 +223,12 @@ def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
     assert cfg.forward_flops([8192], [1000]) - one == pytest.approx(cfg.num_layers * 4 * cfg.q_size * 8192 * 1000)
     expert_bytes = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 2
     # where the H200 measurements behind "auto" fall (prefill_pipeline.AUTO_COPY_ENGINE_FLOPS_PER_BYTE):
-    # the kernel won fp8's 8k chunk without a prefix, the mirror nvfp4's and every chunk over 131k
-    assert cfg.forward_flops([8192], [0]) < AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes / 2  # fp8's bytes
-    assert cfg.forward_flops([8192], [0]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes * 2.67 / 9.44  # nvfp4's
-    assert cfg.forward_flops([2048], [131072]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes / 2
+    # the kernel won nvfp4's fresh 2k chunk, the mirror every chunk over 131k, the hybrid's 2k included
+    assert cfg.forward_flops([2048], [0]) < AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes * 2.67 / 9.44  # nvfp4's
+    assert cfg.forward_flops([2048], [131072]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes / 2  # fp8's
+    hybrid = ModelConfig.from_dir("qwen3.5-35b-a3b-geometry")
+    hybrid_fp8 = hybrid.num_layers * hybrid.num_experts * 3 * hybrid.hidden_size * hybrid.expert_intermediate_size
+    assert hybrid.forward_flops([2048], [131072]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * hybrid_fp8
 
 
 def test_cache_below_three_layers_of_experts_is_refused():
