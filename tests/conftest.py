@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# fla's autotuned kernels (the hybrid models' linear attention) keep their choices in Triton's cache
+# directory: the xdist workers of one GPU run, and the runs after it on that machine, tune each shape
+# once instead of once per process.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU-only machines. Set before anything imports
     # triton: the interpreter must be chosen when triton's own jit helpers are first defined.
