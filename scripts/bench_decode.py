@@ -148,8 +148,10 @@ def decode_run(runner: ModelRunner, batch: int, prompt_tokens: int, decode_token
     ``prefill_every``: every that many decode steps, one more request of ``prefill_tokens`` prompt
     tokens and a single output token joins, so its prefill chunk (the expert pipeline's, when
     it is long enough) runs between decode steps as another session's turn would."""
+    # every prompt in one chunk where the plan's activations allow; a long prompt in the plan's chunks
+    chunk = min(max(prompt_tokens * batch, prefill_tokens), max(runner.plan.prefill_tokens, prefill_tokens))
     engine = Engine(runner, EngineConfig(max_running=batch + bool(prefill_every), prefix_cache=False),
-                    plan=replace(runner.plan, prefill_tokens=max(prompt_tokens * batch, prefill_tokens)))
+                    plan=replace(runner.plan, prefill_tokens=chunk))
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.model_config.vocab_size
 
@@ -205,8 +207,10 @@ def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, len
     experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
                             expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on", fill=fill)
     # a hybrid model's state slots: one per request that runs at once (the largest batch, and a joining
-    # prefill); the prefix cache is off, so one snapshot slot, the fewest there can be
-    return start_runner(RunnerConfig(args.model, device=args.device, dtype="auto", kv_tokens=16384,
+    # prefill); the prefix cache is off, so one snapshot slot, the fewest there can be. KV: the largest
+    # batch at the longest prompt, and a joining prefill
+    kv_tokens = max(16384, max(args.batch) * (max(args.prompt_tokens) + args.decode_tokens) + args.prefill_tokens)
+    return start_runner(RunnerConfig(args.model, device=args.device, dtype="auto", kv_tokens=kv_tokens,
                                      cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
                                      routing=RoutingOptions(args.routing), experts=experts, gpus=gpus,
                                      state_slots=max(args.batch) + 1, state_snapshots=1))
@@ -227,9 +231,9 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
     setup = dict(gpus=gpus, fraction=fraction, experts=runner.expert_format.name, lent_slots=lent, prefetch=prefetch,
                  fill=fill if fraction < 1.0 else "-", prefill_every=args.prefill_every)
     rows = []
-    for batch, sampling in itertools.product(args.batch, args.sampling):
-        rows.append(bench_batch(runner, args, batch, dict(setup, sampling=sampling)))
-        progress(f"batch {batch}: {rows[-1]['tok_s']:.1f} tok/s, hit rate {rows[-1]['hit_rate']:.3f}, "
+    for prompt, batch, sampling in itertools.product(args.prompt_tokens, args.batch, args.sampling):
+        rows.append(bench_batch(runner, args, batch, dict(setup, sampling=sampling, prompt=prompt)))
+        progress(f"prompt {prompt}, batch {batch}: {rows[-1]['tok_s']:.1f} tok/s, hit rate {rows[-1]['hit_rate']:.3f}, "
                  f"ratio {rows[-1]['ratio']:.3f} of the {rows[-1]['bound']} bound", start)
     runner.close()
     del runner
@@ -238,15 +242,16 @@ def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, l
 
 
 def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> dict:
-    """One row: tokens/s of ``batch`` requests decoding, beside the PCIe / HBM bound of its step."""
-    cfg, fraction = runner.model_config, setup["fraction"]
+    """One row: tokens/s of ``batch`` requests decoding after prompts of ``setup["prompt"]`` tokens,
+    beside the PCIe / HBM bound of its step."""
+    cfg, fraction, prompt = runner.model_config, setup["fraction"], setup["prompt"]
     dense, one_expert = dense_bytes(runner), expert_bytes(runner)
     # the mean context of a decode step: the prompt and half the answer
-    per_sequence = sequence_bytes(runner, args.prompt_tokens + args.decode_tokens // 2)
+    per_sequence = sequence_bytes(runner, prompt + args.decode_tokens // 2)
     sampling = SAMPLED if setup["sampling"] == "sampled" else SamplingParams()
-    r = decode_run(runner, batch, args.prompt_tokens, args.decode_tokens, seed=batch,
+    r = decode_run(runner, batch, prompt, args.decode_tokens, seed=batch,
                    prefill_every=args.prefill_every, prefill_tokens=args.prefill_tokens, sampling=sampling)
-    profiled = decode_run(runner, batch, args.prompt_tokens, 16, seed=batch, profile_steps=8,
+    profiled = decode_run(runner, batch, prompt, 16, seed=batch, profile_steps=8,
                           top_kernels=args.top_kernels, sampling=sampling)
     tok_s = r["tokens"] / r["seconds"]
     # with prefills between: the steps that ran one (a decode row may share it) timed apart
@@ -332,7 +337,8 @@ def resident_bounds_from_lookups(rows: list[dict]) -> None:
 
 COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
            ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("fill", "fill", ">6"),
-           ("pdl", "pdl", ">3"), ("sampling", "sampling", ">8"), ("batch", "batch", ">5"),
+           ("pdl", "pdl", ">3"), ("sampling", "sampling", ">8"), ("prompt", "prompt", ">7"),
+           ("batch", "batch", ">5"),
            ("tok/s", "tok_s", ">8.1f"), ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
            ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
@@ -347,7 +353,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="qwen3-30b-geometry")
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[64],
+                   help="tokens of each request's prompt; several: rows each (decode over a long context)")
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
@@ -404,7 +411,7 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     resident_bounds_from_lookups(rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"decode, {args.model}, {device}, prompt {args.prompt_tokens}, "
+    print(f"decode, {args.model}, {device}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,

@@ -86,3 +86,21 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     """Kernels that overlap (two streams, or PDL's early launch) count once; gaps not at all."""
     assert bench_decode.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert bench_decode.busy_us([(3, 4)]) == 1 and bench_decode.busy_us([]) == 0
+
+
+def test_a_prompt_longer_than_the_plans_chunk_is_prefilled_in_chunks(tmp_path, monkeypatch):
+    """``--prompt-tokens 131072`` must not become one chunk past the activations the memory plan
+    reserved: a long prompt takes the plan's chunks, short ones keep one chunk for the batch."""
+    from tests.tiny_models import write_tiny
+    from worker.runner import ModelRunner, RunnerConfig
+
+    write_tiny(tmp_path, "qwen3_moe", layers=1, experts=4, top_k=2)
+    runner = ModelRunner(RunnerConfig(str(tmp_path), device="cpu", page_size=4, kv_tokens=1024, max_prefill_tokens=64))
+    launch, chunks = runner.launch, []
+    monkeypatch.setattr(runner, "launch", lambda c, *a, **k: chunks.append(sum(len(x.token_ids) for x in c))
+                        or launch(c, *a, **k))
+    bench_decode.decode_run(runner, batch=1, prompt_tokens=150, decode_tokens=2, seed=0)
+    assert chunks[:3] == [64, 64, 22]  # then the decode steps
+    chunks.clear()
+    bench_decode.decode_run(runner, batch=2, prompt_tokens=20, decode_tokens=2, seed=0)
+    assert chunks[0] == 40  # both prompts in one chunk
