@@ -17,12 +17,8 @@ INVALIDATE_MODES = ("fixed", "eager")
 # of the cache's table that the device copies into pinned memory after every decode step and chunk;
 # a gather per layer repairs what the mirror got wrong, so results never depend on it
 # (moe_offload.mirrored_misses). "auto": per chunk, "mirror" once the chunk computes enough that the
-# SMs the stage kernel holds cost more than the copy engine's calls, else "kernel". On an H200 at
-# 25% cache (bench_prefill.py, 2026-12-03) qwen3-30b's fp8 2k over a 131k prefix took 0.435-0.461 s
-# from the mirror, 0.563-0.578 by the kernel, 0.528 whole layers by memcpy; the hybrid's fp8 2k over
-# 131k 0.498 from the mirror, 0.558 by the kernel; without a prefix the two came within 3% either way,
-# but for nvfp4's 2k, where the kernel led (0.259 / 0.262 against 0.269 / 0.280): the threshold
-# (prefill_pipeline.AUTO_COPY_ENGINE_FLOPS_PER_BYTE) lies between.
+# SMs the stage kernel holds cost more than the copy engine's calls, else "kernel" (the threshold and the
+# H200 chunks behind it: prefill_pipeline.AUTO_COPY_ENGINE_FLOPS_PER_BYTE).
 STAGE_MODES = ("kernel", "memcpy", "misses", "mirror", "auto")
 # What decode may do with the pipeline's lent slots [0, 2E): "reserve" leaves them to prefill alone
 # (2E slots idle between prefills; the invalidation clears nothing); "decode" admits there too, the
