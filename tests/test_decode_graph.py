@@ -20,7 +20,7 @@ from scheduler.engine import Engine, EngineConfig  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import create_backend  # noqa: E402
-from worker.attention.triton_decode import (BLOCK_N, paged_decode_attention,  # noqa: E402
+from worker.attention.triton_decode import (BLOCK_N, REDUCE_CHUNK, paged_decode_attention,  # noqa: E402
                                             paged_decode_attention_eager, split_plan)
 from worker.batch import SequenceChunk, build_batch  # noqa: E402
 from worker.cuda_graph import BUCKETS, DecodeGraphs, decode_buckets  # noqa: E402
@@ -90,6 +90,28 @@ def test_rows_of_one_split_and_of_two_agree_with_the_twin():
     out = paged_decode_attention(q, k, v, table, lens, D ** -0.5, num_splits=3, backend="triton")
     torch.testing.assert_close(out, paged_decode_attention_eager(q, k, v, table, lens, D ** -0.5), rtol=1e-4, atol=1e-5)
     assert splits == 3 and (out[4] == 0).all()
+
+
+@interpreted
+@pytest.mark.parametrize("winner", ["first", "last"])
+def test_rows_of_hundreds_of_splits_merge_across_reduce_steps(winner):
+    """Rows of 1-3 reduce steps (REDUCE_CHUNK splits each) merge as the twin does, whether the
+    largest score lies in the first step or the last (which rescales what the steps before summed)."""
+    gen = torch.Generator().manual_seed(11)
+    B, heads, kv_heads, D, page = 4, 4, 2, 16, 64
+    num_splits = 2 * REDUCE_CHUNK + 9
+    splits, split_tokens = split_plan(B, kv_heads, num_splits * page, num_splits=num_splits)
+    assert (splits, split_tokens) == (num_splits, page)
+    lens = [REDUCE_CHUNK * page + 5, num_splits * page, 2 * page + 1, REDUCE_CHUNK * page]
+    q, k, v, table, lens = decode_case(gen, B, heads, kv_heads, D, page, num_splits, num_splits + 2, lens=lens)
+    table = torch.arange(num_splits).repeat(B, 1)  # split s is page s: the winning key lies in a known split
+    at = 3 if winner == "first" else int(lens[0]) - 2
+    k[at // page, at % page] = q[0].view(kv_heads, -1, D).mean(1) * 8  # row 0's queries peak there
+    out = paged_decode_attention(q, k, v, table, lens, D ** -0.5, num_splits=num_splits, backend="triton")
+    want = paged_decode_attention_eager(q, k, v, table, lens, D ** -0.5)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    scores = torch.einsum("hd,thd->ht", q[0].float(), k.flatten(0, 1)[:int(lens[0])].repeat_interleave(2, 1).float())
+    assert (scores.argmax(1) == at).all()
 
 
 @interpreted

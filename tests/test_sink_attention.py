@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 
 from tests.test_prefill_attention import PrefillTile, prefill_case, rel_err  # noqa: E402
 from worker.attention.torch_backend import attend_eager  # noqa: E402
-from worker.attention.triton_decode import paged_decode_attention, paged_decode_attention_eager  # noqa: E402
+from worker.attention.triton_decode import (BLOCK_N, REDUCE_CHUNK, paged_decode_attention,  # noqa: E402
+                                            paged_decode_attention_eager)
 from worker.attention.triton_prefill import (paged_prefill_attention, paged_prefill_attention_eager,  # noqa: E402
                                              prefill_block_table, tile_for)
 
@@ -121,6 +122,15 @@ def check_prefill(config, dtype, device, splits, rows, unseen_value=None):
 def test_decode_kernel_matches_twin(config, splits):
     """Rows shorter than, at, and past the window; with 3 splits, splits wholly before it."""
     check_decode(config, torch.float32, "cpu", splits, [1, 5, 8, 9, 70, 200])
+
+
+@interpreted
+def test_decode_of_hundreds_of_splits_keeps_the_sink():
+    """The merge takes several steps of REDUCE_CHUNK splits (splits before a window store empty
+    partials); the sink joins the denominator once, after the last step."""
+    long = 2 * REDUCE_CHUNK * BLOCK_N + 1  # splits are BLOCK_N tokens at least: 2 steps and a split
+    check_decode(CONFIGS[1], torch.float32, "cpu", 2 * REDUCE_CHUNK + 3, [1, long, 700])
+    check_decode((4, 2, 16, 16, 0), torch.float32, "cpu", 2 * REDUCE_CHUNK + 3, [300, long + 2 * BLOCK_N])
 
 
 @interpreted

@@ -81,10 +81,15 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     tl.store(l_ptr + part, l, mask=keep)
     tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
 
+
 @triton.jit(do_not_specialize=["max_tokens", "split_tokens", "splits"], do_not_specialize_on_alignment=["lens_ptr"])
 def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out_stride_b, out_stride_h,
                          max_tokens, split_tokens, splits, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program (b, h, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of row b's head h, merged in one
+    pass over CHUNK splits a step (an online softmax over the splits' maxima): a 128k-token row's
+    hundreds of splits take a few steps, each a latency, where a step of 16 took dozens."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -93,26 +98,29 @@ def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out
     if active <= 1:  # the one split wrote the output itself
         return
     base = (b * HEADS + h) * splits
+    d = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    d_live = d < HEAD_DIM
     top = tl.full((), -1e30, tl.float32)
-    for s0 in range(0, active, CHUNK):  # the largest maximum first, CHUNK splits a step
-        sc = s0 + tl.arange(0, CHUNK)
-        top = tl.maximum(top, tl.max(tl.load(m_ptr + base + sc, mask=sc < active, other=-1e30), 0))
-    d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
     total = tl.zeros((), tl.float32)
-    if HAS_SINK:  # the sink's mass joins the denominator
-        sink = tl.load(sink_ptr + h) * 1.4426950408889634
-        top = tl.maximum(top, sink)
-        total += tl.exp2(sink - top)
+    acc = tl.zeros([BLOCK_C], tl.float32)
     for s0 in range(0, active, CHUNK):
         sc = s0 + tl.arange(0, CHUNK)
         live = sc < active
-        w = tl.where(live, tl.exp2(tl.load(m_ptr + base + sc, mask=live, other=-1e30) - top), 0.0)
-        total += tl.sum(w * tl.load(l_ptr + base + sc, mask=live, other=0.0), 0)
-        part = tl.load(acc_ptr + (base + sc)[:, None] * BLOCK_D + d[None, :],
-                       mask=live[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
+        m = tl.load(m_ptr + base + sc, mask=live, other=-1e30)
+        l = tl.load(l_ptr + base + sc, mask=live, other=0.0)
+        part = tl.load(acc_ptr + (base + sc)[:, None] * BLOCK_D + d[None, :], mask=live[:, None] & d_live[None, :],
+                       other=0.0)
+        new_top = tl.maximum(top, tl.max(m, 0))
+        rescale = tl.exp2(top - new_top)
+        w = tl.where(live, tl.exp2(m - new_top), 0.0)
+        total = total * rescale + tl.sum(w * l, 0)
+        acc = acc * rescale + tl.sum(w[:, None] * part, 0)
+        top = new_top
+    if HAS_SINK:  # the sink's mass joins the denominator, rescaled to the larger maximum
+        sink = tl.load(sink_ptr + h) * 1.4426950408889634
+        new_top = tl.maximum(top, sink)
+        acc = acc * tl.exp2(top - new_top)
+        total = total * tl.exp2(top - new_top) + tl.exp2(sink - new_top)
     # total >= 1 when the row has a token (its maximum contributes exp2(0)); 0 leaves zeros
     out = acc / tl.maximum(total, 1.0)
-    tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_live)

@@ -1,9 +1,9 @@
 """Paged decode attention in Triton (one new token per sequence), flash-decoding style.
 
 Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (GQA) and walks its
-split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads)``
-merges the splits; a row whose tokens fit one split (every row of a short context) is written,
-normalised, by that split's program, and the merge skips it. The grid comes from shapes only (the
+split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads,
+column blocks)`` merges the splits, REDUCE_CHUNK a step; a row whose tokens fit one split (every row
+of a short context) is written, normalised, by that split's program, and the merge skips it. The grid comes from shapes only (the
 page table's width), the loop bounds from ``seq_lens`` on the device, so one launch serves any
 lengths and is capturable in a CUDA graph:
 
@@ -28,7 +28,8 @@ from worker.attention.paged_checks import check_paged_inputs, check_sinks
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
 TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
-REDUCE_CHUNK = 16  # splits merged per step of the reduce loop
+REDUCE_CHUNK = 128  # splits merged per step of the reduce loop: a 128k-token row takes 2-4 steps
+REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHUNK x this, in float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -77,10 +78,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_SINK=sinks is not None,
         num_warps=4, **pdl_args(q))
-    reduce[(B, heads)](
+    columns = min(block_d, REDUCE_COLUMNS)
+    reduce[(B, heads, block_d // columns)](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
-        HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, CHUNK=REDUCE_CHUNK, HAS_SINK=sinks is not None, num_warps=4,
-        **pdl_args(q))
+        HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=columns, CHUNK=REDUCE_CHUNK, HAS_SINK=sinks is not None,
+        num_warps=8, **pdl_args(q))
     return out
 
 
