@@ -203,8 +203,9 @@ class PageManager:
 
     def _place_snapshots(self, req: Request, tokens: list[int], cached: int) -> None:
         """Hang ``req``'s pending snapshots on the nodes that end at their positions."""
-        for pos, slot in req.snapshots:
-            node = self.radix.node_ending_at(tokens, pos) if pos <= cached else None
+        snapshots = sorted(req.snapshots)
+        nodes = self.radix.nodes_ending_at(tokens, [pos for pos, _ in snapshots if pos <= cached])
+        for (pos, slot), node in zip(snapshots, nodes + [None] * (len(snapshots) - len(nodes))):
             if node is None:
                 self.states.release([slot])
             else:

@@ -98,18 +98,24 @@ class RadixCache:
     def node_ending_at(self, tokens: list[int], pos: int) -> _Node | None:
         """The node whose key ends exactly ``pos`` tokens into ``tokens`` (a page boundary), split
         off where a longer node covers it; None when the cached path stops short of ``pos``."""
-        node, at = self.root, 0
-        while at < pos:
-            child = node.children.get(self._page_key(tokens, at))
-            if child is None:
-                return None
-            n = self._common_pages(child.key, tokens[:pos], at)
-            if n == 0:
-                return None
-            if n < child.num_pages:
-                child = self._split(child, n)
-            node, at = child, at + len(child.key)
-        return node if at == pos and node is not self.root else None
+        return self.nodes_ending_at(tokens, [pos])[0]
+
+    def nodes_ending_at(self, tokens: list[int], positions: list[int]) -> list[_Node | None]:
+        """``node_ending_at`` for each of ``positions`` (ascending page boundaries) in one walk down
+        ``tokens``' path: a request's snapshots, placed at its end, cost the path once."""
+        node, at, found = self.root, 0, []
+        for pos in positions:
+            while node is not None and at < pos:
+                child = node.children.get(self._page_key(tokens, at))
+                n = self._common_pages(child.key, tokens, at, pos) if child is not None else 0
+                if n == 0:
+                    node = None
+                    break
+                if n < child.num_pages:
+                    child = self._split(child, n)
+                node, at = child, at + len(child.key)
+            found.append(node if node is not None and at == pos and node is not self.root else None)
+        return found
 
     @staticmethod
     def path(node: _Node) -> list[_Node]:
@@ -145,7 +151,7 @@ class RadixCache:
                 node.children[key] = new
                 self.num_pages += len(new.pages)
                 return InsertResult(adopted | set(new.pages), new)
-            n = self._common_pages(child.key, tokens[:num * P], pos)
+            n = self._common_pages(child.key, tokens, pos, num * P)
             if n < child.num_pages:
                 child = self._split(child, n)
             if child.pages is None:
@@ -237,10 +243,18 @@ class RadixCache:
     def _page_key(self, tokens, pos: int) -> tuple[int, ...]:
         return tuple(tokens[pos:pos + self.page_size])
 
-    def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int) -> int:
-        P, n = self.page_size, 0
-        while (n + 1) * P <= len(key) and pos + (n + 1) * P <= len(tokens) and \
-                key[n * P:(n + 1) * P] == tuple(tokens[pos + n * P:pos + (n + 1) * P]):
+    def _common_pages(self, key: tuple[int, ...], tokens: list[int], pos: int, end: int | None = None) -> int:
+        """Whole pages that ``key`` shares with ``tokens[pos:end]`` from their starts. One compare of
+        the pages both have (no slice of ``tokens`` longer than ``key``: a walk down a 60-turn path
+        costs the path's length once, not once per node), then page by page only where they differ."""
+        P = self.page_size
+        full = min(len(key), min(len(tokens), end if end is not None else len(tokens)) - pos) // P
+        if full <= 0:
+            return 0
+        if key[:full * P] == tuple(tokens[pos:pos + full * P]):
+            return full
+        n = 0
+        while key[n * P:(n + 1) * P] == tuple(tokens[pos + n * P:pos + (n + 1) * P]):
             n += 1
         return n
 
