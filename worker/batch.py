@@ -5,6 +5,7 @@ sent to the device in one pinned, non-blocking copy, so building a batch never w
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -135,10 +136,16 @@ def _state_lists(chunks: list[SequenceChunk]) -> list[list[int]]:
     return [slots, cu, [c.state_slot for c in chunks if c.prefix_len == 0]]
 
 
+def host_int64(values: list[int]) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor through an ``array``: a decode step's page table over 128k
+    tokens (8k entries) took 465 us by ``torch.tensor`` on a list and 140 us so (the CI machine's CPU)."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+
+
 def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """One host buffer, one copy: pinned and non-blocking on CUDA, so no stream is drained."""
     sizes = [len(x) for x in lists]
-    host = torch.tensor([v for x in lists for v in x], dtype=torch.int64)
+    host = host_int64([v for x in lists for v in x])
     if device.type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)
     return list(host.split(sizes))

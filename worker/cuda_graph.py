@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from worker.attention import AttentionBackend
-from worker.batch import ForwardBatch, SequenceChunk, window_lists
+from worker.batch import ForwardBatch, SequenceChunk, host_int64, window_lists
 from worker.kv.gpu_pool import KVPool
 from worker.models.moe_transformer import MoETransformer
 from worker.sampling import Sampling, SamplingTensors, sample, seed32
@@ -255,7 +255,7 @@ class DecodeGraphs:
             flat += row
         if self.window_pages:
             flat += self._window_rows(chunks, width, pad)
-        host = torch.tensor(flat, dtype=torch.int64)
+        host = host_int64(flat)
         return (host.pin_memory() if self.device.type == "cuda" else host), width, max(slots) + 1
 
     def _window_rows(self, chunks: list[SequenceChunk], width: int, pad: int) -> list[int]:
