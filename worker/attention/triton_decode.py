@@ -78,11 +78,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_SINK=sinks is not None,
         num_warps=4, **pdl_args(q))
-    columns = min(block_d, REDUCE_COLUMNS)
-    reduce[(B, heads, block_d // columns)](
+    reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
-        HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=columns, CHUNK=REDUCE_CHUNK, HAS_SINK=sinks is not None,
-        num_warps=8, **pdl_args(q))
+        HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
+        HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
     return out
 
 
