@@ -27,6 +27,17 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
+def decode_ms(turns: list[dict]) -> tuple[float, float]:
+    """Milliseconds a decoded token (the turn minus its TTFT, over the tokens after the first): the
+    median of the tenth of the turns with the shortest prompts, and of the tenth with the longest. A
+    decode that slows with the context shows as the second far above the first (the hybrid's served
+    session once went from 5.8 to 22.3 ms: a host walk of the prefix cache at each request's end)."""
+    per = sorted((t["prompt_tokens"], 1e3 * (t["seconds"] - t["ttft_s"]) / (t["new_tokens"] - 1))
+                 for t in turns if t.get("ttft_s") is not None and t.get("new_tokens", 0) > 1)
+    k = max(len(per) // 10, 1)
+    return _percentile([ms for _, ms in per[:k]], 50), _percentile([ms for _, ms in per[-k:]], 50)
+
+
 def summarise_build(runs: list[dict], slow_s: float) -> dict:
     """One build's figures over every turn of all its runs (rounds)."""
     turns = [t for r in runs for t in r["turns"]]
@@ -35,11 +46,13 @@ def summarise_build(runs: list[dict], slow_s: float) -> dict:
     ttft = [t["ttft_s"] for t in turns if t["ttft_s"] is not None]
     ideal = sum(t["ideal_cached"] for t in later)
     hits, lookups = _sum_deltas(runs, "moe_hits"), _sum_deltas(runs, "moe_lookups")
+    decode_short, decode_long = decode_ms(turns)
     return dict(
         runs=len(runs), turns=len(turns), turns_over_slow=sum(s > slow_s for s in seconds),
         worst_turn_s=max(seconds, default=math.nan), max_context_tokens=max((t["prompt_tokens"] for t in turns), default=0),
         ttft_p50_s=_percentile(ttft, 50), ttft_p99_s=_percentile(ttft, 99),
         turn_p50_s=_percentile(seconds, 50), turn_p99_s=_percentile(seconds, 99),
+        decode_ms_short=decode_short, decode_ms_long=decode_long,
         cached_tokens=sum(t["cached_tokens"] for t in later), ideal_cached_tokens=ideal,
         cached_ratio=sum(t["cached_tokens"] for t in later) / ideal if ideal else math.nan,
         expert_hit_rate=hits / lookups if hits is not None and lookups else None,
@@ -69,6 +82,8 @@ def table(builds: list[dict], summaries: dict[str, dict], slow_s: float) -> str:
         ("worst turn, s", [_fmt(x["worst_turn_s"]) for x in s]),
         ("TTFT p50 / p99, s", [f"{_fmt(x['ttft_p50_s'])} / {_fmt(x['ttft_p99_s'])}" for x in s]),
         ("turn p50 / p99, s", [f"{_fmt(x['turn_p50_s'])} / {_fmt(x['turn_p99_s'])}" for x in s]),
+        ("decode ms/token, short / long ctx", [f"{_fmt(x.get('decode_ms_short'), 1)} / "
+                                               f"{_fmt(x.get('decode_ms_long'), 1)}" for x in s]),
         ("cached / ideal tokens", [f"{x['cached_tokens']} / {x['ideal_cached_tokens']} ({_fmt(x['cached_ratio'])})"
                                    for x in s]),
         ("expert-cache hit rate", [_fmt(x["expert_hit_rate"]) for x in s]),

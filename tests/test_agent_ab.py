@@ -97,6 +97,23 @@ def test_summary_counts_slow_turns_and_reads_counter_deltas():
     assert s["turn_p50_s"] == 3.0 and s["max_context_tokens"] == 120
 
 
+def test_decode_time_per_token_at_the_shortest_and_longest_contexts():
+    """Turn minus TTFT over the tokens after the first, the median of each end's tenth of the turns
+    (by prompt length, whatever their order); turns without a TTFT or a second token do not count."""
+    turns = [dict(prompt_tokens=1000 * (40 - i), seconds=0.1 + 0.001 * (40 - i) * 9, ttft_s=0.1, new_tokens=10)
+             for i in range(40)]  # 1 ms a token per 1k tokens of context, listed longest first
+    turns += [dict(prompt_tokens=1, seconds=5.0, ttft_s=None, new_tokens=10),
+              dict(prompt_tokens=2, seconds=5.0, ttft_s=0.1, new_tokens=1)]
+    short, long = ab_report.decode_ms(turns)
+    assert short == pytest.approx(2.5) and long == pytest.approx(38.5)  # (1..4k) and (37..40k)
+    assert all(math.isnan(x) for x in ab_report.decode_ms(turns[40:]))
+    for i, t in enumerate(turns):
+        t.update(session=0, turn=i, cached_tokens=0, ideal_cached=0)
+    s = ab_report.summarise_build([dict(build="A", turns=turns, stats_before={}, stats_after={})], slow_s=10.0)
+    text = ab_report.table([dict(label="A", options=[])], {"A": s}, 10.0)
+    assert "decode ms/token, short / long ctx" in text and "2.5 / 38.5" in text
+
+
 def test_summary_without_offload_or_host_tier_says_so():
     s = ab_report.summarise_build([_run("B", [0.5], {}, {})], slow_s=10.0)
     assert s["expert_hit_rate"] is None and s["kv_host_pages_restored"] is None
