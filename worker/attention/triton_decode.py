@@ -3,9 +3,9 @@
 Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (GQA) and walks its
 split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads,
 column blocks)`` merges the splits, REDUCE_CHUNK a step; a row whose tokens fit one split (every row
-of a short context) is written, normalised, by that split's program, and the merge skips it. The grid comes from shapes only (the
-page table's width), the loop bounds from ``seq_lens`` on the device, so one launch serves any
-lengths and is capturable in a CUDA graph:
+of a short context) is written, normalised, by that split's program, and the merge skips it. The
+grid comes from shapes only (the page table's width), the loop bounds from ``seq_lens`` on the
+device, so one launch serves any lengths and is capturable in a CUDA graph:
 
 ```
  tokens of row b | split 0: t0 .. t0+S-1 | split 1 | ... | split n-1 |   (S = split_tokens)
