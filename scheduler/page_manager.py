@@ -8,6 +8,8 @@ or held by exactly one radix node.
 """
 from __future__ import annotations
 
+from itertools import zip_longest
+
 from worker.kv.host_pool import HostKVPool
 from worker.kv.gpu_pool import KVPool
 from worker.kv.state_pool import HostStatePool, StatePool
@@ -205,7 +207,7 @@ class PageManager:
         """Hang ``req``'s pending snapshots on the nodes that end at their positions."""
         snapshots = sorted(req.snapshots)
         nodes = self.radix.nodes_ending_at(tokens, [pos for pos, _ in snapshots if pos <= cached])
-        for (pos, slot), node in zip(snapshots, nodes + [None] * (len(snapshots) - len(nodes))):
+        for (pos, slot), node in zip_longest(snapshots, nodes):  # None past the cached pages
             if node is None:
                 self.states.release([slot])
             else:

@@ -248,7 +248,8 @@ class RadixCache:
         the pages both have (no slice of ``tokens`` longer than ``key``: a walk down a 60-turn path
         costs the path's length once, not once per node), then page by page only where they differ."""
         P = self.page_size
-        full = min(len(key), min(len(tokens), end if end is not None else len(tokens)) - pos) // P
+        end = len(tokens) if end is None else min(end, len(tokens))
+        full = min(len(key), end - pos) // P
         if full <= 0:
             return 0
         if key[:full * P] == tuple(tokens[pos:pos + full * P]):

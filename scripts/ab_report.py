@@ -31,7 +31,7 @@ def decode_ms(turns: list[dict]) -> tuple[float, float]:
     """Milliseconds a decoded token (the turn minus its TTFT, over the tokens after the first): the
     median of the tenth of the turns with the shortest prompts, and of the tenth with the longest. A
     decode that slows with the context shows as the second far above the first (the hybrid's served
-    session once went from 5.8 to 22.3 ms: a host walk of the prefix cache at each request's end)."""
+    session once read 5.9 / 20.5 ms: a host walk of the prefix cache at each request's end)."""
     per = sorted((t["prompt_tokens"], 1e3 * (t["seconds"] - t["ttft_s"]) / (t["new_tokens"] - 1))
                  for t in turns if t.get("ttft_s") is not None and t.get("new_tokens", 0) > 1)
     k = max(len(per) // 10, 1)

@@ -7,6 +7,7 @@ import random
 from hypothesis import given, settings, strategies as st
 
 from scheduler.radix_cache import RadixCache
+from scripts import bench_scheduler_host
 
 P = 4
 
@@ -42,12 +43,14 @@ def test_one_walk_finds_what_a_walk_per_position_finds(seed, data):
     tokens = data.draw(st.sampled_from(seqs)) + data.draw(st.lists(st.integers(0, 2), max_size=9))
     positions = sorted(set(data.draw(st.lists(st.integers(1, len(tokens) // P + 2), max_size=6))))
     positions = [p * P for p in positions]
+    oracle, _ = grown(seed)
+    cached = len(oracle.match(tokens).pages) * P  # the whole pages of tokens the tree holds
     found = one.nodes_ending_at(tokens, positions)
     wanted = [each.node_ending_at(tokens, pos) for pos in positions]
-    assert [n is None for n in found] == [n is None for n in wanted]
+    assert [n is None for n in found] == [n is None for n in wanted] == [pos > cached for pos in positions]
     for pos, node, want in zip(positions, found, wanted):
-        if node is not None:
-            assert node.key == want.key and sum(len(n.key) for n in one.path(node)) == pos
+        if node is not None:  # the node's path spells tokens[:pos] exactly
+            assert node.key == want.key and sum((n.key for n in one.path(node)), ()) == tuple(tokens[:pos])
     assert shape(one) == shape(each)  # the same splits
     one.check()
 
@@ -62,3 +65,9 @@ def test_common_pages_counts_whole_pages_up_to_the_end():
     assert tree._common_pages(key, tokens[:2 + 6] + [0] * 8, 2) == 1  # differs inside the second page
     assert tree._common_pages(key, tokens, 0) == 0
     assert tree._common_pages(key, tokens, 13) == 0  # fewer than a page left
+
+
+def test_host_benchmark_runs_a_short_session(capsys):
+    bench_scheduler_host.main(["--turns", "3", "--context", "100", "--turn-tokens", "40"])
+    out = capsys.readouterr().out
+    assert "all turns: insert" in out and "page-table row of 11 pages" in out  # the last turn: (100 + 2 * 40) // 16

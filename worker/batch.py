@@ -137,8 +137,8 @@ def _state_lists(chunks: list[SequenceChunk]) -> list[list[int]]:
 
 
 def host_int64(values: list[int]) -> torch.Tensor:
-    """``values`` as an int64 CPU tensor through an ``array``: a decode step's page table over 128k
-    tokens (8k entries) took 465 us by ``torch.tensor`` on a list and 140 us so (the CI machine's CPU)."""
+    """``values`` as an int64 CPU tensor through an ``array``: about a third of ``torch.tensor``'s time
+    on a list, for a decode step's page table over 128k tokens (``scripts/bench_scheduler_host.py``)."""
     return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
