@@ -285,15 +285,28 @@ class Engine:
         if req.prefill_done or budget <= 0 or not self._kv_ready(req):
             return None
         n = min(budget, req.prefill_len - req.prefilled)
-        if self.pages.states is not None:  # end a chunk at the prompt's last page boundary: a snapshot goes there
-            boundary = (req.prefill_len - 1) // self.pages.page_size * self.pages.page_size
-            if req.prefilled < boundary < req.prefilled + n:
-                n = boundary - req.prefilled
         chunk = SequenceChunk(req.prefill_tokens[req.prefilled:req.prefilled + n], req.prefilled, req.pages,
                               state_slot=state, window_pages=self.pages.window_table(req, req.prefilled,
-                                                                                     req.prefilled + n))
+                                                                                     req.prefilled + n),
+                              state_snapshot=self._prompt_snapshot(req, n))
         req.prefilled += n
         return chunk
+
+    def _prompt_snapshot(self, req: Request, n: int) -> tuple[int, int] | None:
+        """Hybrid models: where the prompt's last page boundary falls inside ``req``'s next chunk of
+        ``n`` tokens, the chunk's linear layers write their state there into a fresh snapshot slot
+        (``SequenceChunk.state_snapshot``), so the prompt takes one forward, not two. A chunk that
+        ends on the boundary is snapshotted after it (``_take_snapshots``)."""
+        if self.pages.states is None:
+            return None
+        boundary = (req.prefill_len - 1) // self.pages.page_size * self.pages.page_size
+        if not req.prefilled < boundary < req.prefilled + n:
+            return None
+        slot = self.pages.states.reserve()
+        if slot is None:
+            return None
+        req.snapshots.append((boundary, slot))
+        return boundary - req.prefilled, slot
 
     def _take_snapshots(self, reqs: list[Request], chunks: list[SequenceChunk]) -> None:
         """Snapshot the state of each request whose step ended on a page boundary (hybrid models):

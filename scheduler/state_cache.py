@@ -2,10 +2,11 @@
 a full-attention layer resume, a snapshot at the node's end lets the linear layers resume.
 
 A snapshot is the state after exactly the node's tokens, copied from a running request's slot
-right after a forward that ended there (never relabelled from a later position):
+right after a forward that ended there, or written by the linear layers of a chunk that passes
+there (never relabelled from a later position):
 
-    at the last page boundary of each prompt (the engine ends a prefill chunk there: an agent's
-        next turn re-renders the reply, so its tokens part from the generated ones right after it)
+    at the last page boundary of each prompt (written inside the prompt's chunk: an agent's next
+        turn re-renders the reply, so its tokens part from the generated ones right after it)
     at page-aligned chunk ends of long prompts (the latest few per request)
     during decode at each page boundary, the latest kept: the end of a finished request
 
@@ -57,12 +58,18 @@ class StateCache:
 
     def take(self, running_slot: int) -> int | None:
         """Copy a running slot into a fresh snapshot slot (None: no slot could be freed)."""
+        slot = self.reserve()
+        if slot is not None:
+            self.pool.copy([running_slot], [slot])
+        return slot
+
+    def reserve(self) -> int | None:
+        """A fresh snapshot slot, for a step that writes the state into it itself (None: no slot
+        could be freed)."""
         if not self.pool.num_free and not self._evict_gpu():
             return None
-        slot = self.pool.allocate(1)[0]
-        self.pool.copy([running_slot], [slot])
         self.counters["state_snapshots_taken"] += 1
-        return slot
+        return self.pool.allocate(1)[0]
 
     def retake(self, slot: int, running_slot: int) -> None:
         """Overwrite a pending snapshot with the running slot's newer state."""

@@ -32,6 +32,9 @@ SMALL_CHUNK = 7  # below the pipeline threshold, and a length that is no multipl
 # kernel's sort block (the next power of two of tokens x top-k, up to 1,024) and the decode GEMMs'
 # block of pairs; every other integer that follows a batch's lengths is left unspecialised.
 LADDER = (8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512)
+# Hybrid models: a prompt's chunk snapshots its state at the prompt's last page boundary, so the
+# linear layers' second pass runs over 1 to a page of tokens: one token, a page, and neither.
+SNAPSHOT_TAILS = (1, 15, 16)
 CPU_FULL_CHUNK = 16  # nothing compiles on the CPU: keep the warm-up a formality there
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=0)
 
@@ -72,6 +75,9 @@ def _warm_runner(runner: ModelRunner) -> int:
     for n in LADDER if on_gpu else ():
         if n <= room:  # over the sequence's first pages again: nothing reads what the chunks wrote
             runner.forward([_chunk(n, 0, pages, runner.page_size, state)], [GREEDY], [0])
+    for tail in SNAPSHOT_TAILS if on_gpu and state >= 0 else ():  # into state slot 0, the scratch slot
+        chunk = _chunk(2 * SNAPSHOT_TAILS[-1], 0, pages, runner.page_size, state)
+        runner.forward([chunk._replace(state_snapshot=(len(chunk.token_ids) - tail, 0))], [GREEDY], [0])
     allow_all = torch.full((1, mask_words(runner.model_config.vocab_size)), -1, dtype=torch.int32,
                            device=runner.device)
     for params, mask in ((GREEDY, None), (SAMPLED, None), (SAMPLED, TokenMask(allow_all, [0]))):  # grammars' too

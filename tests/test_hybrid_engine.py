@@ -68,6 +68,28 @@ def test_twenty_turns_compute_only_their_new_tokens(hybrid):
     assert after["state_snapshots_restored_gpu"] == 19
 
 
+def test_a_prompt_takes_one_forward_with_its_snapshot_inside(hybrid):
+    """The prompt-end snapshot (its last page boundary) is written inside the prompt's one chunk, not
+    after a chunk cut there: a turn takes one prefill step, and the next turn, whose prompt parts from
+    this one's reply, resumes from that boundary."""
+    model_dir, hf = hybrid
+    engine = make_engine(model_dir, snapshots=8, max_prefill_tokens=64)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 120, (23,), generator=gen).tolist()
+    for turn in range(4):
+        before = dict(engine.stats())
+        out = run(engine, [req(f"t{turn}", prompt, max_tokens=1)])[f"t{turn}"][0]
+        after = engine.stats()
+        assert out == hf_greedy(hf, prompt, 1)
+        assert after["steps"] - before["steps"] == 1, f"turn {turn}: a prompt of {len(prompt)} in one step"
+        if turn:
+            assert after["state_prefix_tokens"] - before["state_prefix_tokens"] == resumes_at, turn
+        engine.check_pages()
+        resumes_at = (len(prompt) - 1) // 4 * 4  # the reply is not in the next prompt: the boundary before
+        prompt = prompt + torch.randint(0, 120, (int(torch.randint(2, 9, (1,), generator=gen)),),
+                                        generator=gen).tolist()
+
+
 def test_snapshots_survive_host_eviction_and_restore(hybrid):
     """Three sessions share two GPU snapshot slots: older snapshots go to the host tier and later
     turns resume from there, with the same greedy text as transformers."""

@@ -115,3 +115,33 @@ def test_engine_session_on_gpu(hybrid):
         if turn:
             assert engine.stats()["state_prefix_tokens"] > before
         history = history + out + torch.randint(0, 120, (50,), generator=gen).tolist()
+
+
+def test_snapshot_inside_a_chunk_on_gpu(hybrid):
+    """fla's chunk kernels and the conv in two passes around a snapshot, for a split first sequence
+    (tokens reordered) and a one-token tail, under sync debug mode: the step's logits are those of
+    the same step without snapshots, and each snapshot continues as its prefix does."""
+    model_dir, _ = hybrid
+    r = runner(model_dir, dtype="float32", cuda_graph=False)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (150, 40)]
+    pages = [r.kv_pool.allocate(r.kv_pool.pages_for(len(s))) for s in seqs]
+    snapshots = [(96, 9), (39, 10)]  # into the snapshot slots after the 8 running ones
+
+    def prefill(with_snapshots: bool) -> torch.Tensor:
+        chunks = [SequenceChunk(s, 0, pg, state_slot=i + 1, state_snapshot=snap if with_snapshots else None)
+                  for i, (s, pg, snap) in enumerate(zip(seqs, pages, snapshots))]
+        return r.forward(chunks, [GREEDY] * 2, [0] * 2).logits.clone()
+
+    want = prefill(False)
+    prefill(True)  # compiles the tail's lengths
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = prefill(True)
+        resumed = [r.forward([SequenceChunk(s[cut:], cut, pg, state_slot=slot)], [GREEDY], [0]).logits[0].clone()
+                   for s, pg, (cut, slot) in zip(seqs, pages, snapshots)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(got, want) < 1e-5
+    for b in range(2):  # the snapshot, then the rest of the sequence again: its last logits
+        assert rel_err(resumed[b], want[b]) < 5e-3, b

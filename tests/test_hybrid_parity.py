@@ -193,6 +193,49 @@ def test_mixed_prefill_and_decode_step(tiny):
             check(out.logits[row], refs[s][p + n - 1], f"step {i}, slot {s}, tokens {p}:{p + n}")
 
 
+def test_snapshot_inside_a_chunk(tiny):
+    """A step whose chunks snapshot their linear layers' state inside them (the prompt-end snapshot
+    of the prefix cache): the logits are those of a step without, and each snapshot resumes as the
+    prefix it ends. Splits of a first and a middle sequence reorder the tokens; one tail is a single
+    token; one chunk continues a state, another starts one."""
+    hf, runner = tiny
+    seqs = {slot: random_ids(n, seed=80 + slot) for slot, n in ((1, 22), (2, 9), (3, 17), (4, 18))}
+    seq_pages = {slot: pages(runner, len(toks) + 6) for slot, toks in seqs.items()}
+    step(runner, [SequenceChunk(seqs[4][:8], 0, seq_pages[4], state_slot=4)])
+    # (slot, prefix_len, new tokens, snapshot after how many of them, into which slot)
+    rows = [(1, 0, 22, 12, 6), (2, 0, 9, None, None), (3, 0, 17, 16, 7), (4, 8, 10, 3, 8)]
+    chunks = [SequenceChunk(seqs[s][p:p + n], p, seq_pages[s], state_slot=s,
+                            state_snapshot=None if cut is None else (cut, into)) for s, p, n, cut, into in rows]
+    out = step(runner, chunks)
+    for row, (s, p, n, _, _) in enumerate(rows):
+        check(out.logits[row], hf_logits(hf, seqs[s])[p + n - 1], f"slot {s}, tokens {p}:{p + n}")
+    for s, p, _, cut, into in rows:
+        if cut is None:
+            continue
+        end = p + cut  # the snapshot's sequence: seqs[s][:end], then a continuation of its own
+        cont = random_ids(5, seed=90 + s)
+        out = step(runner, [SequenceChunk(cont, end, seq_pages[s], state_slot=into)])
+        check(out.logits[0], hf_logits(hf, seqs[s][:end] + cont)[-1], f"snapshot of slot {s} after {end}")
+
+
+@pytest.mark.parametrize("snapshot,why", [((0, 9), "inside the chunk"), ((5, 9), "inside the chunk"),
+                                          ((2, 1), "no sequence runs in"), ((2, 2), "no sequence runs in")])
+def test_a_snapshot_outside_its_chunk_or_into_a_running_slot_is_refused(tiny, snapshot, why):
+    _, runner = tiny
+    chunks = [SequenceChunk(random_ids(5, seed=1), 0, pages(runner, 5), state_slot=1, state_snapshot=snapshot),
+              SequenceChunk(random_ids(3, seed=2), 0, pages(runner, 3), state_slot=2)]
+    with pytest.raises(ValueError, match=why):
+        step(runner, chunks)
+
+
+def test_two_snapshots_into_one_slot_are_refused(tiny):
+    _, runner = tiny
+    chunks = [SequenceChunk(random_ids(5, seed=s), 0, pages(runner, 5), state_slot=s, state_snapshot=(2, 9))
+              for s in (1, 2)]
+    with pytest.raises(ValueError, match="share a slot"):
+        step(runner, chunks)
+
+
 # ==== refusals: one line naming what Sluice does not run ====
 
 def unknown_layer_kind(text: dict) -> None:

@@ -25,6 +25,41 @@ class SequenceChunk(NamedTuple):
     # gpt-oss with a window pool: the sliding layers' page table, position to page like ``pages``; pages
     # wholly before the window are 0 (freed). None: ``pages`` folded into the window pool (``window_lists``)
     window_pages: list[int] | None = None
+    # hybrid models: (n, slot): the linear layers also leave their state after the first n new
+    # tokens (0 < n < len(token_ids)) in state slot ``slot``, a prompt-end snapshot inside the chunk
+    state_snapshot: tuple[int, int] | None = None
+
+
+class Varlen(NamedTuple):
+    """Sequences packed back to back for the linear layers: a state slot each ``[B]``, where each
+    starts ``[B + 1]`` on the device, and the starts on the host."""
+
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: list[int]
+
+
+class StateSplit(NamedTuple):
+    """A prefill batch whose linear layers stop inside some sequences to snapshot their state
+    (``SequenceChunk.state_snapshot``). The tokens are reordered so that every sequence's head
+    (its tokens up to the snapshot, or all of them) comes before the tails; ``head`` runs the conv
+    and the delta rule over the heads, the split sequences' slots ``copy_from`` are copied into
+    their snapshot slots ``copy_to``, then ``tail`` runs over the tails, resuming from the heads'
+    states. Everything else of the layer is per token and runs over the batch at once.
+
+    ```
+     tokens   a0 a1 a2 a3 a4 | b0 b1 b2        snapshot of a after a2
+     order    a0 a1 a2 b0 b1 b2 | a3 a4        head: [a0..a2], [b0..b2]; tail: [a3 a4]
+     ```
+    """
+
+    order: torch.Tensor | None  # [T] batch index of each reordered token (None: already in order)
+    inverse: torch.Tensor | None  # [T] reordered index of each batch token
+    head: Varlen
+    tail: Varlen
+    head_tokens: int
+    copy_from: torch.Tensor
+    copy_to: torch.Tensor
 
 
 @dataclass
@@ -48,6 +83,8 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     fresh_slots: torch.Tensor | None = None
+    # hybrid models whose chunks snapshot their state inside them: the linear layers' two passes
+    state_split: StateSplit | None = None
     # gpt-oss with a window pool: this batch with the sliding layers' ``out_loc`` and ``page_table``
     window: ForwardBatch | None = None
 
@@ -84,16 +121,18 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     max_pages = max(len(row) for row in table)  # only the pages that hold this step's tokens
     table = [row + [0] * (max_pages - len(row)) for row in table]
     states = _state_lists(chunks)
+    split, split_host = _split_lists(chunks) if any(c.state_snapshot for c in chunks) else ([], None)
     windows = window_lists(chunks, page_size, max_pages, window_pool_pages, window) if window_pool_pages else []
-    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src, *windows, *states], device)
+    packed = to_device([ids, pos, loc, last, sum(table, []), lens, src, *windows, *states, *split], device)
     ids_t, pos_t, loc_t, last_t, table_t, lens_t, src_t = packed[:7]
     if token_buffer is not None:
         ids_t = torch.where(src_t >= 0, token_buffer[src_t.clamp(min=0)], ids_t)
-    slots, cu, fresh = packed[7 + len(windows):] if states else (None, None, None)
+    slots, cu, fresh = packed[7 + len(windows):10 + len(windows)] if states else (None, None, None)
     batch = ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
                          T, is_decode=T == len(chunks), pipelined=pipeline_from is not None and T >= pipeline_from,
                          q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens, state_slots=slots,
-                         cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None)
+                         cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None,
+                         state_split=_state_split(packed[len(packed) - len(split):], split_host) if split else None)
     if windows:
         batch.window = replace(batch, out_loc=packed[7], page_table=packed[8].view(len(chunks), max_pages))
     return batch
@@ -134,6 +173,50 @@ def _state_lists(chunks: list[SequenceChunk]) -> list[list[int]]:
     for c in chunks:
         cu.append(cu[-1] + len(c.token_ids))
     return [slots, cu, [c.state_slot for c in chunks if c.prefix_len == 0]]
+
+
+def _split_lists(chunks: list[SequenceChunk]) -> tuple[list[list[int]], tuple[int, list[int], list[int]]]:
+    """``StateSplit``'s index lists (order, inverse, head slots and starts, tail slots and starts,
+    copy_from, copy_to), and on the host the head's token count and both passes' starts."""
+    heads, tails, copies, start = [], [], [], 0
+    for b, c in enumerate(chunks):
+        n = len(c.token_ids)
+        cut = n
+        if c.state_snapshot is not None:
+            cut, slot = c.state_snapshot
+            if not 0 < cut < n or c.state_slot < 0 or slot < 0 or slot in {x.state_slot for x in chunks}:
+                raise ValueError(f"sequence {b}: a state snapshot after {cut} of its {n} new tokens into slot "
+                                 f"{slot}: it must fall inside the chunk, from its own slot into one no sequence runs in")
+            tails.append((start + cut, n - cut, c.state_slot))
+            copies.append((c.state_slot, slot))
+        heads.append((start, cut, c.state_slot))
+        start += n
+    if len({slot for _, slot in copies}) != len(copies):
+        raise ValueError(f"state snapshots {copies} share a slot")
+    order = [t for s, n, _ in heads + tails for t in range(s, s + n)]
+    inverse = [0] * start
+    for i, t in enumerate(order):
+        inverse[t] = i
+    in_order = order == list(range(start))  # a split of the last sequence only (one sequence: always)
+    head_cu, tail_cu = _starts([n for _, n, _ in heads]), _starts([n for _, n, _ in tails])
+    lists = [[] if in_order else order, [] if in_order else inverse, [s for *_, s in heads], head_cu,
+             [s for *_, s in tails], tail_cu, [a for a, _ in copies], [b for _, b in copies]]
+    return lists, (head_cu[-1], head_cu, tail_cu)
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _state_split(t: list[torch.Tensor], host: tuple[int, list[int], list[int]]) -> StateSplit:
+    order, inverse, head_slots, head_cu, tail_slots, tail_cu, copy_from, copy_to = t
+    head_tokens, head_cu_host, tail_cu_host = host
+    return StateSplit(order if order.numel() else None, inverse if inverse.numel() else None,
+                      Varlen(head_slots, head_cu, head_cu_host), Varlen(tail_slots, tail_cu, tail_cu_host),
+                      head_tokens, copy_from, copy_to)
 
 
 def host_int64(values: list[int]) -> torch.Tensor:
