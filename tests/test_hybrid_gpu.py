@@ -119,29 +119,27 @@ def test_engine_session_on_gpu(hybrid):
 
 def test_snapshot_inside_a_chunk_on_gpu(hybrid):
     """fla's chunk kernels and the conv in two passes around a snapshot, for a split first sequence
-    (tokens reordered) and a one-token tail, under sync debug mode: the step's logits are those of
-    the same step without snapshots, and each snapshot continues as its prefix does."""
-    model_dir, _ = hybrid
+    (tokens reordered) and a one-token tail, under sync debug mode, in float32 against transformers:
+    the step's last logits, and each snapshot continued by the rest of its sequence. (The passes move
+    fla's 64-token chunk grid, so the split step differs from an unsplit one by TF32 rounding, about
+    1e-3, not bit for bit.)"""
+    model_dir, hf = hybrid
     r = runner(model_dir, dtype="float32", cuda_graph=False)
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (150, 40)]
+    want = [hf_logits(hf, s)[-1] for s in seqs]
     pages = [r.kv_pool.allocate(r.kv_pool.pages_for(len(s))) for s in seqs]
     snapshots = [(96, 9), (39, 10)]  # into the snapshot slots after the 8 running ones
-
-    def prefill(with_snapshots: bool) -> torch.Tensor:
-        chunks = [SequenceChunk(s, 0, pg, state_slot=i + 1, state_snapshot=snap if with_snapshots else None)
-                  for i, (s, pg, snap) in enumerate(zip(seqs, pages, snapshots))]
-        return r.forward(chunks, [GREEDY] * 2, [0] * 2).logits.clone()
-
-    want = prefill(False)
-    prefill(True)  # compiles the tail's lengths
+    chunks = [SequenceChunk(s, 0, pg, state_slot=i + 1, state_snapshot=snap)
+              for i, (s, pg, snap) in enumerate(zip(seqs, pages, snapshots))]
+    r.forward(chunks, [GREEDY] * 2, [0] * 2)  # compiles the tails' lengths
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = prefill(True)
+        got = r.forward(chunks, [GREEDY] * 2, [0] * 2).logits.clone()
         resumed = [r.forward([SequenceChunk(s[cut:], cut, pg, state_slot=slot)], [GREEDY], [0]).logits[0].clone()
                    for s, pg, (cut, slot) in zip(seqs, pages, snapshots)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert rel_err(got, want) < 1e-5
-    for b in range(2):  # the snapshot, then the rest of the sequence again: its last logits
+    for b in range(2):
+        assert rel_err(got[b], want[b]) < 5e-3, b
         assert rel_err(resumed[b], want[b]) < 5e-3, b
