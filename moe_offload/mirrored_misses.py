@@ -79,9 +79,14 @@ class MirroredMisses:
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
         # per bank: how many hits a copy may bridge (0: none)
-        expert_bytes = sum(pool[0].numel() * pool.element_size() for _, pool in banks)
-        self.bridge = [_bridge(pool[0].numel() * pool.element_size(), expert_bytes, count) for _, pool in banks]
+        self.bridge = bridges([pool[0].numel() * pool.element_size() for _, pool in banks], count)
         self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
+
+    @property
+    def copies_per_run(self) -> int:
+        """Copies a run of missed experts takes: one per bank not bridged (bf16's and fp8's two
+        weight banks; 4-bit formats' group scales are copied on their own too)."""
+        return sum(1 for bridge in self.bridge if not bridge)
 
     def refresh(self, beside: bool = True) -> None:
         """Enqueue a copy of the table into the mirror: ``beside`` the current stream's work on
@@ -160,6 +165,11 @@ class MirroredMisses:
         """The mirror's errors and the copies issued; reads the device (off the hot path)."""
         wasted, repaired = (int(v) for v in self.stale.sum(0).tolist())
         return {"mirror_wasted": wasted, "mirror_repaired": repaired, "mirror_copies": self.copies}
+
+
+def bridges(row_bytes: list[int], count: int) -> list[int]:
+    """Per bank whose expert rows take ``row_bytes``, the hits a copy may bridge (0: none)."""
+    return [_bridge(row, sum(row_bytes), count) for row in row_bytes]
 
 
 def _bridge(row_bytes: int, expert_bytes: int, count: int) -> int:

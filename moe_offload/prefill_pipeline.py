@@ -46,6 +46,12 @@ from moe_offload.mirrored_misses import MirroredMisses
 # chunk over a 131k prefix, the hybrid's 2k among them (1,690, by 11%), and fresh chunks from 1,432
 # up fell within +-3% either way (fp8 8k on qwen3-30b, 2,453; the hybrid's 8k, 1,432).
 AUTO_COPY_ENGINE_FLOPS_PER_BYTE = 0.08 * 786e12 / 55.3e9
+# ... and at any intensity where a run of misses takes at most this many copies (bf16; fp8, its
+# scales bridged): the mirror won every light chunk measured so in bf16 and fp8 on the hybrid
+# (2026-12-03/04, fresh 2k chunks and 2k over 131k at 25% and 10%: by 1.5-6%) and matched the
+# kernel on qwen3-30b's fresh fp8 chunks; the kernel's one clear win was nvfp4's fresh 2k, whose
+# runs take four copies (packed weights and group scales).
+AUTO_MIRROR_MAX_COPIES = 2
 EVENTS = ("begin", "ready0", "ready1", "release0", "release1")
 
 
@@ -183,7 +189,9 @@ class PrefillPipeline:
         picks the stage mode under "auto"."""
         if self.stage == "auto":  # the copy engine from the mirror once the stage kernel's SMs cost more
             expert_bytes = self.cache.num_layers * self.count * self.cache.slot_bytes
-            self.chunk_stage = "mirror" if flops >= AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes else "kernel"
+            heavy = flops >= AUTO_COPY_ENGINE_FLOPS_PER_BYTE * expert_bytes
+            few_copies = self.mirrored.copies_per_run <= AUTO_MIRROR_MAX_COPIES
+            self.chunk_stage = "mirror" if heavy or few_copies else "kernel"
         self._begin()
         self._begun = True
 

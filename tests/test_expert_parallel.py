@@ -87,7 +87,8 @@ def assert_holds_only_own_experts(runner: ParallelRunner) -> None:
 def test_two_ranks_equal_one_through_the_prefill_pipeline(model_dir):
     want, got, two = greedy_runs(model_dir, cache_size=28)  # >= 3E slots: 39 tokens x top 2 stream
     assert got == want
-    assert two.experts.pipeline.stats()["chunks_kernel"] + two.experts.pipeline.stats()["chunks_memcpy"] > 0
+    stats = two.experts.pipeline.stats()
+    assert stats["chunks_kernel"] + stats["chunks_memcpy"] + stats["chunks_mirror"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +209,8 @@ def test_each_rank_stages_only_its_share_of_each_layer(model_dir):
     pipeline = two.experts.pipeline
     assert pipeline.lent == 8 and two.experts.decode_start == 8  # 2 x 4 experts, not 2 x 8
     staged = pipeline.stats()
-    assert staged["from_cache"] + staged["from_host"] == 4 * 4 * (staged["chunks_kernel"] + staged["chunks_memcpy"])
+    chunks = staged["chunks_kernel"] + staged["chunks_memcpy"] + staged["chunks_mirror"]
+    assert chunks and staged["from_cache"] + staged["from_host"] + staged["in_place"] == 4 * 4 * chunks
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreted kernels run on the CPU only")

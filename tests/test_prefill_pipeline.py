@@ -18,7 +18,9 @@ from moe_offload.expert_cache import ExpertCache  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
-from moe_offload.prefill_pipeline import AUTO_COPY_ENGINE_FLOPS_PER_BYTE, HostStreams  # noqa: E402
+from moe_offload import prefill_pipeline  # noqa: E402
+from moe_offload.mirrored_misses import bridges  # noqa: E402
+from moe_offload.prefill_pipeline import AUTO_COPY_ENGINE_FLOPS_PER_BYTE, AUTO_MIRROR_MAX_COPIES, HostStreams  # noqa: E402
 from tests.launch_count import sync_errors  # noqa: E402
 from tests.test_expert_cache import assert_consistent, make_banks, skewed_routing  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
@@ -89,13 +91,17 @@ def test_pipeline_equals_cache_path(invalidate):
     assert piped.cache.stats()["total"]["lookups"] < plain.cache.stats()["total"]["lookups"]
 
 
-@pytest.mark.parametrize("stage,flops_per_byte", [("kernel", 0.0), ("kernel", 0.99 * AUTO_COPY_ENGINE_FLOPS_PER_BYTE),
-                                                   ("mirror", AUTO_COPY_ENGINE_FLOPS_PER_BYTE)])
-def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte):
-    """Chunks that compute little stage through the kernel (hits on the GPU), heavy ones by the
-    copy engine from the mirror (the misses alone, hits read in place); the results are the
-    resident ones either way."""
+@pytest.mark.parametrize("stage,flops_per_byte,max_copies", [
+    ("kernel", 0.0, 1), ("kernel", 0.99 * AUTO_COPY_ENGINE_FLOPS_PER_BYTE, 1), ("mirror", AUTO_COPY_ENGINE_FLOPS_PER_BYTE, 1),
+    ("mirror", 0.0, AUTO_MIRROR_MAX_COPIES)])
+def test_auto_stage_follows_the_chunks_compute(stage, flops_per_byte, max_copies, monkeypatch):
+    """Where a run of misses takes more copies than ``max_copies`` (these float banks take two: as
+    4-bit's take four, below), chunks that compute little stage through the kernel (hits on the
+    GPU), heavy ones by the copy engine from the mirror (the misses alone, hits read in place);
+    where it takes no more, every chunk takes the mirror. The results are the resident ones."""
+    monkeypatch.setattr(prefill_pipeline, "AUTO_MIRROR_MAX_COPIES", max_copies)
     banks, offloaded = setup()
+    assert offloaded.pipeline.mirrored.copies_per_run == 2
     resident = ResidentExperts(banks)
     cache = offloaded.cache
     flops = flops_per_byte * cache.num_layers * cache.num_experts * cache.slot_bytes
@@ -231,6 +237,18 @@ def test_forward_flops_add_up_by_rows_and_count_prefix_keys():
     assert hybrid.forward_flops([2048], [131072]) > AUTO_COPY_ENGINE_FLOPS_PER_BYTE * hybrid_fp8
 
 
+@pytest.mark.parametrize("fmt,copies", [("bf16", 2), ("fp8", 2), ("nvfp4", 4), ("mxfp4", 4)])
+def test_runs_of_misses_take_a_copy_per_weight_and_group_scale_bank(fmt, copies):
+    """qwen3-30b's experts (w13 [1536, 2048], w2 [2048, 768]): fp8's 128x128 block scales ride in
+    the weights' copies (bridged), 4-bit's group scales do not, so "auto" keeps the stage kernel's
+    choice by intensity for 4-bit only."""
+    w13, w2 = 1536 * 2048, 2048 * 768
+    rows = {"bf16": [2 * w13, 2 * w2], "fp8": [w13, w2, 12 * 16 * 4, 16 * 6 * 4],
+            "nvfp4": [w13 // 2, w2 // 2, w13 // 16, w2 // 16, 4, 4], "mxfp4": [w13 // 2, w2 // 2, w13 // 32, w2 // 32]}
+    assert sum(1 for b in bridges(rows[fmt], count=128) if not b) == copies
+    assert (copies <= AUTO_MIRROR_MAX_COPIES) == (fmt in ("bf16", "fp8"))
+
+
 def test_cache_below_three_layers_of_experts_is_refused():
     with pytest.raises(ValueError, match="needs a cache of 24 slots"):
         setup(slots=3 * EXPERTS - 1)
@@ -289,7 +307,7 @@ def check_order(log: list[tuple[str, ...]]) -> None:
 @pytest.mark.parametrize("early_begin", [False, True])  # True: the model calls begin() before layer 0's attention
 def test_event_order_with_recording_streams(early_begin):
     log: list[tuple[str, ...]] = []
-    _, offloaded = setup(log=log)
+    _, offloaded = setup(log=log, stage="kernel")
     streams = offloaded.pipeline.streams
     for step in batches(3, rounds=2):
         if len(step[0][0]) == DECODE:
@@ -312,7 +330,7 @@ def test_event_order_with_recording_streams(early_begin):
 
 def test_order_checker_catches_a_missing_wait():
     log: list[tuple[str, ...]] = []
-    _, offloaded = setup(log=log)
+    _, offloaded = setup(log=log, stage="kernel")
     step = next(batches(4))
     for layer, args in enumerate(step):
         offloaded.forward(layer, *args)
@@ -396,7 +414,7 @@ def test_generation_through_the_pipeline_equals_resident(model_dir):
         assert generate(piped, prompt, SamplingParams(), 12, max_prefill_tokens=20).token_ids == want
         assert generate(plain, prompt, SamplingParams(), 12, max_prefill_tokens=20).token_ids == want
     stats = piped.experts.pipeline.stats()
-    assert stats["from_host"] > 0 and stats["from_cache"] > 0
+    assert stats["from_host"] > 0 and stats["from_cache"] + stats["in_place"] > 0  # hits: staged or read in place
 
 
 def test_small_cache_runs_without_the_pipeline(model_dir, caplog):
