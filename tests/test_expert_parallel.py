@@ -162,6 +162,15 @@ def test_step_message_round_trip():
     assert got.sampling[1] == step_message.RankSampling(0.7, 20, 0.9, 5)  # sampling reads the seed's low 32 bits
 
 
+def test_a_hybrid_model_on_two_ranks_is_refused(tmp_path):
+    from tests.tiny_hybrid import write_tiny_hybrid
+
+    write_tiny_hybrid(tmp_path, "qwen3_5_moe", seed=1, layer_types=("linear_attention", "full_attention"))
+    with pytest.raises(ValueError, match="does not run hybrid models"):
+        start_runner(config(str(tmp_path), 2))
+    assert not multiprocessing.active_children()
+
+
 def test_more_gpus_than_visible_is_refused(model_dir):
     if torch.cuda.device_count() >= 64:
         pytest.skip("64 GPUs visible")

@@ -81,6 +81,7 @@ class ModelRunner:
         self.memory.cap()
         config.routing.check(config.experts.dummy_weights)  # before loading anything
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
+        self._check_model(cfg)
         self.expert_format = self._expert_format()
         self.weights = self._load_weights()
         store = open_store(cfg, config.model_dir, config.experts, self.expert_format, self.device)
@@ -163,6 +164,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release in one process (an expert-parallel rank 0 stops the other ranks)."""
+
+    def _check_model(self, cfg: ModelConfig) -> None:
+        """What this runner cannot run, refused before anything loads (an expert-parallel rank's)."""
 
     def _this_rank(self, experts: Experts) -> Experts:
         """The experts this process runs: all of them (``worker.distributed`` runs a share per rank)."""

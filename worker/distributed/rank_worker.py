@@ -25,6 +25,7 @@ from worker.distributed.placement import make_placement
 from worker.distributed.processes import die_with_parent
 from worker.distributed.rank_stats import ReduceClock, send_stats
 from worker.distributed.step_message import HEADER_LEN, Op, decode
+from worker.config import ModelConfig
 from worker.errors import CheckpointError
 from worker.runner import ModelRunner, RunnerConfig, torch_device
 
@@ -41,6 +42,11 @@ class RankRunner(ModelRunner):
         self.group = group
         self.reduce_clock = ReduceClock(group.all_reduce, timed=group.device.type != "cuda")
         super().__init__(config)
+
+    def _check_model(self, cfg: ModelConfig) -> None:
+        if cfg.is_hybrid:
+            raise ValueError("--gpus N > 1 does not run hybrid models (linear-attention layers): the prefix cache "
+                             "copies their state snapshots on rank 0's GPU only; run them with --gpus 1")
 
     def _this_rank(self, experts: Experts) -> Experts:
         cfg = self.model_config
