@@ -76,16 +76,16 @@ def test_a_prompt_takes_one_forward_with_its_snapshot_inside(hybrid):
     engine = make_engine(model_dir, snapshots=8, max_prefill_tokens=64)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 120, (23,), generator=gen).tolist()
+    resumes_at = 0  # the reply is not in the next prompt: it resumes at the last prompt's last boundary
     for turn in range(4):
         before = dict(engine.stats())
         out = run(engine, [req(f"t{turn}", prompt, max_tokens=1)])[f"t{turn}"][0]
         after = engine.stats()
         assert out == hf_greedy(hf, prompt, 1)
         assert after["steps"] - before["steps"] == 1, f"turn {turn}: a prompt of {len(prompt)} in one step"
-        if turn:
-            assert after["state_prefix_tokens"] - before["state_prefix_tokens"] == resumes_at, turn
+        assert after["state_prefix_tokens"] - before["state_prefix_tokens"] == resumes_at, turn
         engine.check_pages()
-        resumes_at = (len(prompt) - 1) // 4 * 4  # the reply is not in the next prompt: the boundary before
+        resumes_at = (len(prompt) - 1) // 4 * 4
         prompt = prompt + torch.randint(0, 120, (int(torch.randint(2, 9, (1,), generator=gen)),),
                                         generator=gen).tolist()
 
