@@ -75,8 +75,9 @@ def _warm_runner(runner: ModelRunner) -> int:
     for n in LADDER if on_gpu else ():
         if n <= room:  # over the sequence's first pages again: nothing reads what the chunks wrote
             runner.forward([_chunk(n, 0, pages, runner.page_size, state)], [GREEDY], [0])
-    for tail in SNAPSHOT_TAILS if on_gpu and state >= 0 else ():  # into state slot 0, the scratch slot
-        chunk = _chunk(2 * SNAPSHOT_TAILS[-1], 0, pages, runner.page_size, state)
+    split_chunk = 2 * SNAPSHOT_TAILS[-1]
+    for tail in SNAPSHOT_TAILS if on_gpu and state >= 0 and split_chunk <= room else ():  # into scratch slot 0
+        chunk = _chunk(split_chunk, 0, pages, runner.page_size, state)
         runner.forward([chunk._replace(state_snapshot=(len(chunk.token_ids) - tail, 0))], [GREEDY], [0])
     allow_all = torch.full((1, mask_words(runner.model_config.vocab_size)), -1, dtype=torch.int32,
                            device=runner.device)
