@@ -50,3 +50,5 @@ class SlotFill(NamedTuple):
             if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
                 raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
                                  f"{tuple(pool.shape)} {pool.dtype}")
+            if host.data_ptr() % 16:  # the 4-bit kernels copy mxfp4 rows 16 bytes at a time
+                raise ValueError(f"host bank {tuple(host.shape)} does not start on a 16-byte boundary")

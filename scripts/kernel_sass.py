@@ -44,15 +44,31 @@ POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16
                 plan_src_ptr="i32", plan_dst_ptr="i32", count_ptr="i32", sorted_pairs_ptr="i32", total_ptr="i32",
                 w13_ptr="fp8e4nv", s13_ptr="fp32", s2_ptr="fp32", w13_bytes_ptr="u8",
                 w2_bytes_ptr="u8")
-# the shapes the 4-bit benchmark times
+# the shapes the 4-bit benchmark times (``--geometry`` picks one; qwen3-30b's by default)
 HIDDEN, INTER, EXPERTS, TOP_K = (GEOMETRIES["qwen3-30b"][k] for k in ("hidden", "inter", "experts", "top_k"))
+FILL = False  # ``--fill``: the one-token and slot gate_ups compiled with a fill's copies (a plan of 8 rows)
+
+
+def use_geometry(name: str, fill: bool) -> None:
+    """Compile at ``name``'s shapes (``GEOMETRIES``) from now on, with a fill if ``fill``."""
+    global HIDDEN, INTER, EXPERTS, TOP_K, FILL
+    HIDDEN, INTER, EXPERTS, TOP_K = (GEOMETRIES[name][k] for k in ("hidden", "inter", "experts", "top_k"))
+    FILL = fill
+
+
+def fill_consts(cfg) -> dict:
+    """A gate_up's fill constexprs (``fill_args``'s), PDL off."""
+    return dict(FILL=FILL, PLAN=8 if FILL else 1, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
 LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
+
+
+KERNELS = ("gate_up_pair", "down_token", "gate_up_slot", "down_slot", "prefill_gate_up", "prefill_down")
 
 
 def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bfloat16)) -> dict:
     """name -> (kernel, its constexprs, warps, stages, bank: w13 [2I, H] or w2 [H, I])."""
     act = dict(GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
-    nofill = dict(FILL=False, PLAN=False, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+    nofill = fill_consts(cfg)
     even = dict(EVEN_K=True)
     return {
         "gate_up_pair": (decode._gate_up_pair_w4_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
@@ -76,7 +92,7 @@ def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bf
 
 def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
     """The fp8 decode path's one-token kernels at the releases' 128 x 128 scale blocks (mode "k")."""
-    nofill = dict(FILL=False, PLAN=False, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+    nofill = fill_consts(cfg)
     scales = dict(SCALE_ROWS=128, SCALE_COLS=128, MODE="k", EVEN=True)
     return {
         "gate_up_pair": (decode_fp8._pair_gate_up_fp8_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
@@ -90,7 +106,7 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
 
 def bf16_kernels(cfg=decode_bf16.DecodeConfig()) -> dict:
     """The bf16 decode path's one-token kernels, the rate the others are held to per byte."""
-    nofill = dict(FILL=False, PLAN=False, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+    nofill = fill_consts(cfg)
     plain = dict(EVEN=True, BIAS=False, GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
     return {
         "gate_up_pair": (decode_bf16._decode_gate_up_pair_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
@@ -106,14 +122,16 @@ def launch_values(fmt: str, bank: str) -> dict:
     """The integer arguments' values at the real shapes (strides of the weights and their scales)."""
     rows, k = (2 * INTER, HIDDEN) if bank == "w13" else (HIDDEN, INTER)
     values = dict(num_slots=EXPERTS, hidden=HIDDEN, inter=INTER, stride_xt=HIDDEN, stride_xh=1, num_bias=1, stride_b=1,
-                  top_k=TOP_K, stride_h13=HIDDEN // 8, stride_h2=INTER // 8, stride_w2s=HIDDEN * INTER // 8,
+                  top_k=TOP_K, stride_h13=2 * INTER * HIDDEN // 8, stride_h2=HIDDEN * INTER // 8,
+                  stride_w2s=HIDDEN * INTER // 8,
                   plan_len=8, stride_cs=rows, stride_ws=rows * k, up_scale_row=INTER // 128)
     if fmt == "bf16":  # w13 [S, 2I, H] strides (ws, wn, wh); w2 [S, H, I] strides (ws, wh, wi)
         strides = dict(stride_wn=HIDDEN, stride_wh=1) if bank == "w13" else dict(stride_wh=INTER, stride_wi=1)
-        return dict(values, **strides, stride_h13=HIDDEN, stride_h2=INTER, stride_w2s=HIDDEN * INTER)
-    if fmt == "fp8":  # e4m3 bytes, float32 scales of 128 x 128 blocks
-        return dict(values, stride_ss=rows * k // 128 ** 2, stride_sr=k // 128, stride_h13=HIDDEN, stride_h2=INTER,
+        return dict(values, **strides, stride_h13=2 * INTER * HIDDEN, stride_h2=HIDDEN * INTER,
                     stride_w2s=HIDDEN * INTER)
+    if fmt == "fp8":  # e4m3 bytes, float32 scales of 128 x 128 blocks
+        return dict(values, stride_ss=rows * k // 128 ** 2, stride_sr=k // 128, stride_h13=2 * INTER * HIDDEN,
+                    stride_h2=HIDDEN * INTER, stride_w2s=HIDDEN * INTER)
     g = GROUP[fmt]  # int32 words of 8 codes, a scale byte per group
     return dict(values, stride_qs=rows * k // 8, stride_qn=k // 8, stride_ss=rows * k // g, stride_sn=k // g)
 
@@ -164,16 +182,19 @@ def summary(compiled) -> str:
 
 
 def main() -> None:
-    table = kernels()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
     p.add_argument("--formats", nargs="+", default=["nvfp4", "mxfp4", "fp8", "bf16"],
                    choices=[*sorted(GROUP), "fp8", "bf16"])
     p.add_argument("--pair-regs", type=int, default=0, metavar="N",
                    help="cap one token's gate_up at N registers (DecodeConfig.pair_regs; 0: none)")
-    p.add_argument("--kernels", nargs="+", default=list(table), choices=list(table),
+    p.add_argument("--geometry", default="qwen3-30b", choices=list(GEOMETRIES), help="the shapes compiled for")
+    p.add_argument("--fill", action="store_true", help="the gate_ups with a fill's copies from the host")
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels)")
     args = p.parse_args()
+    use_geometry(args.geometry, args.fill)
+    table = kernels()
     target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
     for fmt in args.formats:
         kinds = dict(fp8=fp8_kernels, bf16=bf16_kernels).get(fmt, lambda: table)()

@@ -2,6 +2,7 @@
 and reads the cubin with Triton's own tools: registers, programs an SM holds, load widths."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,17 @@ def test_a_register_cap_reaches_the_compiler_and_spills_nothing_at_128():
     (capped,) = sass("--formats", "fp8", "--kernels", "gate_up_pair", "--pair-regs", "128")
     assert field(free, "regs") > 128 and field(capped, "regs") <= 128, (free, capped)
     assert field(capped, "local") == 0 and field(capped, "programs/SM") > field(free, "programs/SM")
+
+
+def test_mxfp4_rows_of_gpt_oss_shapes_copy_16_bytes_at_a_time():
+    """gpt-oss' rows are 2880 codes, 360 int32 words: the compiler cannot see that a row starts on
+    16 bytes (360 is not a multiple of 16), so without the format's hint every weight load, fill
+    copy and store of the 4-bit kernels went a word at a time (cp.async LDGSTS.E, STG.E)."""
+    lines = sass("--formats", "mxfp4", "--kernels", "gate_up_pair", "gate_up_slot", "down_slot", "prefill_gate_up",
+                 "--geometry", "gpt-oss", "--fill")
+    assert len(lines) == 4
+    for line in lines:
+        assert not re.search(r"\b(LDGSTS\.E|STG\.E) \d", line), line
+    pair, slot = lines[:2]
+    assert "LDG.E.128" in pair and "STG.E.128" in pair, pair  # the fill's copies from the host
+    assert "LDGSTS.E.BYPASS.128" in slot, slot

@@ -102,13 +102,16 @@ def tile_step(w_rows, ks, col_ok, k_len, stride_k, EVEN: tl.constexpr):
 # ==== a fill: the lookup's planned experts copied in as the gate_up launch runs ====
 
 @triton.jit
-def copy_rows(src_rows, dst_rows, row_ok, row_len, BLOCK_C: tl.constexpr):
+def copy_rows(src_rows, dst_rows, row_ok, row_len, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Copy rows ``src_rows [R, 1] -> dst_rows [R, 1]`` (pointers to each row's start, ``row_len``
     contiguous items), ``BLOCK_C`` columns a step: a step's loads are all in flight before its
-    stores, so a read over PCIe costs one round trip a step."""
+    stores, so a read over PCIe costs one round trip a step. ALIGN: the caller knows that
+    ``row_len`` and each row's start are multiples of ALIGN items, which the compiler cannot see
+    in a row length that is not a multiple of 16 (gpt-oss' 2880 codes are 360 words: without it
+    a word a load, with it four)."""
     for c0 in range(0, row_len, BLOCK_C):
         cs = c0 + tl.arange(0, BLOCK_C)
-        ok = row_ok[:, None] & (cs < row_len)[None, :]
+        ok = row_ok[:, None] & (cs // ALIGN < row_len // ALIGN)[None, :]
         tl.store(dst_rows + cs[None, :], tl.load(src_rows + cs[None, :], mask=ok), mask=ok)
 
 
@@ -124,37 +127,46 @@ def planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN: tl.constexp
 
 @triton.jit
 def fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, col0, inter, hidden, stride_hs,
-                  stride_ws, stride_wn, PLAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                  stride_ws, stride_wn, PLAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                  ALIGN: tl.constexpr = 1):
     """If the lookup's plan fills ``slot``, copy gate and up rows ``[col0, col0 + BLOCK_N)`` (this
     program's columns) of its host expert into the slot, then a barrier: the program's reads of the
-    slot come after every one of its threads' stores. A hit's program only reads the plan."""
+    slot come after every one of its threads' stores. A hit's program only reads the plan. ALIGN as
+    ``copy_rows`` (the row stride a multiple of it)."""
     src = planned_source(slot, plan_src_ptr, plan_dst_ptr, plan_len, PLAN)
     if src >= 0:
         r = tl.arange(0, 2 * BLOCK_N)
         col = col0 + r % BLOCK_N
-        offs = (col + (r // BLOCK_N) * inter)[:, None].to(tl.int64) * stride_wn  # gate rows, then up rows
-        copy_rows(host13_ptr + src * stride_hs + offs, w13_ptr + slot * stride_ws + offs, col < inter, hidden,
-                  BLOCK_C)
+        offs = (col + (r // BLOCK_N) * inter).to(tl.int64) * stride_wn  # gate rows, then up rows
+        if ALIGN > 1:  # (a hint replaces what the compiler knew, so none where there is nothing to add)
+            offs = tl.multiple_of(offs, ALIGN)
+        copy_rows(host13_ptr + src * stride_hs + offs[:, None], w13_ptr + slot * stride_ws + offs[:, None],
+                  col < inter, hidden, BLOCK_C, ALIGN)
         tl.debug_barrier()
 
 
 @triton.jit
 def fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, first, hidden, inter, stride_hs,
-                 stride_ws, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                 stride_ws, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr = 1):
     """A copy program (``program_id(0) >= first``): rows ``[c * ROWS, (c + 1) * ROWS)`` of every
-    planned expert's w2 (``[hidden, inter]``, contiguous), ``c`` its rank among the copy programs."""
+    planned expert's w2 (``[hidden, inter]``, contiguous), ``c`` its rank among the copy programs;
+    ALIGN as ``copy_rows`` (``inter`` a multiple of it)."""
     c = (tl.program_id(0) - first) * tl.num_programs(1) + tl.program_id(1)
     rows = c * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None].to(tl.int64) * inter
+    offs = rows.to(tl.int64) * inter
+    if ALIGN > 1:
+        offs = tl.multiple_of(offs, ALIGN)
+    offs = offs[:, None]
     for j in range(0, tl.load(count_ptr)):
         src = tl.load(plan_src_ptr + j).to(tl.int64)
         dst = tl.load(plan_dst_ptr + j).to(tl.int64)
-        copy_rows(host2_ptr + src * stride_hs + offs, w2_ptr + dst * stride_ws + offs, rows < hidden, inter, BLOCK_C)
+        copy_rows(host2_ptr + src * stride_hs + offs, w2_ptr + dst * stride_ws + offs, rows < hidden, inter, BLOCK_C,
+                  ALIGN)
 
 
 @triton.jit
 def w2_copy_program(first, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, hidden, inter, stride_hs,
-                    stride_ws, FILL: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                    stride_ws, FILL: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Whether this is one of a fill's copy programs (the grid's rows from ``first`` on), which then
     has copied its rows of the planned experts' w2 (``fill_w2_rows``) and returns."""
     copying = False
@@ -162,5 +174,5 @@ def w2_copy_program(first, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_
         copying = tl.program_id(0) >= first
         if copying:
             fill_w2_rows(host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, first, hidden, inter, stride_hs,
-                         stride_ws, ROWS, BLOCK_C)
+                         stride_ws, ROWS, BLOCK_C, ALIGN)
     return copying

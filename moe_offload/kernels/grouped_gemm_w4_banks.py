@@ -93,8 +93,10 @@ def _check_bank(name: str, bank: W4Bank, fmt: str, num_slots: int, k: int) -> No
         raise ValueError(f"{name} bias {tuple(bias.shape)} {bias.dtype}: want [E, {rows}] float")
     if any(t is not None and t.stride(-1) != 1 for t in bank):
         raise ValueError(f"{name}: every bank needs a unit stride along its last dimension")
-    if packed.storage_offset() % 4 or packed.stride(0) % 4 or packed.stride(1) % 4:
-        raise ValueError(f"{name}: packed rows must start on 4-byte boundaries (the kernels read words)")
+    align = 16 if fmt == "mxfp4" else 4  # mxfp4: whole groups, read 16 bytes at a time (MXFP4_ROW_ALIGN)
+    if packed.data_ptr() % align or packed.stride(0) % align or packed.stride(1) % align:
+        raise ValueError(f"{name}: packed rows must start on {align}-byte boundaries (the kernels read "
+                         f"{'16-byte groups' if align == 16 else 'words'})")
 
 
 # ==== launch plumbing ====

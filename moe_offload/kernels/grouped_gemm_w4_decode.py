@@ -36,7 +36,7 @@ from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
-                                                       packed_tile, swiglu_w4_rows, w4_dot)
+                                                       packed_tile, swiglu_w4_rows, w4_dot, MXFP4_ROW_ALIGN)
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
@@ -82,15 +82,16 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     outside ``[0, S)`` leaves its row unwritten. FILL: the lookup's planned experts' packed words
     are copied in as they are read (their scales were gathered before), as the bf16 path does."""
     pdl_wait(PDL)
+    ALIGN: tl.constexpr = MXFP4_ROW_ALIGN if GROUP == 32 else 1  # a packed row, in words
     if w2_copy_program(TOP_K, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter // 8,
-                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
+                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K, ALIGN):
         return
     pair, slot, skip = pair_slot(slots_ptr, num_slots)
     if skip:
         return
     if FILL:  # a row is HIDDEN / 8 words
         fill_w13_tile(host13_ptr, q_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
-                      inter, HIDDEN // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K)
+                      inter, HIDDEN // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K, ALIGN)
     cols, col_ok = column_tile(inter, BLOCK_N)
     q_slot, s_slot, live = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, slot >= 0
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
@@ -121,14 +122,15 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     """act[p, n] for every pair p on this program's slot, 16 pairs a round (one read of the slot's
     w13 tile for all of them when they fit one round); FILL as the per-pair kernel, once a slot."""
     pdl_wait(PDL)
+    ALIGN: tl.constexpr = MXFP4_ROW_ALIGN if GROUP == 32 else 1
     if w2_copy_program(num_pairs, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, hidden, inter // 8,
-                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
+                       stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K, ALIGN):
         return
     slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, inter, BLOCK_P, BLOCK_N)
     if FILL:
         if count > 0:
             fill_w13_tile(host13_ptr, q_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
-                          inter, hidden // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K)
+                          inter, hidden // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K, ALIGN)
     for r0 in range(0, count, 16):  # none unless this program runs its slot
         pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
         act = swiglu_w4_rows(x_ptr + (pairs // top_k) * stride_xt, live, tl.program_id(0), q_ptr + slot * stride_qs,

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 
+
 # The sign bits of both halves of a word (0x80008000 as an int32, so the word stays int32).
 _HIGH_SIGNS = tl.constexpr(-0x7FFF8000)
 
@@ -50,6 +51,13 @@ def group_scale(s, E8M0: tl.constexpr):
     return s.to(tl.float32) * 16384.0
 
 
+# The words a packed row's start is known to be a multiple of, beyond what the compiler sees (for
+# ``decode_tiles.aligned``), by format: an mxfp4 row is whole 16-byte groups (K a multiple of 32,
+# checked on the host), 4 words, so gpt-oss' rows of 360 words load 16 bytes at a time, not 4;
+# nvfp4's groups are 8 bytes, and a hint of 2 words would replace the 16 that qwen3's strides show.
+MXFP4_ROW_ALIGN = tl.constexpr(4)
+
+
 @triton.jit
 def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
@@ -62,6 +70,8 @@ def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
     at qwen3-30b's shapes: the per-slot down's copies become 16-byte, its registers 215 -> 168)."""
     gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     row = rows.to(tl.int64) * stride_qn
+    if GROUP == 32:  # (inline: a hint returned from a helper does not reach the loads)
+        row = tl.multiple_of(row, MXFP4_ROW_ALIGN)
     if EVEN_K and GROUP < 32:
         ws = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         q = tl.load(q_ptr + row[:, None] + ws[None, :], mask=row_ok[:, None], other=0)
