@@ -160,10 +160,12 @@ class ExpertCache:
                             self.slot_bytes, self.backend, low, ahead)
 
     def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor,
-             host_scales: ExpertScales | None = None) -> None:
-        """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and an
-        quantized cache's scale banks from ``host_scales``, ``[L*E, ...]``)."""
-        SlotFill(plan, host_w13, host_w2, host_scales).gather(self.w13, self.w2, self.scales, self.backend)
+             host_scales: ExpertScales | None = None, programs: int | None = None) -> None:
+        """Copy the planned experts from ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and a
+        quantized cache's scale banks from ``host_scales``, ``[L*E, ...]``); ``programs`` as
+        ``gather_missing`` takes it."""
+        SlotFill(plan, host_w13, host_w2, host_scales).gather(self.w13, self.w2, self.scales, self.backend,
+                                                              programs)
 
     def invalidate(self, slot_start: int, num_slots: int) -> None:
         """Empty ``[slot_start, slot_start + num_slots)`` (the prefill pipeline's lent slots)."""

@@ -25,6 +25,9 @@ is admitted after it and crosses beside the next layer's attention and router in
   slot it took, never a result.
 - Layer ``l+1`` waits for ``fetched`` before its GEMM and before the next guess is admitted, so each
   forward pass ends with the copy stream joined: a captured decode graph forks and joins it.
+- The gather runs on ``PROGRAMS`` programs (``gather_missing``'s few-program form), not its wide
+  grid: it runs beside the dense GEMVs, which slowed 3.7x beside the wide grid's thousands of
+  programs waiting on PCIe (architecture.md, Hybrid models).
 - The plan is read by the copy stream after the compute stream let go of it: it is held here until
   the compute stream has waited for the gather, so the allocator cannot hand its memory to later
   compute work first.
@@ -39,15 +42,19 @@ from moe_offload.kernels.lookup_admit import CopyPlan, LowPriority
 from moe_offload.prefill_pipeline import CudaStreams, HostStreams, PipelineStreams
 
 EVENTS = ("planned", "fetched")
+PROGRAMS = 32  # the guess's gather: 32 steps of 8-16 KB in flight, enough for the link
 
 
 class ExpertPrefetch:
     """Admits and gathers a predicted next layer's experts into ``cache`` from the host banks
-    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and ``host_scales`` for a quantized cache)."""
+    ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and ``host_scales`` for a quantized cache),
+    its gather on ``programs`` programs (0: the wide grid)."""
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
-                 host_scales: ExpertScales | None = None, streams: PipelineStreams | None = None):
+                 host_scales: ExpertScales | None = None, streams: PipelineStreams | None = None,
+                 programs: int = PROGRAMS):
         self.cache = cache
+        self.programs = programs
         self.host = (host_w13, host_w2, host_scales)
         device = cache.w13.device
         self.streams = streams or (CudaStreams(device, EVENTS) if device.type == "cuda" else HostStreams())
@@ -67,7 +74,7 @@ class ExpertPrefetch:
         self.streams.record("planned", "compute")
         self.streams.wait("copy", "planned")
         with self.streams.on_copy(f"prefetch layer {layer}"):
-            self.cache.fill(plan, *self.host)
+            self.cache.fill(plan, *self.host, programs=self.programs)
         self.streams.record("fetched", "copy")
         self.pending = plan
 

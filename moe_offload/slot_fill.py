@@ -11,6 +11,10 @@ from moe_offload.expert_scales import ExpertScales
 from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.kernels.lookup_admit import CopyPlan
 
+# gather_missing's width for a step's own misses, gathered before its GEMM (0: the wide grid; n: n
+# programs); scripts/bench_decode.py --gather-programs sets it to compare
+MISS_PROGRAMS = 0
+
 
 class SlotFill(NamedTuple):
     """Experts to copy into their cache slots before or while a GEMM reads them: ``plan``'s rows
@@ -23,13 +27,15 @@ class SlotFill(NamedTuple):
     host_scales: ExpertScales | None = None
 
     def gather(self, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None = None,
-               backend: str | None = None) -> None:
+               backend: str | None = None, programs: int | None = None) -> None:
         """Copy the planned experts into the slot pools ``w13``, ``w2`` (and an fp8 cache's
-        ``scales``) now, in stream order: one ``gather_missing`` launch."""
+        ``scales``) now, in stream order: one ``gather_missing`` launch over ``programs`` programs
+        (0: its wide grid; None: ``MISS_PROGRAMS``)."""
+        programs = MISS_PROGRAMS if programs is None else programs
         if (self.host_scales is None) != (scales is None):
             raise ValueError("quantized slots fill from host scales, float ones from none")
         pools = {} if scales is None else {"host_scales": self.host_scales.tensors(), "slot_scales": scales.tensors()}
-        gather_missing(*self.plan, self.host_w13, self.host_w2, w13, w2, backend, **pools)
+        gather_missing(*self.plan, self.host_w13, self.host_w2, w13, w2, backend, **pools, programs=programs)
 
     def gather_scales(self, slot_scales: tuple[torch.Tensor, ...], backend: str | None = None) -> None:
         """Copy only the planned experts' scale banks into ``slot_scales`` (the slots' banks in

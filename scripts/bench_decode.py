@@ -16,7 +16,8 @@ Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the len
 steps that often, as other sessions' turns would: "tok/s" then includes those prefills, "decode
 tok/s" and the ratio leave out the steps that ran one, timed apart).
 ``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
-Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on): "guessed" is
+Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on; ``wide`` is on
+with the guess gathered by ``gather_missing``'s wide grid instead of its few programs): "guessed" is
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
 the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s. Each ``--fill``
 mode too (how a miss reaches its slot: copied by the expert GEMM as it computes, or gathered first).
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 
 from moe_offload.choices import EXPERT_DTYPES, FILL_MODES, LENT_SLOT_RULES, POLICIES
+from moe_offload import slot_fill
 from moe_offload.kernels.triton_support import PDL_ENV
 from moe_offload.synthetic_routing import synthetic_trace
 from scheduler.engine import Engine, EngineConfig
@@ -205,15 +207,19 @@ def timed_steps(engine: Engine, reqs: list[Request], prefill_every: int, extra) 
 def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str, fill: str,
                gpus: int) -> ModelRunner:
     experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
-                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch == "on", fill=fill)
+                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch != "off", fill=fill)
     # a hybrid model's state slots: one per request that runs at once (the largest batch, and a joining
     # prefill); the prefix cache is off, so one snapshot slot, the fewest there can be. KV: the largest
     # batch at the longest prompt, and a joining prefill
     kv_tokens = max(16384, max(args.batch) * (max(args.prompt_tokens) + args.decode_tokens) + args.prefill_tokens)
-    return start_runner(RunnerConfig(args.model, device=args.device, dtype="auto", kv_tokens=kv_tokens,
-                                     cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
-                                     routing=RoutingOptions(args.routing), experts=experts, gpus=gpus,
-                                     state_slots=max(args.batch) + 1, state_snapshots=1))
+    runner = start_runner(RunnerConfig(args.model, device=args.device, dtype="auto", kv_tokens=kv_tokens,
+                                       cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
+                                       routing=RoutingOptions(args.routing), experts=experts, gpus=gpus,
+                                       state_slots=max(args.batch) + 1, state_snapshots=1))
+    slot_fill.MISS_PROGRAMS = args.gather_programs
+    if prefetch == "wide" and getattr(runner.experts, "prefetch", None) is not None:
+        runner.experts.prefetch.programs = 0  # the guess's gather on gather_missing's wide grid, as before 2026-12-04
+    return runner
 
 
 def bench_runner(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str, fill: str,
@@ -365,8 +371,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
     p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
-    p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on"],
-                   help="cross-layer expert prefetch at decode; several: one row each (resident rows run once)")
+    p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on", "wide"],
+                   help="cross-layer expert prefetch at decode (wide: its gather on the wide grid of before "
+                        "2026-12-04); several: one row each (resident rows run once)")
+    p.add_argument("--gather-programs", type=int, default=slot_fill.MISS_PROGRAMS, metavar="N",
+                   help="gather_missing's width for a step's own misses where they are gathered before the GEMM "
+                        "(0: its wide grid; N: N programs dealing the rows among them)")
     p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,
                    help="how decode copies cache misses in (gemm: the GEMM reads and stores them as it computes; "
                         "gather: a copy launch first); several: one row each (resident rows run once)")
@@ -413,7 +423,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"decode, {args.model}, {device}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
-          f"routing {args.routing}")
+          f"routing {args.routing}, misses gathered by {args.gather_programs or 'the wide grid of'} programs")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
                                guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
     if args.top_kernels:

@@ -275,7 +275,8 @@ def random_gather(shape: GatherShape, gen: torch.Generator):
     return (src, dst, torch.tensor([count], dtype=torch.int32)), (host_w13, host_w2), (slot_w13, slot_w2)
 
 
-def run_gather(shape: GatherShape, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext) -> None:
+def run_gather(shape: GatherShape, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext,
+               programs: int = 0) -> None:
     plan, host, slots = random_gather(shape, torch.Generator().manual_seed(seed))
     want = [t.clone() for t in slots]
     got = [t.to(device) for t in slots]
@@ -283,16 +284,19 @@ def run_gather(shape: GatherShape, seed: int, device: str, backend: str | None, 
     dev_host = host if device == "cpu" else [t.pin_memory() for t in host]  # zero-copy from pinned memory
     dev_plan = [t.to(device) for t in plan]
     with guard():
-        gather_mod.gather_missing(*dev_plan, *dev_host, *got, backend=backend)
+        gather_mod.gather_missing(*dev_plan, *dev_host, *got, backend=backend, programs=programs)
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b)
 
 
 @interpreted
+@pytest.mark.parametrize("programs", [0, 1, 3])
 @pytest.mark.parametrize("shape", GATHER_SHAPES, ids=str)
-def test_gather_missing_interpreted(shape):
+def test_gather_missing_interpreted(shape, programs):
+    """The wide grid, and the few programs that deal the steps among them (one program, and three,
+    fewer than some plans' rows and steps)."""
     for trial in range(TRIALS):
-        run_gather(shape, trial, "cpu", "triton")
+        run_gather(shape, trial, "cpu", "triton", programs=programs)
 
 
 def scale_banks(count: int, num_ids: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -306,10 +310,12 @@ def scale_banks(count: int, num_ids: int, gen: torch.Generator) -> list[torch.Te
 
 
 @interpreted
+@pytest.mark.parametrize("programs", [0, 2])
 @pytest.mark.parametrize("num_scales", [1, 2, 4])
-def test_gather_missing_moves_every_bank_in_one_launch_interpreted(num_scales):
-    """w13, w2 and 1, 2 or 4 scale banks of other item sizes: one launch, every bank's planned rows
-    byte for byte, every other row untouched."""
+def test_gather_missing_moves_every_bank_in_one_launch_interpreted(num_scales, programs):
+    """w13, w2 and 1, 2 or 4 scale banks of other item sizes: one launch (of the wide grid or of
+    two programs), every bank's planned rows byte for byte, every other row untouched."""
+    kernel = "triton.gather_missing_few_kernel" if programs else "triton.gather_missing_kernel"
     for trial in range(6):
         gen = torch.Generator().manual_seed(trial)
         plan, host, slots = random_gather(GATHER_SHAPES[trial % len(GATHER_SHAPES)], gen)
@@ -321,8 +327,8 @@ def test_gather_missing_moves_every_bank_in_one_launch_interpreted(num_scales):
         got = [t.clone() for t in (*slots, *slot_scales)]
         with count_launches() as launches:
             gather_mod.gather_missing(*plan, *host, *got[:2], backend="triton", host_scales=host_scales,
-                                      slot_scales=got[2:])
-        assert dict(launches.launches) == {"triton.gather_missing_kernel": 1}
+                                      slot_scales=got[2:], programs=programs)
+        assert dict(launches.launches) == {kernel: 1}
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), trial
 
@@ -338,6 +344,8 @@ def test_gather_missing_checks():
     many = scale_banks(4, host[0].shape[0], torch.Generator().manual_seed(1)) * 2
     with pytest.raises(ValueError, match="at most 4"):
         gather_mod.gather_missing(*plan, *host, *slots, host_scales=many[:5], slot_scales=many[:5])
+    with pytest.raises(ValueError, match="programs must be 0"):
+        gather_mod.gather_missing(*plan, *host, *slots, programs=-1)
 
 
 # ==== invalidate_slots ====
@@ -397,6 +405,32 @@ def test_offloaded_experts_interpreted(fill):
 
 
 @interpreted
+def test_prefetch_gathers_its_guess_on_few_programs_interpreted():
+    """Cross-layer prefetch through the kernels: the guess of the next layer is gathered by the
+    few-program launch (it runs beside compute), the layer's own misses by the wide grid, and the
+    outputs match resident experts."""
+    layers, experts, hidden, inter = 3, 8, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    banks = ExpertBanks(torch.randn(layers, experts, 2 * inter, hidden, generator=gen),
+                        torch.randn(layers, experts, hidden, inter, generator=gen))
+    offloaded = OffloadedExperts.create(banks, 2 * experts, "cpu", "lfru", backend="triton", prefetch=True,
+                                        fill="gather")
+    resident = ResidentExperts(banks)
+    ids = [torch.randint(experts, (1, 2), generator=gen) for _ in range(layers)]
+    with count_launches() as counter:
+        for layer in range(layers):
+            x, weights = torch.randn(1, hidden, generator=gen), torch.rand(1, 2, generator=gen)
+            next_ids = ids[layer + 1] if layer + 1 < layers else None
+            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids[layer], next_ids=next_ids),
+                                       resident.forward(layer, x, weights, ids[layer]), rtol=1e-5, atol=1e-5)
+    assert counter.launches["triton.gather_missing_few_kernel"] == layers - 1
+    assert counter.launches["triton.gather_missing_kernel"] == layers  # each layer's own lookup gathers
+    stats = offloaded.cache.stats()
+    assert stats["prefetch"]["bytes_h2d"] > 0
+    assert stats["layers"][1]["misses"] == stats["layers"][2]["misses"] == 0  # the guesses were exact
+
+
+@interpreted
 def test_kernels_really_interpret():
     """Forcing the Triton path on the CPU must run the interpreter, not silently the twin."""
     for kernel in (lookup_mod._kernel(), gather_mod.gather_missing_kernel, invalidate_mod._kernel()):
@@ -420,10 +454,11 @@ def test_lookup_admit_ahead_cuda(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("programs", [0, 32])
 @pytest.mark.parametrize("shape", GATHER_SHAPES, ids=str)
-def test_gather_missing_cuda(shape):
+def test_gather_missing_cuda(shape, programs):
     for trial in range(TRIALS):
-        run_gather(shape, trial, "cuda", None, guard=sync_errors)
+        run_gather(shape, trial, "cuda", None, guard=sync_errors, programs=programs)
 
 
 @pytest.mark.cuda

@@ -13,6 +13,12 @@ serves bf16 banks, fp8 and 4-bit banks (1 byte) and their scale banks alike, and
 call in one launch: the grid's first axis runs over the banks' blocks one bank after another
 (``MAX_BANKS`` at most: w13, w2 and nvfp4's four scale banks), so a decode step's small scale rows
 cross PCIe beside each other, not one launch's latency after another's.
+
+A gather that runs beside compute (the decode prefetch's, on the copy stream) takes ``programs``:
+that many programs deal the planned rows among them in ``STEP``-item steps, instead of a program per
+block of every planned expert. The wide grid holds every SM while its programs wait on PCIe, so the
+kernels that run beside it (the dense GEMVs, which need every SM's share of HBM) wait for SMs; a few
+programs of 8 warps, each with a step in flight, keep the link busy and leave the SMs to them.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ from moe_offload.kernels.triton_support import pdl_args, raw_bytes, use_triton
 BLOCK = 4096
 SPLIT = 8  # programs per block, each taking every SPLIT-th planned expert
 MAX_BANKS = 6
+STEP = 8192  # items a step of the few programs (8 KB of fp8 or 4-bit, 16 KB of bf16)
+STEP_WARPS = 8
 
 
 def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
@@ -49,9 +57,10 @@ def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
 def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                    host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
                    backend: str | None = None, host_scales: tuple[torch.Tensor, ...] | None = None,
-                   slot_scales: tuple[torch.Tensor, ...] | None = None) -> None:
+                   slot_scales: tuple[torch.Tensor, ...] | None = None, programs: int = 0) -> None:
     """Copy rows ``host[plan_src[i]] -> slots[plan_dst[i]]`` for ``i < count``, every bank, in one
-    launch.
+    launch: over the wide grid, or with ``programs > 0`` over that many programs (a gather beside
+    compute).
 
     ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]``, ``slot_w13 [S, 2I, H]``, ``slot_w2 [S, H, I]``;
     quantized banks also move their scales: ``host_scales`` (each ``[L*E, R, C]``; fp8's w13 and w2,
@@ -62,7 +71,11 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
     """
     banks = _pairs(host_w13, host_w2, slot_w13, slot_w2, host_scales, slot_scales)
     _check(plan_src, plan_dst, count, banks)
-    if use_triton(slot_w13, backend):
+    if programs < 0:
+        raise ValueError(f"programs must be 0 (the wide grid) or a count of programs, not {programs}")
+    if use_triton(slot_w13, backend) and programs:
+        _launch_few(plan_src, plan_dst, count, banks, programs)
+    elif use_triton(slot_w13, backend):
         _launch(plan_src, plan_dst, count, banks)
     else:
         gather_missing_eager(plan_src, plan_dst, count, banks)
@@ -84,6 +97,18 @@ def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
     split = max(1, min(SPLIT, plan_src.shape[0]))
     gather_missing_kernel[(total, split)](plan_src, plan_dst, count, *args, *starts[1:], BLOCK=BLOCK,
                                           **pdl_args(banks[0][1]))
+
+
+def _launch_few(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+                banks: list[tuple[torch.Tensor, torch.Tensor]], programs: int) -> None:
+    """One launch of ``programs`` programs over every bank (the padding's banks are not visited)."""
+    args = []
+    for host, slots in banks:
+        host, slots = raw_bytes(host), raw_bytes(slots)
+        args += [host, slots, host[0].numel()]
+    args += args[:3] * (MAX_BANKS - len(banks))
+    gather_missing_few_kernel[(programs,)](plan_src, plan_dst, count, *args, NUM_BANKS=len(banks), STEP=STEP,
+                                           num_warps=STEP_WARPS, **pdl_args(banks[0][1]))
 
 
 def _pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
@@ -145,3 +170,38 @@ def gather_missing_kernel(plan_src_ptr, plan_dst_ptr, count_ptr, src0, dst0, num
         _copy_block(src4, dst4, numel4, pid - start4, plan_src_ptr, plan_dst_ptr, count, BLOCK)
     else:
         _copy_block(src5, dst5, numel5, pid - start5, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+
+
+@triton.jit
+def _deal_steps(src_ptr, dst_ptr, numel, plan_src_ptr, plan_dst_ptr, count, STEP: tl.constexpr):
+    """Every planned expert's items of one bank, cut into ``STEP``-item steps dealt round-robin to
+    the programs."""
+    steps = tl.cdiv(numel, STEP)
+    for w in range(tl.program_id(0), count * steps, tl.num_programs(0)):
+        j = w // steps
+        offs = (w - j * steps).to(tl.int64) * STEP + tl.arange(0, STEP)
+        inside = offs < numel
+        src = tl.load(plan_src_ptr + j).to(tl.int64)
+        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
+        vals = tl.load(src_ptr + src * numel + offs, mask=inside)
+        tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
+
+
+@triton.jit
+def gather_missing_few_kernel(plan_src_ptr, plan_dst_ptr, count_ptr, src0, dst0, numel0, src1, dst1, numel1,
+                              src2, dst2, numel2, src3, dst3, numel3, src4, dst4, numel4, src5, dst5, numel5,
+                              NUM_BANKS: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see triton_support.pdl_args
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    count = tl.load(count_ptr)
+    _deal_steps(src0, dst0, numel0, plan_src_ptr, plan_dst_ptr, count, STEP)
+    _deal_steps(src1, dst1, numel1, plan_src_ptr, plan_dst_ptr, count, STEP)
+    if NUM_BANKS > 2:
+        _deal_steps(src2, dst2, numel2, plan_src_ptr, plan_dst_ptr, count, STEP)
+    if NUM_BANKS > 3:
+        _deal_steps(src3, dst3, numel3, plan_src_ptr, plan_dst_ptr, count, STEP)
+    if NUM_BANKS > 4:
+        _deal_steps(src4, dst4, numel4, plan_src_ptr, plan_dst_ptr, count, STEP)
+    if NUM_BANKS > 5:
+        _deal_steps(src5, dst5, numel5, plan_src_ptr, plan_dst_ptr, count, STEP)
