@@ -50,13 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from moe_offload.grouped import SlotFill, grouped_swiglu  # noqa: E402
 from moe_offload.host_register import host_register, mapped_device_bytes  # noqa: E402
 from moe_offload.kernels.grouped_gemm_decode import DecodeConfig, decode_grouped_swiglu  # noqa: E402
+from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels.gather_missing import gather_missing  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
 from report_table import bench_parser, print_table, write_json  # noqa: E402  (beside this script)
 
 PCIE_BYTES_PER_S = 55e9
 HBM_BYTES_PER_S = 4.3e12
-BESIDE_PROGRAMS = [0, 16, 32, 64]  # gather_missing's wide grid, then that many programs
+BESIDE_PROGRAMS = [0, 1, 4, 16, 32, 64]  # gather_missing's wide grid, then that many programs
 GATHER_PROGRAMS = [16, 32, 64, 128]
 HOST_EXPERTS = 64
 SLOTS = 16
@@ -240,7 +241,8 @@ def beside_rows(b: Banks, misses: int, reps: int) -> list[dict]:
 
 
 def print_beside(rows: list[dict]) -> None:
-    print("\nbeside dense work: four GEMVs over 128 MB of bf16 on the compute stream, the gather on a side stream")
+    print(f"\nbeside dense work: four GEMVs over 128 MB of bf16 on the compute stream, the gather on a side stream "
+          f"(the few programs of {gather_mod.STEP_WARPS} warps each)")
     print_table([("misses", "misses", ">6"), ("gather", "way", ">12"), ("GEMVs us", "gemv_us", ">9.1f"),
                  ("HBM bound", "gemv_bound_us", ">9.1f"), ("gather us", "gather_us", ">9.1f"),
                  ("GB/s", "gb_s", ">6.1f"), ("PCIe bound", "gather_bound_us", ">10.1f"),
@@ -255,10 +257,13 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--sweep", action="store_true", help="also time other tiles of the GEMM's fill")
     p.add_argument("--beside", action="store_true", help="also time gathers beside dense work, per width")
+    p.add_argument("--step-warps", type=int, default=gather_mod.STEP_WARPS,
+                   help="warps of each of the few programs' gather (gather_missing.STEP_WARPS)")
     p.add_argument("--packed", action="store_true", help="4-bit banks (bytes): gather and memcpy rows only")
     p.add_argument("--shm-gb", type=float, default=0.0, metavar="G",
                    help="host banks in a G GB registered shared-memory segment (the expert store's way)")
     args = p.parse_args()
+    gather_mod.STEP_WARPS = args.step_warps
     b = make_banks(args.hidden, args.inter, args.packed, args.shm_gb)
     alone = 0.0 if args.packed else graph_timed(lambda: grouped_swiglu(b.hidden, b.weights, b.slots, b.w13, b.w2),
                                                 args.reps)
