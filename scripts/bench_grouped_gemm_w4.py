@@ -50,7 +50,11 @@ SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4
 DECODE_SWEEP = [dict(), dict(pair_n=4), dict(pair_n=16), dict(pair_warps=2), dict(pair_warps=8), dict(pair_k=512),
                 dict(pair_k=128, pair_n=4), dict(down_warps=8), dict(down_n=8, down_warps=4), dict(down_k=512),
                 dict(gate_up_n=32, gate_up_k=128), dict(gate_up_n=128, gate_up_k=64), dict(slot_down_n=64),
-                dict(slot_down_k=128), dict(num_warps=8), dict(pair_regs=128), dict(pair_regs=96), dict(pair_regs=64)]
+                dict(slot_down_k=128), dict(num_warps=8), dict(pair_regs=128), dict(pair_regs=96), dict(pair_regs=64),
+                # the per-token down at fewer warps: 16 warps over its 16 x 256 tile load 4 bytes a thread (sm90
+                # SASS at gpt-oss's shapes: one program an SM, 180 programs); 4 warps load 16
+                dict(down_warps=4), dict(down_warps=2), dict(down_n=32, down_warps=4), dict(down_n=8, down_warps=2),
+                dict(down_k=128, down_warps=4)]
 SWEEP_KEYS = (("geometry", ">10"), ("variant", ">13"), ("tokens", "6d"))  # a sweep's groups, as print_sweep prints them
 
 

@@ -173,7 +173,7 @@ def summary(compiled) -> str:
         usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tools / "nvdisasm", "-c", cubin.name], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
-    instructions = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
+    instructions = len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass))
     loads = ", ".join(f"{op} {n}" for op, n in sorted(Counter(LOAD_OPS.findall(sass)).items()))
     warps = compiled.metadata.num_warps
     per_sm = min(65536 // (max(int(regs[1]), 1) * 32 * warps), 64 // warps)  # register file, warp slots
@@ -192,9 +192,12 @@ def main() -> None:
     p.add_argument("--fill", action="store_true", help="the gate_ups with a fill's copies from the host")
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels)")
+    p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
+                   help="4-bit decode tiles changed from W4_DECODE_TILES (DecodeConfig fields), e.g. down_warps=4")
     args = p.parse_args()
     use_geometry(args.geometry, args.fill)
-    table = kernels()
+    changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}
+    table = kernels(decode.W4_DECODE_TILES._replace(**changes))
     target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
     for fmt in args.formats:
         kinds = dict(fp8=fp8_kernels, bf16=bf16_kernels).get(fmt, lambda: table)()
