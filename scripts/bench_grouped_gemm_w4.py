@@ -152,7 +152,14 @@ def sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> 
         time = time_us(lambda: fused_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": fmt, "tokens": num_tokens, "config": list(tiles),
                      "default": config == default_config(num_tokens, hidden.dtype), "time_us": time})
+        progress(rows[-1])
     return rows
+
+
+def progress(row: dict) -> None:
+    """One sweep row as soon as it is timed (a run cut off by a time limit keeps what it measured)."""
+    print(f"[sweep] {row['geometry']} {row['variant']} tokens {row['tokens']} {row['config'] or 'default'}: "
+          f"{row['time_us']:.1f} us", flush=True)
 
 
 def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> list[dict]:
@@ -163,6 +170,7 @@ def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tup
         time = time_us(lambda: decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": f"{fmt}-decode", "tokens": num_tokens, "config": change,
                      "default": not change, "time_us": time})
+        progress(rows[-1])
     return rows
 
 
