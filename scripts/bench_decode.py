@@ -372,11 +372,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
     p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on", "wide"],
-                   help="cross-layer expert prefetch at decode (wide: its gather on the wide grid of before "
-                        "2026-12-04); several: one row each (resident rows run once)")
+                   help="cross-layer prefetch at decode (wide: its gather on gather_missing's wide grid); rows each")
     p.add_argument("--gather-programs", type=int, default=slot_fill.MISS_PROGRAMS, metavar="N",
-                   help="gather_missing's width for a step's own misses where they are gathered before the GEMM "
-                        "(0: its wide grid; N: N programs dealing the rows among them)")
+                   help="programs of the gather of a step's own misses (0: gather_missing's wide grid)")
     p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,
                    help="how decode copies cache misses in (gemm: the GEMM reads and stores them as it computes; "
                         "gather: a copy launch first); several: one row each (resident rows run once)")
