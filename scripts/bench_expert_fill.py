@@ -16,8 +16,10 @@ Per count of misses m (of a batch-1 layer's k = 8 experts), each way of filling 
 
 ``--beside`` times a gather on a side stream beside dense work on the compute stream (four GEMVs
 over a 128 MB bf16 weight, as a decode step's projections read HBM), as the decode prefetch runs
-its guess: the wide grid against ``gather_missing``'s few programs (``programs``), each row the
-GEMVs' time (alone: no gather), the gather's, and both together; the GEMVs' HBM bound beside them.
+its guess: the wide grid against ``gather_missing``'s few programs (``programs``), and one and 32
+programs gathering from HBM instead (is it any kernel beside the GEMVs that slows them, or one
+reading PCIe?); each row the GEMVs' time (alone: no gather), the gather's, and both together; the
+GEMVs' HBM bound beside them.
 
 ``--sweep`` adds "gemm" rows for other tiles of the fill, each named by the ``DecodeConfig`` field it
 changes: ``fill_k`` (the columns of a w13 copy step), ``fill_rows`` (the w2 rows of a copy program)
@@ -201,42 +203,65 @@ def time_ways(b: Banks, misses: int, alone: float, reps: int, sweep: bool) -> li
     return rows
 
 
-def beside_rows(b: Banks, misses: int, reps: int) -> list[dict]:
-    """The GEMVs alone, and beside a gather of ``misses`` experts on a side stream (each width)."""
-    weight = torch.randn(16384, 4096, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(4096, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    plan = plans(misses, reps + 1, b.host_w13.shape[0])
-    gemv_bound = 4 * weight.numel() * weight.element_size() / HBM_BYTES_PER_S * 1e6
-    gather_bound = misses * b.expert_bytes / PCIE_BYTES_PER_S * 1e6
+class Beside(NamedTuple):
+    """Dense work on the compute stream (four GEMVs over ``weight``) and a side stream for gathers."""
+    weight: torch.Tensor
+    x: torch.Tensor
+    side: torch.cuda.Stream
 
-    def once(rep: int, programs: int | None) -> tuple[float, float, float]:
+    def once(self, gather) -> tuple[float, float, float]:
+        """us of the GEMVs, of ``gather()`` on the side stream (None: none), and of both together."""
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         events[0].record()
-        if programs is not None:
-            side.wait_event(events[0])
-            with torch.cuda.stream(side):
-                gather_missing(*plan[rep], b.host_w13, b.host_w2, b.w13, b.w2, programs=programs)
+        if gather is not None:
+            self.side.wait_event(events[0])
+            with torch.cuda.stream(self.side):
+                gather()
                 events[2].record()
         for _ in range(4):
-            torch.mv(weight, x)
+            torch.mv(self.weight, self.x)
         events[1].record()
-        if programs is not None:
+        if gather is not None:
             torch.cuda.current_stream().wait_event(events[2])
         events[3].record()
         events[3].synchronize()
-        gather_us = events[0].elapsed_time(events[2]) * 1e3 if programs is not None else 0.0
+        gather_us = events[0].elapsed_time(events[2]) * 1e3 if gather is not None else 0.0
         return events[0].elapsed_time(events[1]) * 1e3, gather_us, events[0].elapsed_time(events[3]) * 1e3
 
+
+def beside_ways(b: Banks, misses: int, reps: int) -> dict:
+    """Each gather to run beside the GEMVs, by name, as a function of the rep: from the host banks
+    at each width, and by one and 32 programs from copies of the first experts in HBM (no PCIe)."""
+    host_plan = plans(misses, reps + 1, b.host_w13.shape[0])
+    hbm = [t[:HOST_EXPERTS].to("cuda", copy=True) for t in (b.host_w13, b.host_w2)]  # device views too
+    hbm_plan = plans(misses, reps + 1, HOST_EXPERTS)
+
+    def gather(plan, banks, programs):
+        return lambda rep: lambda: gather_missing(*plan[rep], *banks, b.w13, b.w2, programs=programs)
+
+    ways = {"none": lambda rep: None}
+    for programs in BESIDE_PROGRAMS:
+        ways["wide grid" if programs == 0 else f"{programs} programs"] = gather(host_plan,
+                                                                               (b.host_w13, b.host_w2), programs)
+    for programs in (1, 32):
+        ways[f"{programs} from HBM"] = gather(hbm_plan, hbm, programs)
+    return ways
+
+
+def beside_rows(b: Banks, misses: int, reps: int) -> list[dict]:
+    """The GEMVs alone, and beside a gather of ``misses`` experts on a side stream (each way)."""
+    beside = Beside(torch.randn(16384, 4096, dtype=torch.bfloat16, device="cuda"),
+                    torch.randn(4096, dtype=torch.bfloat16, device="cuda"), torch.cuda.Stream())
+    gemv_bound = 4 * beside.weight.numel() * beside.weight.element_size() / HBM_BYTES_PER_S * 1e6
     rows = []
-    for programs in [None, *BESIDE_PROGRAMS]:
-        once(reps, programs)  # compile, and other experts than the timed reps'
-        times = [once(rep, programs) for rep in range(reps)]
-        gemv, gather, both = (sum(t[i] for t in times) / reps for i in range(3))
-        way = "none" if programs is None else "wide grid" if programs == 0 else f"{programs} programs"
-        rows.append(dict(misses=misses, way=way, gemv_us=gemv, gemv_bound_us=gemv_bound, gather_us=gather,
-                         gather_bound_us=gather_bound if programs is not None else 0.0, both_us=both,
-                         gb_s=misses * b.expert_bytes / gather / 1e3 if gather else 0.0))
+    for way, gather in beside_ways(b, misses, reps).items():
+        beside.once(gather(reps))  # compile, and other experts than the timed reps'
+        times = [beside.once(gather(rep)) for rep in range(reps)]
+        gemv, gather_us, both = (sum(t[i] for t in times) / reps for i in range(3))
+        pcie = way not in ("none",) and "HBM" not in way
+        rows.append(dict(misses=misses, way=way, gemv_us=gemv, gemv_bound_us=gemv_bound, gather_us=gather_us,
+                         gather_bound_us=misses * b.expert_bytes / PCIE_BYTES_PER_S * 1e6 if pcie else 0.0,
+                         both_us=both, gb_s=misses * b.expert_bytes / gather_us / 1e3 if gather_us else 0.0))
     return rows
 
 
