@@ -148,16 +148,17 @@ class ExpertCache:
         return self.w13.shape[0]
 
     def lookup(self, layer: int, ids: torch.Tensor, slot_start: int = 0, num_slots: int | None = None,
-               low: LowPriority = LowPriority(), ahead: bool = False) -> tuple[CopyPlan, torch.Tensor]:
+               low: LowPriority = LowPriority(), ahead: bool = False, max_admit: int = 0) -> tuple[CopyPlan, torch.Tensor]:
         """Route ``ids [T, k]`` of ``layer`` to slots, admitting misses into ``[slot_start, +num_slots)``
         (default: every slot from ``slot_start`` on), slots below ``low.end`` ranking first as
         victims. The plan still has to be gathered (``fill``). ``ahead``: ``ids`` is a prediction
-        for the next lookup (``kernels.lookup_admit``), counted in ``prefetch_stats``."""
+        for the next lookup (``kernels.lookup_admit``), counted in ``prefetch_stats``, admitting at most
+        ``max_admit`` of its misses (0: all that fit)."""
         if num_slots is None:
             num_slots = self.num_slots - slot_start
         tables = self.tables._replace(stats=self.prefetch_stats) if ahead else self.tables
         return lookup_admit(ids, layer, self.num_experts, tables, slot_start, num_slots, self.policy,
-                            self.slot_bytes, self.backend, low, ahead)
+                            self.slot_bytes, self.backend, low, ahead, max_admit)
 
     def fill(self, plan: CopyPlan, host_w13: torch.Tensor, host_w2: torch.Tensor,
              host_scales: ExpertScales | None = None, programs: int | None = None) -> None:

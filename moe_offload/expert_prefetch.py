@@ -48,13 +48,17 @@ PROGRAMS = 32  # the guess's gather: 32 steps of 8-16 KB in flight, enough for t
 class ExpertPrefetch:
     """Admits and gathers a predicted next layer's experts into ``cache`` from the host banks
     ``host_w13 [L*E, 2I, H]``, ``host_w2 [L*E, H, I]`` (and ``host_scales`` for a quantized cache),
-    its gather on ``programs`` programs (0: the wide grid)."""
+    its gather on ``programs`` programs (0: the wide grid), admitting at most ``max_admit`` guessed
+    misses a layer, the most likely first (0: every one that fits)."""
 
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
                  host_scales: ExpertScales | None = None, streams: PipelineStreams | None = None,
-                 programs: int = PROGRAMS):
+                 programs: int = PROGRAMS, max_admit: int = 0):
+        if max_admit < 0:
+            raise ValueError(f"the prefetch's cap is a count of experts a layer (0: none), got {max_admit}")
         self.cache = cache
         self.programs = programs
+        self.max_admit = max_admit
         self.host = (host_w13, host_w2, host_scales)
         device = cache.w13.device
         self.streams = streams or (CudaStreams(device, EVENTS) if device.type == "cuda" else HostStreams())
@@ -70,7 +74,7 @@ class ExpertPrefetch:
         """Admit ``guess [T, k]`` (expert ids of ``layer``) into ``[slot_start, S)`` and start
         gathering its misses on the copy stream."""
         self.join()
-        plan, _ = self.cache.lookup(layer, guess, slot_start, low=low, ahead=True)
+        plan, _ = self.cache.lookup(layer, guess, slot_start, low=low, ahead=True, max_admit=self.max_admit)
         self.streams.record("planned", "compute")
         self.streams.wait("copy", "planned")
         with self.streams.on_copy(f"prefetch layer {layer}"):

@@ -54,12 +54,14 @@ class OffloadedExperts:
     (the expert store's mapped segment), or device views of it. ``pipeline`` turns the prefill
     pipeline on (the cache then needs ``3E`` slots); ``invalidate`` and ``stage`` are its modes (see
     ``choices.INVALIDATE_MODES`` and ``STAGE_MODES``), ``lent_slots`` what decode does with
-    the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode;
+    the slots it lends (``LENT_SLOT_RULES``). ``prefetch`` turns on cross-layer prefetch for decode
+    (admitting at most ``prefetch_cap`` guessed misses a layer, most likely first; 0: all);
     ``fill`` is how decode copies its misses in (``FILL_MODES``).
     """
 
     def __init__(self, banks: ExpertBanks, cache: ExpertCache, pipeline: bool = False, invalidate: str = "fixed",
-                 stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False, fill: str = "gemm"):
+                 stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False, fill: str = "gemm",
+                 prefetch_cap: int = 0):
         num_layers, num_experts = banks.num_layers, banks.num_experts
         if (num_layers, num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
@@ -84,7 +86,8 @@ class OffloadedExperts:
         self.lent_slots = lent_slots
         lent = self.pipeline.lent if self.pipeline is not None else 0
         self.decode_start, self.low = decode_slots(lent_slots, lent, num_layers)
-        self.prefetch = (ExpertPrefetch(cache, self.host_w13, self.host_w2, self.host_scales) if prefetch else None)
+        self.prefetch = (ExpertPrefetch(cache, self.host_w13, self.host_w2, self.host_scales, max_admit=prefetch_cap)
+                         if prefetch else None)
 
     def run_share(self, share: ExpertShare) -> None:
         """Expert parallelism: this process runs only ``share``'s experts of each layer (routes to
@@ -101,9 +104,9 @@ class OffloadedExperts:
     def create(cls, banks: ExpertBanks, num_slots: int, device: torch.device | str, policy: str = "lfru",
                backend: str | None = None, pipeline: bool = False, invalidate: str = "fixed",
                stage: str = "auto", lent_slots: str = "decode", prefetch: bool = False,
-               fill: str = "gemm") -> OffloadedExperts:
+               fill: str = "gemm", prefetch_cap: int = 0) -> OffloadedExperts:
         return cls(banks, ExpertCache.for_banks(banks, num_slots, device, policy, backend), pipeline, invalidate, stage,
-                   lent_slots, prefetch, fill)
+                   lent_slots, prefetch, fill, prefetch_cap)
 
     def pipeline_from(self, top_k: int) -> int | None:
         """The fewest tokens whose ``T * top_k`` routed pairs reach ``PIPELINE_PAIRS_PER_EXPERT`` per

@@ -2,7 +2,7 @@
 the PCIe bound (miss bytes / 55 GB/s) and, fully resident, the HBM bound (bytes read / 4.3 TB/s).
 
     python scripts/bench_decode.py [--model qwen3-30b-geometry | qwen3.5-35b-a3b-geometry] [--fractions 1.0 0.5 0.25]
-        [--batch 1 8] [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on]
+        [--batch 1 8] [--routing model|synthetic|replay:FILE] [--lent-slots reserve decode] [--prefetch off on wide 1]
         [--fill gemm gather] [--sampling greedy sampled] [--gpus 1 2] [--device cpu]
 
 Runs with ``--dummy-weights`` (seeded random weights in the expert store) unless --model is a
@@ -17,7 +17,8 @@ steps that often, as other sessions' turns would: "tok/s" then includes those pr
 tok/s" and the ratio leave out the steps that ran one, timed apart).
 ``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on; ``wide`` is on
-with the guess gathered by ``gather_missing``'s wide grid instead of its few programs): "guessed" is
+with the guess gathered by ``gather_missing``'s wide grid instead of its few programs; a number N is
+on with ``--expert-prefetch-cap N``, at most N guessed experts a layer): "guessed" is
 the share of looked-up experts a guess had fetched or marked, "MB moved/tok" counts the misses and
 the guesses' bytes, and the PCIe bound is the time those bytes take at 55 GB/s. Each ``--fill``
 mode too (how a miss reaches its slot: copied by the expert GEMM as it computes, or gathered first).
@@ -207,7 +208,8 @@ def timed_steps(engine: Engine, reqs: list[Request], prefill_every: int, extra) 
 def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, lent: str, prefetch: str, fill: str,
                gpus: int) -> ModelRunner:
     experts = ExpertOptions(cache_fraction=fraction, policy=args.policy, dummy_weights=args.model in GEOMETRIES,
-                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch != "off", fill=fill)
+                            expert_dtype=expert_dtype, lent_slots=lent, prefetch=prefetch != "off", fill=fill,
+                            prefetch_cap=int(prefetch) if prefetch.isdigit() else 0)
     # a hybrid model's state slots: one per request that runs at once (the largest batch, and a joining
     # prefill); the prefix cache is off, so one snapshot slot, the fewest there can be. KV: the largest
     # batch at the longest prompt, and a joining prefill
@@ -354,6 +356,12 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f")]
 
 
+def prefetch_choice(text: str) -> str:
+    if text not in ("off", "on", "wide") and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: off, on, wide or a count of experts a layer")
+    return text
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-geometry")
@@ -371,8 +379,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
     p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
-    p.add_argument("--prefetch", nargs="+", default=["off"], choices=["off", "on", "wide"],
-                   help="cross-layer prefetch at decode (wide: its gather on gather_missing's wide grid); rows each")
+    p.add_argument("--prefetch", nargs="+", default=["off"], type=prefetch_choice, metavar="off|on|wide|N",
+                   help="cross-layer prefetch (wide: gathered on the wide grid; N: at most N guessed experts a layer)")
     p.add_argument("--gather-programs", type=int, default=slot_fill.MISS_PROGRAMS, metavar="N",
                    help="programs of the gather of a step's own misses (0: gather_missing's wide grid)")
     p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,

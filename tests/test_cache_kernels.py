@@ -102,10 +102,11 @@ def assert_same(got, want) -> None:
 
 
 def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=contextlib.nullcontext,
-                launches: int = 3, ahead: bool = False) -> None:
+                launches: int = 3, ahead: bool = False, max_admit: int = 0) -> None:
     """Consecutive launches on random layers from a random state, kernel (under ``guard``) vs twin;
-    with ``ahead``, each followed by an ahead launch (a prefetch) for the next layer, which the next
-    launch then looks up, as the engine does (``ExpertPrefetch.fits`` counts slots for that)."""
+    with ``ahead``, each followed by an ahead launch (a prefetch) for the next layer, admitting at
+    most ``max_admit`` (0: no cap), which the next launch then looks up, as the engine does
+    (``ExpertPrefetch.fits`` counts slots for that)."""
     gen = torch.Generator().manual_seed(seed)
     want = random_tables(cfg, gen)
     got = clone(want, device)
@@ -117,12 +118,13 @@ def run_lookups(cfg: Config, seed: int, device: str, backend: str | None, guard=
             ids = random_ids(cfg, gen)
             args = (lookup_layer, cfg.experts)
             rest = (cfg.slot_start, cfg.num_slots, cfg.policy, 1000)
+            cap = max_admit if is_ahead else 0
             want_plan, want_slots = lookup_mod.lookup_admit(ids, *args, want, *rest, backend="eager", low=cfg.low,
-                                                            ahead=is_ahead)
+                                                            ahead=is_ahead, max_admit=cap)
             dev_ids = ids.to(device)
             with guard():
                 got_plan, got_slots = lookup_mod.lookup_admit(dev_ids, *args, got, *rest, backend=backend,
-                                                              low=cfg.low, ahead=is_ahead)
+                                                              low=cfg.low, ahead=is_ahead, max_admit=cap)
             assert_same(got_plan, want_plan)
             assert torch.equal(got_slots.cpu(), want_slots)
             assert_same(got, want)
@@ -147,10 +149,37 @@ def test_lookup_admit_interpreted(name):
 
 
 @interpreted
+@pytest.mark.parametrize("max_admit", [0, 1, 3])
 @pytest.mark.parametrize("name", ["lru-small", "lfru-offset", "low-priority", "visit"])
-def test_lookup_admit_ahead_interpreted(name):
+def test_lookup_admit_ahead_interpreted(name, max_admit):
     for trial in range(TRIALS):
-        run_lookups(CONFIGS[name], seed=trial, device="cpu", backend="triton", ahead=True)
+        run_lookups(CONFIGS[name], seed=trial, device="cpu", backend="triton", ahead=True, max_admit=max_admit)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_an_ahead_lookup_admits_the_guess_in_its_order_up_to_its_cap(backend):
+    """A prediction's misses are admitted most likely first (their first place in the guess, not
+    their expert ids' order), at most ``max_admit``; its hits are marked, not counted as admitted."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs interpreted on the CPU")
+    cfg = Config(2, 16, 8, 0, 8, 1, 6, Policy(credit=4, cap=16))
+    tables = empty_tables(cfg)
+    guess = torch.tensor([[11, 3, 14, 3, 7, 2]])
+    lookup_mod.lookup_admit(torch.tensor([[14]]), 1, 16, tables, 0, 8, cfg.policy, 1, backend=backend)  # 14 resident
+    for cap, admitted in ((2, [16 + 11, 16 + 3]), (0, [16 + 11, 16 + 3, 16 + 7, 16 + 2])):
+        fresh = clone(tables)
+        plan, _ = lookup_mod.lookup_admit(guess, 1, 16, fresh, 0, 8, cfg.policy, 1, backend=backend, ahead=True,
+                                          max_admit=cap)
+        assert plan.src_id[:int(plan.count)].tolist() == admitted
+        assert int(fresh.slot_for_id[16 + 14]) >= 0 and all(int(fresh.slot_for_id[i]) >= 0 for i in admitted)
+
+
+def test_max_admit_is_for_ahead_lookups():
+    cfg = Config(1, 8, 8, 0, 8, 1, 2, Policy(credit=4, cap=16))
+    for bad, ahead in ((-1, True), (2, False)):
+        with pytest.raises(ValueError, match="max_admit"):
+            lookup_mod.lookup_admit(torch.tensor([[1, 2]]), 0, 8, empty_tables(cfg), 0, 8, cfg.policy, 1,
+                                    ahead=ahead, max_admit=bad)
 
 
 def test_an_expert_that_more_tokens_share_banks_more_credit():
@@ -448,10 +477,11 @@ def test_lookup_admit_cuda(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("max_admit", [0, 2])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_lookup_admit_ahead_cuda(name):
+def test_lookup_admit_ahead_cuda(name, max_admit):
     for trial in range(TRIALS):
-        run_lookups(CONFIGS[name], trial, "cuda", None, guard=sync_errors, ahead=True)
+        run_lookups(CONFIGS[name], trial, "cuda", None, guard=sync_errors, ahead=True, max_admit=max_admit)
 
 
 @pytest.mark.cuda

@@ -26,7 +26,7 @@ EVERY_OPTION_CHANGED = [
     "--max-prefill-tokens", "256", "--kv-host-size", "2", "--state-snapshots", "5", "--moe-policy", "lru",
     "--no-prefill-pipeline",
     "--prefill-invalidate", "eager", "--prefill-stage", "memcpy", "--expert-dtype", "fp8", "--lent-slots", "reserve",
-    "--expert-prefetch", "on", "--expert-fill", "gather",
+    "--expert-prefetch", "on", "--expert-prefetch-cap", "2", "--expert-fill", "gather",
     "--routing", "synthetic", "--record-routing", "t.pt", "--record-routing-tokens", "9",
     "--max-running", "4", "--no-prefix-cache", "--no-overlap", "--no-warm-up", "--check-pages",
     "--kv-tier-mode", "writeback", "--kv-tier-copy", "memcpy"]
@@ -64,6 +64,10 @@ def test_every_field_is_set_by_its_option():
         config("--gpus", "2", "--expert-placement", "hot")
     with pytest.raises(ValueError, match="--kv-host-size needs --gpus 1"):
         config("--gpus", "2", "--kv-host-size", "1")
+    with pytest.raises(ValueError, match="--expert-prefetch-cap 2: .* with --expert-prefetch on"):
+        config("--model", "m", "--expert-prefetch-cap", "2")  # the cap of a prefetch that is off
+    with pytest.raises(ValueError, match="--expert-prefetch-cap -1"):
+        config("--model", "m", "--expert-prefetch", "on", "--expert-prefetch-cap", "-1")
     assert changed["runner.experts.seed"] == changed["runner.routing.seed"] == 3  # --seed-weights seeds both
 
 

@@ -89,6 +89,23 @@ def test_guess_raises_the_next_layers_hit_rate_and_a_wrong_one_costs_bytes_only(
     assert spent["misses"] > 0 and spent["bytes_h2d"] == spent["misses"] * runs["wrong"].cache.slot_bytes
 
 
+def test_a_capped_guess_copies_at_most_its_cap_a_layer_and_changes_no_result():
+    """``prefetch_cap=1``: each guess admits one expert at most (the next layer then misses the rest
+    of what the guess had), and every output still equals the resident experts'."""
+    banks = make_banks(LAYERS, EXPERTS, 16, 8)
+    resident = ResidentExperts(banks)
+    runs = {cap: OffloadedExperts.create(banks, 2 * EXPERTS, "cpu", "lfru", prefetch=True, prefetch_cap=cap)
+            for cap in (0, 1)}
+    for offloaded in runs.values():
+        run_steps(offloaded, resident, "exact")
+    guesses = 4 * (LAYERS - 1)  # run_steps' steps, a guess for every layer but the first
+    capped, uncapped = (runs[cap].cache.stats()["prefetch"] for cap in (1, 0))
+    assert 0 < capped["misses"] <= guesses < uncapped["misses"]
+    assert capped["bytes_h2d"] == capped["misses"] * runs[1].cache.slot_bytes
+    later = [layer_stats(runs[1])[layer] for layer in range(1, LAYERS)]
+    assert any(s["misses"] > 0 for s in later) and all(s["predicted"] > 0 for s in later)
+
+
 def test_a_guess_is_taken_only_where_the_next_lookup_keeps_its_victims():
     """8 decode slots: a guess of 4 pairs beside 4 real ones fits, of 8 beside 8 does not (it
     could leave the real lookup no victim), and is then ignored; pipelined batches take none."""

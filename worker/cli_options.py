@@ -115,6 +115,9 @@ def _add_offload_args(g: argparse._ArgumentGroup) -> None:
                    help="under expert offload, guess each next layer's experts at decode (its router applied to "
                         "this layer's hidden state) and copy the guessed misses over PCIe while this layer computes; "
                         "a wrong guess costs bytes, never a result")
+    g.add_argument("--expert-prefetch-cap", dest="prefetch_cap", type=int, default=X.prefetch_cap, metavar="N",
+                   help="with --expert-prefetch on, copy at most N guessed experts a layer, the most likely first, so "
+                        "the guess crosses PCIe while the layer before computes (0: every guessed miss that fits)")
     g.add_argument("--expert-fill", dest="fill", default=X.fill, choices=FILL_MODES,
                    help="how decode copies an expert-cache miss into its slot: gemm (the expert GEMM reads it "
                         "from host memory and stores it into the slot as it computes, beside the hits; fp8 "

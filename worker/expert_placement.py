@@ -67,6 +67,6 @@ def place_experts(cfg: ModelConfig, options: ExpertOptions, resident: ExpertBank
     experts = OffloadedExperts.create(banks, slots, device, options.policy, pipeline=pipeline,
                                       invalidate=options.prefill_invalidate, stage=options.prefill_stage,
                                       lent_slots=options.lent_slots, prefetch=options.prefetch,
-                                      fill=options.fill)
+                                      fill=options.fill, prefetch_cap=options.prefetch_cap)
     experts.store = store  # keep the mapping alive as long as the experts
     return experts

@@ -38,6 +38,7 @@ class ExpertOptions:
     lent_slots: str = "decode"  # moe_offload.choices.LENT_SLOT_RULES; the better of the two on an H200 (architecture.md)
     # cross-layer prefetch at decode (moe_offload.expert_prefetch); off until measured on the H200
     prefetch: bool = False
+    prefetch_cap: int = 0  # guessed misses a layer the prefetch admits, most likely first (0: all that fit)
     fill: str = "gemm"  # moe_offload.choices.FILL_MODES: how decode copies misses in
 
     def __post_init__(self) -> None:
@@ -49,6 +50,9 @@ class ExpertOptions:
             raise ValueError(f"{' and '.join(given)} are mutually exclusive")
         if self.cache_fraction is not None and not 0.0 < self.cache_fraction <= 1.0:
             raise ValueError(f"--moe-cache-fraction must be in (0, 1], got {self.cache_fraction:g}")
+        if self.prefetch_cap < 0 or (self.prefetch_cap and not self.prefetch):
+            raise ValueError(f"--expert-prefetch-cap {self.prefetch_cap}: a count of experts a layer (0: none), "
+                             "with --expert-prefetch on")
 
     @property
     def uses_store(self) -> bool:

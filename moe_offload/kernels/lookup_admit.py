@@ -24,7 +24,10 @@ the experts of the launch before may still be read: it runs at the step that loo
 advance), counts slots used by the launch before as used too, marks predicted hits used without
 crediting them, and gives its admissions the score 0: the real lookup raises a right guess to a
 fresh admission's score (``max(score, step)`` plus its credit), a wrong one stays the first victim. It never
-takes a slot in use as a victim: predicted misses beyond the free victims are not admitted.
+takes a slot in use as a victim: predicted misses beyond the free victims are not admitted. Its misses
+are admitted in the order of the prediction (an expert's first place in ``ids``: a router's top-k
+comes most likely first), at most ``max_admit`` of them when that is given, so a prefetch can be
+held to what crosses PCIe while the layer before computes.
 """
 from __future__ import annotations
 
@@ -139,17 +142,22 @@ def _check(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables,
 
 def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
                  num_slots: int, policy: Policy, expert_bytes: int, backend: str | None = None,
-                 low: LowPriority = LowPriority(), ahead: bool = False) -> tuple[CopyPlan, torch.Tensor]:
+                 low: LowPriority = LowPriority(), ahead: bool = False,
+                 max_admit: int = 0) -> tuple[CopyPlan, torch.Tensor]:
     """Look up ``ids [T, k]`` (experts of ``layer``) and admit the misses into victims of slots
     ``[slot_start, slot_start + num_slots)``. Returns the copy plan and the slot ids ``[T, k]``
     int64 (-1 for ids outside ``[0, E)``). Advances ``tables.step`` and the layer's stats.
 
     ``num_slots`` must be at least ``min(T*k, E)``, checked from shapes, so victims never run out.
     ``low`` lowers the rank of the first slots as victims (see the module docstring). ``ahead``
-    admits a prediction for the next lookup instead (module docstring; the step stays); a
-    following real lookup then needs ``min(2*T*k, E)`` slots (its experts and the prediction's).
+    admits a prediction for the next lookup instead (module docstring; the step stays), at most
+    ``max_admit`` of its misses if that is above 0; a following real lookup then needs
+    ``min(2*T*k, E)`` slots (its experts and the prediction's).
     """
     _check(ids, layer, num_experts, tables, slot_start, num_slots, policy, low)
+    if max_admit < 0 or (max_admit and not ahead):
+        raise ValueError(f"max_admit caps an ahead launch's admissions (0: no cap), got {max_admit}"
+                         f"{'' if ahead else ' for a real lookup'}")
     capacity = plan_capacity(ids.numel(), num_experts)
     device = ids.device
     plan = CopyPlan(torch.empty(capacity, dtype=torch.int32, device=device),
@@ -157,7 +165,7 @@ def lookup_admit(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheT
                     torch.empty(1, dtype=torch.int32, device=device))
     slots = torch.empty(ids.shape, dtype=torch.int64, device=device)
     args = (ids.contiguous(), layer, num_experts, tables, slot_start, num_slots, policy, low, expert_bytes, plan,
-            slots, ahead)
+            slots, ahead, max_admit)
     if use_triton(ids, backend):
         _launch(*args)
     else:
@@ -174,7 +182,7 @@ def _touch(tables: CacheTables, slots: torch.Tensor, pairs: torch.Tensor, policy
 
 def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
                        num_slots: int, policy: Policy, low: LowPriority, expert_bytes: int, plan: CopyPlan,
-                       slots: torch.Tensor, ahead: bool = False) -> None:
+                       slots: torch.Tensor, ahead: bool = False, max_admit: int = 0) -> None:
     """Reference twin: reads the step and the miss count on the host (CPU path and oracle only)."""
     device, step = ids.device, int(tables.step[0])
     flat = ids.reshape(-1)
@@ -189,8 +197,9 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
 
     keys, cls = _victim_order(tables, layer, num_experts, slot_start, num_slots, policy, low, step, ahead)
     src = gid[miss]
-    if ahead:  # a prediction never takes a slot in use: what does not fit is not prefetched
-        src = src[:int((cls < 3).sum())]
+    if ahead:  # a prediction's misses, most likely first; never a slot in use: what does not fit is not prefetched
+        src = src[torch.argsort(_first_places(flat, valid, num_experts)[miss])]
+        src = src[:min(int((cls < 3).sum()), max_admit or src.numel())]
     num_miss = src.numel()
     dst = slot_start + (keys[:num_miss] & (MAX_SLOTS - 1))
     old = tables.id_of_slot[dst].long()
@@ -210,6 +219,13 @@ def lookup_admit_eager(ids: torch.Tensor, layer: int, num_experts: int, tables: 
     tables.stats[layer].add_(torch.tensor(counts, dtype=torch.int64, device=device))
     if not ahead:
         tables.step.add_(1)
+
+
+def _first_places(flat: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each expert's first place in the routing ``flat`` (its length where it is absent)."""
+    places = torch.arange(flat.numel(), device=flat.device)
+    first = torch.full((num_experts,), flat.numel(), dtype=torch.int64, device=flat.device)
+    return first.scatter_reduce_(0, flat[valid], places[valid], reduce="amin")
 
 
 def _victim_order(tables: CacheTables, layer: int, num_experts: int, slot_start: int, num_slots: int,
@@ -239,13 +255,13 @@ def _write_plan(plan: CopyPlan, src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def _launch(ids: torch.Tensor, layer: int, num_experts: int, tables: CacheTables, slot_start: int,
             num_slots: int, policy: Policy, low: LowPriority, expert_bytes: int, plan: CopyPlan,
-            slots: torch.Tensor, ahead: bool) -> None:
+            slots: torch.Tensor, ahead: bool, max_admit: int) -> None:
     block_e = next_pow2(num_experts)
     block_s = next_pow2(num_slots)
     _kernel()[(1,)](
         ids, tables.slot_for_id, tables.id_of_slot, tables.score, tables.last_use, tables.step, tables.stats,
         plan.src_id, plan.dst_slot, plan.count, slots,
-        ids.numel(), layer, num_experts, slot_start, num_slots, plan.src_id.numel(),
+        ids.numel(), layer, num_experts, slot_start, num_slots, plan.src_id.numel(), max_admit or plan.src_id.numel(),
         policy.credit, policy.cap, policy.visit, policy.pair_credit, policy.max_pairs, tables.stats.shape[0], low.end,
         low.penalty, expert_bytes,
         BLOCK_N=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=next_pow2(plan.src_id.numel()),
@@ -260,10 +276,10 @@ def _kernel():
 
     # the routed count and the plan's length follow the batch; the ids may be a per-layer view of
     # every layer's routing (synthetic routing), at an offset that follows it: none specialised
-    @triton.jit(do_not_specialize=["num_routed", "plan_cap"], do_not_specialize_on_alignment=["ids_ptr"])
+    @triton.jit(do_not_specialize=["num_routed", "plan_cap", "max_admit"], do_not_specialize_on_alignment=["ids_ptr"])
     def lookup_admit_kernel(ids_ptr, slot_for_id_ptr, id_of_slot_ptr, score_ptr, last_use_ptr, step_ptr, stats_ptr,
                             plan_src_ptr, plan_dst_ptr, count_ptr, slots_ptr,
-                            num_routed, layer, num_experts, slot_start, num_slots, plan_cap,
+                            num_routed, layer, num_experts, slot_start, num_slots, plan_cap, max_admit,
                             credit, cap, visit, pair_credit, max_pairs, num_layers, low_end, low_penalty,
                             expert_bytes,
                             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -282,10 +298,14 @@ def _kernel():
         # 1. dedupe: how many pairs route to each expert of this layer, by comparing chunks against all E
         experts = tl.arange(0, BLOCK_E)
         pairs = tl.zeros([BLOCK_E], dtype=tl.int32)
+        first = tl.full([BLOCK_E], num_routed, dtype=tl.int32)  # ahead: each expert's first place in ids
         for start in range(0, num_routed, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             ids = tl.load(ids_ptr + offs, mask=offs < num_routed, other=-1)
-            pairs += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+            match = ids[:, None] == experts[None, :]
+            pairs += tl.sum(match.to(tl.int32), axis=0)
+            if AHEAD:
+                first = tl.minimum(first, tl.min(tl.where(match, offs[:, None], num_routed), axis=0))
         present = (pairs > 0) & (experts < num_experts)
         gid = layer * num_experts + experts
         cur = tl.load(slot_for_id_ptr + gid, mask=present, other=-1)
@@ -315,12 +335,20 @@ def _kernel():
         keys = (cls << 60) | (rel << 20) | s.to(tl.int64)  # the layout drawn in the module docstring
         num_admit = num_miss
         if AHEAD:  # a prediction never takes a slot in use: what does not fit is not prefetched
-            num_admit = tl.minimum(num_miss, tl.sum((cls < 3).to(tl.int32), axis=0))
+            num_admit = tl.minimum(tl.minimum(num_miss, tl.sum((cls < 3).to(tl.int32), axis=0)), max_admit)
 
-        # 4. plan: sources are the first num_admit misses in expert order, victims the num_admit
-        #    lowest keys in key order; padding rows -1
-        rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-        tl.store(plan_src_ptr + rank, gid, mask=miss & (rank < num_admit))
+        # 4. plan: sources are the first num_admit misses in expert order (ahead: in the order of
+        #    their first places in ids), victims the num_admit lowest keys in key order; padding rows -1
+        if AHEAD:
+            todo = miss
+            for j in range(0, num_admit):
+                place = tl.min(tl.where(todo, first, num_routed), axis=0)
+                pick = todo & (first == place)
+                tl.store(plan_src_ptr + j, tl.sum(tl.where(pick, gid, 0), axis=0))
+                todo = todo & ~pick
+        else:
+            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            tl.store(plan_src_ptr + rank, gid, mask=miss & (rank < num_admit))
         rows = tl.arange(0, BLOCK_P)
         pad = (rows >= num_admit) & (rows < plan_cap)
         tl.store(plan_src_ptr + rows, -1, mask=pad)
