@@ -25,7 +25,7 @@ is admitted after it and crosses beside the next layer's attention and router in
   slot it took, never a result.
 - Layer ``l+1`` waits for ``fetched`` before its GEMM and before the next guess is admitted, so each
   forward pass ends with the copy stream joined: a captured decode graph forks and joins it.
-- The gather runs on ``PROGRAMS`` programs (``gather_missing``'s few-program form), not its wide
+- The gather runs on ``gather_missing.PROGRAMS`` programs (its few-program form), not its wide
   grid: it runs beside the dense GEMVs, which slowed 3.7x beside the wide grid's thousands of
   programs waiting on PCIe (architecture.md, Hybrid models).
 - The plan is read by the copy stream after the compute stream let go of it: it is held here until
@@ -38,11 +38,11 @@ import torch
 
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.grouped import ExpertScales
+from moe_offload.kernels.gather_missing import PROGRAMS
 from moe_offload.kernels.lookup_admit import CopyPlan, LowPriority
 from moe_offload.prefill_pipeline import CudaStreams, HostStreams, PipelineStreams
 
 EVENTS = ("planned", "fetched")
-PROGRAMS = 32  # the guess's gather: 32 steps of 8-16 KB in flight, enough for the link
 
 
 class ExpertPrefetch:
@@ -54,8 +54,6 @@ class ExpertPrefetch:
     def __init__(self, cache: ExpertCache, host_w13: torch.Tensor, host_w2: torch.Tensor,
                  host_scales: ExpertScales | None = None, streams: PipelineStreams | None = None,
                  programs: int = PROGRAMS, max_admit: int = 0):
-        if max_admit < 0:
-            raise ValueError(f"the prefetch's cap is a count of experts a layer (0: none), got {max_admit}")
         self.cache = cache
         self.programs = programs
         self.max_admit = max_admit

@@ -8,13 +8,13 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.expert_scales import ExpertScales
-from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.kernels.gather_missing import PROGRAMS, gather_missing
 from moe_offload.kernels.lookup_admit import CopyPlan
 
 # gather_missing's width for a step's own misses, gathered before its GEMM (0: the wide grid; n: n
 # programs). 32: one 9.4 MB miss in 186 us (50.6 GB/s) against the wide grid's 218 (43.3), 2-8
 # misses alike (H200, bench_expert_fill.py); scripts/bench_decode.py --gather-programs sets it to compare
-MISS_PROGRAMS = 32
+MISS_PROGRAMS = PROGRAMS
 
 
 class SlotFill(NamedTuple):

@@ -111,7 +111,8 @@ def graph_timed(run, reps: int) -> float:
 
 
 class Banks(NamedTuple):
-    """Host banks (pinned), the GPU slots they fill, and a batch-1 decode step's inputs."""
+    """Host banks (pinned, or views of a registered segment), the GPU slots they fill, and a batch-1
+    decode step's inputs."""
     host_w13: torch.Tensor
     host_w2: torch.Tensor
     w13: torch.Tensor

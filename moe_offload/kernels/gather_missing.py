@@ -35,6 +35,7 @@ SPLIT = 8  # programs per block, each taking every SPLIT-th planned expert
 MAX_BANKS = 6
 STEP = 8192  # items a step of the few programs (8 KB of fp8 or 4-bit, 16 KB of bf16)
 STEP_WARPS = 8
+PROGRAMS = 32  # the few-program form's width: 32 steps of 8-16 KB in flight, enough for the link
 
 
 def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
@@ -75,12 +76,12 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
     _check(plan_src, plan_dst, count, banks)
     if programs < 0:
         raise ValueError(f"programs must be 0 (the wide grid) or a count of programs, not {programs}")
-    if use_triton(slot_w13, backend) and programs:
-        _launch_few(plan_src, plan_dst, count, banks, programs)
-    elif use_triton(slot_w13, backend):
-        _launch(plan_src, plan_dst, count, banks)
-    else:
+    if not use_triton(slot_w13, backend):
         gather_missing_eager(plan_src, plan_dst, count, banks)
+    elif programs:
+        _launch_few(plan_src, plan_dst, count, banks, programs)
+    else:
+        _launch(plan_src, plan_dst, count, banks)
 
 
 def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
@@ -88,13 +89,10 @@ def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
     """One launch over every bank: each bank's (host, slots, an expert's items) as raw bytes, padded
     to ``MAX_BANKS`` with the first bank, and where each bank's blocks start on the grid (the
     padding's start at the grid's end, so no program reaches it)."""
-    args, starts, total = [], [], 0
-    for host, slots in banks:
-        host, slots = raw_bytes(host), raw_bytes(slots)
+    args, starts, total = _bank_args(banks), [], 0
+    for numel in args[2:3 * len(banks):3]:
         starts.append(total)
-        args += [host, slots, host[0].numel()]
-        total += _num_blocks(host[0].numel())
-    args += args[:3] * (MAX_BANKS - len(banks))
+        total += _num_blocks(numel)
     starts += [total] * (MAX_BANKS - len(banks))
     split = max(1, min(SPLIT, plan_src.shape[0]))
     gather_missing_kernel[(total, split)](plan_src, plan_dst, count, *args, *starts[1:], BLOCK=BLOCK,
@@ -104,13 +102,18 @@ def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
 def _launch_few(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                 banks: list[tuple[torch.Tensor, torch.Tensor]], programs: int) -> None:
     """One launch of ``programs`` programs over every bank (the padding's banks are not visited)."""
+    gather_missing_few_kernel[(programs,)](plan_src, plan_dst, count, *_bank_args(banks), NUM_BANKS=len(banks), STEP=STEP,
+                                           num_warps=STEP_WARPS, **pdl_args(banks[0][1]))
+
+
+def _bank_args(banks: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
+    """Each bank's (host, slots, an expert's items) as raw bytes, padded to ``MAX_BANKS`` with the
+    first bank's."""
     args = []
     for host, slots in banks:
         host, slots = raw_bytes(host), raw_bytes(slots)
         args += [host, slots, host[0].numel()]
-    args += args[:3] * (MAX_BANKS - len(banks))
-    gather_missing_few_kernel[(programs,)](plan_src, plan_dst, count, *args, NUM_BANKS=len(banks), STEP=STEP,
-                                           num_warps=STEP_WARPS, **pdl_args(banks[0][1]))
+    return args + args[:3] * (MAX_BANKS - len(banks))
 
 
 def _pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
@@ -140,15 +143,21 @@ def gather_missing_eager(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: 
 
 
 @triton.jit
+def _copy_part(src_ptr, dst_ptr, numel, offs, plan_src_ptr, plan_dst_ptr, j):
+    """Items ``offs`` (below ``numel``) of planned expert ``j``'s row: host -> its slot."""
+    src = tl.load(plan_src_ptr + j).to(tl.int64)
+    dst = tl.load(plan_dst_ptr + j).to(tl.int64)
+    inside = offs < numel
+    vals = tl.load(src_ptr + src * numel + offs, mask=inside)
+    tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
+
+
+@triton.jit
 def _copy_block(src_ptr, dst_ptr, numel, block, plan_src_ptr, plan_dst_ptr, count, BLOCK: tl.constexpr):
     """Block ``block`` of every planned expert this program takes (every num_programs(1)-th)."""
     offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < numel
     for j in range(tl.program_id(1), count, tl.num_programs(1)):
-        src = tl.load(plan_src_ptr + j).to(tl.int64)
-        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
-        vals = tl.load(src_ptr + src * numel + offs, mask=inside)
-        tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
+        _copy_part(src_ptr, dst_ptr, numel, offs, plan_src_ptr, plan_dst_ptr, j)
 
 
 @triton.jit
@@ -182,11 +191,7 @@ def _deal_steps(src_ptr, dst_ptr, numel, plan_src_ptr, plan_dst_ptr, count, STEP
     for w in range(tl.program_id(0), count * steps, tl.num_programs(0)):
         j = w // steps
         offs = (w - j * steps).to(tl.int64) * STEP + tl.arange(0, STEP)
-        inside = offs < numel
-        src = tl.load(plan_src_ptr + j).to(tl.int64)
-        dst = tl.load(plan_dst_ptr + j).to(tl.int64)
-        vals = tl.load(src_ptr + src * numel + offs, mask=inside)
-        tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
+        _copy_part(src_ptr, dst_ptr, numel, offs, plan_src_ptr, plan_dst_ptr, j)
 
 
 @triton.jit
