@@ -54,7 +54,8 @@ DECODE_SWEEP = [dict(), dict(pair_n=4), dict(pair_n=16), dict(pair_warps=2), dic
                 # the per-token down at fewer warps: 16 warps over its 16 x 256 tile load 4 bytes a thread (sm90
                 # SASS at gpt-oss's shapes: one program an SM, 180 programs); 4 warps load 16
                 dict(down_warps=4), dict(down_warps=2), dict(down_n=32, down_warps=4), dict(down_n=8, down_warps=2),
-                dict(down_k=128, down_warps=4)]
+                dict(down_k=128, down_warps=4), dict(down_n=8, down_warps=1), dict(down_n=4, down_warps=1),
+                dict(down_n=4, down_k=512, down_warps=2), dict(down_k=512, down_warps=8)]
 SWEEP_KEYS = (("geometry", ">10"), ("variant", ">13"), ("tokens", "6d"))  # a sweep's groups, as print_sweep prints them
 
 
@@ -162,10 +163,12 @@ def progress(row: dict) -> None:
           f"{row['time_us']:.1f} us", flush=True)
 
 
-def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> list[dict]:
+def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple, only: list[str]) -> list[dict]:
     hidden, weights, slots = routing(num_tokens, geo)
     rows = []
     for change in DECODE_SWEEP:
+        if only and not (set(change) & set(only) or not change):
+            continue  # the default always, then only changes of the fields asked for
         config = W4_DECODE_TILES._replace(**change)
         time = time_us(lambda: decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": f"{fmt}-decode", "tokens": num_tokens, "config": change,
@@ -192,7 +195,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", default="1,8,2048,8192", help="comma-separated batch sizes")
     parser.add_argument("--dtypes", default="bf16,fp8,nvfp4,mxfp4", help="comma-separated expert formats")
     parser.add_argument("--sweep", action="store_true", help="also time 4-bit prefill tiles at prefill sizes")
-    parser.add_argument("--decode-sweep", action="store_true", help="also time 4-bit decode tiles at decode sizes")
+    parser.add_argument("--decode-sweep", nargs="*", metavar="FIELD",
+                        help="also time 4-bit decode tiles at decode sizes (FIELDs given: only the changes of those "
+                             "DecodeConfig fields, e.g. down_n down_warps)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
 
@@ -214,8 +219,8 @@ def run_geometry(name: str, args: argparse.Namespace) -> tuple[list[dict], list[
         decode_sizes = [t for t in tokens if t * geo["top_k"] <= DECODE_MAX_PAIRS]
         if args.sweep:
             sweeps += [r for t in tokens if t not in decode_sizes for r in sweep(name, geo, t, fmt, banks)]
-        if args.decode_sweep:
-            sweeps += [r for t in decode_sizes for r in decode_sweep(name, geo, t, fmt, banks)]
+        if args.decode_sweep is not None:
+            sweeps += [r for t in decode_sizes for r in decode_sweep(name, geo, t, fmt, banks, args.decode_sweep)]
     torch.cuda.empty_cache()
     return rows, sweeps
 
