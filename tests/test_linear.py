@@ -218,3 +218,30 @@ def test_gated_kernel_matches_twin_on_gpu_without_syncs(shape, whole, monkeypatc
     """Qwen3.5-35B-A3B's and Qwen3-Next's shared-expert shapes, and a ragged one."""
     monkeypatch.setattr(gemv, "WHOLE_TILE", whole)
     check_gated(*shape, torch.bfloat16, "cuda")
+
+
+# ==== a reduction step that does not divide K: the tail step is masked ====
+
+MASKED = [(gemv.GemvTiles(64, 4), (33, 48)), (gemv.GemvTiles(1024, 4), (40, 1536)), (gemv.GemvTiles(32, 1), (16, 80))]
+
+
+@interpreted
+@pytest.mark.parametrize("tiles, shape", MASKED, ids=lambda v: str(v))
+def test_masked_steps_match_the_twins_interpreted(tiles, shape, monkeypatch):
+    monkeypatch.setattr(gemv, "TILES", tiles)
+    monkeypatch.setattr(gemv, "WHOLE_TILE", False)
+    check(*shape, torch.bfloat16, "cpu", trials=3)
+    check_norm(*shape, torch.bfloat16, "cpu", True, trials=3)
+    check_gated(*shape, torch.bfloat16, "cpu", trials=3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiles", [gemv.GemvTiles(1024, 4), gemv.GemvTiles(512, 8), gemv.GemvTiles(2048, 16)],
+                         ids=lambda t: f"k{t.block_k}w{t.warps}")
+@pytest.mark.parametrize("shape", [(5120, 2880), (2880, 4096), (131, 2880)], ids=lambda c: "N{}K{}".format(*c))
+def test_masked_steps_match_the_twins_on_gpu_without_syncs(tiles, shape, monkeypatch):
+    """gpt-oss's qkv (K 2880, which no power-of-two step above 64 divides), its o, a ragged router."""
+    monkeypatch.setattr(gemv, "TILES", tiles)
+    check(*shape, torch.bfloat16, "cuda", trials=4)
+    check_norm(*shape, torch.bfloat16, "cuda", True, trials=4)
+    check_gated(*shape, torch.bfloat16, "cuda", trials=4)

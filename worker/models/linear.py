@@ -33,6 +33,7 @@ input dtype, normalised in float32, rounded, times the weight, rounded again.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,22 @@ def block_k(k: int) -> int:
     return step if step >= 16 else 0
 
 
+class GemvTiles(NamedTuple):
+    """A launch's reduction step (a power of two of at least 16; a ``K`` it does not divide is read
+    in masked steps) and warps."""
+
+    block_k: int
+    warps: int
+
+
+# Forced tiles for every launch (``scripts/bench_linear.py`` sweeps them; the tests force a masked step)
+TILES: GemvTiles | None = None
+
+
+def gemv_tiles(k: int) -> GemvTiles:
+    return TILES or GemvTiles(block_k(k), 16 if k >= 4096 else 4)
+
+
 def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """One row, 16-bit floats of one dtype, ``w`` rows contiguous and not empty, ``K`` a multiple of 16."""
     return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
@@ -110,11 +127,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None and not gated else x
+    tiles = gemv_tiles(k)
     _kernel()[(-(-n // BLOCK_N),)](
         x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
-        summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), BLOCK_ROW=next_pow2(k),
-        EVEN_N=n % BLOCK_N == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None and not gated,
-        GATED=gated, WHOLE=whole, num_warps=16 if k >= 4096 else 4, **pdl)
+        summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=tiles.block_k, BLOCK_ROW=next_pow2(k),
+        EVEN_N=n % BLOCK_N == 0, EVEN_K=k % tiles.block_k == 0, NORM=norm_weight is not None,
+        RESIDUAL=residual is not None and not gated, GATED=gated, WHOLE=whole, num_warps=tiles.warps, **pdl)
     return out, summed
 
 
@@ -126,7 +144,7 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_N: tl.constexpr,
-                    NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, WHOLE: tl.constexpr,
+                    EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, WHOLE: tl.constexpr,
                     PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
@@ -161,21 +179,24 @@ def _kernel():
             acc = xs.to(tl.float32)[:, None] * w_all.to(tl.float32)
         else:
             acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-            for step in tl.static_range(K // BLOCK_K):
+            for step in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
                 ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-                if EVEN_N:
+                k_ok = ks < K  # past K (a tail step) every input reads zero, so its products are zero
+                if EVEN_N and EVEN_K:
                     w = tl.load(w_rows + ks[:, None])
+                    xs = tl.load(x_ptr + ks)
                 else:
-                    w = tl.load(w_rows + ks[:, None], mask=row_ok[None, :], other=0.0)
-                xs = tl.load(x_ptr + ks)
+                    w = tl.load(w_rows + ks[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                    xs = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
                 if GATED:
                     act = (xs.to(tl.float32) * tl.sigmoid(xs.to(tl.float32))).to(xs.dtype).to(tl.float32)
-                    xs = (act * tl.load(x_ptr + K + ks).to(tl.float32)).to(xs.dtype)
+                    xs = (act * tl.load(x_ptr + K + ks, mask=k_ok, other=0.0).to(tl.float32)).to(xs.dtype)
                 if NORM:
                     if RESIDUAL:
-                        xs = (xs.to(tl.float32) + tl.load(res_ptr + ks).to(tl.float32)).to(xs.dtype)
+                        xs = (xs.to(tl.float32) + tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                              ).to(xs.dtype)
                     normed = (xs.to(tl.float32) * inv).to(xs.dtype).to(tl.float32)
-                    xs = (normed * tl.load(norm_ptr + ks).to(tl.float32)).to(xs.dtype)
+                    xs = (normed * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(xs.dtype)
                 acc += xs.to(tl.float32)[:, None] * w.to(tl.float32)
         out = tl.sum(acc, 0).to(out_ptr.dtype.element_ty)
         if GATED:  # add + sigmoid(logit) * out, logit = x[2K], rounded after each op as the twin rounds
