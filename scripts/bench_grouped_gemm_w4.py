@@ -16,7 +16,7 @@ HBM bound = bytes of the experts the routing touches (weights in their format, p
 rows assume twice that, unmeasured); ratio = max(bounds) / time (1 = at the bound). "vs bf16" and
 "vs fp8" are those rows' times over this row's (above 1: faster). ``--sweep`` times 4-bit prefill
 tiles (block_m, block_n, block_k, group_m, warps, stages) at the prefill sizes, ``--decode-sweep``
-the decode tiles (``W4_DECODE_TILES`` fields changed) at the decode sizes.
+the decode tiles (fields of the format's ``decode_tiles`` changed) at the decode sizes.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from moe_offload.grouped import ExpertScales, fp8_activations_for, grouped_swigl
 from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, default_config,  # noqa: E402
                                                  fused_grouped_swiglu_w4, grouped_swiglu_w4)
-from moe_offload.kernels.grouped_gemm_w4_decode import W4_DECODE_TILES, decode_grouped_swiglu_w4  # noqa: E402
+from moe_offload.kernels.grouped_gemm_w4_decode import decode_grouped_swiglu_w4, decode_tiles  # noqa: E402
 from scripts.report_table import print_sweep  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -44,8 +44,9 @@ GEOMETRIES = {"qwen3-30b": dict(hidden=2048, inter=768, experts=128, top_k=8),
               "gpt-oss": dict(hidden=2880, inter=2880, experts=128, top_k=4)}
 SWEEP = [(16, 64, 64, 1, 4, 3), (16, 128, 128, 16, 4, 3), (32, 128, 128, 8, 4, 4), (64, 128, 128, 16, 4, 3),
          (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3)]
-# changes from W4_DECODE_TILES: the one-token gate_up (pair_*), the per-token down (down_*), the
-# slot path's gate_up and down (gate_up_*, slot_down_*), their warps; one token's gate_up with its registers
+# changes from the format's decode_tiles (mxfp4: the down in longer steps): the one-token gate_up (pair_*),
+# the per-token down (down_*), the slot path's gate_up and down (gate_up_*, slot_down_*), their warps; one
+# token's gate_up with its registers
 # capped (nvfp4's takes 134 at 4 warps, three programs an SM, in scripts/kernel_sass.py's sm90 build)
 DECODE_SWEEP = [dict(), dict(pair_n=4), dict(pair_n=16), dict(pair_warps=2), dict(pair_warps=8), dict(pair_k=512),
                 dict(pair_k=128, pair_n=4), dict(down_warps=8), dict(down_n=8, down_warps=4), dict(down_k=512),
@@ -178,7 +179,7 @@ def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tup
     for change in DECODE_SWEEP:
         if only and change and not any(_matches(change, token) for token in only):
             continue  # the default always, then only the changes asked for
-        config = W4_DECODE_TILES._replace(**change)
+        config = decode_tiles(fmt, geo["inter"])._replace(**change)
         time = time_us(lambda: decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": f"{fmt}-decode", "tokens": num_tokens, "config": change,
                      "default": not change, "time_us": time})
@@ -246,7 +247,7 @@ def main() -> int:
     print_rows(rows)
     if sweeps:
         print_sweep(sweeps, "4-bit tile sweep (prefill: block_m, block_n, block_k, group_m, warps, stages; "
-                            "decode: W4_DECODE_TILES changes)", SWEEP_KEYS, 44)
+                            "decode: changes of the format's decode_tiles)", SWEEP_KEYS, 44)
     if args.json:
         Path(args.json).write_text(json.dumps({"geometries": GEOMETRIES, "rows": rows, "sweep": sweeps}, indent=2))
     return 0

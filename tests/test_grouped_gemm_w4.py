@@ -389,6 +389,22 @@ def test_tiles_must_fit_the_group_and_the_dot():
                                           *banks, fmt="nvfp4")
 
 
+def test_the_per_token_down_takes_long_steps_where_its_reads_are_masked_anyway():
+    base, long = decode().W4_DECODE_TILES, decode().W4_DECODE_TILES._replace(**decode().W4_LONG_DOWN)
+    assert decode().decode_tiles("nvfp4", 768) == base  # qwen3-30b: three whole steps of 256
+    assert decode().decode_tiles("nvfp4", 2880) == long  # a masked tail either way
+    assert decode().decode_tiles("mxfp4", 768) == decode().decode_tiles("mxfp4", 2880) == long
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_decode_tiles_match_the_twin_interpreted(fmt):
+    """The default tiles of each format at an intermediate size 256 does not divide (mxfp4's long
+    down, and nvfp4's there), one to eight tokens."""
+    check_trials("public", random_banks(12, 96, 320, fmt), fmt, trials=2, token_counts=[1, 3, 8], top_ks=[4],
+                 dtypes=[torch.float32], device="cpu", seed=5)
+
+
 # ==== GPU ====
 
 GPU_SHAPES = {  # (slots, hidden, inter, top-k), extras (as each family serves; "mixed" takes every combination)

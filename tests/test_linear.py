@@ -166,6 +166,12 @@ def test_block_k_divides_k():
     assert [gemv.block_k(k) for k in (4096, 2048, 768, 48, 24, 16, 8)] == [1024, 1024, 256, 16, 0, 16, 0]
 
 
+def test_a_k_without_a_long_dividing_step_takes_long_masked_steps():
+    """gpt-oss's K = 2880 (largest power-of-two divisor 64) reads three steps of 1024, the last masked."""
+    assert [tuple(gemv.gemv_tiles(k)) for k in (4096, 2048, 768, 2880, 48)] == [
+        (1024, 16), (1024, 4), (256, 4), (1024, 4), (64, 4)]
+
+
 # ==== the shared expert's down projection, its SwiGLU before and its gate and sum after ====
 
 def check_gated(n: int, k: int, dtype: torch.dtype, device: str, trials: int = TRIALS) -> None:
