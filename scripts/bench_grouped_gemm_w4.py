@@ -59,7 +59,8 @@ DECODE_SWEEP = [dict(), dict(pair_n=4), dict(pair_n=16), dict(pair_warps=2), dic
                 dict(down_n=4, down_k=512, down_warps=2), dict(down_k=512, down_warps=8),
                 # fewer, longer steps (gpt-oss: 12 steps of 256 took 77.0 us a layer, 6 of 512 53.7)
                 dict(down_k=1024), dict(down_k=2048), dict(down_k=1024, down_n=8, down_warps=8),
-                dict(down_k=512, down_n=8, down_warps=4), dict(down_k=4096, down_n=8), dict(down_k=2048, down_n=8)]
+                dict(down_k=512, down_n=8, down_warps=4), dict(down_k=4096, down_n=8), dict(down_k=2048, down_n=8),
+                dict(down_k=256, down_n=16, down_warps=16)]  # W4_DECODE_TILES' down, where the format's is the long one
 SWEEP_KEYS = (("geometry", ">10"), ("variant", ">13"), ("tokens", "6d"))  # a sweep's groups, as print_sweep prints them
 
 
