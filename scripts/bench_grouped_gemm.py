@@ -24,7 +24,8 @@ decode size, the measurements that set the limit. ``--decode-sweep`` times
 the decode path's tiles (gate_up n, gate_up k, down n, down k, warps, stages; the per-slot down's
 tiles stay at their defaults). ``--fp8-decode-sweep`` times one token's fp8 path
 (``grouped_gemm_decode_fp8``) over its tiles: the gate_up's (columns, k step, warps) with the
-down at its defaults, then the down's (columns, k step, warps) with the gate_up at its defaults.
+down at its defaults, then the down's (columns, k step, warps) with the gate_up at its defaults
+(``--fp8-decode-sweep down``: the down's alone).
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ DECODE_SWEEP = [(32, 128, 16, 256, 4, 3), (16, 128, 16, 256, 4, 3), (32, 256, 16
                 (16, 128, 8, 256, 4, 4), (32, 64, 16, 256, 4, 5)]
 FP8_PAIR_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)]
 FP8_DOWN_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8, 16)]
+# one step over the whole intermediate size (768 of 1024, masked): fewer, longer steps took gpt-oss's
+# 4-bit down from 12 steps to 3 and its layer from 77.1 to 47.8 us (bench_grouped_gemm_w4.py)
+FP8_DOWN_SWEEP += [(n, 1024, w) for n in (8, 16) for w in (4, 8, 16)]
 # one token's gate_up with its registers capped (ptxas maxnreg), the default tiles otherwise: compiled for
 # sm90 (scripts/kernel_sass.py), fp8's gate_up takes 136 registers at 8 warps, one program an SM; at 128
 # the same code fits two. bf16's takes 182 at 4 warps (two programs; 128: four)
@@ -181,6 +185,8 @@ def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
     configs = [("gate_up", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w)) for n, k, w in FP8_PAIR_SWEEP]
     configs += [("gate_up", FP8_DECODE_TILES._replace(pair_regs=r)) for r in PAIR_REGS_SWEEP]
     configs += [("down", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w)) for n, k, w in FP8_DOWN_SWEEP]
+    parts = args.fp8_decode_sweep or ("gate_up", "down")  # the flag alone: both
+    configs = [(part, config) for part, config in configs if part in parts]
     rows = []
     for part, config in configs:
         graph_us, _ = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
@@ -188,6 +194,7 @@ def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
                  else (config.down_n, config.down_k, config.down_warps))
         rows.append({"variant": part, "tokens": 1, "config": tiles, "default": config == FP8_DECODE_TILES,
                      "time_us": graph_us})
+        print(f"[fp8 sweep] {part} {tiles}: {graph_us:.1f} us", flush=True)  # a run cut off keeps these
     return rows
 
 
@@ -215,8 +222,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
     parser.add_argument("--decode-sweep", action="store_true",
                         help=f"also time the bf16 decode path's tiles at sizes up to {DECODE_MAX_PAIRS} pairs")
-    parser.add_argument("--fp8-decode-sweep", action="store_true",
-                        help="also time one token's fp8 path over its gate_up and down tiles")
+    parser.add_argument("--fp8-decode-sweep", nargs="*", choices=("gate_up", "down"),
+                        help="also time one token's fp8 path over its gate_up and down tiles (or those named)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
 
@@ -248,7 +255,7 @@ def main() -> int:
         print_sweep(decode_rows, "bf16 decode tile sweep (gate_up n, gate_up k, down n, down k, warps, stages)",
                     SWEEP_KEYS, 28)
         sweep_rows += decode_rows
-    if args.fp8_decode_sweep and "fp8" in banks:
+    if args.fp8_decode_sweep is not None and "fp8" in banks:
         fp8_rows = fp8_decode_sweep(args, banks["fp8"])
         print_sweep(fp8_rows, "fp8 one-token tile sweep (columns, k step, warps[, register cap])", SWEEP_KEYS, 28)
         sweep_rows += fp8_rows

@@ -187,3 +187,22 @@ def test_one_token_gate_up_under_a_register_cap(regs):
         weights, slots = torch.rand(1, 8, generator=gen).cuda(), torch.randperm(64, generator=gen)[:8].view(1, 8).cuda()
         out = decode_fp8().decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config)
         assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)) < 2e-2, seed
+
+
+# ==== the per-token down in one step longer than the intermediate size (masked) ====
+
+@interpreted
+@pytest.mark.parametrize("block", [ScaleBlock(16, 16), PER_CHANNEL], ids=str)
+def test_a_down_step_past_the_intermediate_size_interpreted(block):
+    config = decode_fp8().FP8_DECODE_TILES._replace(**SMALL)._replace(down_k=128)
+    run_trials((12, 96, 32, 4), block, torch.float32, "cpu", trials=INTERPRETED_TRIALS, config=config)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiles", [(8, 1024, 8), (8, 1024, 16), (16, 1024, 16), (8, 1024, 4)], ids=str)
+@pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=str)
+def test_cuda_long_down_steps_sync_free(tiles, block):
+    """The one-step downs the decode sweep tries, at qwen3-30b's shapes (768 of a 1024 step)."""
+    config = decode_fp8().FP8_DECODE_TILES._replace(down_n=tiles[0], down_k=tiles[1], down_warps=tiles[2])
+    run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=2, config=config)  # compiles
+    run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=8, config=config, sync_free=True)
