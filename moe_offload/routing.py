@@ -54,20 +54,18 @@ class ModelRouting:
     uses_keys = False
 
     def __init__(self, top_k: int, renormalize: bool,
-                 project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear):
+                 project: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear):
         self.top_k = top_k
         self.renormalize = renormalize
-        self.project = project  # hidden, router weight -> logits (the worker passes its one-row kernel)
+        self.project = project  # hidden, router weight, bias -> logits (the worker passes its one-row kernel)
 
     def begin(self, keys: TokenKeys | None) -> None:
         pass
 
     def __call__(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``router``: the weight ``[E, H]``, or a ``(weight, bias [E])`` pair (gpt-oss)."""
-        if isinstance(router, tuple):
-            weight, bias = router
-            return route(self.project(hidden, weight) + bias, self.top_k, self.renormalize)
-        return route(self.project(hidden, router), self.top_k, self.renormalize)
+        weight, bias = router if isinstance(router, tuple) else (router, None)
+        return route(self.project(hidden, weight, bias), self.top_k, self.renormalize)
 
     def predict(self, layer: int, hidden: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s router applied to the layer before's hidden state (Pre-gated MoE, HOBBIT)."""

@@ -99,3 +99,20 @@ def test_views_and_allocations_launch_nothing():
     assert not launches_kernel(aten.split.Tensor) and not launches_kernel(aten.t.default)
     assert launches_kernel(aten.index_copy_.default) and launches_kernel(aten.mm.default)
     assert launches_kernel(aten.copy_.default) and launches_kernel(aten.clone.default)
+
+
+@interpreted
+def test_gpt_oss_biases_add_no_launch_at_one_row(tmp_path, monkeypatch):
+    """gpt-oss's q/k/v, o and router biases are added inside their projections' launches (one
+    ``gemv_kernel`` each), not by elementwise launches after them: a sliding and a full layer."""
+    from tests.tiny_gpt_oss import FULL, SLIDING, write_tiny_gpt_oss
+
+    write_tiny_gpt_oss(tmp_path, layer_types=(SLIDING, SLIDING, FULL), dtype=torch.bfloat16)
+    monkeypatch.setenv("SLUICE_KERNELS", "triton")
+    graphs = decode_graphs(tmp_path, 1)
+    first = step_launches(graphs, 1, 1)
+    for layers in (2, 3):  # the second layer is a sliding one, the third a full one
+        per_layer = step_launches(graphs, 1, layers) - step_launches(graphs, 1, layers - 1)
+        assert per_layer["triton.gemv_kernel"] == 3, per_layer  # qkv (its norm inside), o, router
+        assert not [name for name in per_layer if name.startswith("aten.add")], per_layer
+    assert first["triton.gemv_kernel"] == 3

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from worker.models import linear as gemv  # noqa: E402
 from worker.models.norm import add_rms_norm_eager, rms_norm_eager  # noqa: E402
-from tests.launch_count import count_launches  # noqa: E402
+from tests.launch_count import count_launches, sync_errors  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 TRIALS = 20
@@ -251,3 +251,56 @@ def test_masked_steps_match_the_twins_on_gpu_without_syncs(tiles, shape, monkeyp
     check(*shape, torch.bfloat16, "cuda", trials=4)
     check_norm(*shape, torch.bfloat16, "cuda", True, trials=4)
     check_gated(*shape, torch.bfloat16, "cuda", trials=4)
+
+
+# ==== a bias (gpt-oss's projections), added to the float32 sum ====
+
+def check_bias(n: int, k: int, device: str, norm: bool, trials: int = 4) -> None:
+    """``linear(x, w, bias)`` (and with the norm before it) against float32 products plus the bias:
+    within a rounding of the output, and the twin (``F.linear(x, w, bias)``) alike."""
+    gen = torch.Generator(device=device).manual_seed(n * k + 3)
+    for _ in range(trials):
+        x, res = (torch.randn(1, k, generator=gen, device=device).bfloat16() for _ in range(2))
+        w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16()
+        bias = (4 * torch.randn(n, generator=gen, device=device)).bfloat16()  # far from zero, as gpt-oss's
+        norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).bfloat16()
+        with sync_errors(device == "cuda"), count_launches() as counter:
+            if norm:
+                out, _ = gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, bias, backend="triton")
+            else:
+                out = gemv.linear(x, w, bias, backend="triton")
+        assert counter.launches == {"triton.gemv_kernel": 1}  # the bias (and the norm) inside its launch
+        inp = add_rms_norm_eager(x, res, norm_w, 1e-6)[0] if norm else x
+        want = F.linear(inp.float(), w.float(), bias.float())
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        twin = gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, bias, backend="eager")[0] if norm \
+            else gemv.linear(x, w, bias, backend="eager")
+        torch.testing.assert_close(twin.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("shape", [(40, 64), (33, 48), (16, 1536)], ids=lambda c: "N{}K{}".format(*c))
+def test_bias_inside_the_launch_interpreted(shape, norm):
+    check_bias(*shape, "cpu", norm, trials=2)
+
+
+def test_a_bias_of_another_shape_or_dtype_takes_the_twin():
+    x, w = torch.randn(1, 32).bfloat16(), torch.randn(16, 32).bfloat16()
+    for bias in (torch.randn(8).bfloat16(), torch.randn(16)):
+        with count_launches() as counter:
+            try:
+                out = gemv.linear(x, w, bias, backend="triton")
+            except RuntimeError:  # the twin refuses a mismatched bias as torch does
+                continue
+        assert "triton.gemv_kernel" not in counter.launches
+        torch.testing.assert_close(out, F.linear(x, w, bias))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("shape", [(5120, 2880), (2880, 4096), (128, 2880), (2048, 2048)],
+                         ids=lambda c: "N{}K{}".format(*c))
+def test_bias_inside_the_launch_on_gpu_without_syncs(shape, norm):
+    """gpt-oss's qkv, o and router shapes, and an even one."""
+    check_bias(*shape, "cuda", norm)

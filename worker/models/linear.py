@@ -19,6 +19,9 @@ Under programmatic dependent launch (``triton_support.pdl_args``), when ``K`` is
 a program loads its whole ``[K, BLOCK_N]`` tile in one go before it waits for the kernel before it:
 the weights stream while that kernel finishes, and only the input row waits.
 
+A bias (gpt-oss's q/k/v, o and router) is added to the float32 sum in the same launch, where it was
+an elementwise launch of its own after each projection.
+
 The norm's launch (about 2 us of a 60 us layer) is worth more than its arithmetic, which every
 program repeats on a 2k-element row. The same goes for the shared expert's glue (Qwen3-Next,
 Qwen3.5): ``silu(gate) * up`` before its down projection and ``moe + sigmoid(logit) * out`` after
@@ -48,19 +51,22 @@ MAX_BLOCK_K = 1024
 WHOLE_TILE: bool | None = None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """``F.linear(x, w)`` for ``x [..., K]`` and ``w [N, K]``; one row of bfloat16 or float16 runs
-    the kernel on CUDA (or with ``backend="triton"``), anything else the twin."""
-    if not _fits(x, w) or not use_triton(x, backend):
-        return F.linear(x, w)
-    return _launch(x, None, None, 0.0, w)[0]
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           backend: str | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for ``x [..., K]``, ``w [N, K]`` and ``bias [N]`` (the sum rounded
+    once, as torch's); one row of bfloat16 or float16 runs the kernel on CUDA (or with
+    ``backend="triton"``), anything else the twin."""
+    if not _fits(x, w, bias) or not use_triton(x, backend):
+        return F.linear(x, w, bias)
+    return _launch(x, None, None, 0.0, w, bias)[0]
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        w: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(rms_norm(s) * norm_weight, w), s)`` with ``s = x + residual`` (``x`` itself when
-    ``residual`` is None): a pre-norm block's residual step and its first projection."""
-    fused = (_fits(x, w) and use_triton(x, backend) and norm_weight.shape == x.shape[-1:]
+                        w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(s) * norm_weight, w, bias), s)`` with ``s = x + residual`` (``x`` itself
+    when ``residual`` is None): a pre-norm block's residual step and its first projection."""
+    fused = (_fits(x, w, bias) and use_triton(x, backend) and norm_weight.shape == x.shape[-1:]
              and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
              and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
     if not fused:
@@ -68,8 +74,8 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
             normed, summed = rms_norm(x, norm_weight, eps, backend=backend), x
         else:
             normed, summed = add_rms_norm(x, residual, norm_weight, eps, backend=backend)
-        return linear(normed, w, backend=backend), summed
-    return _launch(x, residual, norm_weight, eps, w)
+        return linear(normed, w, bias, backend=backend), summed
+    return _launch(x, residual, norm_weight, eps, w, bias)
 
 
 def swiglu_linear_gated_add(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor, *,
@@ -119,16 +125,20 @@ def gemv_tiles(k: int) -> GemvTiles:
     return GemvTiles(step, 16 if k >= 4096 else 4)
 
 
-def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One row, 16-bit floats of one dtype, ``w`` rows contiguous and not empty, ``K`` a multiple of 16."""
+def _fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """One row, 16-bit floats of one dtype, ``w`` rows contiguous and not empty, ``K`` a multiple of
+    16, a bias (if any) a contiguous ``[N]`` of that dtype."""
     return (x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and w.dim() == 2 and w.shape[1] == x.shape[-1] and w.stride(1) == 1 and w.device == x.device
-            and w.numel() > 0 and block_k(w.shape[1]) > 0)
+            and w.numel() > 0 and block_k(w.shape[1]) > 0
+            and (bias is None or (bias.shape == w.shape[:1] and bias.dtype == x.dtype and bias.is_contiguous()
+                                  and bias.device == x.device)))
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-            w: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gated``: ``x`` is ``[gate | up | logit]`` and ``residual`` the sum added after the gate."""
+            w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated``: ``x`` is ``[gate | up | logit]`` and ``residual`` the sum added after the gate
+    (no bias then)."""
     n, k = w.shape
     pdl = pdl_args(x)
     whole = k == next_pow2(k) and (pdl["PDL"] if WHOLE_TILE is None else WHOLE_TILE)
@@ -138,9 +148,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     tiles = gemv_tiles(k)
     _kernel()[(-(-n // BLOCK_N),)](
         x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
-        summed, w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=tiles.block_k, BLOCK_ROW=next_pow2(k),
+        summed, w, bias if bias is not None else w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=tiles.block_k, BLOCK_ROW=next_pow2(k),
         EVEN_N=n % BLOCK_N == 0, EVEN_K=k % tiles.block_k == 0, NORM=norm_weight is not None,
-        RESIDUAL=residual is not None and not gated, GATED=gated, WHOLE=whole, num_warps=tiles.warps, **pdl)
+        RESIDUAL=residual is not None and not gated, GATED=gated, BIAS=bias is not None, WHOLE=whole,
+        num_warps=tiles.warps, **pdl)
     return out, summed
 
 
@@ -150,10 +161,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
+    def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, bias_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, WHOLE: tl.constexpr,
-                    PDL: tl.constexpr):
+                    EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                    BIAS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         w_rows = w_ptr + rows[None, :].to(tl.int64) * stride_wn
@@ -206,7 +217,10 @@ def _kernel():
                     normed = (xs.to(tl.float32) * inv).to(xs.dtype).to(tl.float32)
                     xs = (normed * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(xs.dtype)
                 acc += xs.to(tl.float32)[:, None] * w.to(tl.float32)
-        out = tl.sum(acc, 0).to(out_ptr.dtype.element_ty)
+        out = tl.sum(acc, 0)
+        if BIAS:  # added to the float32 sum, rounded once (torch's F.linear with a bias)
+            out += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        out = out.to(out_ptr.dtype.element_ty)
         if GATED:  # add + sigmoid(logit) * out, logit = x[2K], rounded after each op as the twin rounds
             gate = tl.sigmoid(tl.load(x_ptr + 2 * K).to(tl.float32)).to(out.dtype).to(tl.float32)
             out = (gate * out.to(tl.float32)).to(out.dtype)

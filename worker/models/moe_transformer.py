@@ -91,12 +91,10 @@ class MoETransformer:
     def _attention(self, layer: int, lw: LayerWeights, x: torch.Tensor, moe_out: torch.Tensor | None,
                    batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention block's output and the residual stream ``x + moe_out`` (the input norm and
-        the qkv projection are one launch at one token)."""
+        the qkv projection, with its bias, are one launch at one token)."""
         cfg = self.cfg
         T, kv_layer = x.shape[0], self.kind_index[layer]
-        qkv, x = add_rms_norm_linear(x, moe_out, lw.input_norm, cfg.rms_norm_eps, lw.qkv)
-        if lw.qkv_bias is not None:
-            qkv = qkv + lw.qkv_bias
+        qkv, x = add_rms_norm_linear(x, moe_out, lw.input_norm, cfg.rms_norm_eps, lw.qkv, lw.qkv_bias)
         q, k, v = qkv[:, :cfg.q_size + 2 * cfg.kv_size].split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -111,8 +109,7 @@ class MoETransformer:
         out = out.reshape(T, cfg.q_size)
         if cfg.attn_output_gate:
             out = out * torch.sigmoid(qkv[:, cfg.q_size + 2 * cfg.kv_size:])
-        out = linear(out, lw.o)
-        return (out if lw.o_bias is None else out + lw.o_bias), x
+        return linear(out, lw.o, lw.o_bias), x
 
 
 def layer_kind(cfg: ModelConfig, layer: int, window_pool: bool) -> str:
