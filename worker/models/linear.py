@@ -136,7 +136,8 @@ def _fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) ->
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-            w: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            w: torch.Tensor, bias: torch.Tensor | None = None,
+            gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``gated``: ``x`` is ``[gate | up | logit]`` and ``residual`` the sum added after the gate
     (no bias then)."""
     n, k = w.shape
@@ -148,8 +149,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     tiles = gemv_tiles(k)
     _kernel()[(-(-n // BLOCK_N),)](
         x, residual.contiguous() if residual is not None else x, norm_weight if norm_weight is not None else x,
-        summed, w, bias if bias is not None else w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N, BLOCK_K=tiles.block_k, BLOCK_ROW=next_pow2(k),
-        EVEN_N=n % BLOCK_N == 0, EVEN_K=k % tiles.block_k == 0, NORM=norm_weight is not None,
+        summed, w, bias if bias is not None else w, out, n, w.stride(0), eps, K=k, BLOCK_N=BLOCK_N,
+        BLOCK_K=tiles.block_k, BLOCK_ROW=next_pow2(k), EVEN_N=n % BLOCK_N == 0, EVEN_K=k % tiles.block_k == 0,
+        NORM=norm_weight is not None,
         RESIDUAL=residual is not None and not gated, GATED=gated, BIAS=bias is not None, WHOLE=whole,
         num_warps=tiles.warps, **pdl)
     return out, summed
@@ -161,10 +163,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, bias_ptr, out_ptr, n, stride_wn, eps, K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_N: tl.constexpr,
-                    EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                    BIAS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
+    def gemv_kernel(x_ptr, res_ptr, norm_ptr, sum_ptr, w_ptr, bias_ptr, out_ptr, n, stride_wn, eps,
+                    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                    GATED: tl.constexpr, BIAS: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n
         w_rows = w_ptr + rows[None, :].to(tl.int64) * stride_wn
