@@ -1,4 +1,5 @@
-"""Compile the expert GEMM's decode and 4-bit kernels for a GPU architecture on a machine without one, and
+"""Compile the expert GEMM's decode and 4-bit kernels (and, as bf16's ``gemv_qkv``, the one-row qkv projection
+of ``worker/models/linear.py``) for a GPU architecture on a machine without one, and
 print what the compiler made of each: registers, shared memory, spills, instructions, and the
 global loads and copies by width. Device time is scarce; this shows, before any run, whether a
 change vectorises a weight stream or costs registers (occupancy). It measures nothing.
@@ -37,13 +38,14 @@ from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
 from moe_offload.kernels.triton_support import reg_cap  # noqa: E402
 from scripts.bench_grouped_gemm_w4 import GEOMETRIES  # noqa: E402
+from worker.models import linear as gemv  # noqa: E402
 
 # element types of the kernels' pointer arguments (the scale banks' depend on the format)
 POINTERS = dict(x_ptr="bf16", act_ptr="bf16", out_ptr="bf16", pair_out_ptr="bf16", q_ptr="i32", ids_ptr="i32",
                 slots_ptr="i32", weights_ptr="fp32", host13_ptr="i32", host2_ptr="i32", w2_ptr="i32",
                 plan_src_ptr="i32", plan_dst_ptr="i32", count_ptr="i32", sorted_pairs_ptr="i32", total_ptr="i32",
                 w13_ptr="fp8e4nv", s13_ptr="fp32", s2_ptr="fp32", w13_bytes_ptr="u8",
-                w2_bytes_ptr="u8")
+                w2_bytes_ptr="u8", w_ptr="bf16", res_ptr="bf16", norm_ptr="bf16", sum_ptr="bf16", bias_ptr="bf16")
 # the shapes the 4-bit benchmark times (``--geometry`` picks one; qwen3-30b's by default)
 HIDDEN, INTER, EXPERTS, TOP_K = (GEOMETRIES["qwen3-30b"][k] for k in ("hidden", "inter", "experts", "top_k"))
 FILL = False  # ``--fill``: the one-token and slot gate_ups compiled with a fill's copies (a plan of 8 rows)
@@ -62,7 +64,7 @@ def fill_consts(cfg) -> dict:
 LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
 
 
-KERNELS = ("gate_up_pair", "down_token", "gate_up_slot", "down_slot", "prefill_gate_up", "prefill_down")
+KERNELS = ("gate_up_pair", "down_token", "gate_up_slot", "down_slot", "prefill_gate_up", "prefill_down", "gemv_qkv")
 
 
 def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bfloat16)) -> dict:
@@ -105,10 +107,17 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
 
 
 def bf16_kernels(cfg=decode_bf16.DecodeConfig()) -> dict:
-    """The bf16 decode path's one-token kernels, the rate the others are held to per byte."""
+    """The bf16 decode path's one-token kernels, the rate the others are held to per byte, and the
+    one-row qkv projection (``worker/models/linear.py``: the norm and a bias inside, its default
+    tiles at the geometry's hidden size)."""
     nofill = fill_consts(cfg)
     plain = dict(EVEN=True, BIAS=False, GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
+    tiles = gemv.gemv_tiles(HIDDEN)
+    qkv = dict(K=HIDDEN, BLOCK_N=gemv.BLOCK_N, BLOCK_K=tiles.block_k, BLOCK_ROW=triton.next_power_of_2(HIDDEN),
+               EVEN_N=True, EVEN_K=HIDDEN % tiles.block_k == 0, NORM=True, RESIDUAL=True, GATED=False, BIAS=True,
+               WHOLE=False, PDL=False)
     return {
+        "gemv_qkv": (gemv._kernel(), qkv, tiles.warps, 3, "w13"),
         "gate_up_pair": (decode_bf16._decode_gate_up_pair_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
                                                                        BLOCK_K=cfg.pair_k, **plain, **nofill),
                          cfg.pair_warps, 3, "w13"),
@@ -139,7 +148,7 @@ def launch_values(fmt: str, bank: str) -> dict:
 def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
     """The kernel with its constexprs and the divisibility hints a launch would give its arguments."""
     scale = "fp8e4nv" if fmt == "nvfp4" else "u8"
-    types = {name: "*" + t for name, t in POINTERS.items()}
+    types = {name: "*" + t for name, t in POINTERS.items()} | dict(eps="fp32")
     if fmt == "fp8":
         types.update(w2_ptr="*fp8e4nv")
     if fmt == "bf16":
@@ -191,7 +200,7 @@ def main() -> None:
     p.add_argument("--geometry", default="qwen3-30b", choices=list(GEOMETRIES), help="the shapes compiled for")
     p.add_argument("--fill", action="store_true", help="the gate_ups with a fill's copies from the host")
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
-                   help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels)")
+                   help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels); bf16 gemv_qkv")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
                    help="4-bit decode tiles changed from W4_DECODE_TILES (DecodeConfig fields), e.g. down_warps=4")
     args = p.parse_args()

@@ -54,3 +54,11 @@ def test_mxfp4_rows_of_gpt_oss_shapes_copy_16_bytes_at_a_time():
     pair, slot = lines[:2]
     assert "LDG.E.128" in pair and "STG.E.128" in pair, pair  # the fill's copies from the host
     assert "LDGSTS.E.BYPASS.128" in slot, slot
+
+
+def test_the_one_row_qkv_with_a_bias_and_a_masked_tail_compiles_for_sm90_with_16_byte_loads():
+    """worker/models/linear.py at gpt-oss's K = 2880: three steps of 1024, the last masked, the
+    norm and a bias inside; its weights still load 16 bytes at a time and nothing spills."""
+    (line,) = sass("--formats", "bf16", "--kernels", "gemv_qkv", "--geometry", "gpt-oss")
+    assert field(line, "local") == 0 and "LDG.E.128" in line, line
+    assert not re.search(r"\bLDG\.E(\.64)? \d", line), line  # no 4- or 8-byte loads of the weights
