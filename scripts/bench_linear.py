@@ -5,10 +5,9 @@ torch's ``F.linear``, i.e. cuBLAS) at the models' shapes, against the HBM bound.
 
 Each shape is ``N x K`` bf16 rows of ``w`` (the qkv projection runs with the residual add and RMSNorm
 before it folded in, as a layer's first projection does). Rows: ``torch`` (``F.linear``), ``ours``
-(the kernel's default tiles: the largest power-of-two step up to 1024 that divides K), and with
-``--sweep`` the kernel at each forced ``GemvTiles(block_k, warps)``: steps that do not divide K
-read a masked tail (gpt-oss's K = 2880 has no power-of-two divisor above 64, so by default it
-takes 45 steps of 64).
+(the kernel's default tiles, ``linear.gemv_tiles``), and with ``--sweep`` the kernel at each forced
+``GemvTiles(block_k, warps)``: steps that do not divide K read a masked tail (gpt-oss's K = 2880
+has no power-of-two divisor above 64; ``k64 w4`` is the 45 steps it took before the masked ones).
 
 Timing: a CUDA graph of ``--calls`` calls, each on its own copy of the weights (copies enough for
 256 MB, past the 50 MB L2), replayed; the kernel's programmatic dependent launch is on in the graph
