@@ -10,7 +10,9 @@ Concurrency, with ``flock`` on the segment itself:
   segment without waiting for the fill, and a crashed filler's lock goes away with it;
 - an opener reads the header under a shared lock;
 - a stale segment is unlinked under an exclusive lock and only while it is still linked, so two
-  processes that both find it stale cannot remove each other's fresh segment.
+  processes that both find it stale cannot remove each other's fresh segment;
+- creators reserve their pages one at a time (a lock on the directory), so the one that fits gets
+  them all.
 """
 from __future__ import annotations
 
@@ -233,8 +235,12 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
     """Give the segment all its pages before the fill writes through the mapping. A sparse file
     (ftruncate alone) takes pages as the fill touches them, so two processes that both passed
     ``_check_space`` could fill tmpfs between them and both die of SIGBUS mid-fill; allocated
-    here, the one that does not fit gets ENOSPC, in one line, before it maps anything."""
+    here, the one that does not fit gets ENOSPC, in one line, before it maps anything. Reservations
+    in one directory take turns (an exclusive ``flock`` on the directory): two at once could each
+    take part of what is left and both fail, where one of them fits."""
+    dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
         if e.errno == errno.ENOSPC:
@@ -243,6 +249,8 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, nbytes)  # a filesystem that cannot allocate ahead: sparse, as before
+    finally:
+        os.close(dir_fd)  # and with it the lock
 
 
 class SegmentInfo(NamedTuple):
