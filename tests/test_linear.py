@@ -3,6 +3,8 @@ with the residual add and RMSNorm before it: interpreted on the CPU and compiled
 graph-captured, on a GPU; and which inputs it leaves to the twins."""
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 
 import pytest
@@ -255,6 +257,23 @@ def test_masked_steps_match_the_twins_on_gpu_without_syncs(tiles, shape, monkeyp
 
 # ==== a bias (gpt-oss's projections), added to the float32 sum ====
 
+def launched(fn, device: str) -> tuple[torch.Tensor, dict[str, int]]:
+    """``fn()`` and its launches by name: counted by the interpreter on the CPU (``count_launches``), by
+    the profiler's kernels on a GPU, there under sync-debug mode."""
+    if device == "cpu":
+        with count_launches() as counter:
+            out = fn()
+        return out, dict(counter.launches)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with sync_errors():
+            out = fn()
+        torch.cuda.synchronize()
+    kernels = Counter(f"triton.{e.name}" for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return out, dict(kernels)
+
+
 def check_bias(n: int, k: int, device: str, norm: bool, trials: int = 4) -> None:
     """``linear(x, w, bias)`` (and with the norm before it) against float32 products plus the bias:
     within a rounding of the output, and the twin (``F.linear(x, w, bias)``) alike."""
@@ -264,12 +283,13 @@ def check_bias(n: int, k: int, device: str, norm: bool, trials: int = 4) -> None
         w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16()
         bias = (4 * torch.randn(n, generator=gen, device=device)).bfloat16()  # far from zero, as gpt-oss's
         norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).bfloat16()
-        with sync_errors(device == "cuda"), count_launches() as counter:
+        def run():
             if norm:
-                out, _ = gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, bias, backend="triton")
-            else:
-                out = gemv.linear(x, w, bias, backend="triton")
-        assert counter.launches == {"triton.gemv_kernel": 1}  # the bias (and the norm) inside its launch
+                return gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, bias, backend="triton")[0]
+            return gemv.linear(x, w, bias, backend="triton")
+
+        out, launches = launched(run, device)
+        assert launches == {"triton.gemv_kernel": 1}, launches  # the bias (and the norm) inside its launch
         inp = add_rms_norm_eager(x, res, norm_w, 1e-6)[0] if norm else x
         want = F.linear(inp.float(), w.float(), bias.float())
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
