@@ -48,7 +48,7 @@ import torch
 
 from moe_offload.choices import EXPERT_DTYPES, FILL_MODES, LENT_SLOT_RULES, POLICIES
 from moe_offload import slot_fill
-from moe_offload.kernels.triton_support import PDL_ENV, PREFETCH_ENV
+from moe_offload.kernels.triton_support import PDL_ENV
 from moe_offload.synthetic_routing import synthetic_trace
 from scheduler.engine import Engine, EngineConfig
 from scheduler.request import Request
@@ -345,8 +345,7 @@ def resident_bounds_from_lookups(rows: list[dict]) -> None:
 
 COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "experts", ">12"),
            ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("fill", "fill", ">6"),
-           ("pdl", "pdl", ">3"), ("l2 pf", "l2_prefetch", ">5"), ("sampling", "sampling", ">8"),
-           ("prompt", "prompt", ">7"),
+           ("pdl", "pdl", ">3"), ("sampling", "sampling", ">8"), ("prompt", "prompt", ">7"),
            ("batch", "batch", ">5"),
            ("tok/s", "tok_s", ">8.1f"), ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
@@ -361,17 +360,6 @@ def prefetch_choice(text: str) -> str:
     if text not in ("off", "on", "wide") and not (text.isdigit() and int(text) > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: off, on, wide or a count of experts a layer")
     return text
-
-
-def add_step_switches(p: argparse.ArgumentParser) -> None:
-    """How a decode step launches and samples; several values: a row each."""
-    p.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
-                   help="programmatic dependent launch of the Triton kernels (sm90+; off: SLUICE_PDL=0)")
-    p.add_argument("--l2-prefetch", nargs="+", default=["on"], choices=["on", "off"],
-                   help="a decode down asks L2 for its weights before its PDL wait (off: SLUICE_L2_PREFETCH=0)")
-    p.add_argument("--sampling", nargs="+", default=["greedy"], choices=["greedy", "sampled"],
-                   help="how every request samples: greedy, or sampled (temperature 0.8, top-p 0.9; the "
-                        "decode graph captures both paths, a sampled row draws by rejection); several: rows each")
 
 
 def parse_args() -> argparse.Namespace:
@@ -403,7 +391,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-every", type=int, default=0, metavar="STEPS",
                    help="every STEPS decode steps another request's prompt is prefilled between them (0: never)")
     p.add_argument("--prefill-tokens", type=int, default=1024, help="that prompt's tokens")
-    add_step_switches(p)
+    p.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
+                   help="programmatic dependent launch of the Triton kernels (sm90+; off: SLUICE_PDL=0)")
+    p.add_argument("--sampling", nargs="+", default=["greedy"], choices=["greedy", "sampled"],
+                   help="how every request samples: greedy, or sampled (temperature 0.8, top-p 0.9; the "
+                        "decode graph captures both paths, a sampled row draws by rejection); several: rows each")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
                    help="print the N kernels that take the most GPU time per decode step, per row")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -427,13 +419,10 @@ def main() -> None:
     for gpus, fraction, expert_dtype, lent in itertools.product(args.gpus, args.fractions, args.expert_dtype,
                                                                 args.lent_slots):
         offloaded = fraction < 1.0  # resident rows fetch nothing: one row for any prefetch or fill
-        for prefetch, fill, pdl, l2 in itertools.product(args.prefetch if offloaded else args.prefetch[:1],
-                                                         args.fill if offloaded else args.fill[:1], args.pdl,
-                                                         args.l2_prefetch):
+        for prefetch, fill, pdl in itertools.product(args.prefetch if offloaded else args.prefetch[:1],
+                                                     args.fill if offloaded else args.fill[:1], args.pdl):
             os.environ[PDL_ENV] = "1" if pdl == "on" else "0"  # read at each launch, so at the graphs' capture
-            os.environ[PREFETCH_ENV] = "1" if l2 == "on" else "0"
-            rows += [dict(r, pdl=pdl, l2_prefetch=l2)
-                     for r in bench_runner(args, fraction, expert_dtype, lent, prefetch, fill, gpus)]
+            rows += [dict(r, pdl=pdl) for r in bench_runner(args, fraction, expert_dtype, lent, prefetch, fill, gpus)]
             if args.json:  # after every runner: a run cut short keeps its rows
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     resident_bounds_from_lookups(rows)

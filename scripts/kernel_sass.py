@@ -36,7 +36,7 @@ from moe_offload.kernels import grouped_gemm_decode as decode_bf16  # noqa: E402
 from moe_offload.kernels import grouped_gemm_decode_fp8 as decode_fp8  # noqa: E402
 from moe_offload.kernels import grouped_gemm_w4_decode as decode  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4_banks import GROUP  # noqa: E402
-from moe_offload.kernels.triton_support import l2_prefetch_args, reg_cap  # noqa: E402
+from moe_offload.kernels.triton_support import reg_cap  # noqa: E402
 from scripts.bench_grouped_gemm_w4 import GEOMETRIES  # noqa: E402
 from worker.models import linear as gemv  # noqa: E402
 
@@ -61,15 +61,7 @@ def use_geometry(name: str, fill: bool) -> None:
 def fill_consts(cfg) -> dict:
     """A gate_up's fill constexprs (``fill_args``'s), PDL off."""
     return dict(FILL=FILL, PLAN=8 if FILL else 1, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
-
-
-def prefetch(row_bytes: int, block_n: int, warps: int) -> dict:
-    """A per-token down's L2 prefetch constexprs as a launch on an sm90 GPU gives them (on)."""
-    bank = torch.empty(1, 1, row_bytes, dtype=torch.uint8)
-    return dict(l2_prefetch_args(bank, TOP_K, block_n, warps), PREFETCH_K=triton.next_power_of_2(TOP_K))
-
-
-LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG|UBLKPF)[.A-Z0-9]*)\b")  # UBLKPF: a bulk prefetch to L2
+LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
 
 
 KERNELS = ("gate_up_pair", "down_token", "gate_up_slot", "down_slot", "prefill_gate_up", "prefill_down", "gemv_qkv")
@@ -85,9 +77,7 @@ def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bf
                                                               BLOCK_K=cfg.pair_k, **act, **nofill), cfg.pair_warps, 3,
                          "w13"),
         "down_token": (decode._down_token_w4_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                          BLOCK_K=cfg.down_k, PDL=False,
-                                                          **prefetch(INTER // 2, cfg.down_n, cfg.down_warps)),
-                       cfg.down_warps, 3, "w2"),
+                                                          BLOCK_K=cfg.down_k, PDL=False), cfg.down_warps, 3, "w2"),
         "gate_up_slot": (decode._gate_up_slot_w4_kernel, dict(BLOCK_P=16, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
                                                               **act, **nofill, **even), cfg.num_warps, cfg.num_stages,
                          "w13"),
@@ -111,9 +101,8 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
                                                                    BLOCK_K=cfg.pair_k, **scales, **nofill),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                         BLOCK_K=cfg.down_k, PDL=False, **scales,
-                                                         **prefetch(INTER, cfg.down_n, cfg.down_warps)),
-                       cfg.down_warps, 3, "w2"),
+                                                         BLOCK_K=cfg.down_k, PDL=False, **scales), cfg.down_warps, 3,
+                       "w2"),
     }
 
 
@@ -133,8 +122,7 @@ def bf16_kernels(cfg=decode_bf16.DecodeConfig()) -> dict:
                                                                        BLOCK_K=cfg.pair_k, **plain, **nofill),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_bf16._decode_down_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                             BLOCK_K=cfg.down_k, EVEN=True, BIAS=False, PDL=False,
-                                                             **prefetch(2 * INTER, cfg.down_n, cfg.down_warps)),
+                                                             BLOCK_K=cfg.down_k, EVEN=True, BIAS=False, PDL=False),
                        cfg.down_warps, 3, "w2"),
     }
 

@@ -253,18 +253,8 @@ GPU_SHAPES = [  # (slots, hidden, inter)
     (512, 384, 200),  # many cache slots, few used
 ]
 DECODE_AND_PREFILL = [1, 2, 3, 5, 8, 64, 700, 2048]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=["b128", "channel"])
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "N{}H{}I{}".format(*s))
-def test_cuda_parity_sync_free(shape, block, dtype):
-    """3 shapes x 20 trials (ragged, empty experts, duplicates), default tiles, decode and prefill
-    sizes, every op call under sync-debug "error" once its tiles are compiled."""
-    banks = make_fp8_banks(*shape, block, "cuda")
-    check_trials(banks, dtype, len(DECODE_AND_PREFILL), DECODE_AND_PREFILL, seed=99)  # compiles
-    check_trials(banks, dtype, 20, DECODE_AND_PREFILL, sync_free=True)
+# the weight-only parity on the GPU is in test_grouped_gemm_fp8_gpu.py: the GPU suite's --dist loadfile
+# gives a file to one worker, and together they were its longest file (352 s on the H200)
 
 
 @pytest.mark.cuda

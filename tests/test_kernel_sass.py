@@ -62,12 +62,3 @@ def test_the_one_row_qkv_with_a_bias_and_a_masked_tail_compiles_for_sm90_with_16
     (line,) = sass("--formats", "bf16", "--kernels", "gemv_qkv", "--geometry", "gpt-oss")
     assert field(line, "local") == 0 and "LDG.E.128" in line, line
     assert not re.search(r"\bLDG\.E(\.64)? \d", line), line  # no 4- or 8-byte loads of the weights
-
-
-def test_the_per_token_downs_ask_l2_for_their_weights_in_one_bulk_prefetch():
-    """decode_tiles.prefetch_down_rows compiles, for every format's per-token down, to one bulk L2
-    prefetch (UBLKPF: the compiler loops it over a warp's distinct pieces) and no spill."""
-    lines = sass("--formats", "fp8", "bf16", "mxfp4", "nvfp4", "--kernels", "down_token")
-    assert len(lines) == 4
-    for line in lines:
-        assert "UBLKPF.L2 1" in line and field(line, "local") == 0, line

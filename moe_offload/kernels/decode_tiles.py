@@ -1,7 +1,7 @@
 """Triton pieces shared by the decode kernels (bf16 ``grouped_gemm_decode``, fp8
-``grouped_gemm_decode_fp8``, 4-bit ``grouped_gemm_w4_decode``): the PDL wait, a down's weights asked
-of L2 before it, which pair or which slot's pairs a program serves, a reduction step's loads, and a
-fill's copies of the experts an expert-cache lookup just admitted (``SlotFill``) into their slots.
+``grouped_gemm_decode_fp8``, 4-bit ``grouped_gemm_w4_decode``): the PDL wait, which pair or which
+slot's pairs a program serves, a reduction step's loads, and a fill's copies of the experts an
+expert-cache lookup just admitted (``SlotFill``) into their slots.
 
 May import: triton only.
 """
@@ -18,48 +18,6 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_down_rows(w_ptr, slots_ptr, token, num_slots, width, stride_ws, stride_wn, TOP_K: tl.constexpr,
-                       PREFETCH_K: tl.constexpr, ROW_BYTES: tl.constexpr, CHUNKS: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """Ask L2 for the weight rows of this program's ``BLOCK_N`` columns (``program_id(1)``, of
-    ``width``) in token ``token``'s k slots (``w_ptr + slot * stride_ws + col * stride_wn``,
-    ``ROW_BYTES`` each; sm90's bulk prefetch: no register holds them, nothing waits for them),
-    before the PDL wait, while the gate_up launch before it still runs.
-
-    The slots are read before the wait: they were written two launches back (the lookup or top-k
-    before the gate_up), finished before the gate_up's programs passed their own waits and let this
-    launch begin. A prefetch is a hint: a stale or out-of-range slot (clamped into ``[0, N)``) costs
-    bandwidth, never a wrong number. PREFETCH_K: ``TOP_K`` rounded up to a power of two, 0 for off
-    (``triton_support.l2_prefetch_args``)."""
-    if PREFETCH_K:
-        rows, within, size = down_row_pieces(slots_ptr, token, num_slots, width, stride_ws, stride_wn, TOP_K,
-                                             PREFETCH_K, ROW_BYTES, CHUNKS, BLOCK_N)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [(w_ptr + rows).to(tl.pointer_type(tl.int8)) + within, size], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def down_row_pieces(slots_ptr, token, num_slots, width, stride_ws, stride_wn, TOP_K: tl.constexpr,
-                    PREFETCH_K: tl.constexpr, ROW_BYTES: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The pieces ``prefetch_down_rows`` asks for, ``PREFETCH_K * BLOCK_N * CHUNKS`` of them: each
-    row's start (in items of the bank), a piece's byte offset in it and its bytes. A row goes as
-    ``CHUNKS`` pieces, whole multiples of 16 bytes, so that each thread asks for a piece of its own
-    (a bulk prefetch takes a warp-uniform address: the compiler loops over a warp's distinct ones,
-    and a tensor smaller than the program would be copied across threads and asked for again).
-    Slots past ``TOP_K`` repeat slot 0's rows; columns past ``width`` repeat column 0's."""
-    piece: tl.constexpr = ROW_BYTES // CHUNKS // 16 * 16
-    e = tl.arange(0, PREFETCH_K * BLOCK_N * CHUNKS)
-    j, c = e // (BLOCK_N * CHUNKS), e % CHUNKS
-    col = tl.program_id(1) * BLOCK_N + e // CHUNKS % BLOCK_N
-    slot = tl.load(slots_ptr + token * TOP_K + j, mask=j < TOP_K, other=0).to(tl.int64)
-    slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-    rows = slot * stride_ws + tl.where(col < width, col, 0).to(tl.int64) * stride_wn
-    size = tl.where(c == CHUNKS - 1, ROW_BYTES - piece * (CHUNKS - 1), piece).to(tl.int32)
-    return rows, c * piece, size
 
 
 # ==== which pairs a program serves ====

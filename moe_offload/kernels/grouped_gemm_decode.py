@@ -44,13 +44,12 @@ import triton
 import triton.language as tl
 
 from moe_offload.slot_fill import SlotFill
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, prefetch_down_rows,
-                                              round_pairs, routed_pair, row_step, slot_program, tile_step,
-                                              w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
+                                              routed_pair, row_step, slot_program, tile_step, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
-from moe_offload.kernels.triton_support import l2_prefetch_args, pdl_args, reg_cap
+from moe_offload.kernels.triton_support import pdl_args, reg_cap
 
 # Batches of up to this many pairs take this path: every program scans all pairs' slots, and
 # compacts its slot's pairs with a [16, T*k] selection.
@@ -169,8 +168,7 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
                         stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, TOP_K: tl.constexpr,
                         INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                        BIAS: tl.constexpr, PREFETCH_K: tl.constexpr, ROW_BYTES: tl.constexpr, CHUNKS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BIAS: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
     Both loops (the k slots, the reduction over ``INTER``) are unrolled at compile time, so no
@@ -180,13 +178,10 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     The products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]`` accumulator summed once
     at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)`` reads
     slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the tiles
-    divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised. Its w2 rows
-    are asked of L2 before the wait (``prefetch_down_rows``)."""
+    divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised."""
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
-    prefetch_down_rows(w2_ptr, slots_ptr, token, num_slots, hidden, stride_ws, stride_wh, TOP_K, PREFETCH_K,
-                       ROW_BYTES, CHUNKS, BLOCK_N)
-    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     biased = tl.zeros((BLOCK_N,), tl.float32)  # gpt-oss: sum_j weight_j b2[id_j]
     for j in tl.static_range(TOP_K):
@@ -325,9 +320,8 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), bias.b2, bias.ids,
         bias.num, TOP_K=top_k, INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, BIAS=bias.on,
-        **l2_prefetch_args(w2, top_k, cfg.down_n, cfg.down_warps),
-        num_warps=cfg.down_warps, **pdl_args(act))
+        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, BIAS=bias.on, num_warps=cfg.down_warps,
+        **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

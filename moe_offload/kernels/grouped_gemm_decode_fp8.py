@@ -36,12 +36,11 @@ import triton.language as tl
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, prefetch_down_rows,
-                                              round_pairs, routed_pair, row_step, slot_program, tile_step,
-                                              w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
+                                              routed_pair, row_step, slot_program, tile_step, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
-from moe_offload.kernels.triton_support import l2_prefetch_args, pdl_args, reg_cap
+from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
 
@@ -188,17 +187,14 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     MODE: tl.constexpr, EVEN: tl.constexpr, PREFETCH_K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                     CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                     MODE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
     accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
     written). Per channel the scales differ by slot, so the host gives mode "kn" for it (each
-    weight scaled). Its w2 rows are asked of L2 before the wait (``prefetch_down_rows``)."""
+    weight scaled)."""
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
-    prefetch_down_rows(w2_ptr, slots_ptr, token, num_slots, hidden, stride_ws, INTER, TOP_K, PREFETCH_K,
-                       ROW_BYTES, CHUNKS, BLOCK_N)
-    pdl_wait(PDL)
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for j in tl.static_range(TOP_K):
@@ -369,9 +365,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
-        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0,
-        **l2_prefetch_args(w2, slots.shape[1], cfg.down_n, cfg.down_warps),
-        num_warps=cfg.down_warps, **pdl_args(act))
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

@@ -29,15 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, prefetch_down_rows,
-                                              round_pairs, routed_pair, slot_program, w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
+                                              routed_pair, slot_program, w2_copy_program)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
                                                        packed_tile, swiglu_w4_rows, w4_dot, MXFP4_ROW_ALIGN)
-from moe_offload.kernels.triton_support import l2_prefetch_args, pdl_args, reg_cap
+from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
 __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4", "decode_tiles"]
@@ -159,18 +159,13 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
                           hidden, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
                           TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
-                          PRECISION: tl.constexpr, PREFETCH_K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                          CHUNKS: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h] + bias[id_j, h]), one fp32
     accumulator, both loops unrolled. A slot outside ``[0, S)`` reads slot 0 with its act row
-    masked to zero (it was never written) and weighs 0. Its packed w2 rows are asked of L2 before
-    the wait (``prefetch_down_rows``; the scales, a sixteenth of the bytes or less, are not)."""
+    masked to zero (it was never written) and weighs 0."""
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
-    prefetch_down_rows(q_ptr, slots_ptr, token, num_slots, hidden, stride_qs, stride_qn, TOP_K, PREFETCH_K,
-                       ROW_BYTES, CHUNKS, BLOCK_N)
-    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     bias = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
@@ -298,9 +293,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     (q, s, c, b), strides, bank_consts = bank_args(bank)
     _down_token_w4_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, q, s, c, b, ids, weights, slots, out, num_slots, dim, *strides, TOP_K=top_k, INTER=act.shape[1],
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts,
-        **l2_prefetch_args(q, top_k, cfg.down_n, cfg.down_warps),
-        num_warps=cfg.down_warps, **pdl_args(act))
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,

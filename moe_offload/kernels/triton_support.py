@@ -16,7 +16,6 @@ import torch
 BACKEND_ENV = "SLUICE_KERNELS"
 BACKENDS = ("auto", "triton", "eager")
 PDL_ENV = "SLUICE_PDL"  # "0" turns programmatic dependent launch off (the A/B switch)
-PREFETCH_ENV = "SLUICE_L2_PREFETCH"  # "0": a decode down does not ask L2 for its weights before its wait
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
@@ -62,26 +61,6 @@ def pdl_args(tensor: torch.Tensor) -> dict[str, bool]:
     launch latency between two kernels of a step."""
     on = tensor.is_cuda and os.environ.get(PDL_ENV, "1") != "0" and _capability(tensor.device) >= 9
     return {"PDL": on, "launch_pdl": on}
-
-
-def l2_prefetch_args(bank: torch.Tensor, top_k: int, block_n: int, warps: int) -> dict[str, int]:
-    """Constexprs of a per-token decode down (``block_n`` columns a program, ``warps`` warps) that asks
-    L2 for its weight rows (the last dim of ``bank [N, H, row]``) before its PDL wait
-    (``decode_tiles.prefetch_down_rows``): ``PREFETCH_K``, ``top_k`` rounded up to a power of two (0:
-    off), ``ROW_BYTES``, and ``CHUNKS``, the pieces a row goes in: as many as give each thread its own
-    piece, each at least 16 bytes. On where PDL is (before the wait the gate_up launch still runs;
-    without PDL nothing runs beside) unless ``SLUICE_L2_PREFETCH=0``, for rows that are contiguous,
-    start on 16 bytes and span a multiple of 16 (the bulk prefetch's rule)."""
-    size = bank.element_size()
-    row_bytes = bank.shape[-1] * size
-    aligned = (bank.stride(-1) == 1 and row_bytes % 16 == 0 and bank.data_ptr() % 16 == 0
-               and all(stride * size % 16 == 0 for stride in bank.stride()[:-1]))
-    on = aligned and pdl_args(bank)["PDL"] and os.environ.get(PREFETCH_ENV, "1") != "0"
-    rows = next_pow2(top_k) * block_n
-    chunks = 1
-    while rows * chunks * 2 <= warps * 32 and row_bytes // (chunks * 2) >= 16:
-        chunks *= 2
-    return {"PREFETCH_K": next_pow2(top_k) if on else 0, "ROW_BYTES": row_bytes, "CHUNKS": chunks}
 
 
 @functools.cache
