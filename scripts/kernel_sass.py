@@ -98,7 +98,8 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
     scales = dict(SCALE_ROWS=128, SCALE_COLS=128, MODE="k", EVEN=True)
     return {
         "gate_up_pair": (decode_fp8._pair_gate_up_fp8_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
-                                                                   BLOCK_K=cfg.pair_k, **scales, **nofill),
+                                                                   BLOCK_K=cfg.pair_k, **scales, **nofill,
+                                                                   DOT=cfg.pair_dot),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
                                                          BLOCK_K=cfg.down_k, PDL=False, **scales), cfg.down_warps, 3,
@@ -202,20 +203,32 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels); bf16 gemv_qkv")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
-                   help="4-bit decode tiles changed from W4_DECODE_TILES (DecodeConfig fields), e.g. down_warps=4")
+                   help="decode tiles changed from the format's (W4_DECODE_TILES, FP8_DECODE_TILES; DecodeConfig "
+                        "fields), e.g. down_warps=4, or pair_dot=1 for fp8's one-token gate_up on tensor cores")
     args = p.parse_args()
     use_geometry(args.geometry, args.fill)
     changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}
     table = kernels(decode.W4_DECODE_TILES._replace(**changes))
+    fp8_table = fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**changes))
     target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
     for fmt in args.formats:
-        kinds = dict(fp8=fp8_kernels, bf16=bf16_kernels).get(fmt, lambda: table)()
+        kinds = dict(fp8=fp8_table, bf16=bf16_kernels()).get(fmt, table)
         for name in [k for k in args.kernels if k in kinds]:
             fn, consts, warps, stages, bank = kinds[name]
             cap = reg_cap(args.pair_regs) if name == "gate_up_pair" else {}
             compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
                                       options=dict(num_warps=warps, num_stages=stages, **cap))
-            print(f"{fmt:6} {name:16} {summary(compiled)}")
+            print(f"{fmt:6} {name:16} {summary(compiled)}{per_weight_kb(compiled, name, fmt, consts)}")
+
+
+def per_weight_kb(compiled, name: str, fmt: str, consts: dict) -> str:
+    """One token's gate_up: warp instructions per KB of weights a program reads (static: the
+    reduction is unrolled), the rate at which it can issue what its bytes ask."""
+    if name != "gate_up_pair" or fmt not in ("fp8", "bf16"):
+        return ""
+    sass = re.search(r"instructions\s+(\d+)", summary(compiled))
+    weight_bytes = 2 * consts["BLOCK_N"] * HIDDEN * (2 if fmt == "bf16" else 1)
+    return f"  warp-instr/KB {int(sass[1]) * compiled.metadata.num_warps * 1024 / weight_bytes:.0f}"
 
 
 if __name__ == "__main__":

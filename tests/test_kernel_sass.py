@@ -62,3 +62,12 @@ def test_the_one_row_qkv_with_a_bias_and_a_masked_tail_compiles_for_sm90_with_16
     (line,) = sass("--formats", "bf16", "--kernels", "gemv_qkv", "--geometry", "gpt-oss")
     assert field(line, "local") == 0 and "LDG.E.128" in line, line
     assert not re.search(r"\bLDG\.E(\.64)? \d", line), line  # no 4- or 8-byte loads of the weights
+
+
+def test_fp8s_one_token_gate_up_on_tensor_cores_issues_fewer_instructions_a_weight_byte():
+    """DecodeConfig.pair_dot: fp8's multiply-adds spend about 2.6 instructions a weight byte (convert,
+    scale, add); the fp16 dots spend well under 2, nothing spilled."""
+    (fma,) = sass("--formats", "fp8", "--kernels", "gate_up_pair")
+    (dot,) = sass("--formats", "fp8", "--kernels", "gate_up_pair", "--tiles", "pair_n=32", "pair_k=128",
+                  "pair_warps=4", "pair_dot=1")
+    assert field(dot, "warp-instr/KB") < 0.75 * field(fma, "warp-instr/KB") and field(dot, "local") == 0, (fma, dot)

@@ -144,6 +144,53 @@ def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION:
     return _scaled_columns(acc, s_ptr, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
 
 
+@triton.jit
+def _fp16_shift(x_ptr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """A power of two that brings the row's largest magnitude into ``[2^13, 2^14)``: times it, every
+    16-bit value of the row fits fp16 exactly (bf16's 8 significant bits in fp16's 11), but those
+    below 2^-24 of the largest, whose products the sum could not hold anyway. Made from the largest
+    magnitude's exponent bits, so it is exact; a zero row gets 2^127."""
+    amax = tl.zeros((), tl.float32)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.max(tl.abs(row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)), 0))
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return (tl.minimum(tl.maximum(267 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_dot_sums(x_ptr, g_rows, u_rows, col_ok, s_gate, s_up, row0, rows, HIDDEN: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                   stride_sr, MODE: tl.constexpr, EVEN: tl.constexpr):
+    """``(x . gate, x . up)`` of one token over a program's ``BLOCK_N`` columns on tensor cores:
+    the row, times ``_fp16_shift``, and the e4m3 tiles (exact in fp16) meet in fp16 dots with
+    float32 sums, 16 copies of the row as the dot's rows (one is read). A step's scales are one
+    number (mode "k": the step inside one block, ``supports_dot``), the sums' columns are scaled at
+    the end in mode "n". Where float32 multiply-adds spend about 2.6 instructions a weight byte
+    (convert, scale, add), this spends about one (``scripts/kernel_sass.py --pair-dot``)."""
+    shift = _fp16_shift(x_ptr, HIDDEN, BLOCK_K, EVEN)
+    acc_g = tl.zeros((16, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((16, BLOCK_N), tl.float32)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = (row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32) * shift).to(tl.float16)
+        a = tl.broadcast_to(x[None, :], (16, BLOCK_K))
+        g = tl.dot(a, tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN).to(tl.float16))
+        u = tl.dot(a, tile_step(u_rows, ks, col_ok, HIDDEN, 1, EVEN).to(tl.float16))
+        if MODE == "k":
+            g = g * tl.load(s_gate + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + step * BLOCK_K // SCALE_COLS)
+            u = u * tl.load(s_up + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + step * BLOCK_K // SCALE_COLS)
+        acc_g += g
+        acc_u += u
+    first = (tl.arange(0, 16) == 0)[:, None]
+    gate = tl.sum(tl.where(first, acc_g, 0.0), 0) / shift
+    up = tl.sum(tl.where(first, acc_u, 0.0), 0) / shift
+    if MODE == "n":
+        gate = gate * _scale_row(s_gate, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)
+        up = up * _scale_row(s_up, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)
+    return gate, up
+
+
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
@@ -152,9 +199,10 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
                              TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                              MODE: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
-                             FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
+                             FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     """Program (j, n): act[j, n] = silu(x . gate) * (x . up) for slot j's columns n, from e4m3
-    weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten."""
+    weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten. DOT: on
+    tensor cores (``_pair_dot_sums``), else float32 multiply-adds."""
     pdl_wait(PDL)
     if w2_copy_program(TOP_K, host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter,
                        stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
@@ -169,17 +217,24 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * HIDDEN
     s_gate, rows = s13_ptr + slot * stride_ss, tl.where(col_ok, cols, 0)
     s_up, row0 = s_gate + up_scale_row * stride_sr, tl.program_id(1) * BLOCK_N
-    acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
-        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)
-        g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
-        u = tile_step(g_rows + inter * HIDDEN, ks, col_ok, HIDDEN, 1, EVEN)
-        acc_g = _scaled_dot_step(acc_g, x, g, s_gate, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-        acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    act = gate * tl.sigmoid(gate) * _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+    if DOT:
+        gate, up = _pair_dot_sums(x_ptr, g_rows, g_rows + inter * HIDDEN, col_ok, s_gate, s_up, row0, rows, HIDDEN,
+                                  BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr, MODE, EVEN)
+    else:
+        acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+        for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)
+            g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
+            u = tile_step(g_rows + inter * HIDDEN, ks, col_ok, HIDDEN, 1, EVEN)
+            acc_g = _scaled_dot_step(acc_g, x, g, s_gate, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr,
+                                     MODE)
+            acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr,
+                                     MODE)
+        gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        up = _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+    act = gate * tl.sigmoid(gate) * up
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -338,11 +393,15 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
     tail = (*copy_args, _bytes(w13))
     if num_tokens == 1:
         consts = _scale_consts(block, block_n, cfg.pair_k)
+        if cfg.pair_dot and not supports_dot(block, block_n, consts, hidden.dtype):
+            raise ValueError(f"one token's gate_up on tensor cores (pair_dot) takes 16-bit activations and steps "
+                             f"inside one scale block; got {hidden.dtype}, {consts['MODE']!r} scales of {block}, "
+                             f"step {consts['BLOCK_K']}")
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, *common, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0), s13.stride(1),
             *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts, EVEN=dim % consts["BLOCK_K"] == 0
-            and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs),
-            **pdl_args(hidden))
+            and inter % block_n == 0, **fill_consts, DOT=cfg.pair_dot, num_warps=cfg.pair_warps,
+            **reg_cap(cfg.pair_regs), **pdl_args(hidden))
         return act
     _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),
@@ -350,6 +409,16 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
         BLOCK_N=block_n, **_scale_consts(block, block_n, cfg.gate_up_k), PRECISION=_precision(hidden.dtype),
         **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
     return act
+
+
+def supports_dot(block: ScaleBlock, block_n: int, consts: dict, dtype: torch.dtype) -> bool:
+    """Whether one token's gate_up can take tensor cores (``DecodeConfig.pair_dot``): 16-bit
+    activations (float32 ones would be rounded to fp16), tiles of at least 16 by 16 (a dot's least),
+    and each step's scales one number per column (per channel, or a step inside one 128x128-style
+    block; ``consts`` from ``_scale_consts``)."""
+    mode, step = consts["MODE"], consts["BLOCK_K"]
+    return (dtype in (torch.bfloat16, torch.float16) and block_n >= 16 and step >= 16
+            and (mode == "n" or (mode == "k" and block.cols % step == 0)))
 
 
 def _block_p(num_pairs: int) -> int:
