@@ -102,8 +102,8 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
                                                                    DOT=cfg.pair_dot),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                         BLOCK_K=cfg.down_k, PDL=False, **scales), cfg.down_warps, 3,
-                       "w2"),
+                                                         BLOCK_K=cfg.down_k, PDL=False, **scales, DOT=cfg.down_dot),
+                       cfg.down_warps, 3, "w2"),
     }
 
 
@@ -222,12 +222,13 @@ def main() -> None:
 
 
 def per_weight_kb(compiled, name: str, fmt: str, consts: dict) -> str:
-    """One token's gate_up: warp instructions per KB of weights a program reads (static: the
-    reduction is unrolled), the rate at which it can issue what its bytes ask."""
-    if name != "gate_up_pair" or fmt not in ("fp8", "bf16"):
+    """One token's kernels (gate_up, down): warp instructions per KB of weights a program reads
+    (static: the reductions are unrolled), the rate at which it can issue what its bytes ask."""
+    if name not in ("gate_up_pair", "down_token") or fmt not in ("fp8", "bf16"):
         return ""
     sass = re.search(r"instructions\s+(\d+)", summary(compiled))
-    weight_bytes = 2 * consts["BLOCK_N"] * HIDDEN * (2 if fmt == "bf16" else 1)
+    rows = 2 * HIDDEN if name == "gate_up_pair" else TOP_K * INTER  # a column's weights
+    weight_bytes = consts["BLOCK_N"] * rows * (2 if fmt == "bf16" else 1)
     return f"  warp-instr/KB {int(sass[1]) * compiled.metadata.num_warps * 1024 / weight_bytes:.0f}"
 
 

@@ -208,16 +208,18 @@ def test_cuda_long_down_steps_sync_free(tiles, block):
     run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=8, config=config, sync_free=True)
 
 
-DOT_TILES = dict(pair_n=16, pair_k=16, pair_warps=4, pair_dot=True)
+DOT_TILES = dict(pair_n=16, pair_k=16, pair_warps=4, pair_dot=True, down_n=16, down_k=16, down_dot=True)
 
 
 @interpreted
 @pytest.mark.parametrize("block", [ScaleBlock(16, 16), ScaleBlock(32, 48), PER_CHANNEL], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_one_token_on_tensor_cores_interpreted(shape, block, monkeypatch):
-    """``pair_dot``: one token's gate_up as fp16 dots (the row shifted by a power of two), bf16
-    activations, fills and slots out of range, against the twin."""
-    monkeypatch.setitem(globals(), "TOKENS", [1])  # run_trials reads it: one token a trial
+    """``pair_dot`` and ``down_dot``: one token's gate_up and the per-token down as fp16 dots (each
+    row shifted by a power of two), bf16 activations, fills and slots out of range, against the twin."""
+    # run_trials reads it: one token (more take the slot gate_up, whose bf16 tl.dot the interpreter gets wrong:
+    # the GPU test runs them)
+    monkeypatch.setitem(globals(), "TOKENS", [1])
     run_trials(shape, block, torch.bfloat16, "cpu", trials=INTERPRETED_TRIALS,
                config=decode_fp8().FP8_DECODE_TILES._replace(**{**SMALL, **DOT_TILES}))
 
@@ -238,13 +240,14 @@ def test_one_token_on_tensor_cores_keeps_rows_of_any_magnitude_interpreted():
 
 
 @interpreted
-@pytest.mark.parametrize("bad", ["float32", "kn-scales", "narrow"])
+@pytest.mark.parametrize("bad", ["float32", "kn-scales", "narrow", "narrow-down"])
 def test_one_token_on_tensor_cores_refuses_what_it_cannot_run(bad):
     block = ScaleBlock(4, 16) if bad == "kn-scales" else ScaleBlock(16, 16)
     w13, w2, scales = make_fp8_banks(4, 64, 32, block, seed=0)
     hidden = torch.randn(1, 64).to(torch.float32 if bad == "float32" else torch.bfloat16)
-    tiles = {**SMALL, **DOT_TILES, **(dict(pair_n=8) if bad == "narrow" else {})}
-    with pytest.raises(ValueError, match="pair_dot"):
+    narrow = dict(narrow=dict(pair_n=8), **{"narrow-down": dict(down_n=8)}).get(bad, {})
+    tiles = {**SMALL, **DOT_TILES, **narrow}
+    with pytest.raises(ValueError, match="down_dot" if bad == "narrow-down" else "pair_dot"):
         decode_fp8().decode_grouped_swiglu_fp8(hidden, torch.ones(1, 2), torch.tensor([[0, 1]]), w13, w2, scales,
                                                decode_fp8().FP8_DECODE_TILES._replace(**tiles))
 
@@ -253,9 +256,11 @@ def test_one_token_on_tensor_cores_refuses_what_it_cannot_run(bad):
 @pytest.mark.parametrize("tiles", [(16, 128, 4), (32, 128, 4), (64, 128, 8)], ids=str)
 @pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=str)
 def test_cuda_one_token_on_tensor_cores_sync_free(tiles, block, monkeypatch):
-    """``pair_dot`` at qwen3-30b's shapes (some of bench_grouped_gemm.py's FP8_DOT_SWEEP), 20 trials."""
-    monkeypatch.setitem(globals(), "TOKENS", [1])
+    """``pair_dot`` and ``down_dot`` at qwen3-30b's shapes (some of bench_grouped_gemm.py's FP8_DOT_SWEEP,
+    the down at 16 columns by 128), one to four tokens, 20 trials."""
+    monkeypatch.setitem(globals(), "TOKENS", [1, 2, 4, 1])
     config = decode_fp8().FP8_DECODE_TILES._replace(pair_n=tiles[0], pair_k=tiles[1], pair_warps=tiles[2],
-                                                    pair_dot=True)
+                                                    pair_dot=True, down_n=16, down_k=128, down_warps=4,
+                                                    down_dot=True)
     run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=2, config=config)  # compiles
     run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=TRIALS, config=config, sync_free=True)

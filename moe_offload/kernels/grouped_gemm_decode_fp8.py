@@ -191,6 +191,37 @@ def _pair_dot_sums(x_ptr, g_rows, u_rows, col_ok, s_gate, s_up, row0, rows, HIDD
     return gate, up
 
 
+@triton.jit
+def _down_dot_sums(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, rows, row0,
+                   stride_ws, stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, MODE: tl.constexpr,
+                   EVEN: tl.constexpr):
+    """Token ``token``'s ``sum_j weight_j * act_j . (w2[slot_j] x scale)`` over a program's columns on
+    tensor cores, as ``_pair_dot_sums`` does one row: each act row times its own ``_fp16_shift``
+    (an out-of-range slot's row, never written, is read as zeros), the e4m3 tiles in fp16, float32
+    sums; a dot's scale is one number a step (mode "k") or the slot's column scales (mode "n", per
+    channel), its weight and shift one number a slot."""
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
+        a_row, s_slot = act_ptr + pair * INTER, s2_ptr + slot * stride_ss
+        shift = _fp16_shift(a_row, INTER, BLOCK_K, EVEN)
+        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+        part = tl.zeros((16, BLOCK_N), tl.float32)
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.where(ok, row_step(a_row, ks, INTER, EVEN).to(tl.float32) * shift, 0.0).to(tl.float16)
+            d = tl.dot(tl.broadcast_to(a[None, :], (16, BLOCK_K)), tile_step(w_rows, ks, col_ok, INTER, 1, EVEN).to(
+                tl.float16))
+            if MODE == "k":
+                d = d * tl.load(s_slot + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + step * BLOCK_K // SCALE_COLS)
+            part += d
+        if MODE == "n":
+            part = part * _scale_row(s_slot, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)[None, :]
+        acc += part * (weight / shift)
+    return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), 0)
+
+
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
@@ -242,27 +273,33 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     MODE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                     MODE: tl.constexpr, EVEN: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
     accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
     written). Per channel the scales differ by slot, so the host gives mode "kn" for it (each
-    weight scaled)."""
+    weight scaled), or "n" on tensor cores (DOT: ``_down_dot_sums``)."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
-    acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
-        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
-        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN)
-            w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
-            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
-            acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
-                                   SCALE_COLS, stride_sr, MODE)
-    tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
+    if DOT:
+        total = _down_dot_sums(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, rows,
+                               row0, stride_ws, stride_ss, stride_sr, TOP_K, INTER, BLOCK_N, BLOCK_K, SCALE_ROWS,
+                               SCALE_COLS, MODE, EVEN)
+    else:
+        acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
+            w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+            for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+                ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+                a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN)
+                w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
+                a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+                acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
+                                       SCALE_COLS, stride_sr, MODE)
+        total = tl.sum(acc, 0)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "plan_len"], do_not_specialize_on_alignment=["slots_ptr"])
@@ -429,12 +466,20 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
                     scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig) -> None:
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
-    mode = "k" if scale_mode(block, cfg.down_n) == "k" else "kn"  # per channel: by slot, so by weight
-    consts = _scale_consts(block, cfg.down_n, cfg.down_k, mode)
+    mode = scale_mode(block, cfg.down_n)
+    if cfg.down_dot:  # per channel: the dot's columns scaled by each slot's
+        consts = _scale_consts(block, cfg.down_n, cfg.down_k, mode)
+        if mode == "kn" or not supports_dot(block, cfg.down_n, consts, act.dtype):
+            raise ValueError(f"the per-token down on tensor cores (down_dot) takes 16-bit activations and steps "
+                             f"inside one scale block; got {act.dtype}, {mode!r} scales of {block}, step "
+                             f"{consts['BLOCK_K']}, {cfg.down_n} columns")
+    else:  # per channel: by slot, so by weight
+        consts = _scale_consts(block, cfg.down_n, cfg.down_k, "k" if mode == "k" else "kn")
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
-        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps, **pdl_args(act))
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, DOT=cfg.down_dot, num_warps=cfg.down_warps,
+        **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
