@@ -264,3 +264,16 @@ def test_cuda_one_token_on_tensor_cores_sync_free(tiles, block, monkeypatch):
                                                     down_dot=True)
     run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=2, config=config)  # compiles
     run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=TRIALS, config=config, sync_free=True)
+
+
+def test_the_tiles_env_changes_the_default_tiles_and_refuses_what_is_not_a_field(monkeypatch):
+    """SLUICE_FP8_DECODE_TILES: how a whole decode step (bench_decode.py) times other tiles."""
+    module = decode_fp8()
+    monkeypatch.delenv(module.TILES_ENV, raising=False)
+    assert module.decode_tiles() == module.FP8_DECODE_TILES
+    monkeypatch.setenv(module.TILES_ENV, "pair_dot=1, pair_n=32,down_warps=4")
+    assert module.decode_tiles() == module.FP8_DECODE_TILES._replace(pair_dot=True, pair_n=32, down_warps=4)
+    for bad in ("pair_m=32", "pair_n=wide", "pair_n"):
+        monkeypatch.setenv(module.TILES_ENV, bad)
+        with pytest.raises(ValueError, match="SLUICE_FP8_DECODE_TILES"):
+            module.decode_tiles()

@@ -30,6 +30,9 @@ scaled; "kn" otherwise: each weight times its block's scale, the step inside one
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +55,9 @@ FP8_DECODE_TILES = DecodeConfig(pair_k=128, pair_warps=8, down_n=8, down_k=256, 
 # qwen3-30b's shapes, one layer: 4 tokens 80.1 us there against 95.8 here, 8 tokens 117.7 against
 # 162.9); with one, this path copies the misses in its gate_up where the general one gathers first.
 RESIDENT_MAX_PAIRS = 16
+# "field=N,...": FP8_DECODE_TILES with these DecodeConfig fields changed, for timing other tiles in a
+# whole decode step (e.g. "pair_dot=1,pair_n=32,pair_k=128,pair_warps=4"); unset in serving
+TILES_ENV = "SLUICE_FP8_DECODE_TILES"
 
 
 def scale_mode(block: ScaleBlock, block_n: int) -> str:
@@ -370,7 +376,7 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
     """``hidden [T, H]`` over fp8 ``w13 [N, 2I, H]``, ``w2 [N, H, I]`` and their ``scales`` (arguments
     checked by ``grouped_swiglu``) -> ``[T, H]`` in ``out_dtype`` (default hidden's). ``fill``: the
     planned experts' scales are gathered first, their weights copied in by the gate_up launch."""
-    cfg = config or FP8_DECODE_TILES
+    cfg = config or decode_tiles()
     _check(hidden, slots, w13, w2, fill)
     out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
     if hidden.shape[0] == 0:  # nothing routed: a lookup planned nothing
@@ -384,6 +390,23 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
     else:
         _down_per_slot(act, weights, slots, w2, scales, out, cfg)
     return out
+
+
+def decode_tiles() -> DecodeConfig:
+    """``FP8_DECODE_TILES``, changed by ``SLUICE_FP8_DECODE_TILES`` where it is set."""
+    return _tiles_from(os.environ.get(TILES_ENV, ""))
+
+
+@functools.cache
+def _tiles_from(text: str) -> DecodeConfig:
+    changes = {}
+    for item in filter(None, text.replace(" ", "").split(",")):
+        field, _, value = item.partition("=")
+        if field not in DecodeConfig._fields or not value.isdigit():
+            raise ValueError(f"{TILES_ENV}: {item!r} is not FIELD=N with FIELD one of "
+                             f"{', '.join(DecodeConfig._fields)}")
+        changes[field] = bool(int(value)) if field.endswith("_dot") else int(value)
+    return FP8_DECODE_TILES._replace(**changes)
 
 
 def _check(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
