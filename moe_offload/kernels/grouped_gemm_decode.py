@@ -67,8 +67,9 @@ class DecodeConfig(NamedTuple):
     warps), and a fill's copy step (columns) and w2 rows per copy program; one token's gate_up may
     cap its registers (``pair_regs``, ptxas' maxnreg; 0: the compiler's choice), which decides how
     many of its programs an SM holds at once; over fp8 weights one token's gate_up and the
-    per-token down may take tensor cores (``pair_dot``, ``down_dot``, ``grouped_gemm_decode_fp8``). The defaults are bf16's; the fp8 and 4-bit decode
-    paths run the same plan from their own (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``)."""
+    per-token down may take tensor cores (``pair_dot``, ``down_dot``, ``grouped_gemm_decode_fp8``).
+    The defaults are bf16's; the fp8 and 4-bit decode paths run the same plan from their own
+    (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``)."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128
