@@ -200,7 +200,7 @@ def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
     rows = []
     for part, config in configs:
         graph_us, _ = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
-        dot = ["dot"][:config.pair_dot if part == "gate_up" else config.down_dot]  # tensor cores: marked
+        dot = ("dot",) if (config.pair_dot if part == "gate_up" else config.down_dot) else ()  # tensor cores
         tiles = ((config.pair_n, config.pair_k, config.pair_warps, config.pair_regs, *dot) if part == "gate_up"
                  else (config.down_n, config.down_k, config.down_warps, *dot))
         rows.append({"variant": part, "tokens": 1, "config": tiles, "default": config == FP8_DECODE_TILES,

@@ -218,18 +218,20 @@ def main() -> None:
             cap = reg_cap(args.pair_regs) if name == "gate_up_pair" else {}
             compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
                                       options=dict(num_warps=warps, num_stages=stages, **cap))
-            print(f"{fmt:6} {name:16} {summary(compiled)}{per_weight_kb(compiled, name, fmt, consts)}")
+            line = summary(compiled)
+            print(f"{fmt:6} {name:16} {line}{per_weight_kb(line, warps, name, fmt, consts)}")
 
 
-def per_weight_kb(compiled, name: str, fmt: str, consts: dict) -> str:
-    """One token's kernels (gate_up, down): warp instructions per KB of weights a program reads
-    (static: the reductions are unrolled), the rate at which it can issue what its bytes ask."""
+def per_weight_kb(line: str, warps: int, name: str, fmt: str, consts: dict) -> str:
+    """One token's kernels (gate_up, down) from their ``summary`` line: warp instructions per KB of
+    weights a program reads (static: the reductions are unrolled), the rate at which it can issue
+    what its bytes ask."""
     if name not in ("gate_up_pair", "down_token") or fmt not in ("fp8", "bf16"):
         return ""
-    sass = re.search(r"instructions\s+(\d+)", summary(compiled))
+    instructions = int(re.search(r"instructions\s+(\d+)", line)[1])
     rows = 2 * HIDDEN if name == "gate_up_pair" else TOP_K * INTER  # a column's weights
     weight_bytes = consts["BLOCK_N"] * rows * (2 if fmt == "bf16" else 1)
-    return f"  warp-instr/KB {int(sass[1]) * compiled.metadata.num_warps * 1024 / weight_bytes:.0f}"
+    return f"  warp-instr/KB {instructions * warps * 1024 / weight_bytes:.0f}"
 
 
 if __name__ == "__main__":

@@ -165,33 +165,44 @@ def _fp16_shift(x_ptr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.con
 
 
 @triton.jit
+def _dot_step(a, w_rows, ks, col_ok, k_len, s_ptr, row0, k0, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+              SCALE_COLS: tl.constexpr, stride_sr, MODE: tl.constexpr, EVEN: tl.constexpr):
+    """``[16, BLOCK_N]``: a step of a shifted row (``a``, fp16, as 16 copies) times the e4m3 tile
+    ``w[ks, cols]`` in fp16 (exact), summed in float32 on tensor cores; in mode "k" times the step's
+    one scale (its block's at ``k0``: the step lies inside one block, ``_require_dot``)."""
+    d = tl.dot(tl.broadcast_to(a[None, :], (16, BLOCK_K)), tile_step(w_rows, ks, col_ok, k_len, 1, EVEN).to(tl.float16))
+    if MODE == "k":
+        d = d * tl.load(s_ptr + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + k0 // SCALE_COLS)
+    return d
+
+
+@triton.jit
+def _first_row(acc):
+    """Row 0 of a dot's ``[16, BLOCK_N]`` sums (every row holds the same row's products)."""
+    return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), 0)
+
+
+@triton.jit
 def _pair_dot_sums(x_ptr, g_rows, u_rows, col_ok, s_gate, s_up, row0, rows, HIDDEN: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                    stride_sr, MODE: tl.constexpr, EVEN: tl.constexpr):
-    """``(x . gate, x . up)`` of one token over a program's ``BLOCK_N`` columns on tensor cores:
-    the row, times ``_fp16_shift``, and the e4m3 tiles (exact in fp16) meet in fp16 dots with
-    float32 sums, 16 copies of the row as the dot's rows (one is read). A step's scales are one
-    number (mode "k": the step inside one block, ``supports_dot``), the sums' columns are scaled at
-    the end in mode "n". Compiled for sm90, float32 multiply-adds spend 5.2 instructions a weight
-    byte (convert, scale, add, and their loads' share), these dots 2.7-3.4 at 32-64 columns
-    (``scripts/kernel_sass.py --formats fp8 --kernels gate_up_pair --tiles pair_dot=1 ...``)."""
+    """``(x . gate, x . up)`` of one token over a program's ``BLOCK_N`` columns on tensor cores: the
+    row times ``_fp16_shift``, a ``_dot_step`` a step for each, the shift divided out and, in mode "n"
+    (per channel), the columns' scales applied at the end. Compiled for sm90, float32 multiply-adds
+    spend 5.2 instructions a weight byte (convert, scale, add, and their loads' share), these dots
+    2.7-3.4 at 32-64 columns (``scripts/kernel_sass.py --formats fp8 --kernels gate_up_pair --tiles
+    pair_dot=1 ...``)."""
     shift = _fp16_shift(x_ptr, HIDDEN, BLOCK_K, EVEN)
     acc_g = tl.zeros((16, BLOCK_N), tl.float32)
     acc_u = tl.zeros((16, BLOCK_N), tl.float32)
     for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
         ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
         x = (row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32) * shift).to(tl.float16)
-        a = tl.broadcast_to(x[None, :], (16, BLOCK_K))
-        g = tl.dot(a, tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN).to(tl.float16))
-        u = tl.dot(a, tile_step(u_rows, ks, col_ok, HIDDEN, 1, EVEN).to(tl.float16))
-        if MODE == "k":
-            g = g * tl.load(s_gate + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + step * BLOCK_K // SCALE_COLS)
-            u = u * tl.load(s_up + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + step * BLOCK_K // SCALE_COLS)
-        acc_g += g
-        acc_u += u
-    first = (tl.arange(0, 16) == 0)[:, None]
-    gate = tl.sum(tl.where(first, acc_g, 0.0), 0) / shift
-    up = tl.sum(tl.where(first, acc_u, 0.0), 0) / shift
+        acc_g += _dot_step(x, g_rows, ks, col_ok, HIDDEN, s_gate, row0, step * BLOCK_K, BLOCK_K, SCALE_ROWS,
+                           SCALE_COLS, stride_sr, MODE, EVEN)
+        acc_u += _dot_step(x, u_rows, ks, col_ok, HIDDEN, s_up, row0, step * BLOCK_K, BLOCK_K, SCALE_ROWS,
+                           SCALE_COLS, stride_sr, MODE, EVEN)
+    gate, up = _first_row(acc_g) / shift, _first_row(acc_u) / shift
     if MODE == "n":
         gate = gate * _scale_row(s_gate, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)
         up = up * _scale_row(s_up, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)
@@ -205,9 +216,8 @@ def _down_dot_sums(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, num_s
                    EVEN: tl.constexpr):
     """Token ``token``'s ``sum_j weight_j * act_j . (w2[slot_j] x scale)`` over a program's columns on
     tensor cores, as ``_pair_dot_sums`` does one row: each act row times its own ``_fp16_shift``
-    (an out-of-range slot's row, never written, is read as zeros), the e4m3 tiles in fp16, float32
-    sums; a dot's scale is one number a step (mode "k") or the slot's column scales (mode "n", per
-    channel), its weight and shift one number a slot."""
+    (an out-of-range slot's row, never written, is read as zeros), the slot's column scales applied
+    to its sums in mode "n" (per channel), its weight and shift one multiply a slot."""
     acc = tl.zeros((16, BLOCK_N), tl.float32)
     for j in tl.static_range(TOP_K):
         pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
@@ -218,15 +228,12 @@ def _down_dot_sums(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, num_s
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
             a = tl.where(ok, row_step(a_row, ks, INTER, EVEN).to(tl.float32) * shift, 0.0).to(tl.float16)
-            d = tl.dot(tl.broadcast_to(a[None, :], (16, BLOCK_K)), tile_step(w_rows, ks, col_ok, INTER, 1, EVEN).to(
-                tl.float16))
-            if MODE == "k":
-                d = d * tl.load(s_slot + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + step * BLOCK_K // SCALE_COLS)
-            part += d
+            part += _dot_step(a, w_rows, ks, col_ok, INTER, s_slot, row0, step * BLOCK_K, BLOCK_K, SCALE_ROWS,
+                              SCALE_COLS, stride_sr, MODE, EVEN)
         if MODE == "n":
             part = part * _scale_row(s_slot, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)[None, :]
         acc += part * (weight / shift)
-    return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), 0)
+    return _first_row(acc)
 
 
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
@@ -454,10 +461,8 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
     tail = (*copy_args, _bytes(w13))
     if num_tokens == 1:
         consts = _scale_consts(block, block_n, cfg.pair_k)
-        if cfg.pair_dot and not supports_dot(block, block_n, consts, hidden.dtype):
-            raise ValueError(f"one token's gate_up on tensor cores (pair_dot) takes 16-bit activations and steps "
-                             f"inside one scale block; got {hidden.dtype}, {consts['MODE']!r} scales of {block}, "
-                             f"step {consts['BLOCK_K']}")
+        if cfg.pair_dot:
+            _require_dot("one token's gate_up", "pair_dot", block, block_n, consts, hidden.dtype)
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, *common, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0), s13.stride(1),
             *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts, EVEN=dim % consts["BLOCK_K"] == 0
@@ -472,14 +477,17 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
     return act
 
 
-def supports_dot(block: ScaleBlock, block_n: int, consts: dict, dtype: torch.dtype) -> bool:
-    """Whether one token's gate_up can take tensor cores (``DecodeConfig.pair_dot``): 16-bit
-    activations (float32 ones would be rounded to fp16), tiles of at least 16 by 16 (a dot's least),
-    and each step's scales one number per column (per channel, or a step inside one 128x128-style
-    block; ``consts`` from ``_scale_consts``)."""
+def _require_dot(what: str, field: str, block: ScaleBlock, block_n: int, consts: dict, dtype: torch.dtype) -> None:
+    """Refuse, in one line, tensor cores (``DecodeConfig.pair_dot``, ``down_dot``) where they cannot
+    run: they take 16-bit activations (float32 ones would be rounded to fp16), tiles of at least 16
+    by 16 (a dot's least), and one scale per column a step (per channel, or a step inside one
+    128x128-style block; ``consts`` from ``_scale_consts``)."""
     mode, step = consts["MODE"], consts["BLOCK_K"]
-    return (dtype in (torch.bfloat16, torch.float16) and block_n >= 16 and step >= 16
-            and (mode == "n" or (mode == "k" and block.cols % step == 0)))
+    if (dtype not in (torch.bfloat16, torch.float16) or block_n < 16 or step < 16
+            or not (mode == "n" or (mode == "k" and block.cols % step == 0))):
+        raise ValueError(f"{what} on tensor cores ({field}) takes 16-bit activations, tiles of 16 by 16 or more "
+                         f"and steps inside one scale block; got {dtype}, {mode!r} scales of {block}, {block_n} "
+                         f"columns, step {step}")
 
 
 def _block_p(num_pairs: int) -> int:
@@ -491,12 +499,9 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
     mode = scale_mode(block, cfg.down_n)
-    if cfg.down_dot:  # per channel: the dot's columns scaled by each slot's
+    if cfg.down_dot:  # per channel ("n"): the dots' columns scaled by each slot's
         consts = _scale_consts(block, cfg.down_n, cfg.down_k, mode)
-        if mode == "kn" or not supports_dot(block, cfg.down_n, consts, act.dtype):
-            raise ValueError(f"the per-token down on tensor cores (down_dot) takes 16-bit activations and steps "
-                             f"inside one scale block; got {act.dtype}, {mode!r} scales of {block}, step "
-                             f"{consts['BLOCK_K']}, {cfg.down_n} columns")
+        _require_dot("the per-token down", "down_dot", block, cfg.down_n, consts, act.dtype)
     else:  # per channel: by slot, so by weight
         consts = _scale_consts(block, cfg.down_n, cfg.down_k, "k" if mode == "k" else "kn")
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
