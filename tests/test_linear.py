@@ -3,9 +3,8 @@ with the residual add and RMSNorm before it: interpreted on the CPU and compiled
 graph-captured, on a GPU; and which inputs it leaves to the twins."""
 from __future__ import annotations
 
-from collections import Counter
-
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -283,6 +282,7 @@ def check_bias(n: int, k: int, device: str, norm: bool, trials: int = 4) -> None
         w = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16()
         bias = (4 * torch.randn(n, generator=gen, device=device)).bfloat16()  # far from zero, as gpt-oss's
         norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).bfloat16()
+
         def run():
             if norm:
                 return gemv.add_rms_norm_linear(x, res, norm_w, 1e-6, w, bias, backend="triton")[0]
