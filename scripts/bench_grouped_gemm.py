@@ -63,12 +63,6 @@ FP8_DOWN_SWEEP += [(n, 1024, w) for n in (8, 16) for w in (4, 8, 16)]
 # sm90 (scripts/kernel_sass.py), fp8's gate_up takes 136 registers at 8 warps, one program an SM; at 128
 # the same code fits two. bf16's takes 182 at 4 warps (two programs; 128: four)
 PAIR_REGS_SWEEP = (128, 96, 64)
-# one token's gate_up on tensor cores (DecodeConfig.pair_dot): compiled for sm90 (kernel_sass.py --tiles ...
-# pair_dot=1), fp8's multiply-adds issue 167 warp instructions per KB of weights, the dots 86-110 (bf16's 60)
-FP8_DOT_SWEEP = [(n, 128, w) for n in (16, 32, 64) for w in (4, 8)]
-# the per-token down on tensor cores (down_dot): 363 warp instructions a KB as multiply-adds, 138 at 32
-# columns by 128 with 4 warps (64 programs), 382 at 16 (255 registers)
-FP8_DOT_DOWN_SWEEP = [(16, 128, 4), (32, 128, 4), (32, 128, 8)]
 
 
 def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
@@ -190,19 +184,14 @@ def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
     hidden, weights, slots = routing(1, args)
     configs = [("gate_up", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w)) for n, k, w in FP8_PAIR_SWEEP]
     configs += [("gate_up", FP8_DECODE_TILES._replace(pair_regs=r)) for r in PAIR_REGS_SWEEP]
-    configs += [("gate_up", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w, pair_dot=True))
-                for n, k, w in FP8_DOT_SWEEP]
     configs += [("down", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w)) for n, k, w in FP8_DOWN_SWEEP]
-    configs += [("down", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w, down_dot=True))
-                for n, k, w in FP8_DOT_DOWN_SWEEP]
     parts = args.fp8_decode_sweep or ("gate_up", "down")  # the flag alone: both
     configs = [(part, config) for part, config in configs if part in parts]
     rows = []
     for part, config in configs:
         graph_us, _ = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
-        dot = ("dot",) if (config.pair_dot if part == "gate_up" else config.down_dot) else ()  # tensor cores
-        tiles = ((config.pair_n, config.pair_k, config.pair_warps, config.pair_regs, *dot) if part == "gate_up"
-                 else (config.down_n, config.down_k, config.down_warps, *dot))
+        tiles = ((config.pair_n, config.pair_k, config.pair_warps, config.pair_regs) if part == "gate_up"
+                 else (config.down_n, config.down_k, config.down_warps))
         rows.append({"variant": part, "tokens": 1, "config": tiles, "default": config == FP8_DECODE_TILES,
                      "time_us": graph_us})
         print(f"[fp8 sweep] {part} {tiles}: {graph_us:.1f} us", flush=True)  # a run cut off keeps these

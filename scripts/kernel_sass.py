@@ -98,12 +98,11 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
     scales = dict(SCALE_ROWS=128, SCALE_COLS=128, MODE="k", EVEN=True)
     return {
         "gate_up_pair": (decode_fp8._pair_gate_up_fp8_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
-                                                                   BLOCK_K=cfg.pair_k, **scales, **nofill,
-                                                                   DOT=cfg.pair_dot),
+                                                                   BLOCK_K=cfg.pair_k, **scales, **nofill),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                         BLOCK_K=cfg.down_k, PDL=False, **scales, DOT=cfg.down_dot),
-                       cfg.down_warps, 3, "w2"),
+                                                         BLOCK_K=cfg.down_k, PDL=False, **scales), cfg.down_warps, 3,
+                       "w2"),
     }
 
 
@@ -204,7 +203,7 @@ def main() -> None:
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels); bf16 gemv_qkv")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
                    help="decode tiles changed from the format's (W4_DECODE_TILES, FP8_DECODE_TILES; DecodeConfig "
-                        "fields), e.g. down_warps=4, or pair_dot=1 for fp8's one-token gate_up on tensor cores")
+                        "fields), e.g. down_warps=4")
     args = p.parse_args()
     use_geometry(args.geometry, args.fill)
     changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}

@@ -208,72 +208,14 @@ def test_cuda_long_down_steps_sync_free(tiles, block):
     run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=8, config=config, sync_free=True)
 
 
-DOT_TILES = dict(pair_n=16, pair_k=16, pair_warps=4, pair_dot=True, down_n=16, down_k=16, down_dot=True)
-
-
-@interpreted
-@pytest.mark.parametrize("block", [ScaleBlock(16, 16), ScaleBlock(32, 48), PER_CHANNEL], ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_one_token_on_tensor_cores_interpreted(shape, block, monkeypatch):
-    """``pair_dot`` and ``down_dot``: one token's gate_up and the per-token down as fp16 dots (each
-    row shifted by a power of two), bf16 activations, fills and slots out of range, against the twin."""
-    # run_trials reads it: one token (more take the slot gate_up, whose bf16 tl.dot the interpreter gets wrong:
-    # the GPU test runs them)
-    monkeypatch.setitem(globals(), "TOKENS", [1])
-    run_trials(shape, block, torch.bfloat16, "cpu", trials=INTERPRETED_TRIALS,
-               config=decode_fp8().FP8_DECODE_TILES._replace(**{**SMALL, **DOT_TILES}))
-
-
-@interpreted
-def test_one_token_on_tensor_cores_keeps_rows_of_any_magnitude_interpreted():
-    """A row near bf16's largest values and one of tiny values give the twin's result: the shift
-    brings each into fp16's range exactly (an fp16 row would overflow or flush)."""
-    block = ScaleBlock(16, 16)
-    w13, w2, scales = make_fp8_banks(4, 64, 32, block, seed=3)
-    weights, slots = torch.tensor([[0.7, 0.3]]), torch.tensor([[1, 2]])
-    config = decode_fp8().FP8_DECODE_TILES._replace(**{**SMALL, **DOT_TILES})
-    for magnitude in (3e5, 1e-6):
-        hidden = (torch.randn(1, 64, generator=torch.Generator().manual_seed(1)) * magnitude).bfloat16()
-        out = decode_fp8().decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config)
-        ref = grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales)
-        assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, magnitude
-
-
-@interpreted
-@pytest.mark.parametrize("bad", ["float32", "kn-scales", "narrow", "narrow-down"])
-def test_one_token_on_tensor_cores_refuses_what_it_cannot_run(bad):
-    block = ScaleBlock(4, 16) if bad == "kn-scales" else ScaleBlock(16, 16)
-    w13, w2, scales = make_fp8_banks(4, 64, 32, block, seed=0)
-    hidden = torch.randn(1, 64).to(torch.float32 if bad == "float32" else torch.bfloat16)
-    narrow = dict(narrow=dict(pair_n=8), **{"narrow-down": dict(down_n=8)}).get(bad, {})
-    tiles = {**SMALL, **DOT_TILES, **narrow}
-    with pytest.raises(ValueError, match="down_dot" if bad == "narrow-down" else "pair_dot"):
-        decode_fp8().decode_grouped_swiglu_fp8(hidden, torch.ones(1, 2), torch.tensor([[0, 1]]), w13, w2, scales,
-                                               decode_fp8().FP8_DECODE_TILES._replace(**tiles))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("tiles", [(16, 128, 4), (32, 128, 4), (64, 128, 8)], ids=str)
-@pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=str)
-def test_cuda_one_token_on_tensor_cores_sync_free(tiles, block, monkeypatch):
-    """``pair_dot`` and ``down_dot`` at qwen3-30b's shapes (some of bench_grouped_gemm.py's FP8_DOT_SWEEP,
-    the down at 16 columns by 128), one to four tokens, 20 trials."""
-    monkeypatch.setitem(globals(), "TOKENS", [1, 2, 4, 1])
-    config = decode_fp8().FP8_DECODE_TILES._replace(pair_n=tiles[0], pair_k=tiles[1], pair_warps=tiles[2],
-                                                    pair_dot=True, down_n=16, down_k=128, down_warps=4,
-                                                    down_dot=True)
-    run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=2, config=config)  # compiles
-    run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=TRIALS, config=config, sync_free=True)
-
-
 def test_the_tiles_env_changes_the_default_tiles_and_refuses_what_is_not_a_field(monkeypatch):
     """SLUICE_FP8_DECODE_TILES: how a whole decode step (bench_decode.py) times other tiles."""
     module = decode_fp8()
     monkeypatch.delenv(module.TILES_ENV, raising=False)
     assert module.decode_tiles() == module.FP8_DECODE_TILES
-    monkeypatch.setenv(module.TILES_ENV, "pair_dot=1, pair_n=32,down_warps=4")
-    assert module.decode_tiles() == module.FP8_DECODE_TILES._replace(pair_dot=True, pair_n=32, down_warps=4)
-    for bad in ("pair_m=32", "pair_n=wide", "pair_n"):
+    monkeypatch.setenv(module.TILES_ENV, "pair_regs=128, pair_n=32,down_warps=4")
+    assert module.decode_tiles() == module.FP8_DECODE_TILES._replace(pair_regs=128, pair_n=32, down_warps=4)
+    for bad in ("pair_m=32", "pair_n=wide", "pair_n", "pair_dot=1"):
         monkeypatch.setenv(module.TILES_ENV, bad)
         with pytest.raises(ValueError, match="SLUICE_FP8_DECODE_TILES"):
             module.decode_tiles()

@@ -64,11 +64,11 @@ def test_the_one_row_qkv_with_a_bias_and_a_masked_tail_compiles_for_sm90_with_16
     assert not re.search(r"\bLDG\.E(\.64)? \d", line), line  # no 4- or 8-byte loads of the weights
 
 
-@pytest.mark.parametrize("kernel,tiles", [("gate_up_pair", ("pair_n=32", "pair_k=128", "pair_warps=4", "pair_dot=1")),
-                                          ("down_token", ("down_n=32", "down_k=128", "down_warps=4", "down_dot=1"))])
-def test_fp8s_one_token_kernels_on_tensor_cores_issue_fewer_instructions_a_weight_byte(kernel, tiles):
-    """DecodeConfig.pair_dot, down_dot: fp8's multiply-adds spend 5.2 (gate_up) and 11.3 (down)
-    instructions a weight byte (convert, scale, add); the fp16 dots far fewer, nothing spilled."""
-    (fma,) = sass("--formats", "fp8", "--kernels", kernel)
-    (dot,) = sass("--formats", "fp8", "--kernels", kernel, "--tiles", *tiles)
-    assert field(dot, "warp-instr/KB") < 0.75 * field(fma, "warp-instr/KB") and field(dot, "local") == 0, (fma, dot)
+@pytest.mark.parametrize("kernel", ["gate_up_pair", "down_token"])
+def test_fp8s_one_token_kernels_issue_more_instructions_a_weight_byte_than_bf16s(kernel):
+    """The warp-instr/KB column (static: the reductions are unrolled): fp8's multiply-adds convert
+    and scale each weight, so they issue more than twice bf16's count per KB of weights (167 and 60
+    for the gate_up, 363 and 123 for the down, docs/architecture.md)."""
+    (fp8,) = sass("--formats", "fp8", "--kernels", kernel)
+    (bf16,) = sass("--formats", "bf16", "--kernels", kernel)
+    assert field(fp8, "warp-instr/KB") > 2 * field(bf16, "warp-instr/KB"), (fp8, bf16)

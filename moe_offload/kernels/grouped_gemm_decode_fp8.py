@@ -56,7 +56,7 @@ FP8_DECODE_TILES = DecodeConfig(pair_k=128, pair_warps=8, down_n=8, down_k=256, 
 # 162.9); with one, this path copies the misses in its gate_up where the general one gathers first.
 RESIDENT_MAX_PAIRS = 16
 # "field=N,...": FP8_DECODE_TILES with these DecodeConfig fields changed, for timing other tiles in a
-# whole decode step (e.g. "pair_dot=1,pair_n=32,pair_k=128,pair_warps=4"); unset in serving
+# whole decode step (e.g. "pair_n=32,pair_warps=4"); unset in serving
 TILES_ENV = "SLUICE_FP8_DECODE_TILES"
 
 
@@ -150,92 +150,6 @@ def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION:
     return _scaled_columns(acc, s_ptr, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
 
 
-@triton.jit
-def _fp16_shift(x_ptr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """A power of two that brings the row's largest magnitude into ``[2^13, 2^14)``: times it, every
-    16-bit value of the row fits fp16 exactly (bf16's 8 significant bits in fp16's 11), but those
-    below 2^-24 of the largest, whose products the sum could not hold anyway. Made from the largest
-    magnitude's exponent bits, so it is exact; a zero row gets 2^127."""
-    amax = tl.zeros((), tl.float32)
-    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
-        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.max(tl.abs(row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)), 0))
-    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return (tl.minimum(tl.maximum(267 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dot_step(a, w_rows, ks, col_ok, k_len, s_ptr, row0, k0, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-              SCALE_COLS: tl.constexpr, stride_sr, MODE: tl.constexpr, EVEN: tl.constexpr):
-    """``[16, BLOCK_N]``: a step of a shifted row (``a``, fp16, as 16 copies) times the e4m3 tile
-    ``w[ks, cols]`` in fp16 (exact), summed in float32 on tensor cores; in mode "k" times the step's
-    one scale (its block's at ``k0``: the step lies inside one block, ``_require_dot``)."""
-    d = tl.dot(tl.broadcast_to(a[None, :], (16, BLOCK_K)), tile_step(w_rows, ks, col_ok, k_len, 1, EVEN).to(tl.float16))
-    if MODE == "k":
-        d = d * tl.load(s_ptr + (row0 // SCALE_ROWS).to(tl.int64) * stride_sr + k0 // SCALE_COLS)
-    return d
-
-
-@triton.jit
-def _first_row(acc):
-    """Row 0 of a dot's ``[16, BLOCK_N]`` sums (every row holds the same row's products)."""
-    return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), 0)
-
-
-@triton.jit
-def _pair_dot_sums(x_ptr, g_rows, u_rows, col_ok, s_gate, s_up, row0, rows, HIDDEN: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                   stride_sr, MODE: tl.constexpr, EVEN: tl.constexpr):
-    """``(x . gate, x . up)`` of one token over a program's ``BLOCK_N`` columns on tensor cores: the
-    row times ``_fp16_shift``, a ``_dot_step`` a step for each, the shift divided out and, in mode "n"
-    (per channel), the columns' scales applied at the end. Compiled for sm90, float32 multiply-adds
-    spend 5.2 instructions a weight byte (convert, scale, add, and their loads' share), these dots
-    2.7-3.4 at 32-64 columns (``scripts/kernel_sass.py --formats fp8 --kernels gate_up_pair --tiles
-    pair_dot=1 ...``)."""
-    shift = _fp16_shift(x_ptr, HIDDEN, BLOCK_K, EVEN)
-    acc_g = tl.zeros((16, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((16, BLOCK_N), tl.float32)
-    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
-        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = (row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32) * shift).to(tl.float16)
-        acc_g += _dot_step(x, g_rows, ks, col_ok, HIDDEN, s_gate, row0, step * BLOCK_K, BLOCK_K, SCALE_ROWS,
-                           SCALE_COLS, stride_sr, MODE, EVEN)
-        acc_u += _dot_step(x, u_rows, ks, col_ok, HIDDEN, s_up, row0, step * BLOCK_K, BLOCK_K, SCALE_ROWS,
-                           SCALE_COLS, stride_sr, MODE, EVEN)
-    gate, up = _first_row(acc_g) / shift, _first_row(acc_u) / shift
-    if MODE == "n":
-        gate = gate * _scale_row(s_gate, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)
-        up = up * _scale_row(s_up, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)
-    return gate, up
-
-
-@triton.jit
-def _down_dot_sums(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, rows, row0,
-                   stride_ws, stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, MODE: tl.constexpr,
-                   EVEN: tl.constexpr):
-    """Token ``token``'s ``sum_j weight_j * act_j . (w2[slot_j] x scale)`` over a program's columns on
-    tensor cores, as ``_pair_dot_sums`` does one row: each act row times its own ``_fp16_shift``
-    (an out-of-range slot's row, never written, is read as zeros), the slot's column scales applied
-    to its sums in mode "n" (per channel), its weight and shift one multiply a slot."""
-    acc = tl.zeros((16, BLOCK_N), tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
-        a_row, s_slot = act_ptr + pair * INTER, s2_ptr + slot * stride_ss
-        shift = _fp16_shift(a_row, INTER, BLOCK_K, EVEN)
-        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
-        part = tl.zeros((16, BLOCK_N), tl.float32)
-        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.where(ok, row_step(a_row, ks, INTER, EVEN).to(tl.float32) * shift, 0.0).to(tl.float16)
-            part += _dot_step(a, w_rows, ks, col_ok, INTER, s_slot, row0, step * BLOCK_K, BLOCK_K, SCALE_ROWS,
-                              SCALE_COLS, stride_sr, MODE, EVEN)
-        if MODE == "n":
-            part = part * _scale_row(s_slot, rows, 0, SCALE_ROWS, SCALE_COLS, stride_sr)[None, :]
-        acc += part * (weight / shift)
-    return _first_row(acc)
-
-
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
@@ -244,10 +158,9 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
                              TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                              MODE: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
-                             FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                             FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
     """Program (j, n): act[j, n] = silu(x . gate) * (x . up) for slot j's columns n, from e4m3
-    weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten. DOT: on
-    tensor cores (``_pair_dot_sums``), else float32 multiply-adds."""
+    weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten."""
     pdl_wait(PDL)
     if w2_copy_program(TOP_K, host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter,
                        stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
@@ -262,24 +175,17 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * HIDDEN
     s_gate, rows = s13_ptr + slot * stride_ss, tl.where(col_ok, cols, 0)
     s_up, row0 = s_gate + up_scale_row * stride_sr, tl.program_id(1) * BLOCK_N
-    if DOT:
-        gate, up = _pair_dot_sums(x_ptr, g_rows, g_rows + inter * HIDDEN, col_ok, s_gate, s_up, row0, rows, HIDDEN,
-                                  BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr, MODE, EVEN)
-    else:
-        acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-        for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
-            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)
-            g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
-            u = tile_step(g_rows + inter * HIDDEN, ks, col_ok, HIDDEN, 1, EVEN)
-            acc_g = _scaled_dot_step(acc_g, x, g, s_gate, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr,
-                                     MODE)
-            acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr,
-                                     MODE)
-        gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-        up = _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    act = gate * tl.sigmoid(gate) * up
+    acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)
+        g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
+        u = tile_step(g_rows + inter * HIDDEN, ks, col_ok, HIDDEN, 1, EVEN)
+        acc_g = _scaled_dot_step(acc_g, x, g, s_gate, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+    gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+    act = gate * tl.sigmoid(gate) * _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -287,33 +193,27 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     MODE: tl.constexpr, EVEN: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                     MODE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
     accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
     written). Per channel the scales differ by slot, so the host gives mode "kn" for it (each
-    weight scaled), or "n" on tensor cores (DOT: ``_down_dot_sums``)."""
+    weight scaled)."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
-    if DOT:
-        total = _down_dot_sums(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, rows,
-                               row0, stride_ws, stride_ss, stride_sr, TOP_K, INTER, BLOCK_N, BLOCK_K, SCALE_ROWS,
-                               SCALE_COLS, MODE, EVEN)
-    else:
-        acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-        for j in tl.static_range(TOP_K):
-            pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
-            w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
-            for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
-                ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-                a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN)
-                w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
-                a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
-                acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
-                                       SCALE_COLS, stride_sr, MODE)
-        total = tl.sum(acc, 0)
-    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
+        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN)
+            w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
+            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+            acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
+                                   SCALE_COLS, stride_sr, MODE)
+    tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "plan_len"], do_not_specialize_on_alignment=["slots_ptr"])
@@ -413,7 +313,7 @@ def _tiles_from(text: str) -> DecodeConfig:
         if field not in DecodeConfig._fields or not value.isdigit():
             raise ValueError(f"{TILES_ENV}: {item!r} is not FIELD=N with FIELD one of "
                              f"{', '.join(DecodeConfig._fields)}")
-        changes[field] = bool(int(value)) if field.endswith("_dot") else int(value)
+        changes[field] = int(value)
     return FP8_DECODE_TILES._replace(**changes)
 
 
@@ -461,13 +361,11 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
     tail = (*copy_args, _bytes(w13))
     if num_tokens == 1:
         consts = _scale_consts(block, block_n, cfg.pair_k)
-        if cfg.pair_dot:
-            _require_dot("one token's gate_up", "pair_dot", block, block_n, consts, hidden.dtype)
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, *common, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0), s13.stride(1),
             *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts, EVEN=dim % consts["BLOCK_K"] == 0
-            and inter % block_n == 0, **fill_consts, DOT=cfg.pair_dot, num_warps=cfg.pair_warps,
-            **reg_cap(cfg.pair_regs), **pdl_args(hidden))
+            and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs),
+            **pdl_args(hidden))
         return act
     _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),
@@ -475,19 +373,6 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
         BLOCK_N=block_n, **_scale_consts(block, block_n, cfg.gate_up_k), PRECISION=_precision(hidden.dtype),
         **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
     return act
-
-
-def _require_dot(what: str, field: str, block: ScaleBlock, block_n: int, consts: dict, dtype: torch.dtype) -> None:
-    """Refuse, in one line, tensor cores (``DecodeConfig.pair_dot``, ``down_dot``) where they cannot
-    run: they take 16-bit activations (float32 ones would be rounded to fp16), tiles of at least 16
-    by 16 (a dot's least), and one scale per column a step (per channel, or a step inside one
-    128x128-style block; ``consts`` from ``_scale_consts``)."""
-    mode, step = consts["MODE"], consts["BLOCK_K"]
-    if (dtype not in (torch.bfloat16, torch.float16) or block_n < 16 or step < 16
-            or not (mode == "n" or (mode == "k" and block.cols % step == 0))):
-        raise ValueError(f"{what} on tensor cores ({field}) takes 16-bit activations, tiles of 16 by 16 or more "
-                         f"and steps inside one scale block; got {dtype}, {mode!r} scales of {block}, {block_n} "
-                         f"columns, step {step}")
 
 
 def _block_p(num_pairs: int) -> int:
@@ -498,17 +383,12 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
                     scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig) -> None:
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
-    mode = scale_mode(block, cfg.down_n)
-    if cfg.down_dot:  # per channel ("n"): the dots' columns scaled by each slot's
-        consts = _scale_consts(block, cfg.down_n, cfg.down_k, mode)
-        _require_dot("the per-token down", "down_dot", block, cfg.down_n, consts, act.dtype)
-    else:  # per channel: by slot, so by weight
-        consts = _scale_consts(block, cfg.down_n, cfg.down_k, "k" if mode == "k" else "kn")
+    mode = "k" if scale_mode(block, cfg.down_n) == "k" else "kn"  # per channel: by slot, so by weight
+    consts = _scale_consts(block, cfg.down_n, cfg.down_k, mode)
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
-        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, DOT=cfg.down_dot, num_warps=cfg.down_warps,
-        **pdl_args(act))
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
