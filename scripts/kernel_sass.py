@@ -61,7 +61,11 @@ def use_geometry(name: str, fill: bool) -> None:
 def fill_consts(cfg) -> dict:
     """A gate_up's fill constexprs (``fill_args``'s), PDL off."""
     return dict(FILL=FILL, PLAN=8 if FILL else 1, FILL_ROWS=cfg.fill_rows, FILL_K=cfg.fill_k, PDL=False)
+
+
 LOAD_OPS = re.compile(r"\b((?:LDG|LDGSTS|STG)[.A-Z0-9]*)\b")
+# an instruction's opcode after its address comment and any predicate (``@!P0``)
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 KERNELS = ("gate_up_pair", "down_token", "gate_up_slot", "down_slot", "prefill_gate_up", "prefill_down", "gemv_qkv")
@@ -101,8 +105,8 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
                                                                    BLOCK_K=cfg.pair_k, **scales, **nofill),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                         BLOCK_K=cfg.down_k, PDL=False, **scales), cfg.down_warps, 3,
-                       "w2"),
+                                                         BLOCK_K=cfg.down_k, PDL=False, WEIGHTED=True, **scales),
+                       cfg.down_warps, 3, "w2"),
     }
 
 
@@ -122,7 +126,8 @@ def bf16_kernels(cfg=decode_bf16.DecodeConfig()) -> dict:
                                                                        BLOCK_K=cfg.pair_k, **plain, **nofill),
                          cfg.pair_warps, 3, "w13"),
         "down_token": (decode_bf16._decode_down_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                             BLOCK_K=cfg.down_k, EVEN=True, BIAS=False, PDL=False),
+                                                             BLOCK_K=cfg.down_k, EVEN=True, BIAS=False, PDL=False,
+                                                             WEIGHTED=True),
                        cfg.down_warps, 3, "w2"),
     }
 
@@ -149,11 +154,11 @@ def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
     """The kernel with its constexprs and the divisibility hints a launch would give its arguments."""
     scale = "fp8e4nv" if fmt == "nvfp4" else "u8"
     types = {name: "*" + t for name, t in POINTERS.items()} | dict(eps="fp32")
-    if fmt == "fp8":
-        types.update(w2_ptr="*fp8e4nv")
+    if fmt == "fp8":  # one token's act rows in float32 (weighted by its gate_up)
+        types.update(w2_ptr="*fp8e4nv", act_ptr="*fp32")
     if fmt == "bf16":
         types.update(w13_ptr="*bf16", w2_ptr="*bf16", host13_ptr="*bf16", host2_ptr="*bf16", b13_ptr="*bf16",
-                     b2_ptr="*bf16")
+                     b2_ptr="*bf16", act_ptr="*fp32")  # one token's act rows: float32, weighted
     types.update(s_ptr=f"*{scale}", c_ptr="*fp32" if fmt == "nvfp4" else f"*{scale}", b_ptr=f"*{scale}")
     consts = {**dict(GROUP=GROUP.get(fmt), E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False,
                      PRECISION="tf32"), **consts}
@@ -173,21 +178,31 @@ def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
     return ASTSource(fn, signature, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
 
 
-def summary(compiled) -> str:
-    """Registers / shared bytes / spill stores, instructions, and loads by width, from the cubin."""
+def disassemble(compiled) -> tuple[str, str]:
+    """The cubin's resource usage (cuobjdump) and its SASS (nvdisasm)."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tools / "nvdisasm", "-c", cubin.name], capture_output=True, text=True).stdout
+    return usage, sass
+
+
+def summary(usage: str, sass: str, warps: int) -> str:
+    """Registers / shared bytes / spill stores, instructions, and loads by width."""
     regs = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
     instructions = len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass))
     loads = ", ".join(f"{op} {n}" for op, n in sorted(Counter(LOAD_OPS.findall(sass)).items()))
-    warps = compiled.metadata.num_warps
     per_sm = min(65536 // (max(int(regs[1]), 1) * 32 * warps), 64 // warps)  # register file, warp slots
     return (f"regs {regs[1]:>3}  shared {regs[2]:>5}  local {regs[3]:>3}  programs/SM {per_sm:2d}  "
             f"instructions {instructions:5d}  {loads}")
+
+
+def top_opcodes(sass: str, count: int) -> str:
+    """The ``count`` most frequent opcodes (``FFMA 96``: a thread's, static), or nothing for 0."""
+    opcodes = Counter(op.split(".")[0] for op in OPCODE.findall(sass)).most_common(count)
+    return "  ops: " + ", ".join(f"{op} {n}" for op, n in opcodes) if count else ""
 
 
 def main() -> None:
@@ -201,6 +216,7 @@ def main() -> None:
     p.add_argument("--fill", action="store_true", help="the gate_ups with a fill's copies from the host")
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels); bf16 gemv_qkv")
+    p.add_argument("--ops", type=int, default=0, metavar="N", help="also each kernel's N most frequent opcodes")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
                    help="decode tiles changed from the format's (W4_DECODE_TILES, FP8_DECODE_TILES; DecodeConfig "
                         "fields), e.g. down_warps=4")
@@ -217,8 +233,10 @@ def main() -> None:
             cap = reg_cap(args.pair_regs) if name == "gate_up_pair" else {}
             compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
                                       options=dict(num_warps=warps, num_stages=stages, **cap))
-            line = summary(compiled)
-            print(f"{fmt:6} {name:16} {line}{per_weight_kb(line, warps, name, fmt, consts)}")
+            usage, sass = disassemble(compiled)
+            line = summary(usage, sass, warps)
+            print(f"{fmt:6} {name:16} {line}{per_weight_kb(line, warps, name, fmt, consts)}"
+                  f"{top_opcodes(sass, args.ops)}")
 
 
 def per_weight_kb(line: str, warps: int, name: str, fmt: str, consts: dict) -> str:

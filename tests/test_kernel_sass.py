@@ -66,9 +66,18 @@ def test_the_one_row_qkv_with_a_bias_and_a_masked_tail_compiles_for_sm90_with_16
 
 @pytest.mark.parametrize("kernel", ["gate_up_pair", "down_token"])
 def test_fp8s_one_token_kernels_issue_more_instructions_a_weight_byte_than_bf16s(kernel):
-    """The warp-instr/KB column (static: the reductions are unrolled): fp8's multiply-adds convert
-    and scale each weight, so they issue more than twice bf16's count per KB of weights (167 and 60
-    for the gate_up, 363 and 123 for the down, docs/architecture.md)."""
+    """The warp-instr/KB column (static: the reductions are unrolled): an fp8 weight is converted
+    twice (e4m3 pairs to f16, f16 to f32) and scaled where a bf16 one is shifted, so fp8 issues more
+    per KB of weights (docs/architecture.md has the counts)."""
     (fp8,) = sass("--formats", "fp8", "--kernels", kernel)
     (bf16,) = sass("--formats", "bf16", "--kernels", kernel)
-    assert field(fp8, "warp-instr/KB") > 2 * field(bf16, "warp-instr/KB"), (fp8, bf16)
+    assert field(fp8, "warp-instr/KB") > 1.5 * field(bf16, "warp-instr/KB"), (fp8, bf16)
+
+
+def test_the_fp8_down_reads_one_tokens_weighted_act_rows_as_they_are():
+    """One token's gate_up stores its act rows weighted, in float32, zeros where unrouted; the down
+    (WEIGHTED) neither masks (FSEL) nor weighs them: at most one FMUL (the block scale) a FFMA, where
+    weighing them there took two and a FSEL each (1,088 instructions a thread, now 736)."""
+    (line,) = sass("--formats", "fp8", "--kernels", "down_token", "--ops", "64")
+    ops = {op: int(n) for op, n in (item.split() for item in line.split("ops: ")[1].split(", "))}
+    assert "FSEL" not in ops and ops["FMUL"] <= ops["FFMA"] and field(line, "instructions") < 900, line

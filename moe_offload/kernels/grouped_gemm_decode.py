@@ -124,9 +124,9 @@ def _decode_gate_up_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_pairs, top_k,
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "ids_ptr"])
-def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, inter, stride_ws, stride_wn,
-                                stride_wh, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr,
-                                plan_len, stride_h13, stride_h2, stride_w2s, b13_ptr, ids_ptr, num_bias,
+def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, weights_ptr, num_slots, inter, stride_ws,
+                                stride_wn, stride_wh, host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr,
+                                count_ptr, plan_len, stride_h13, stride_h2, stride_w2s, b13_ptr, ids_ptr, num_bias,
                                 TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                                 FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
@@ -134,20 +134,22 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
                                 ALPHA: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, as the per-token
     down does (the reduction over ``HIDDEN`` unrolled at compile time, float32 multiply-adds, no
-    tl.dot); a slot outside ``[0, N)`` leaves its row unwritten. EVEN: the tiles divide ``HIDDEN``
-    and ``inter``. FILL: the lookup's planned experts are copied in as they are read
-    (``SlotFill``)."""
+    tl.dot), and stores it in float32 times the pair's routing weight, zeros for a slot outside
+    ``[0, N)``, so that the down reads the row as it is (``_decode_down_kernel``, WEIGHTED). EVEN:
+    the tiles divide ``HIDDEN`` and ``inter``. FILL: the lookup's planned experts are copied in as
+    they are read (``SlotFill``)."""
     pdl_wait(PDL)
     if w2_copy_program(TOP_K, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter, stride_h2,
                        stride_w2s, FILL, FILL_ROWS, FILL_K):
         return
     pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    cols, col_ok = column_tile(inter, BLOCK_N)
     if skip:
+        tl.store(act_ptr + pair * inter + cols, tl.zeros((BLOCK_N,), tl.float32), mask=col_ok)
         return
     if FILL:  # the row length as a runtime value (w13 is contiguous: stride_wn == HIDDEN), as measured
         fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
                       inter, stride_wn, stride_h13, stride_ws, stride_wn, PLAN, BLOCK_N, FILL_K)
-    cols, col_ok = column_tile(inter, BLOCK_N)
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * stride_wn
     u_rows = g_rows + inter * stride_wn
     x_row = x_ptr + (pair // TOP_K) * HIDDEN
@@ -161,14 +163,14 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, num_slots, i
     # the pair as a vector: bias_rows broadcasts ids against the columns
     act = biased_activation(tl.sum(acc_g, 0), tl.sum(acc_u, 0), b13_ptr, ids_ptr, pair + 0 * cols, col_ok, cols,
                             col_ok, num_bias, inter, BIAS, GPT_OSS, LIMIT, ALPHA)
-    tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(act_ptr + pair * inter + cols, act * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
 
 
 @triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr", "ids_ptr"])
 def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden,
                         stride_ws, stride_wh, stride_wi, b2_ptr, ids_ptr, num_bias, TOP_K: tl.constexpr,
                         INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                        BIAS: tl.constexpr, PDL: tl.constexpr):
+                        BIAS: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j (weight[t, j] * act[t*k + j]) . w2[slot_j, h], one float32 accumulator.
 
     Both loops (the k slots, the reduction over ``INTER``) are unrolled at compile time, so no
@@ -177,8 +179,12 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
     not by arithmetic (a runtime loop, one step's load at a time, ran at about half the speed).
     The products are float32 multiply-adds into a ``[BLOCK_K, BLOCK_N]`` accumulator summed once
     at the end (a 16-row tl.dot with 15 dead rows was no faster). A slot outside ``[0, N)`` reads
-    slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); EVEN: the tiles
-    divide ``INTER`` and ``hidden``, so no load is masked and every load is vectorised."""
+    slot 0 and weighs 0 (its act row, never written, is replaced, not multiplied); WEIGHTED: one
+    token's rows, in float32, weighted and zeros where unrouted by ``_decode_gate_up_pair_kernel``,
+    are read as they are (a thread converts, weighs and masks its own copy of each act value it
+    multiplies, as many as its weights: compiled for sm90 1,472 instructions a thread weighing them
+    here, 776 not; ``scripts/kernel_sass.py --ops``); EVEN: the tiles divide ``INTER`` and
+    ``hidden``, so no load is masked and every load is vectorised."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
@@ -193,7 +199,9 @@ def _decode_down_kernel(act_ptr, w2_ptr, weights_ptr, slots_ptr, out_ptr, num_sl
         a_row = act_ptr + pair * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.where(ok, row_step(a_row, ks, INTER, EVEN).to(tl.float32) * weight, 0.0)
+            a = row_step(a_row, ks, INTER, EVEN).to(tl.float32)
+            if not WEIGHTED:
+                a = tl.where(ok, a * weight, 0.0)
             acc += a[:, None] * tile_step(w_row, ks, col_ok, INTER, stride_wi, EVEN).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, (tl.sum(acc, 0) + biased).to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -242,9 +250,9 @@ def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: to
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
     bias = bias_args_of(w13, w2, slots, w13_bias, w2_bias, bias_ids)
-    act = _gate_up(hidden, slots, w13, w2, cfg, fill, bias, activation)
+    act = _gate_up(hidden, weights, slots, w13, w2, cfg, fill, bias, activation)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, w2, out, cfg, bias)
+        _down_per_token(act, weights, slots, w2, out, cfg, bias, weighted=_one_row(hidden))
     else:
         _down_per_slot(act, weights, slots, w2, out, cfg, bias)
     return out
@@ -287,17 +295,24 @@ def fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: D
     return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: DecodeConfig,
-             fill: SlotFill | None, bias: BiasArgs, activation: str) -> torch.Tensor:
-    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+def _one_row(hidden: torch.Tensor) -> bool:
+    """Whether one token's kernels run (``_decode_gate_up_pair_kernel``: its act rows weighted)."""
+    return hidden.shape[0] == 1 and hidden.is_contiguous()
+
+
+def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             cfg: DecodeConfig, fill: SlotFill | None, bias: BiasArgs, activation: str) -> torch.Tensor:
+    """``act [T*k, I]``: one token's in float32, weighted, zeros for out-of-range slots; more tokens'
+    in hidden's dtype, rows of out-of-range slots left unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
-    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    if num_tokens == 1 and hidden.is_contiguous():
+    act_dtype = torch.float32 if _one_row(hidden) else hidden.dtype
+    act = torch.empty(num_tokens * top_k, inter, dtype=act_dtype, device=hidden.device)
+    if _one_row(hidden):
         grid_n = triton.cdiv(inter, cfg.pair_n)
         copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n)
         _decode_gate_up_pair_kernel[(top_k + copy_rows, grid_n)](
-            hidden, w13, act, slots, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *copy_args,
+            hidden, w13, act, slots, weights, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *copy_args,
             bias.b13, bias.ids, bias.num, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
             EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, BIAS=bias.on,
             **activation_consts(activation), num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs), **pdl_args(hidden))
@@ -314,14 +329,14 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                    out: torch.Tensor, cfg: DecodeConfig, bias: BiasArgs) -> None:
+                    out: torch.Tensor, cfg: DecodeConfig, bias: BiasArgs, weighted: bool) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w2.shape
     _decode_down_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, w2, weights, slots, out, num_slots, dim, w2.stride(0), w2.stride(1), w2.stride(2), bias.b2, bias.ids,
         bias.num, TOP_K=top_k, INTER=inter, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k,
-        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, BIAS=bias.on, num_warps=cfg.down_warps,
-        **pdl_args(act))
+        EVEN=inter % cfg.down_k == 0 and dim % cfg.down_n == 0, BIAS=bias.on, WEIGHTED=weighted,
+        num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

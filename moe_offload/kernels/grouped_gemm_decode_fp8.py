@@ -152,26 +152,29 @@ def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION:
 
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
-def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_slots, inter, up_scale_row,
-                             stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w2_bytes_ptr, plan_src_ptr,
-                             plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s, w13_bytes_ptr,
+def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weights_ptr, num_slots, inter,
+                             up_scale_row, stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w2_bytes_ptr,
+                             plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s,
+                             w13_bytes_ptr,
                              TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                              MODE: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
                              FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
-    """Program (j, n): act[j, n] = silu(x . gate) * (x . up) for slot j's columns n, from e4m3
-    weights times their block scales; a slot outside ``[0, N)`` leaves its row unwritten."""
+    """Program (j, n): act[j, n] = weight_j * silu(x . gate) * (x . up) in float32 for slot j's
+    columns n, from e4m3 weights times their block scales; a slot outside ``[0, N)`` gets zeros.
+    So the per-token down reads its rows as they are (``_down_fp8_kernel``, WEIGHTED)."""
     pdl_wait(PDL)
     if w2_copy_program(TOP_K, host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter,
                        stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
         return
     pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    cols, col_ok = column_tile(inter, BLOCK_N)
     if skip:
+        tl.store(act_ptr + pair * inter + cols, tl.zeros((BLOCK_N,), tl.float32), mask=col_ok)
         return
     if FILL:  # w13 rows are HIDDEN bytes long and contiguous
         fill_w13_tile(host13_ptr, w13_bytes_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot,
                       tl.program_id(1) * BLOCK_N, inter, HIDDEN, stride_h13, stride_ws, HIDDEN, PLAN, BLOCK_N, FILL_K)
-    cols, col_ok = column_tile(inter, BLOCK_N)
     g_rows = w13_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * HIDDEN
     s_gate, rows = s13_ptr + slot * stride_ss, tl.where(col_ok, cols, 0)
     s_up, row0 = s_gate + up_scale_row * stride_sr, tl.program_id(1) * BLOCK_N
@@ -186,18 +189,21 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, num_sl
         acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     act = gate * tl.sigmoid(gate) * _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(act_ptr + pair * inter + cols, act * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
 
 
 @triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr"])
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     MODE: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                     MODE: tl.constexpr, EVEN: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
     accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
-    written). Per channel the scales differ by slot, so the host gives mode "kn" for it (each
-    weight scaled)."""
+    written). WEIGHTED: one token's rows, float32, weighted and zeros where unrouted by its gate_up,
+    are read as they are (compiled for sm90, 736 instructions a thread where weighing them here
+    takes 1,088: each thread converts, weighs and masks its own copy of every act value it
+    multiplies, as many as its weights; ``kernel_sass.py --ops``). Per channel the scales differ
+    by slot, so the host gives mode "kn" for it (each weight scaled)."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
@@ -208,9 +214,10 @@ def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, n
         w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN)
+            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN).to(tl.float32)
             w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
-            a = tl.where(ok, a.to(tl.float32) * weight, 0.0)
+            if not WEIGHTED:
+                a = tl.where(ok, a * weight, 0.0)
             acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
                                    SCALE_COLS, stride_sr, MODE)
     tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -292,7 +299,7 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
     slots, weights = slots.contiguous(), weights.contiguous()
     if fill is not None:
         fill.gather_scales(scales.tensors())
-    act = _gate_up(hidden, slots, w13, w2, scales, cfg, fill)
+    act = _gate_up(hidden, weights, slots, w13, w2, scales, cfg, fill)
     if hidden.shape[0] <= DECODE_MAX_TOKENS:
         _down_per_token(act, weights, slots, w2, scales, out, cfg)
     else:
@@ -348,12 +355,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
-             cfg: DecodeConfig, fill: SlotFill | None) -> torch.Tensor:
-    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             scales: ExpertScales, cfg: DecodeConfig, fill: SlotFill | None) -> torch.Tensor:
+    """``act [T*k, I]``: one token's in float32, weighted, zeros for out-of-range slots; more tokens'
+    in hidden's dtype, rows of out-of-range slots left unwritten (the downs never read them)."""
     (num_tokens, top_k), (num_slots, two_inter, dim) = slots.shape, w13.shape
     inter, block, s13 = two_inter // 2, scales.block, scales.w13
-    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    act_dtype = torch.float32 if num_tokens == 1 else hidden.dtype
+    act = torch.empty(num_tokens * top_k, inter, dtype=act_dtype, device=hidden.device)
     block_n = cfg.pair_n if num_tokens == 1 else cfg.gate_up_n
     grid_n = triton.cdiv(inter, block_n)
     copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n, _bytes)
@@ -362,10 +371,10 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: t
     if num_tokens == 1:
         consts = _scale_consts(block, block_n, cfg.pair_k)
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
-            hidden, w13, *common, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0), s13.stride(1),
-            *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts, EVEN=dim % consts["BLOCK_K"] == 0
-            and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs),
-            **pdl_args(hidden))
+            hidden, w13, *common, weights, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0),
+            s13.stride(1), *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts,
+            EVEN=dim % consts["BLOCK_K"] == 0 and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps,
+            **reg_cap(cfg.pair_regs), **pdl_args(hidden))
         return act
     _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),
@@ -388,7 +397,8 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
-        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, num_warps=cfg.down_warps, **pdl_args(act))
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, WEIGHTED=slots.shape[0] == 1,
+        num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
