@@ -32,6 +32,18 @@ def pair_slot(slots_ptr, num_slots):
 
 
 @triton.jit
+def weighted_pair(slots_ptr, num_slots, act_ptr, inter, BLOCK_N: tl.constexpr):
+    """``pair_slot`` and ``column_tile`` for one token's gate_up, whose act rows are float32 and
+    weighted (the per-token downs read every row as it is, WEIGHTED): a pair that skips gets its
+    columns of zeros here."""
+    pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    cols, col_ok = column_tile(inter, BLOCK_N)
+    if skip:
+        tl.store(act_ptr + pair * inter + cols, tl.zeros((BLOCK_N,), tl.float32), mask=col_ok)
+    return pair, slot, skip, cols, col_ok
+
+
+@triton.jit
 def routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K: tl.constexpr):
     """Token ``token``'s ``j``-th (token, slot) pair for a per-token down: its index, its slot (0
     when outside ``[0, N)``, so its reads stay in bounds), whether the slot is in range, and its

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from moe_offload.slot_fill import SlotFill
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
-                                              routed_pair, row_step, slot_program, tile_step, w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair,
+                                              row_step, slot_program, tile_step, w2_copy_program, weighted_pair)
 from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
@@ -142,10 +142,8 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, weights_ptr,
     if w2_copy_program(TOP_K, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter, stride_h2,
                        stride_w2s, FILL, FILL_ROWS, FILL_K):
         return
-    pair, slot, skip = pair_slot(slots_ptr, num_slots)
-    cols, col_ok = column_tile(inter, BLOCK_N)
+    pair, slot, skip, cols, col_ok = weighted_pair(slots_ptr, num_slots, act_ptr, inter, BLOCK_N)
     if skip:
-        tl.store(act_ptr + pair * inter + cols, tl.zeros((BLOCK_N,), tl.float32), mask=col_ok)
         return
     if FILL:  # the row length as a runtime value (w13 is contiguous: stride_wn == HIDDEN), as measured
         fill_w13_tile(host13_ptr, w13_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
-                                              routed_pair, row_step, slot_program, tile_step, w2_copy_program)
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair,
+                                              row_step, slot_program, tile_step, w2_copy_program, weighted_pair)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
@@ -167,10 +167,8 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weight
     if w2_copy_program(TOP_K, host2_ptr, w2_bytes_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter,
                        stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K):
         return
-    pair, slot, skip = pair_slot(slots_ptr, num_slots)
-    cols, col_ok = column_tile(inter, BLOCK_N)
+    pair, slot, skip, cols, col_ok = weighted_pair(slots_ptr, num_slots, act_ptr, inter, BLOCK_N)
     if skip:
-        tl.store(act_ptr + pair * inter + cols, tl.zeros((BLOCK_N,), tl.float32), mask=col_ok)
         return
     if FILL:  # w13 rows are HIDDEN bytes long and contiguous
         fill_w13_tile(host13_ptr, w13_bytes_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot,
