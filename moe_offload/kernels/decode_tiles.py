@@ -35,12 +35,18 @@ def pair_slot(slots_ptr, num_slots):
 def weighted_pair(slots_ptr, num_slots, act_ptr, inter, BLOCK_N: tl.constexpr):
     """``pair_slot`` and ``column_tile`` for one token's gate_up, whose act rows are float32 and
     weighted (the per-token downs read every row as it is, WEIGHTED): a pair that skips gets its
-    columns of zeros here."""
+    columns of zeros here, one that runs stores them by ``store_weighted_row``."""
     pair, slot, skip = pair_slot(slots_ptr, num_slots)
     cols, col_ok = column_tile(inter, BLOCK_N)
     if skip:
         tl.store(act_ptr + pair * inter + cols, tl.zeros((BLOCK_N,), tl.float32), mask=col_ok)
     return pair, slot, skip, cols, col_ok
+
+
+@triton.jit
+def store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, act):
+    """A ``weighted_pair`` program's act columns, times the pair's routing weight, in float32."""
+    tl.store(act_ptr + pair * inter + cols, act * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
 
 
 @triton.jit

@@ -45,7 +45,8 @@ import triton.language as tl
 
 from moe_offload.slot_fill import SlotFill
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair,
-                                              row_step, slot_program, tile_step, w2_copy_program, weighted_pair)
+                                              row_step, slot_program, store_weighted_row, tile_step,
+                                              w2_copy_program, weighted_pair)
 from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
@@ -161,7 +162,7 @@ def _decode_gate_up_pair_kernel(x_ptr, w13_ptr, act_ptr, slots_ptr, weights_ptr,
     # the pair as a vector: bias_rows broadcasts ids against the columns
     act = biased_activation(tl.sum(acc_g, 0), tl.sum(acc_u, 0), b13_ptr, ids_ptr, pair + 0 * cols, col_ok, cols,
                             col_ok, num_bias, inter, BIAS, GPT_OSS, LIMIT, ALPHA)
-    tl.store(act_ptr + pair * inter + cols, act * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
+    store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, act)
 
 
 @triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr", "ids_ptr"])
@@ -248,9 +249,9 @@ def decode_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: to
         return out
     slots, weights = slots.contiguous(), weights.contiguous()
     bias = bias_args_of(w13, w2, slots, w13_bias, w2_bias, bias_ids)
-    act = _gate_up(hidden, weights, slots, w13, w2, cfg, fill, bias, activation)
+    act, weighted = _gate_up(hidden, weights, slots, w13, w2, cfg, fill, bias, activation)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, w2, out, cfg, bias, weighted=_one_row(hidden))
+        _down_per_token(act, weights, slots, w2, out, cfg, bias, weighted)
     else:
         _down_per_slot(act, weights, slots, w2, out, cfg, bias)
     return out
@@ -293,28 +294,25 @@ def fill_args(fill: SlotFill | None, w13: torch.Tensor, w2: torch.Tensor, cfg: D
     return args, consts, triton.cdiv(triton.cdiv(w2.shape[1], cfg.fill_rows), grid_n)
 
 
-def _one_row(hidden: torch.Tensor) -> bool:
-    """Whether one token's kernels run (``_decode_gate_up_pair_kernel``: its act rows weighted)."""
-    return hidden.shape[0] == 1 and hidden.is_contiguous()
-
-
 def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-             cfg: DecodeConfig, fill: SlotFill | None, bias: BiasArgs, activation: str) -> torch.Tensor:
-    """``act [T*k, I]``: one token's in float32, weighted, zeros for out-of-range slots; more tokens'
-    in hidden's dtype, rows of out-of-range slots left unwritten (the downs never read them)."""
+             cfg: DecodeConfig, fill: SlotFill | None, bias: BiasArgs, activation: str) -> tuple[torch.Tensor, bool]:
+    """``act [T*k, I]`` and whether its rows are weighted: one (contiguous) token's are, in float32,
+    zeros for out-of-range slots; more tokens' are in hidden's dtype, rows of out-of-range slots left
+    unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = w13.shape[0], hidden.shape[1], w13.shape[1] // 2
-    act_dtype = torch.float32 if _one_row(hidden) else hidden.dtype
-    act = torch.empty(num_tokens * top_k, inter, dtype=act_dtype, device=hidden.device)
-    if _one_row(hidden):
+    one_row = num_tokens == 1 and hidden.is_contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=torch.float32 if one_row else hidden.dtype,
+                      device=hidden.device)
+    if one_row:
         grid_n = triton.cdiv(inter, cfg.pair_n)
         copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n)
         _decode_gate_up_pair_kernel[(top_k + copy_rows, grid_n)](
-            hidden, w13, act, slots, weights, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2), *copy_args,
-            bias.b13, bias.ids, bias.num, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
+            hidden, w13, act, slots, weights, num_slots, inter, w13.stride(0), w13.stride(1), w13.stride(2),
+            *copy_args, bias.b13, bias.ids, bias.num, TOP_K=top_k, HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k,
             EVEN=dim % cfg.pair_k == 0 and inter % cfg.pair_n == 0, **fill_consts, BIAS=bias.on,
             **activation_consts(activation), num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs), **pdl_args(hidden))
-        return act
+        return act, True
     grid_n = triton.cdiv(inter, cfg.gate_up_n)
     copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n)
     _decode_gate_up_kernel[(num_tokens * top_k + copy_rows, grid_n)](
@@ -323,7 +321,7 @@ def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w
         bias.b13, bias.ids, bias.num, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
         BLOCK_K=cfg.gate_up_k, PRECISION=_precision(hidden.dtype), **fill_consts, BIAS=bias.on,
         **activation_consts(activation), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
-    return act
+    return act, False
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

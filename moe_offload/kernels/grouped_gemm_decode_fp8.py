@@ -40,7 +40,8 @@ import triton.language as tl
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair,
-                                              row_step, slot_program, tile_step, w2_copy_program, weighted_pair)
+                                              row_step, slot_program, store_weighted_row, tile_step,
+                                              w2_copy_program, weighted_pair)
 from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
@@ -155,8 +156,7 @@ def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION:
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weights_ptr, num_slots, inter,
                              up_scale_row, stride_ws, stride_ss, stride_sr, host13_ptr, host2_ptr, w2_bytes_ptr,
                              plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13, stride_h2, stride_w2s,
-                             w13_bytes_ptr,
-                             TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                             w13_bytes_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                              MODE: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
                              FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
@@ -187,7 +187,7 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weight
         acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     act = gate * tl.sigmoid(gate) * _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    tl.store(act_ptr + pair * inter + cols, act * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
+    store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, act)
 
 
 @triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr"])
@@ -297,9 +297,9 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
     slots, weights = slots.contiguous(), weights.contiguous()
     if fill is not None:
         fill.gather_scales(scales.tensors())
-    act = _gate_up(hidden, weights, slots, w13, w2, scales, cfg, fill)
+    act, weighted = _gate_up(hidden, weights, slots, w13, w2, scales, cfg, fill)
     if hidden.shape[0] <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, w2, scales, out, cfg)
+        _down_per_token(act, weights, slots, w2, scales, out, cfg, weighted)
     else:
         _down_per_slot(act, weights, slots, w2, scales, out, cfg)
     return out
@@ -354,32 +354,34 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-             scales: ExpertScales, cfg: DecodeConfig, fill: SlotFill | None) -> torch.Tensor:
-    """``act [T*k, I]``: one token's in float32, weighted, zeros for out-of-range slots; more tokens'
-    in hidden's dtype, rows of out-of-range slots left unwritten (the downs never read them)."""
+             scales: ExpertScales, cfg: DecodeConfig, fill: SlotFill | None) -> tuple[torch.Tensor, bool]:
+    """``act [T*k, I]`` and whether its rows are weighted: one token's are, in float32, zeros for
+    out-of-range slots; more tokens' are in hidden's dtype, rows of out-of-range slots left unwritten
+    (the downs never read them)."""
     (num_tokens, top_k), (num_slots, two_inter, dim) = slots.shape, w13.shape
     inter, block, s13 = two_inter // 2, scales.block, scales.w13
-    act_dtype = torch.float32 if num_tokens == 1 else hidden.dtype
-    act = torch.empty(num_tokens * top_k, inter, dtype=act_dtype, device=hidden.device)
-    block_n = cfg.pair_n if num_tokens == 1 else cfg.gate_up_n
+    one_row = num_tokens == 1
+    act = torch.empty(num_tokens * top_k, inter, dtype=torch.float32 if one_row else hidden.dtype,
+                      device=hidden.device)
+    block_n = cfg.pair_n if one_row else cfg.gate_up_n
     grid_n = triton.cdiv(inter, block_n)
     copy_args, fill_consts, copy_rows = fill_args(fill, w13, w2, cfg, grid_n, _bytes)
     common = (s13, act, slots)
     tail = (*copy_args, _bytes(w13))
-    if num_tokens == 1:
+    if one_row:
         consts = _scale_consts(block, block_n, cfg.pair_k)
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, *common, weights, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0),
             s13.stride(1), *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts,
             EVEN=dim % consts["BLOCK_K"] == 0 and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps,
             **reg_cap(cfg.pair_regs), **pdl_args(hidden))
-        return act
+        return act, True
     _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),
         w13.stride(0), s13.stride(0), s13.stride(1), *tail, HIDDEN=dim, BLOCK_P=_block_p(num_tokens * top_k),
         BLOCK_N=block_n, **_scale_consts(block, block_n, cfg.gate_up_k), PRECISION=_precision(hidden.dtype),
         **fill_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(hidden))
-    return act
+    return act, False
 
 
 def _block_p(num_pairs: int) -> int:
@@ -387,7 +389,7 @@ def _block_p(num_pairs: int) -> int:
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                    scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig) -> None:
+                    scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig, weighted: bool) -> None:
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
     mode = "k" if scale_mode(block, cfg.down_n) == "k" else "kn"  # per channel: by slot, so by weight
@@ -395,7 +397,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
-        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, WEIGHTED=slots.shape[0] == 1,
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, WEIGHTED=weighted,
         num_warps=cfg.down_warps, **pdl_args(act))
 
 
