@@ -69,6 +69,7 @@ OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 KERNELS = ("gate_up_pair", "down_token", "gate_up_slot", "down_slot", "prefill_gate_up", "prefill_down", "gemv_qkv")
+ONE_TOKEN = ("gate_up_pair", "down_token")
 
 
 def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bfloat16)) -> dict:
@@ -81,7 +82,8 @@ def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bf
                                                               BLOCK_K=cfg.pair_k, **act, **nofill), cfg.pair_warps, 3,
                          "w13"),
         "down_token": (decode._down_token_w4_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                          BLOCK_K=cfg.down_k, PDL=False), cfg.down_warps, 3, "w2"),
+                                                          BLOCK_K=cfg.down_k, PDL=False, WEIGHTED=True),
+                       cfg.down_warps, 3, "w2"),
         "gate_up_slot": (decode._gate_up_slot_w4_kernel, dict(BLOCK_P=16, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
                                                               **act, **nofill, **even), cfg.num_warps, cfg.num_stages,
                          "w13"),
@@ -150,15 +152,18 @@ def launch_values(fmt: str, bank: str) -> dict:
     return dict(values, stride_qs=rows * k // 8, stride_qn=k // 8, stride_ss=rows * k // g, stride_sn=k // g)
 
 
-def source(fn, fmt: str, consts: dict, bank: str) -> ASTSource:
-    """The kernel with its constexprs and the divisibility hints a launch would give its arguments."""
+def source(fn, fmt: str, consts: dict, bank: str, one_token: bool) -> ASTSource:
+    """The kernel with its constexprs and the divisibility hints a launch would give its arguments
+    (``one_token``: one token's kernels, whose act rows are float32, weighted by the gate_up)."""
     scale = "fp8e4nv" if fmt == "nvfp4" else "u8"
     types = {name: "*" + t for name, t in POINTERS.items()} | dict(eps="fp32")
-    if fmt == "fp8":  # one token's act rows in float32 (weighted by its gate_up)
-        types.update(w2_ptr="*fp8e4nv", act_ptr="*fp32")
+    if one_token:
+        types.update(act_ptr="*fp32")
+    if fmt == "fp8":
+        types.update(w2_ptr="*fp8e4nv")
     if fmt == "bf16":
         types.update(w13_ptr="*bf16", w2_ptr="*bf16", host13_ptr="*bf16", host2_ptr="*bf16", b13_ptr="*bf16",
-                     b2_ptr="*bf16", act_ptr="*fp32")  # one token's act rows: float32, weighted
+                     b2_ptr="*bf16")
     types.update(s_ptr=f"*{scale}", c_ptr="*fp32" if fmt == "nvfp4" else f"*{scale}", b_ptr=f"*{scale}")
     consts = {**dict(GROUP=GROUP.get(fmt), E8M0=fmt == "mxfp4", CHANNEL=fmt == "nvfp4", BIAS=False,
                      PRECISION="tf32"), **consts}
@@ -231,7 +236,7 @@ def main() -> None:
         for name in [k for k in args.kernels if k in kinds]:
             fn, consts, warps, stages, bank = kinds[name]
             cap = reg_cap(args.pair_regs) if name == "gate_up_pair" else {}
-            compiled = triton.compile(source(fn, fmt, consts, bank), target=target,
+            compiled = triton.compile(source(fn, fmt, consts, bank, name in ONE_TOKEN), target=target,
                                       options=dict(num_warps=warps, num_stages=stages, **cap))
             usage, sass = disassemble(compiled)
             line = summary(usage, sass, warps)
@@ -243,11 +248,11 @@ def per_weight_kb(line: str, warps: int, name: str, fmt: str, consts: dict) -> s
     """One token's kernels (gate_up, down) from their ``summary`` line: warp instructions per KB of
     weights a program reads (static: the reductions are unrolled), the rate at which it can issue
     what its bytes ask."""
-    if name not in ("gate_up_pair", "down_token") or fmt not in ("fp8", "bf16"):
+    if name not in ONE_TOKEN:
         return ""
     instructions = int(re.search(r"instructions\s+(\d+)", line)[1])
     rows = 2 * HIDDEN if name == "gate_up_pair" else TOP_K * INTER  # a column's weights
-    weight_bytes = consts["BLOCK_N"] * rows * (2 if fmt == "bf16" else 1)
+    weight_bytes = consts["BLOCK_N"] * rows * dict(bf16=2, fp8=1).get(fmt, 0.5)  # 4-bit: scales not counted
     return f"  warp-instr/KB {instructions * warps * 1024 / weight_bytes:.0f}"
 
 

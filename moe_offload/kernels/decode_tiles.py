@@ -1,7 +1,8 @@
 """Triton pieces shared by the decode kernels (bf16 ``grouped_gemm_decode``, fp8
 ``grouped_gemm_decode_fp8``, 4-bit ``grouped_gemm_w4_decode``): the PDL wait, which pair or which
-slot's pairs a program serves, a reduction step's loads, and a fill's copies of the experts an
-expert-cache lookup just admitted (``SlotFill``) into their slots.
+slot's pairs a program serves, a reduction step's loads, the stores of rows times their routing
+weights (the prefill kernels' too), and a fill's copies of the experts an expert-cache lookup
+just admitted (``SlotFill``) into their slots.
 
 May import: triton only.
 """
@@ -47,6 +48,14 @@ def weighted_pair(slots_ptr, num_slots, act_ptr, inter, BLOCK_N: tl.constexpr):
 def store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, act):
     """A ``weighted_pair`` program's act columns, times the pair's routing weight, in float32."""
     tl.store(act_ptr + pair * inter + cols, act * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
+
+
+@triton.jit
+def store_weighted(out_ptr, acc, weights_ptr, pairs, pair_ok, cols, col_ok, hidden):
+    """``out[pair, cols] = acc * weight[pair]``, one output row a pair (``pairs [M]``, ``acc [M, N]``)."""
+    weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.decode_tiles import store_weighted
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
 from moe_offload.kernels.triton_support import pdl_args
@@ -193,14 +194,6 @@ def token_rows(pairs, num_pairs, top_k):
     """Which of a tile's rows are pairs (the rest pad the block), and each row's token (0 for padding)."""
     row_ok = pairs < num_pairs
     return row_ok, tl.where(row_ok, pairs // top_k, 0).to(tl.int64)
-
-
-@triton.jit
-def store_weighted(out_ptr, acc, weights_ptr, pairs, pair_ok, cols, col_ok, hidden):
-    """``out[pair, cols] = acc * weight[pair]``, one output row a pair (``pairs [M]``, ``acc [M, N]``)."""
-    weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pairs[:, None].to(tl.int64) * hidden + cols[None, :],
-             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit

@@ -45,9 +45,9 @@ import triton.language as tl
 
 from moe_offload.slot_fill import SlotFill
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair,
-                                              row_step, slot_program, store_weighted_row, tile_step,
+                                              row_step, slot_program, store_weighted, store_weighted_row, tile_step,
                                               w2_copy_program, weighted_pair)
-from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, store_weighted, sum_over_k
+from moe_offload.kernels.grouped_gemm import BiasArgs, bias_args_of, down_rows, gate_up_rows, sum_over_k
 from moe_offload.kernels.grouped_gemm_w4_banks import activation_consts
 from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, biased_activation
 from moe_offload.kernels.triton_support import pdl_args, reg_cap

@@ -40,9 +40,9 @@ import triton.language as tl
 from moe_offload.expert_scales import ExpertScales
 from moe_offload.formats.expert_format import ScaleBlock
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair,
-                                              row_step, slot_program, store_weighted_row, tile_step,
+                                              row_step, slot_program, store_weighted, store_weighted_row, tile_step,
                                               w2_copy_program, weighted_pair)
-from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
+from moe_offload.kernels.grouped_gemm import sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill

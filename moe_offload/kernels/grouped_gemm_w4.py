@@ -22,11 +22,11 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.grouped_gemm import (Alignment, BlockConfig, _pair_tile, align_by_slot, pick_config,
-                                              store_weighted, sum_over_k, token_rows)
+                                              sum_over_k, token_rows)
 from moe_offload.kernels.grouped_gemm_w4_banks import (ACTIVATIONS, GROUP, W4Bank, activation_consts, bank_args,
                                                        check_w4_args, grouped_swiglu_w4_eager, kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_decode import DECODE_MAX_PAIRS, decode_grouped_swiglu_w4
-from moe_offload.kernels.grouped_gemm_w4_tiles import bias_rows, channel_scaled, swiglu_w4_rows, w4_dot
+from moe_offload.kernels.grouped_gemm_w4_tiles import store_down_w4_rows, swiglu_w4_rows
 from moe_offload.kernels.triton_support import use_triton
 from moe_offload.slot_fill import SlotFill
 
@@ -96,13 +96,11 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
     if done:
         return
     row_ok = pairs < num_pairs
-    acc = w4_dot(act_ptr + rows.to(tl.int64) * inter, row_ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
-                 cols, col_ok, inter, 1, stride_qn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION,
-                 EVEN_K)
-    acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
     first = tl.load(sorted_pairs_ptr + tl.min(rows, 0))  # the block's pairs share its slot, so its bias id
-    acc += bias_rows(b_ptr, ids_ptr, first, first >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b, BIAS)
-    store_weighted(out_ptr, acc, weights_ptr, pairs, row_ok, cols, col_ok, hidden)
+    store_down_w4_rows(out_ptr, weights_ptr, pairs, act_ptr + rows.to(tl.int64) * inter, row_ok, first,
+                       q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, c_ptr + slot * stride_cs, b_ptr, ids_ptr,
+                       cols, col_ok, hidden, inter, num_bias, stride_qn, stride_sn, stride_b, BLOCK_M, BLOCK_N,
+                       BLOCK_K, GROUP, E8M0, CHANNEL, BIAS, PRECISION, EVEN_K)
 
 
 def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,

@@ -29,14 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pair_slot, pdl_wait, round_pairs,
-                                              routed_pair, slot_program, w2_copy_program)
-from moe_offload.kernels.grouped_gemm import store_weighted, sum_over_k
+from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair, row_step,
+                                              slot_program, store_weighted_row, w2_copy_program, weighted_pair)
+from moe_offload.kernels.grouped_gemm import sum_over_k
 from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
-from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale, group_values,
-                                                       packed_tile, swiglu_w4_rows, w4_dot, MXFP4_ROW_ALIGN)
+from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale,
+                                                       group_values, packed_tile, store_down_w4_rows, swiglu_w4_rows,
+                                                       MXFP4_ROW_ALIGN)
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
@@ -67,22 +68,29 @@ def decode_tiles(fmt: str, inter: int) -> DecodeConfig:
 
 @triton.jit
 def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len: tl.constexpr, stride_qn, stride_sn,
-             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+             WHOLE_X: tl.constexpr = False):
     """``sum_k x[k] * w[rows, k]`` over the K tile at k0, per group: ``[R, BLOCK_K/G]`` fp32, each
     group's products summed (in one thread) before its scale multiplies (``x_ptr`` a contiguous
-    row, read as zero unless ``x_ok``; the channel scale is the caller's)."""
+    row, read as zero unless ``x_ok``; the channel scale is the caller's). WHOLE_X: every element
+    of the row is written (``x_ok`` ignored), so the loads need no mask of their own."""
     q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP,
                        k_len % BLOCK_K == 0)
     ks = k0 + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    # x_ok folds into the bound: the interpreter mistypes a 0-d bool & a block bool
-    x = tl.load(x_ptr + ks, mask=ks < tl.where(x_ok, k_len, 0), other=0.0).to(tl.float32)
-    part = tl.sum(group_values(q, BLOCK_R, BLOCK_K, GROUP) * x[None, :, :], 2)
+    if WHOLE_X:  # a row written in full: no mask but k's own, none where the steps divide k_len
+        x = row_step(x_ptr, ks, k_len, k_len % BLOCK_K == 0).to(tl.float32)
+    else:  # x_ok folds into the bound: the interpreter mistypes a 0-d bool & a block bool
+        x = tl.load(x_ptr + ks, mask=ks < tl.where(x_ok, k_len, 0), other=0.0).to(tl.float32)
+    # a float32 row (the down's weighted acts) loads as vectors against k-ordered registers
+    values = group_values(q, BLOCK_R, BLOCK_K, GROUP, x_ptr.dtype.element_ty == tl.float32)
+    part = tl.sum(values * x[None, :, :], 2)
     return part * group_scale(s, E8M0)
 
 
 # the routing's pointers (and the slot kernels' pair count) not specialised (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
-def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, num_slots, inter,
+def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, weights_ptr, num_slots,
+                            inter,
                             stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b, host13_ptr,
                             host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
                             stride_h2, stride_w2s, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -91,35 +99,35 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
                             PRECISION: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr, FILL_ROWS: tl.constexpr,
                             FILL_K: tl.constexpr, PDL: tl.constexpr):
     """One token's gate_up: program (j, n) computes act[j, n] for its own slot, the reduction over
-    ``HIDDEN`` unrolled at compile time (every step's loads issue ahead of their arithmetic); a slot
-    outside ``[0, S)`` leaves its row unwritten. FILL: the lookup's planned experts' packed words
-    are copied in as they are read (their scales were gathered before), as the bf16 path does."""
+    ``HIDDEN`` unrolled at compile time (every step's loads issue ahead of their arithmetic), and
+    stores it in float32 times the pair's routing weight, zeros for a slot outside ``[0, S)``, so
+    that the per-token down reads the row as it is (``_down_token_w4_kernel``, WEIGHTED). FILL: the
+    lookup's planned experts' packed words are copied in as they are read (their scales were
+    gathered before), as the bf16 path does."""
     pdl_wait(PDL)
     ALIGN: tl.constexpr = MXFP4_ROW_ALIGN if GROUP == 32 else 1  # a packed row, in words
     if w2_copy_program(TOP_K, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, HIDDEN, inter // 8,
                        stride_h2, stride_w2s, FILL, FILL_ROWS, FILL_K, ALIGN):
         return
-    pair, slot, skip = pair_slot(slots_ptr, num_slots)
+    pair, slot, skip, cols, col_ok = weighted_pair(slots_ptr, num_slots, act_ptr, inter, BLOCK_N)
     if skip:
         return
     if FILL:  # a row is HIDDEN / 8 words
         fill_w13_tile(host13_ptr, q_ptr, plan_src_ptr, plan_dst_ptr, plan_len, slot, tl.program_id(1) * BLOCK_N,
                       inter, HIDDEN // 8, stride_h13, stride_qs, stride_qn, PLAN, BLOCK_N, FILL_K, ALIGN)
-    cols, col_ok = column_tile(inter, BLOCK_N)
-    q_slot, s_slot, live = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, slot >= 0
+    q_slot, s_slot = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
-    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
-        acc_g += fma_tile(x_ptr, live, q_slot, s_slot, cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn, stride_sn,
-                          BLOCK_N, BLOCK_K, GROUP, E8M0)
-        acc_u += fma_tile(x_ptr, live, q_slot, s_slot, inter + cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn,
-                          stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):  # the token's row is whole: a slot runs
+        acc_g += fma_tile(x_ptr, True, q_slot, s_slot, cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn, stride_sn,
+                          BLOCK_N, BLOCK_K, GROUP, E8M0, True)
+        acc_u += fma_tile(x_ptr, True, q_slot, s_slot, inter + cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn,
+                          stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0, True)
     gate = channel_scaled(tl.sum(acc_g, 1), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
     up = channel_scaled(tl.sum(acc_u, 1), c_ptr + slot * stride_cs, inter + cols, col_ok, CHANNEL)
-    gate += bias_rows(b_ptr, ids_ptr, pair, live, cols, col_ok, num_bias, stride_b, BIAS)
-    up += bias_rows(b_ptr, ids_ptr, pair, live, inter + cols, col_ok, num_bias, stride_b, BIAS)
-    act = activate(gate, up, GPT_OSS, LIMIT, ALPHA)
-    tl.store(act_ptr + pair * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_ok)
+    gate += bias_rows(b_ptr, ids_ptr, pair, True, cols, col_ok, num_bias, stride_b, BIAS)
+    up += bias_rows(b_ptr, ids_ptr, pair, True, inter + cols, col_ok, num_bias, stride_b, BIAS)
+    store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, activate(gate, up, GPT_OSS, LIMIT, ALPHA))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "plan_len"],
@@ -159,10 +167,13 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
                           hidden, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
                           TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+                          PRECISION: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h] + bias[id_j, h]), one fp32
     accumulator, both loops unrolled. A slot outside ``[0, S)`` reads slot 0 with its act row
-    masked to zero (it was never written) and weighs 0."""
+    masked to zero (it was never written) and weighs 0. WEIGHTED: one token's rows, float32,
+    weighted and zeros where unrouted by ``_gate_up_pair_w4_kernel``, are read as they are, unmasked
+    (weighing them here, each thread loads, converts and weighs its own copy of every act value it
+    multiplies, one a weight: ``kernel_sass.py --formats nvfp4 --kernels down_token --ops 8``)."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
@@ -171,10 +182,13 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     for j in tl.static_range(TOP_K):
         pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
         scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
+        if not WEIGHTED:
+            scale = scale * weight
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
             part = fma_tile(act_ptr + pair * INTER, ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols,
-                            col_ok, step * BLOCK_K, INTER, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0)
-            acc += part * (scale * weight)[:, None]
+                            col_ok, step * BLOCK_K, INTER, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0,
+                            WEIGHTED)
+            acc += part * scale[:, None]
         bias += weight * bias_rows(b_ptr, ids_ptr, pair, ok, cols, col_ok, num_bias, stride_b, BIAS)
     out = tl.sum(acc, 1) + bias
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -192,12 +206,10 @@ def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_p
     slot, on_slot, rank, count, cols, col_ok = slot_program(slots_ptr, num_pairs, num_slots, hidden, BLOCK_P, BLOCK_N)
     for r0 in range(0, count, 16):  # none unless this program runs its slot
         pairs, live = round_pairs(on_slot, rank, count, r0, BLOCK_P)
-        acc = w4_dot(act_ptr + pairs * inter, live, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols, col_ok,
-                     inter, 1, stride_qn, stride_sn, 16, BLOCK_N, BLOCK_K, GROUP, E8M0, PRECISION, EVEN_K)
-        acc = channel_scaled(acc, c_ptr + slot * stride_cs, cols[None, :], col_ok[None, :], CHANNEL)
-        acc += bias_rows(b_ptr, ids_ptr, tl.program_id(0), slot >= 0, cols[None, :], col_ok[None, :], num_bias,
-                         stride_b, BIAS)
-        store_weighted(pair_out_ptr, acc, weights_ptr, pairs, live, cols, col_ok, hidden)
+        store_down_w4_rows(pair_out_ptr, weights_ptr, pairs, act_ptr + pairs * inter, live, tl.program_id(0),
+                           q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, c_ptr + slot * stride_cs, b_ptr,
+                           ids_ptr, cols, col_ok, hidden, inter, num_bias, stride_qn, stride_sn, stride_b, 16, BLOCK_N,
+                           BLOCK_K, GROUP, E8M0, CHANNEL, BIAS, PRECISION, EVEN_K)
 
 
 def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
@@ -229,9 +241,9 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     if fill is not None:
         fill.check_quantized(bank13.packed, bank2.packed, fmt)
         fill.gather_scales(_scale_banks(bank13, bank2))
-    act = _gate_up(hidden, slots, ids, bank13, bank2, cfg, consts, activation, fill)
+    act, weighted = _gate_up(hidden, weights, slots, ids, bank13, bank2, cfg, consts, activation, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, ids, bank2, out, cfg, consts)
+        _down_per_token(act, weights, slots, ids, bank2, out, cfg, consts, weighted)
     else:
         _down_per_slot(act, weights, slots, ids, bank2, out, cfg, consts)
     return out
@@ -260,22 +272,27 @@ def _block_p(num_pairs: int) -> int:
     return max(16, triton.next_power_of_2(num_pairs))
 
 
-def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank, bank2: W4Bank,
-             cfg: DecodeConfig, consts: dict, activation: str, fill: SlotFill | None) -> torch.Tensor:
-    """``act [T*k, I]``: rows of out-of-range slots are left unwritten (the downs never read them)."""
+def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
+             bank2: W4Bank, cfg: DecodeConfig, consts: dict, activation: str,
+             fill: SlotFill | None) -> tuple[torch.Tensor, bool]:
+    """``act [T*k, I]`` and whether its rows are weighted: one token's are, in float32, zeros for
+    out-of-range slots; more tokens' are in hidden's dtype, rows of out-of-range slots left
+    unwritten (the downs never read them)."""
     num_tokens, top_k = slots.shape
     num_slots, dim, inter = bank.packed.shape[0], hidden.shape[1], bank.packed.shape[1] // 2
-    act = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    one_row = num_tokens == 1 and hidden.stride(1) == 1
+    act = torch.empty(num_tokens * top_k, inter, dtype=torch.float32 if one_row else hidden.dtype,
+                      device=hidden.device)
     (q, s, c, b), strides, bank_consts = bank_args(bank)
     consts = {**consts, **bank_consts, **activation_consts(activation), **pdl_args(hidden)}
-    if num_tokens == 1 and hidden.stride(1) == 1:
+    if one_row:
         grid_n = triton.cdiv(inter, cfg.pair_n)
         copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)
         _gate_up_pair_w4_kernel[(top_k + copy_rows, grid_n)](
-            hidden, q, s, c, b, ids, act, slots, num_slots, inter, *strides, *copy_args, TOP_K=top_k, HIDDEN=dim,
-            BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, **fill_consts, num_warps=cfg.pair_warps,
+            hidden, q, s, c, b, ids, act, slots, weights, num_slots, inter, *strides, *copy_args, TOP_K=top_k,
+            HIDDEN=dim, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **consts, **fill_consts, num_warps=cfg.pair_warps,
             **reg_cap(cfg.pair_regs))
-        return act
+        return act, True
     grid_n = triton.cdiv(inter, cfg.gate_up_n)
     copy_args, fill_consts, copy_rows = fill_args(fill, bank.packed, bank2.packed, cfg, grid_n, _words)
     _gate_up_slot_w4_kernel[(num_tokens * top_k + copy_rows, grid_n)](
@@ -283,17 +300,18 @@ def _gate_up(hidden: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank:
         hidden.stride(1), *strides, *copy_args, BLOCK_P=_block_p(num_tokens * top_k), BLOCK_N=cfg.gate_up_n,
         BLOCK_K=cfg.gate_up_k, **consts, **fill_consts, EVEN_K=dim % cfg.gate_up_k == 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
-    return act
+    return act, False
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
-                    out: torch.Tensor, cfg: DecodeConfig, consts: dict) -> None:
+                    out: torch.Tensor, cfg: DecodeConfig, consts: dict, weighted: bool) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim = bank.packed.shape[:2]
     (q, s, c, b), strides, bank_consts = bank_args(bank)
     _down_token_w4_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, q, s, c, b, ids, weights, slots, out, num_slots, dim, *strides, TOP_K=top_k, INTER=act.shape[1],
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, num_warps=cfg.down_warps, **pdl_args(act))
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, WEIGHTED=weighted, num_warps=cfg.down_warps,
+        **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.decode_tiles import store_weighted
 
 
 # The sign bits of both halves of a word (0x80008000 as an int32, so the word stays int32).
@@ -25,21 +26,35 @@ _HIGH_SIGNS = tl.constexpr(-0x7FFF8000)
 
 
 @triton.jit
-def e2m1_words(w):
+def e2m1_words(w, K_ORDER: tl.constexpr = False):
     """int32 words ``[R, NG, W]`` of packed codes (k = 8i + 0..7: byte j's low nibble is k = 2j)
     -> fp32 ``[R, NG, W, 8]`` in k order, each e2m1 value times 2^-14. Each mask-and-shift puts
     the codes of bytes 0 and 2 (or 1 and 3) under the fp16 exponents of a word's two halves at
-    once: eleven integer operations for eight values."""
+    once: eleven integer operations for eight values.
+
+    A join's new dim is the fastest in a thread's registers. K_ORDER joins each word's halves
+    first and neighbours last, so a thread's registers hold k in order and a float32 row that
+    multiplies them loads 16 bytes at a time (the per-token down's weighted act rows: compiled for
+    sm90, 192 four-byte loads a thread become 48 of 16); the other order joins the halves last,
+    which one token's gate_up, multiplying a bf16 row, compiles to fewer instructions (mxfp4)
+    or registers (nvfp4) with (``scripts/kernel_sass.py``)."""
     k04 = ((w & 0x00070007) << 9) | ((w & 0x00080008) << 12)
     k15 = ((w & 0x00700070) << 5) | ((w & 0x00800080) << 8)
     k26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
     k37 = ((w & 0x70007000) >> 3) | (w & _HIGH_SIGNS)
-    # [..., a, b] holds k = 2a + b in the low halves, 4 + 2a + b in the high ones
-    halves = tl.join(tl.join(k04, k26), tl.join(k15, k37))
-    low = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    values = tl.permute(tl.join(low, high), (0, 1, 2, 5, 3, 4))  # the half is k's top bit
+    if K_ORDER:  # [..., h, b, a] holds k = 4h + 2b + a, a the fastest register
+        values = tl.join(tl.join(_halves(k04), _halves(k26)), tl.join(_halves(k15), _halves(k37)))
+    else:  # [..., a, b] holds k = 2a + b in the low halves, 4 + 2a + b in the high ones
+        values = tl.permute(_halves(tl.join(tl.join(k04, k26), tl.join(k15, k37))), (0, 1, 2, 5, 3, 4))
     return tl.reshape(values, (w.shape[0], w.shape[1], w.shape[2], 8))
+
+
+@triton.jit
+def _halves(k):
+    """Words' two fp16 halves (each an e2m1 value times 2^-14) as fp32 ``[..., 2]``: low, high."""
+    low = k.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (k >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.join(low, high)
 
 
 @triton.jit
@@ -86,9 +101,10 @@ def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
 
 
 @triton.jit
-def group_values(q, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """``packed_tile``'s words as fp32 ``[R, BLOCK_K/G, G]`` in k order (times 2^-14, unscaled)."""
-    return tl.reshape(e2m1_words(q), (BLOCK_R, BLOCK_K // GROUP, GROUP))
+def group_values(q, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, K_ORDER: tl.constexpr = False):
+    """``packed_tile``'s words as fp32 ``[R, BLOCK_K/G, G]`` in k order (times 2^-14, unscaled;
+    K_ORDER as ``e2m1_words``)."""
+    return tl.reshape(e2m1_words(q, K_ORDER), (BLOCK_R, BLOCK_K // GROUP, GROUP))
 
 
 @triton.jit
@@ -202,3 +218,19 @@ def swiglu_w4_rows(a_ptrs, row_ok, bias_pair, q_ptr, s_ptr, c_ptr, b_ptr, ids_pt
     up += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, inter + cols[None, :], col_ok[None, :], num_bias,
                     stride_b, BIAS)
     return activate(gate, up, GPT_OSS, LIMIT, ALPHA)
+
+
+@triton.jit
+def store_down_w4_rows(out_ptr, weights_ptr, pairs, a_ptrs, row_ok, bias_pair, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr,
+                       cols, col_ok, hidden, inter, num_bias, stride_qn, stride_sn, stride_b, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+                       CHANNEL: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+    """``out[pairs, cols] = weight[pairs] * (act . w2[cols]^T + bias)`` for act rows ``a_ptrs [M]``
+    (``row_ok`` the live ones) and one slot's w2 (pointers at the slot), its channel scales
+    applied, the bias row ``bias_pair``'s (a slot holds one expert: its pairs share a bias id)."""
+    acc = w4_dot(a_ptrs, row_ok, q_ptr, s_ptr, cols, col_ok, inter, 1, stride_qn, stride_sn, BLOCK_M, BLOCK_N,
+                 BLOCK_K, GROUP, E8M0, PRECISION, EVEN_K)
+    acc = channel_scaled(acc, c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
+    acc += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b,
+                     BIAS)
+    store_weighted(out_ptr, acc, weights_ptr, pairs, row_ok, cols, col_ok, hidden)
