@@ -15,8 +15,10 @@ machine's, so the counts are a guide, and the benchmarks decide.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,16 +100,18 @@ def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bf
     }
 
 
-def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES) -> dict:
-    """The fp8 decode path's one-token kernels at the releases' 128 x 128 scale blocks (mode "k")."""
+def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES, weighted: bool = True) -> dict:
+    """The fp8 decode path's one-token kernels at the releases' 128 x 128 scale blocks (mode "k");
+    ``weighted=False``: the down as 2 to 4 tokens run it (bf16 act rows, weighed in the down)."""
     nofill = fill_consts(cfg)
-    scales = dict(SCALE_ROWS=128, SCALE_COLS=128, MODE="k", EVEN=True)
+    scales = dict(SCALE_ROWS=128, SCALE_COLS=128, MODE="k")
     return {
-        "gate_up_pair": (decode_fp8._pair_gate_up_fp8_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
-                                                                   BLOCK_K=cfg.pair_k, **scales, **nofill),
-                         cfg.pair_warps, 3, "w13"),
-        "down_token": (decode_fp8._down_fp8_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                         BLOCK_K=cfg.down_k, PDL=False, WEIGHTED=True, **scales),
+        "gate_up_pair": (decode_fp8._pair_gate_up_fp8_kernel,
+                         dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **scales, **nofill,
+                              EVEN=HIDDEN % cfg.pair_k == 0 and INTER % cfg.pair_n == 0), cfg.pair_warps, 3, "w13"),
+        "down_token": (decode_fp8._down_fp8_kernel,
+                       dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PDL=False,
+                            WEIGHTED=weighted, **scales, EVEN=INTER % cfg.down_k == 0 and HIDDEN % cfg.down_n == 0),
                        cfg.down_warps, 3, "w2"),
     }
 
@@ -210,6 +214,55 @@ def top_opcodes(sass: str, count: int) -> str:
     return "  ops: " + ", ".join(f"{op} {n}" for op, n in opcodes) if count else ""
 
 
+def compile_line(kind: tuple, name: str, fmt: str, target: GPUTarget, regs: int = 0) -> tuple[str, str]:
+    """One kernel of a ``kernels()``-style table compiled: its ``summary`` line (with the per-KB
+    column for one token's kernels) and its SASS. ``regs``: one token's gate_up capped there."""
+    fn, consts, warps, stages, bank = kind
+    one_token = name in ONE_TOKEN and consts.get("WEIGHTED", True)  # float32 act rows
+    cap = reg_cap(regs) if name == "gate_up_pair" else {}
+    compiled = triton.compile(source(fn, fmt, consts, bank, one_token), target=target,
+                              options=dict(num_warps=warps, num_stages=stages, **cap))
+    usage, sass = disassemble(compiled)
+    line = summary(usage, sass, warps)
+    return line + per_weight_kb(line, warps, name, fmt, consts), sass
+
+
+# a ``bench_grouped_gemm.py --fp8-decode-sweep`` row's config, by part: the DecodeConfig fields and the kernel
+SWEEP_PARTS = {"gate_up": (("pair_n", "pair_k", "pair_warps", "pair_regs"), "gate_up_pair"),
+               "down": (("down_n", "down_k", "down_warps"), "down_token")}
+
+
+def against(path: Path, weighted: bool, target: GPUTarget) -> None:
+    """Each one-token fp8 tile a ``bench_grouped_gemm.py --fp8-decode-sweep --json`` file timed,
+    compiled here: its time beside warp instructions per KB, registers and warps an SM holds, and
+    per part Pearson's r of the time with each (the counts are this tree's: pair a file with the
+    tree it was timed on, ``--unweighted`` for a down timed before the weighted act rows)."""
+    table = []
+    for row in json.loads(path.read_text())["sweep"]:
+        fields, name = SWEEP_PARTS.get(row["variant"], ((), ""))
+        if len(row["config"]) != len(fields):  # another part, or tiles this tree no longer has
+            continue
+        tiles = dict(zip(fields, row["config"]))
+        kind = fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**tiles), weighted)[name]
+        line, _ = compile_line(kind, name, "fp8", target, tiles.get("pair_regs", 0))
+        warps = int(re.search(r"programs/SM\s+(\d+)", line)[1]) * kind[2]
+        table.append((row["variant"], row["time_us"], field_of(line, "warp-instr/KB"), field_of(line, "regs"), warps,
+                      row["config"]))
+    for part in SWEEP_PARTS:
+        rows = sorted(r for r in table if r[0] == part)
+        print(f"{part}: us  warp-instr/KB  regs  warps/SM  tiles")
+        for _, us, per_kb, regs, warps, tiles in sorted(rows, key=lambda r: r[1]):
+            print(f"  {us:6.1f}  {per_kb:6.0f}  {regs:4.0f}  {warps:3d}  {tiles}")
+        if len(rows) > 2:
+            times = [r[1] for r in rows]
+            print(f"  r(us, warp-instr/KB) {statistics.correlation(times, [r[2] for r in rows]):+.2f}  "
+                  f"r(us, warps/SM) {statistics.correlation(times, [r[4] for r in rows]):+.2f}")
+
+
+def field_of(line: str, name: str) -> float:
+    return float(re.search(rf"{re.escape(name)}\s+([\d.]+)", line)[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200)")
@@ -225,23 +278,24 @@ def main() -> None:
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
                    help="decode tiles changed from the format's (W4_DECODE_TILES, FP8_DECODE_TILES; DecodeConfig "
                         "fields), e.g. down_warps=4")
+    p.add_argument("--against", type=Path, metavar="JSON",
+                   help="instead: each one-token fp8 tile a bench_grouped_gemm.py --fp8-decode-sweep --json file "
+                        "timed, its time beside its compiled counts")
+    p.add_argument("--unweighted", action="store_true",
+                   help="with --against: the down as it ran before the weighted act rows (bf16 rows weighed in it)")
     args = p.parse_args()
     use_geometry(args.geometry, args.fill)
+    target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
+    if args.against:
+        return against(args.against, not args.unweighted, target)
     changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}
     table = kernels(decode.W4_DECODE_TILES._replace(**changes))
     fp8_table = fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**changes))
-    target = GPUTarget("cuda", args.arch, 64 if args.arch < 100 else 32)
     for fmt in args.formats:
         kinds = dict(fp8=fp8_table, bf16=bf16_kernels()).get(fmt, table)
         for name in [k for k in args.kernels if k in kinds]:
-            fn, consts, warps, stages, bank = kinds[name]
-            cap = reg_cap(args.pair_regs) if name == "gate_up_pair" else {}
-            compiled = triton.compile(source(fn, fmt, consts, bank, name in ONE_TOKEN), target=target,
-                                      options=dict(num_warps=warps, num_stages=stages, **cap))
-            usage, sass = disassemble(compiled)
-            line = summary(usage, sass, warps)
-            print(f"{fmt:6} {name:16} {line}{per_weight_kb(line, warps, name, fmt, consts)}"
-                  f"{top_opcodes(sass, args.ops)}")
+            line, sass = compile_line(kinds[name], name, fmt, target, args.pair_regs)
+            print(f"{fmt:6} {name:16} {line}{top_opcodes(sass, args.ops)}")
 
 
 def per_weight_kb(line: str, warps: int, name: str, fmt: str, consts: dict) -> str:

@@ -2,6 +2,7 @@
 and reads the cubin with Triton's own tools: registers, programs an SM holds, load widths."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -12,14 +13,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def sass(*args: str) -> list[str]:
+def kernel_sass(*args: str) -> str:
+    """The script's output (skipped where Triton carries no ptxas)."""
     bindir = Path(pytest.importorskip("triton").__file__).parent / "backends" / "nvidia" / "bin"
     if not (bindir / "ptxas").exists():
         pytest.skip("this Triton carries no ptxas")
     run = subprocess.run([sys.executable, "scripts/kernel_sass.py", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    return [line for line in run.stdout.splitlines() if "regs" in line]
+    return run.stdout
+
+
+def sass(*args: str) -> list[str]:
+    return [line for line in kernel_sass(*args).splitlines() if "regs" in line]
 
 
 def field(line: str, name: str) -> int:
@@ -95,3 +101,24 @@ def test_the_fp8_down_reads_one_tokens_weighted_act_rows_as_they_are():
     (line,) = sass("--formats", "fp8", "--kernels", "down_token", "--ops", "64")
     ops = {op: int(n) for op, n in (item.split() for item in line.split("ops: ")[1].split(", "))}
     assert "FSEL" not in ops and ops["FMUL"] <= ops["FFMA"] and field(line, "instructions") < 900, line
+
+
+def test_against_a_sweep_puts_each_timed_tile_beside_its_compiled_counts(tmp_path):
+    """``--against``: the tiles a ``bench_grouped_gemm.py --fp8-decode-sweep --json`` file timed, each
+    compiled, its time and counts on one line, per part the correlations; rows whose tiles this tree
+    no longer has (a fifth field, the removed tensor-core tiles) are left out."""
+    sweep = [{"variant": "gate_up", "tokens": 1, "config": [16, 128, 8, 0], "time_us": 25.8},
+             {"variant": "gate_up", "tokens": 1, "config": [32, 256, 4, 0], "time_us": 27.9},
+             {"variant": "gate_up", "tokens": 1, "config": [8, 128, 8, 0], "time_us": 27.1},
+             {"variant": "gate_up", "tokens": 1, "config": [16, 128, 8, 0, "dot"], "time_us": 95.1},
+             {"variant": "down", "tokens": 1, "config": [8, 256, 16], "time_us": 25.7},
+             {"variant": "down", "tokens": 1, "config": [16, 256, 8], "time_us": 31.6}]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"geometry": {}, "rows": [], "sweep": sweep}))
+    out = kernel_sass("--against", str(path), "--unweighted")
+    lines = out.splitlines()
+    timed = [line.split() for line in lines if line.startswith("  ") and "[" in line]
+    assert [float(t[0]) for t in timed] == [25.8, 27.1, 27.9, 25.7, 31.6], out  # fastest first, per part
+    down = {float(t[0]): float(t[1]) for t in timed[3:]}
+    assert down[25.7] > 300 and down[31.6] < 200, out  # the default down issues the most a KB
+    assert sum("r(us, warp-instr/KB)" in line for line in lines) == 1, out  # gate_up only: 3 rows
