@@ -54,8 +54,12 @@ SWEEP_KEYS = (("variant", ">5"), ("tokens", "7d"))  # a sweep's groups, as print
 DECODE_SWEEP = [(32, 128, 16, 256, 4, 3), (16, 128, 16, 256, 4, 3), (32, 256, 16, 256, 4, 3), (64, 128, 32, 256, 4, 3),
                 (32, 128, 8, 256, 4, 3), (32, 128, 16, 128, 4, 4), (16, 256, 16, 128, 4, 4), (32, 128, 32, 128, 8, 3),
                 (16, 128, 8, 256, 4, 4), (32, 64, 16, 256, 4, 5)]
-FP8_PAIR_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)]
+# 16 and 32 warps: the down's fastest tiles ran 16, and the tiles' instruction counts do not predict
+# their times (kernel_sass.py --against), so the gate_up tries more warps too (all compile unspilled)
+FP8_PAIR_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8, 16)]
+FP8_PAIR_SWEEP += [(n, 256, 32) for n in (16, 32)]
 FP8_DOWN_SWEEP = [(n, k, w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8, 16)]
+FP8_DOWN_SWEEP += [(n, 256, 32) for n in (8, 16)]
 # one step over the whole intermediate size (768 of 1024, masked): fewer, longer steps took gpt-oss's
 # 4-bit down from 12 steps to 3 and its layer from 77.1 to 47.8 us (bench_grouped_gemm_w4.py)
 FP8_DOWN_SWEEP += [(n, 1024, w) for n in (8, 16) for w in (4, 8, 16)]
