@@ -19,7 +19,7 @@ from moe_offload.choices import FILL_MODES, LENT_SLOT_RULES, check_choice
 from moe_offload.expert_cache import ExpertCache
 from moe_offload.expert_prefetch import ExpertPrefetch
 from moe_offload.experts import ExpertBanks
-from moe_offload.grouped import ExpertBias, ExpertScales, SlotFill, bias_args, grouped_swiglu
+from moe_offload.grouped import ExpertBias, SlotFill, bias_args, grouped_swiglu
 from moe_offload.kernels.lookup_admit import LowPriority
 from moe_offload.prefill_pipeline import ExpertShare, PrefillPipeline
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from moe_offload.kernels.triton_support import use_triton
 from moe_offload.kernels.lookup_admit import CacheTables, check_tables
 
