@@ -91,6 +91,9 @@ class Engine:
         self.counters = dict(requests_finished=0, requests_aborted=0, requests_preempted=0, prompt_tokens=0,
                              generated_tokens=0, cached_prompt_tokens=0, steps=0, requests_failed=0)
         self.started = time.monotonic()
+        # wall seconds in step(), and of them waiting for a step's tokens: under overlap scheduling
+        # the rest is host work the GPU runs beside, so a wait near zero says the host bounds the loop
+        self.seconds = dict(engine_step_s=0.0, engine_gpu_wait_s=0.0)
 
     # ==== requests ====
 
@@ -130,6 +133,7 @@ class Engine:
     def step(self) -> list[TokenUpdate]:
         previous = self.in_flight.reqs if self.in_flight else []
         self._launching, self._read_early = [], []
+        started = time.perf_counter()
         try:
             return self._step()
         except Exception as exc:
@@ -140,6 +144,8 @@ class Engine:
             self._contain(exc, in_step)
             self._requeue_preempted()
             return self._read_early  # read before the failure: a request they finished is told so
+        finally:
+            self.seconds["engine_step_s"] += time.perf_counter() - started
 
     def take_failures(self) -> list[Failure]:
         failures, self.failures = self.failures, []
@@ -377,7 +383,9 @@ class Engine:
 
     def _process(self, launched: _Launched) -> list[TokenUpdate]:
         if launched.event is not None:
+            waiting = time.perf_counter()
             launched.event.synchronize()  # the one planned read: tokens of the step before
+            self.seconds["engine_gpu_wait_s"] += time.perf_counter() - waiting
         updates = []
         for req, sampled, token in zip(launched.reqs, launched.samples, launched.tokens.tolist()):
             if not sampled or req.finished:
@@ -426,6 +434,8 @@ class Engine:
         radix = self.pages.radix
         return {
             **self.counters,
+            **self.seconds,
+            "engine_host_s": self.seconds["engine_step_s"] - self.seconds["engine_gpu_wait_s"],
             "requests_running": len(self.running),
             "requests_waiting": len(self.waiting),
             "generated_tokens_per_s": self.counters["generated_tokens"] / elapsed,

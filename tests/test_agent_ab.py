@@ -114,6 +114,17 @@ def test_decode_time_per_token_at_the_shortest_and_longest_contexts():
     assert "decode ms/token, short / long ctx" in text and "2.5 / 38.5" in text
 
 
+def test_summary_reads_the_engines_host_and_gpu_wait_seconds():
+    """Over the measured turns: the engine's host work and its waits for the GPU (deltas of the
+    server's counters), one row of the table."""
+    before = dict(engine_host_s=10.0, engine_gpu_wait_s=4.0)
+    runs = [_run("A", [1.0], before, dict(engine_host_s=13.5, engine_gpu_wait_s=24.0))]
+    s = ab_report.summarise_build(runs, slow_s=10.0)
+    assert s["engine_host_s"] == pytest.approx(3.5) and s["engine_gpu_wait_s"] == pytest.approx(20.0)
+    text = ab_report.table([dict(label="A", options=[])], {"A": s}, 10.0)
+    assert "engine s: host / waiting for the GPU" in text and "3.5 / 20.0" in text
+
+
 def test_summary_without_offload_or_host_tier_says_so():
     s = ab_report.summarise_build([_run("B", [0.5], {}, {})], slow_s=10.0)
     assert s["expert_hit_rate"] is None and s["kv_host_pages_restored"] is None

@@ -107,3 +107,5 @@ def test_engine_session_on_gpu(gpt_oss):
         if turn:
             assert sum(u.cached_prompt_tokens for u in updates[2]) > 0, turn
         history = history + out + torch.randint(0, 120, (50,), generator=gen).tolist()
+    stats = engine.stats()  # the overlap loop waited on the GPU's tokens, and that wait is within the step time
+    assert 0 < stats["engine_gpu_wait_s"] < stats["engine_step_s"], stats

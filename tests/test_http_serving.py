@@ -165,6 +165,11 @@ def test_metrics_parse_and_move_with_the_zmq_stats(server, oai, zmq_client):
     assert after[("sluice_kv_usage_ratio", (("tier", "gpu"),))] == stats["kv_usage"]
     assert ("sluice_cached_prompt_tokens_total", ()) in after
     assert after[("sluice_frontend_requests_total", ())] == stats["frontend_requests_total"]
+    # the engine's step time: all host work on the CPU (no event to wait on), and it grows with the steps
+    assert stats["engine_step_s"] > 0 and stats["engine_gpu_wait_s"] == 0
+    assert stats["engine_host_s"] == stats["engine_step_s"]
+    assert after[("sluice_engine_seconds_total", (("kind", "host"),))] > before[
+        ("sluice_engine_seconds_total", (("kind", "host"),))]
 
 
 def test_disconnect_before_a_whole_reply_aborts_and_frees_every_page(server, zmq_client):

@@ -115,6 +115,12 @@ def test_metrics_expose_the_scheduler_stats_and_latencies():
     assert not any(name.startswith("sluice_rank_") for name, _ in got)  # one GPU: no rank series
 
 
+def test_metrics_split_the_engines_step_time_into_host_work_and_waiting_for_the_gpu():
+    got = _samples(Metrics().render({"engine_step_s": 2.0, "engine_host_s": 1.5, "engine_gpu_wait_s": 0.5})[0].decode())
+    assert got[("sluice_engine_seconds_total", (("kind", "host"),))] == 1.5
+    assert got[("sluice_engine_seconds_total", (("kind", "gpu_wait"),))] == 0.5
+
+
 def test_metrics_show_a_hybrid_models_state_snapshots():
     stats = {"state_prefix_tokens": 96, "state_recomputed_tokens": 4, "state_snapshots_gpu": 3,
              "state_snapshots_host": 1, "state_snapshot_bytes_gpu": 3 << 20, "state_snapshot_bytes_host": 1 << 20}

@@ -52,6 +52,9 @@ STATS = (
          "staging: copied though resident, or repaired by a gather", (("wasted", "prefill_mirror_wasted"),
                                                                       ("repaired", "prefill_mirror_repaired")),
          "kind"),
+    Stat("engine_seconds", True, "Scheduler time in engine steps: host work, and waiting for a step's tokens "
+         "(under overlap scheduling, a wait near zero says the host bounds the loop)",
+         (("host", "engine_host_s"), ("gpu_wait", "engine_gpu_wait_s")), "kind"),
     Stat("compilations_after_warmup", True, "Kernels compiled and attention plans built while serving, after "
          "the warm-up (each a slow step)", (("triton", "compiles_after_warmup"), ("cudnn_plan", "plans_after_warmup")),
          "kind"),
