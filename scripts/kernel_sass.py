@@ -5,6 +5,7 @@ global loads and copies by width. Device time is scarce; this shows, before any 
 change vectorises a weight stream or costs registers (occupancy). It measures nothing.
 
     python scripts/kernel_sass.py [--arch 90] [--formats nvfp4 mxfp4 fp8] [--kernels down_slot ...]
+    python scripts/kernel_sass.py --against docs/sweeps/h200_fp8_one_token_sweep.json --unweighted
 
 Arguments get the specialisation a launch gives them at qwen3-30b's shapes (pointers 16-byte
 aligned, integers divisible by 16 where they are, an integer 1 a constant), unless the kernel marks
