@@ -4,11 +4,13 @@ no align kernel, no sort; the plan of ``grouped_gemm_decode`` with 4-bit tiles
 
 ```
  gate_up  one token      grid (k, I / pair_n)      program (j, n): its own pair, fp32 multiply-adds
-                                                   of the decoded tile, the reduction over H unrolled
+                                                   of the decoded tile, the reduction over H unrolled;
+                                                   act rows in fp32 times w_j (zeros where unrouted)
           more tokens    grid (T*k, I / gate_up_n) a slot's first pair runs every pair on the slot
                                                    (16-row tl.dots); the other programs exit at once
  down     T <= 4         grid (T, H / down_n)      out[t] = sum_j w_j (act_j . w2[s_j] + b) in one fp32
                                                    accumulator, both loops unrolled: combine folded in
+                                                   (one token: the weighted rows read as they are)
           more tokens    grid (T*k, H / slot_n)    per slot as gate_up, rows times their weight, then
                                                    grouped_gemm.sum_over_k
 ```
@@ -118,7 +120,7 @@ def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
     q_slot, s_slot = q_ptr + slot * stride_qs, s_ptr + slot * stride_ss
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
-    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):  # the token's row is whole: a slot runs
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):  # past the skip the row is read whole
         acc_g += fma_tile(x_ptr, True, q_slot, s_slot, cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn, stride_sn,
                           BLOCK_N, BLOCK_K, GROUP, E8M0, True)
         acc_u += fma_tile(x_ptr, True, q_slot, s_slot, inter + cols, col_ok, step * BLOCK_K, HIDDEN, stride_qn,
