@@ -254,10 +254,18 @@ def against(path: Path, weighted: bool, target: GPUTarget) -> None:
         print(f"{part}: us  warp-instr/KB  regs  warps/SM  tiles")
         for _, us, per_kb, regs, warps, tiles in sorted(rows, key=lambda r: r[1]):
             print(f"  {us:6.1f}  {per_kb:6.0f}  {regs:4.0f}  {warps:3d}  {tiles}")
-        if len(rows) > 2:
-            times = [r[1] for r in rows]
-            print(f"  r(us, warp-instr/KB) {statistics.correlation(times, [r[2] for r in rows]):+.2f}  "
-                  f"r(us, warps/SM) {statistics.correlation(times, [r[4] for r in rows]):+.2f}")
+        print_correlations(rows, "")
+        uncapped = [r for r in rows if len(r[5]) < 4 or r[5][3] == 0]  # the gate_up's fourth field: a register cap
+        if len(uncapped) < len(rows):
+            print_correlations(uncapped, " (no register cap)")
+
+
+def print_correlations(rows: list[tuple], label: str) -> None:
+    """Pearson's r of ``against``'s rows' times with their warp instructions per KB and warps an SM."""
+    if len(rows) > 2:
+        times = [r[1] for r in rows]
+        print(f"  r(us, warp-instr/KB) {statistics.correlation(times, [r[2] for r in rows]):+.2f}  "
+              f"r(us, warps/SM) {statistics.correlation(times, [r[4] for r in rows]):+.2f}  over {len(rows)}{label}")
 
 
 def field_of(line: str, name: str) -> float:
