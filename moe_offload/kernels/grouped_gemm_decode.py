@@ -32,8 +32,8 @@ hits compute while the misses cross PCIe, in one launch, and the downs read ever
 The per-token down reads a slot's w2 once per token that uses it, so it pays for slots that
 several tokens share; DECODE_MAX_TOKENS keeps it to batches where few do. Slots outside ``[0, N)``
 contribute zero, as on the general path. gpt-oss's experts add bias rows by expert id and take the
-clamped activation (the epilogue pieces of ``grouped_gemm_w4_tiles``). Callers go through ``moe_offload.grouped.grouped_swiglu``,
-which checks the arguments and keeps the eager twin (``grouped_swiglu_eager``).
+clamped activation (the epilogue pieces of ``grouped_gemm_w4_tiles``). Callers go through
+``moe_offload.grouped.grouped_swiglu``, which checks the arguments and keeps the eager twin (``grouped_swiglu_eager``).
 """
 from __future__ import annotations
 
