@@ -24,6 +24,10 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
+    start = split * split_tokens
+    if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
+        return
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     head = kv_head * GROUP + g
@@ -31,8 +35,6 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     d_live = d < HEAD_DIM
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
-    start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq_len)
     first = start
     if window > 0:  # keys before the window: a split wholly before it stores an empty partial
