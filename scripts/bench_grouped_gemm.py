@@ -24,9 +24,8 @@ decode size, the measurements that set the limit. ``--decode-sweep`` times
 the decode path's tiles (gate_up n, gate_up k, down n, down k, warps, stages; the per-slot down's
 tiles stay at their defaults). ``--fp8-decode-sweep`` times one token's fp8 path
 (``grouped_gemm_decode_fp8``) over its tiles: the gate_up's (columns, k step, warps) with the
-down at its defaults, then the down's (columns, k step, warps) with the gate_up at its defaults,
-then both again software-pipelined (rows "gate_up_staged", "down_staged": columns, k step, warps,
-stages) (``--fp8-decode-sweep down``: the unrolled down's alone; ``staged``: the pipelined ones).
+down at its defaults, then the down's (columns, k step, warps) with the gate_up at its defaults
+(``--fp8-decode-sweep down``: the down's alone).
 """
 from __future__ import annotations
 
@@ -68,13 +67,6 @@ FP8_DOWN_SWEEP += [(n, 1024, w) for n in (8, 16) for w in (4, 8, 16)]
 # sm90 (scripts/kernel_sass.py), fp8's gate_up takes 136 registers at 8 warps, one program an SM; at 128
 # the same code fits two. bf16's takes 182 at 4 warps (two programs; 128: four)
 PAIR_REGS_SWEEP = (128, 96, 64)
-# one token's gate_up and down software-pipelined (DecodeConfig.pair_stages, down_stages: cp.async
-# stages to shared memory), (columns, k step, warps, stages): compiled for sm90 the loads leave the
-# registers (the gate_up at 8 warps and 3 stages: 66 registers, from 143), so an SM holds more programs
-FP8_PAIR_STAGED_SWEEP = [(n, k, w, s) for n in (16, 32) for k in (128, 256) for w in (4, 8) for s in (2, 3, 4)]
-FP8_DOWN_STAGED_SWEEP = [(n, k, w, s) for n in (8, 16) for k in (128, 256) for w in (4, 8) for s in (2, 3, 4)]
-FP8_DOWN_STAGED_SWEEP += [(n, 512, 8, s) for n in (8, 16) for s in (3, 4)]
-SWEEP_PARTS = ("gate_up", "down", "staged")
 
 
 def make_banks(args: argparse.Namespace) -> dict[str, tuple]:
@@ -197,20 +189,13 @@ def fp8_decode_sweep(args: argparse.Namespace, banks: tuple) -> list[dict]:
     configs = [("gate_up", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w)) for n, k, w in FP8_PAIR_SWEEP]
     configs += [("gate_up", FP8_DECODE_TILES._replace(pair_regs=r)) for r in PAIR_REGS_SWEEP]
     configs += [("down", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w)) for n, k, w in FP8_DOWN_SWEEP]
-    configs += [("gate_up_staged", FP8_DECODE_TILES._replace(pair_n=n, pair_k=k, pair_warps=w, pair_stages=s))
-                for n, k, w, s in FP8_PAIR_STAGED_SWEEP]
-    configs += [("down_staged", FP8_DECODE_TILES._replace(down_n=n, down_k=k, down_warps=w, down_stages=s))
-                for n, k, w, s in FP8_DOWN_STAGED_SWEEP]
-    parts = args.fp8_decode_sweep or SWEEP_PARTS  # the flag alone: all
-    configs = [(part, config) for part, config in configs
-               if ("staged" if part.endswith("_staged") else part) in parts]
+    parts = args.fp8_decode_sweep or ("gate_up", "down")  # the flag alone: both
+    configs = [(part, config) for part, config in configs if part in parts]
     rows = []
     for part, config in configs:
         graph_us, _ = time_us(lambda: decode_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, config))
-        tiles = {"gate_up": (config.pair_n, config.pair_k, config.pair_warps, config.pair_regs),
-                 "down": (config.down_n, config.down_k, config.down_warps),
-                 "gate_up_staged": (config.pair_n, config.pair_k, config.pair_warps, config.pair_stages),
-                 "down_staged": (config.down_n, config.down_k, config.down_warps, config.down_stages)}[part]
+        tiles = ((config.pair_n, config.pair_k, config.pair_warps, config.pair_regs) if part == "gate_up"
+                 else (config.down_n, config.down_k, config.down_warps))
         rows.append({"variant": part, "tokens": 1, "config": tiles, "default": config == FP8_DECODE_TILES,
                      "time_us": graph_us})
         print(f"[fp8 sweep] {part} {tiles}: {graph_us:.1f} us", flush=True)  # a run cut off keeps these
@@ -241,9 +226,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also time fp8 tile configs per size")
     parser.add_argument("--decode-sweep", action="store_true",
                         help=f"also time the bf16 decode path's tiles at sizes up to {DECODE_MAX_PAIRS} pairs")
-    parser.add_argument("--fp8-decode-sweep", nargs="*", choices=SWEEP_PARTS,
-                        help="also time one token's fp8 path over its gate_up and down tiles, unrolled and "
-                             "software-pipelined (or those named: staged, the pipelined of both)")
+    parser.add_argument("--fp8-decode-sweep", nargs="*", choices=("gate_up", "down"),
+                        help="also time one token's fp8 path over its gate_up and down tiles (or those named)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser.parse_args()
 

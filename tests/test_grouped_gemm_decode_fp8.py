@@ -174,32 +174,6 @@ def test_graph_replay_with_new_routing():
         assert rel_err(out, ref) < 2e-2, seed
 
 
-# ==== one token's kernels software-pipelined (pair_stages, down_stages: cp.async stages) ====
-
-@interpreted
-@pytest.mark.parametrize("stages", [(2, 2), (3, 4)], ids=str)
-@pytest.mark.parametrize("block", [ScaleBlock(16, 16), ScaleBlock(8, 48), PER_CHANNEL], ids=str)
-def test_pipelined_one_token_kernels_interpreted(block, stages):
-    """The pipelined loops walk the same steps as the unrolled ones: the down's k pairs and their
-    steps as one loop (a pair's slot and act row found from the step's index), on and off the tiles
-    (the down in 16-column steps: two a pair, the second masked at an intermediate size of 24)."""
-    config = decode_fp8().FP8_DECODE_TILES._replace(**SMALL)._replace(down_k=16, pair_stages=stages[0],
-                                                                      down_stages=stages[1])
-    for shape in SHAPES:
-        run_trials(shape, block, torch.float32, "cpu", trials=INTERPRETED_TRIALS, config=config)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("stages", [(3, 3), (4, 4), (2, 3)], ids=str)
-@pytest.mark.parametrize("block", [BLOCK_128, PER_CHANNEL], ids=str)
-def test_cuda_pipelined_one_token_kernels_sync_free(block, stages):
-    """Compiled with cp.async stages at qwen3-30b's shapes, with fills from pinned host banks."""
-    config = decode_fp8().FP8_DECODE_TILES._replace(pair_stages=stages[0], down_stages=stages[1])
-    run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=2, config=config)  # compiles
-    run_trials((128, 2048, 768, 8), block, torch.bfloat16, "cuda", trials=8, config=config, host_device="cpu",
-               sync_free=True)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("regs", [128, 96, 64])
 def test_one_token_gate_up_under_a_register_cap(regs):

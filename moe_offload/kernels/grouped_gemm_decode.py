@@ -67,9 +67,7 @@ class DecodeConfig(NamedTuple):
     down's columns and step, the per-token down's warps, one token's gate_up (columns, step,
     warps), and a fill's copy step (columns) and w2 rows per copy program; one token's gate_up may
     cap its registers (``pair_regs``, ptxas' maxnreg; 0: the compiler's choice), which decides how
-    many of its programs an SM holds at once. fp8's one-token gate_up and down may software-pipeline
-    their reduction (``pair_stages``, ``down_stages``: that many stages of cp.async copies to shared
-    memory; 0: unrolled, loads in registers). The defaults are bf16's; the fp8 and 4-bit decode
+    many of its programs an SM holds at once. The defaults are bf16's; the fp8 and 4-bit decode
     paths run the same plan from their own (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``)."""
 
     gate_up_n: int = 32
@@ -87,8 +85,6 @@ class DecodeConfig(NamedTuple):
     fill_k: int = 256
     fill_rows: int = 16
     pair_regs: int = 0
-    pair_stages: int = 0
-    down_stages: int = 0
 
 
 # the pair count, the fill plan's length and the routing's pointers not specialised (see grouped_gemm._align_kernel)

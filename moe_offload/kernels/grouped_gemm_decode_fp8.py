@@ -151,38 +151,6 @@ def _dot_rows(a_ptrs, a_ok, w_ptrs, col_ok, s_ptr, row0, rows, k_len, PRECISION:
     return _scaled_columns(acc, s_ptr, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
 
 
-@triton.jit
-def _gate_up_step(acc_g, acc_u, x_ptr, g_rows, up_offset, k0, col_ok, s_gate, s_up, row0, rows, HIDDEN: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr,
-                  MODE: tl.constexpr, EVEN: tl.constexpr):
-    """One reduction step of one token's gate_up: its gate and up tiles (the up rows ``up_offset``
-    past the gate's) at columns ``k0`` on, times x."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)
-    g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
-    u = tile_step(g_rows + up_offset, ks, col_ok, HIDDEN, 1, EVEN)
-    acc_g = _scaled_dot_step(acc_g, x, g, s_gate, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _down_step(acc, act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, j, k0, cols, col_ok, rows, row0, num_slots,
-               stride_ws, stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr,
-               SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, MODE: tl.constexpr, EVEN: tl.constexpr,
-               WEIGHTED: tl.constexpr):
-    """One reduction step of the per-token down: pair ``j``'s act row at columns ``k0`` on against
-    its slot's w2 tile."""
-    pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
-    ks = k0 + tl.arange(0, BLOCK_K)
-    a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN).to(tl.float32)
-    w = tile_step(w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER, ks, col_ok, INTER, 1, EVEN)
-    if not WEIGHTED:
-        a = tl.where(ok, a * weight, 0.0)
-    return _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS, SCALE_COLS,
-                            stride_sr, MODE)
-
-
 # the routing's pointers not specialised on alignment (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weights_ptr, num_slots, inter,
@@ -191,7 +159,7 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weight
                              w13_bytes_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                              MODE: tl.constexpr, EVEN: tl.constexpr, FILL: tl.constexpr, PLAN: tl.constexpr,
-                             FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                             FILL_ROWS: tl.constexpr, FILL_K: tl.constexpr, PDL: tl.constexpr):
     """Program (j, n): act[j, n] = weight_j * silu(x . gate) * (x . up) in float32 for slot j's
     columns n, from e4m3 weights times their block scales; a slot outside ``[0, N)`` gets zeros.
     So the per-token down reads its rows as they are (``_down_fp8_kernel``, WEIGHTED)."""
@@ -210,15 +178,13 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weight
     s_up, row0 = s_gate + up_scale_row * stride_sr, tl.program_id(1) * BLOCK_N
     acc_g = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    if STAGES == 0:  # unrolled: the compiler hoists what loads its registers hold
-        for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
-            acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_ptr, g_rows, inter * HIDDEN, step * BLOCK_K, col_ok, s_gate,
-                                         s_up, row0, rows, HIDDEN, BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr, MODE,
-                                         EVEN)
-    else:  # software-pipelined: STAGES - 1 steps' tiles in flight to shared memory (cp.async)
-        for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=STAGES):
-            acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_ptr, g_rows, inter * HIDDEN, k0, col_ok, s_gate, s_up, row0,
-                                         rows, HIDDEN, BLOCK_K, SCALE_ROWS, SCALE_COLS, stride_sr, MODE, EVEN)
+    for step in tl.static_range((HIDDEN + BLOCK_K - 1) // BLOCK_K):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = row_step(x_ptr, ks, HIDDEN, EVEN).to(tl.float32)
+        g = tile_step(g_rows, ks, col_ok, HIDDEN, 1, EVEN)
+        u = tile_step(g_rows + inter * HIDDEN, ks, col_ok, HIDDEN, 1, EVEN)
+        acc_g = _scaled_dot_step(acc_g, x, g, s_gate, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        acc_u = _scaled_dot_step(acc_u, x, u, s_up, row0, rows, ks, HIDDEN, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     gate = _scaled_sum(acc_g, s_gate, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     act = gate * tl.sigmoid(gate) * _scaled_sum(acc_u, s_up, rows, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, act)
@@ -228,8 +194,7 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weight
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     MODE: tl.constexpr, EVEN: tl.constexpr, WEIGHTED: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr):
+                     MODE: tl.constexpr, EVEN: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
     accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
     written). WEIGHTED: one token's rows, float32, weighted and zeros where unrouted by its gate_up,
@@ -242,18 +207,17 @@ def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, n
     cols, col_ok = column_tile(hidden, BLOCK_N)
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-    steps: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
-    if STAGES == 0:
-        for j in tl.static_range(TOP_K):
-            for step in tl.static_range(steps):
-                acc = _down_step(acc, act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, j, step * BLOCK_K, cols,
-                                 col_ok, rows, row0, num_slots, stride_ws, stride_ss, stride_sr, TOP_K, INTER, BLOCK_K,
-                                 SCALE_ROWS, SCALE_COLS, MODE, EVEN, WEIGHTED)
-    else:  # the k pairs' steps as one software-pipelined loop
-        for i in tl.range(0, TOP_K * steps, num_stages=STAGES):
-            acc = _down_step(acc, act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, token, i // steps,
-                             (i % steps) * BLOCK_K, cols, col_ok, rows, row0, num_slots, stride_ws, stride_ss,
-                             stride_sr, TOP_K, INTER, BLOCK_K, SCALE_ROWS, SCALE_COLS, MODE, EVEN, WEIGHTED)
+    for j in tl.static_range(TOP_K):
+        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
+        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN).to(tl.float32)
+            w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
+            if not WEIGHTED:
+                a = tl.where(ok, a * weight, 0.0)
+            acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
+                                   SCALE_COLS, stride_sr, MODE)
     tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -409,8 +373,8 @@ def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w
         _pair_gate_up_fp8_kernel[(top_k + copy_rows, grid_n)](
             hidden, w13, *common, weights, num_slots, inter, s13.shape[1] // 2, w13.stride(0), s13.stride(0),
             s13.stride(1), *tail, TOP_K=top_k, HIDDEN=dim, BLOCK_N=block_n, **consts,
-            EVEN=dim % consts["BLOCK_K"] == 0 and inter % block_n == 0, **fill_consts, STAGES=cfg.pair_stages,
-            num_warps=cfg.pair_warps, **reg_cap(cfg.pair_regs), **pdl_args(hidden))
+            EVEN=dim % consts["BLOCK_K"] == 0 and inter % block_n == 0, **fill_consts, num_warps=cfg.pair_warps,
+            **reg_cap(cfg.pair_regs), **pdl_args(hidden))
         return act, True
     _slot_gate_up_fp8_kernel[(num_tokens * top_k + copy_rows, grid_n)](
         hidden, w13, *common, num_tokens * top_k, top_k, num_slots, inter, s13.shape[1] // 2, hidden.stride(0),
@@ -433,7 +397,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _down_fp8_kernel[(slots.shape[0], triton.cdiv(dim, cfg.down_n))](
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
-        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, WEIGHTED=weighted, STAGES=cfg.down_stages,
+        EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, WEIGHTED=weighted,
         num_warps=cfg.down_warps, **pdl_args(act))
 
 
