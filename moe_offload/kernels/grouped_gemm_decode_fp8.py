@@ -50,7 +50,10 @@ from moe_offload.slot_fill import SlotFill
 
 # The bf16 path's tiles but for one token's (gate_up 16 columns by 128 with 8 warps, down 8 columns
 # by 256 with 16: the fastest of `bench_grouped_gemm.py --fp8-decode-sweep` on the H200) and a fill's
-# copy step (bytes). The per-slot kernels' tiles are bf16's guesses.
+# copy step (bytes). The per-slot kernels' tiles are bf16's guesses. The one-token loops
+# software-pipelined instead (tl.range stages of cp.async copies to shared memory, commit ea14b16,
+# reverted) were slower on the H200 (2026-12-05, the op 26.8 us unrolled): the best gate_up 31.2 us
+# (32 columns by 256, 4 warps, 3 stages), every down 55 us or more, a decode step 260 tok/s from 446.
 FP8_DECODE_TILES = DecodeConfig(pair_k=128, pair_warps=8, down_n=8, down_k=256, down_warps=16, fill_k=512)
 # Without a fill, batches past this many pairs run faster on the general fp8 kernels (H200,
 # qwen3-30b's shapes, one layer: 4 tokens 80.1 us there against 95.8 here, 8 tokens 117.7 against
