@@ -250,9 +250,9 @@ def against(path: Path, weighted: bool, target: GPUTarget) -> None:
         table.append((row["variant"], row["time_us"], field_of(line, "warp-instr/KB"), field_of(line, "regs"), warps,
                       row["config"]))
     for part in SWEEP_PARTS:
-        rows = sorted(r for r in table if r[0] == part)
+        rows = sorted((r for r in table if r[0] == part), key=lambda r: r[1])  # fastest first
         print(f"{part}: us  warp-instr/KB  regs  warps/SM  tiles")
-        for _, us, per_kb, regs, warps, tiles in sorted(rows, key=lambda r: r[1]):
+        for _, us, per_kb, regs, warps, tiles in rows:
             print(f"  {us:6.1f}  {per_kb:6.0f}  {regs:4.0f}  {warps:3d}  {tiles}")
         print_correlations(rows, "")
         uncapped = [r for r in rows if len(r[5]) < 4 or r[5][3] == 0]  # the gate_up's fourth field: a register cap

@@ -92,9 +92,8 @@ def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len: tl.constexpr, s
 # the routing's pointers (and the slot kernels' pair count) not specialised (see grouped_gemm._align_kernel)
 @triton.jit(do_not_specialize_on_alignment=["ids_ptr", "slots_ptr"])
 def _gate_up_pair_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr, slots_ptr, weights_ptr, num_slots,
-                            inter,
-                            stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b, host13_ptr,
-                            host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
+                            inter, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
+                            host13_ptr, host2_ptr, w2_ptr, plan_src_ptr, plan_dst_ptr, count_ptr, plan_len, stride_h13,
                             stride_h2, stride_w2s, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr,
                             BIAS: tl.constexpr, GPT_OSS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
