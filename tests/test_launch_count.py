@@ -24,14 +24,15 @@ from scheduler.messages.to_scheduler import SamplingParams  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
-# one decoder layer of a decode step: 10 launches at one sequence (the input norm inside the qkv
-# projection, one program per expert pair in gate_up), 11 up to DECODE_MAX_TOKENS sequences, 12 up to
-# DECODE_MAX_PAIRS (token, expert) pairs, 13 above (the align path's four expert launches); before
-# the fusions of issue 12, 15 at every batch size
+# one decoder layer of a decode step: 9 launches at one sequence (the input norm inside the qkv
+# projection, q/k norm, RoPE and the KV-pool write inside the attention, one program per expert pair
+# in gate_up), 10 up to DECODE_MAX_TOKENS sequences, 11 up to DECODE_MAX_PAIRS (token, expert)
+# pairs, 12 above (the align path's four expert launches); before the fusions of issue 12, 15 at
+# every batch size, and one more before RoPE joined the attention (qk_rope_kernel)
 ATTENTION = {
     "dense": 2,  # qkv, o
-    "triton.qk_rope_kernel": 1,  # q/k norm, RoPE and the KV-pool write
-    "triton.decode_partial_kernel": 1, "triton.decode_reduce_kernel": 1,
+    "triton.decode_rope_partial_kernel": 1,  # q/k norm, RoPE, the KV-pool write and the splits' attention
+    "triton.decode_reduce_kernel": 1,
     "triton.add_rms_norm_kernel": 2,  # after attention and after the MoE
 }
 ROUTER = {"dense": 1, "triton.topk_softmax_kernel": 1}

@@ -14,16 +14,22 @@ import torch
 from moe_offload.kernels.triton_support import PDL_ENV, pdl_args
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a kernel may read before its wait: the one-row projection's weights (no kernel writes them).
-EARLY_LOADS = {"gemv_kernel": {"w_all"}}
+# What a kernel may read before its wait (the names its early loads are assigned to): the one-row
+# projection's weights (no kernel writes them); the decode attention with RoPE inside, the step's
+# inputs (lengths, positions, page table), the rotary tables and the older tokens' pages, which
+# no kernel of the step writes (the new token's row it reads stale and replaces after the wait).
+EARLY_LOADS = {"gemv_kernel": {"w_all"}, "decode_rope_partial_kernel": {"seq_len", "start", "first", "end", "k0", "v0",
+                                                                        "pos", "cos", "sin"}}
 
 
-def pdl_kernels() -> dict[str, ast.FunctionDef]:
+def pdl_kernels() -> dict[str, tuple[ast.FunctionDef, dict[str, ast.FunctionDef]]]:
+    """Each kernel that takes PDL, with the functions of its file (the helpers it may call)."""
     found = {}
     for path in [*ROOT.glob("worker/**/*.py"), *ROOT.glob("moe_offload/**/*.py")]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args):
-                found[f"{path.relative_to(ROOT)}:{node.name}"] = node
+        functions = {n.name: n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        for node in functions.values():
+            if any(a.arg == "PDL" for a in node.args.args):
+                found[f"{path.relative_to(ROOT)}:{node.name}"] = node, functions
     return found
 
 
@@ -38,19 +44,35 @@ def is_wait_block(stmt: ast.stmt) -> bool:
     return calls == ["tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"]
 
 
-def wait_problem(fn: ast.FunctionDef) -> str | None:
+def access_kind(call: ast.Call, helpers: dict[str, ast.FunctionDef], seen: frozenset = frozenset()) -> str | None:
+    """"load" or "write" when the call reads or writes memory (a helper of the same file: any of
+    its calls does, "write" if one writes), else None."""
+    name = ast.unparse(call.func)
+    if name == "tl.load":
+        return "load"
+    if name == "tl.store" or name.startswith("tl.atomic_"):
+        return "write"
+    if name not in helpers or name in seen:
+        return None
+    kinds = {access_kind(n, helpers, seen | {name}) for n in ast.walk(helpers[name]) if isinstance(n, ast.Call)}
+    return "write" if "write" in kinds else "load" if "load" in kinds else None
+
+
+def wait_problem(fn: ast.FunctionDef, helpers: dict[str, ast.FunctionDef] | None = None) -> str | None:
     """Why ``fn`` may touch memory another kernel writes before its wait (None: it does not)."""
+    helpers = helpers or {}
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     wait = next((i for i, s in enumerate(body) if is_wait_block(s)), None)
     if wait is None:
         return "takes PDL but never waits"
-    early = [n for s in body[:wait] for n in ast.walk(s)
-             if isinstance(n, ast.Call) and ast.unparse(n.func).startswith(("tl.load", "tl.store", "tl.atomic"))]
     allowed = EARLY_LOADS.get(fn.name, set())
-    assigned_to = {id(n.value): {t.id for t in n.targets if isinstance(t, ast.Name)}
-                   for s in body[:wait] for n in ast.walk(s) if isinstance(n, ast.Assign)}
-    for call in early:
-        if ast.unparse(call.func) != "tl.load" or not assigned_to.get(id(call), set()) & allowed:
+    assigned_to = {}  # each call inside an assignment's value: the names it is assigned to
+    for n in (n for s in body[:wait] for n in ast.walk(s) if isinstance(n, ast.Assign)):
+        names = {t.id for target in n.targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+        assigned_to.update({id(c): names for c in ast.walk(n.value) if isinstance(c, ast.Call)})
+    for call in (n for s in body[:wait] for n in ast.walk(s) if isinstance(n, ast.Call)):
+        kind = access_kind(call, helpers)
+        if kind is not None and (kind != "load" or not assigned_to.get(id(call), set()) & allowed):
             return f"{ast.unparse(call)} before the wait"
     return None
 
@@ -59,7 +81,7 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
     kernels = pdl_kernels()
     # norm, projection, RoPE, attention x2, experts x4, sum over k, top-k, lookup, gather, sampler
     assert len(kernels) >= 14, sorted(kernels)
-    problems = {name: wait_problem(fn) for name, fn in kernels.items()}
+    problems = {name: wait_problem(fn, helpers) for name, (fn, helpers) in kernels.items()}
     assert not any(problems.values()), problems
 
 
@@ -76,6 +98,33 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
 ], ids=["load-first", "no-wait", "weights-first", "store-first", "helper-wait"])
 def test_the_check_finds_early_accesses(source, problem):
     assert wait_problem(ast.parse(source).body[0]) == problem
+
+
+HELPERS = """
+def read(x):
+    return tl.minimum(tl.load(x), 3)
+
+def write(x):
+    tl.store(x, 1)
+
+def both(x):
+    write(x)
+    return read(x)
+"""
+
+
+@pytest.mark.parametrize("kernel, problem", [
+    ("def k(x, PDL):\n    y = read(x)\n    pdl_wait(PDL)\n", "read(x) before the wait"),
+    ("def decode_rope_partial_kernel(x, PDL):\n    pos = read(x)\n    pdl_wait(PDL)\n", None),
+    ("def decode_rope_partial_kernel(x, PDL):\n    pos = both(x)\n    pdl_wait(PDL)\n", "both(x) before the wait"),
+    ("def decode_rope_partial_kernel(x, PDL):\n    q = read(x)\n    pdl_wait(PDL)\n", "read(x) before the wait"),
+    ("def k(x, PDL):\n    pdl_wait(PDL)\n    write(x)\n", None),
+], ids=["helper-load", "allowed-helper-load", "helper-write", "not-allowed-name", "after-wait"])
+def test_the_check_follows_helpers_of_the_file(kernel, problem):
+    """Loads and stores inside the file's helpers count as the kernel's own, transitively."""
+    module = ast.parse(HELPERS + kernel)
+    helpers = {n.name: n for n in module.body if isinstance(n, ast.FunctionDef)}
+    assert wait_problem(module.body[-1], helpers) == problem
 
 
 def test_pdl_is_off_on_the_cpu_and_by_switch(monkeypatch):

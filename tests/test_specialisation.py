@@ -107,7 +107,7 @@ def test_no_launch_key_follows_the_batch(model_dir, keys, expert_dtype):
     later = {kernel: [k for k, phase in found.items() if phase == "later"] for kernel, found in keys.items()
              if kernel != "phase"}
     assert {kernel: differences(keys[kernel], new) for kernel, new in later.items() if new} == {}
-    assert any("prefill_kernel" in k for k in keys) and any("decode_partial" in k for k in keys)
+    assert any("prefill_kernel" in k for k in keys) and any("decode_rope_partial" in k for k in keys)
 
 
 def test_the_mirrors_repair_gather_compiles_at_start_up(model_dir, keys):

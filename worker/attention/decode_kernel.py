@@ -7,6 +7,78 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.decode_tiles import pdl_wait
+from worker.models.rope_tiles import norm_rope
+
+
+@triton.jit
+def _split_range(lens_ptr, b, split, max_tokens, split_tokens, window):
+    """Row b's length (clamped to the table), and the tokens ``[first, end)`` that this split
+    attends (``first`` past ``end`` when the split lies past the row or before its window)."""
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq_len)
+    first = start
+    if window > 0:  # keys before the window: a split wholly before it stores an empty partial
+        first = tl.maximum(start, seq_len - window)
+    return seq_len, start, first, end
+
+
+@triton.jit
+def _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages, stride_page,
+              stride_tok, stride_head, PAGE: tl.constexpr):
+    """Keys and values ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` through row b's pages (zeros from
+    ``end`` on); page ids are clamped into the pool."""
+    t_live = t < end
+    page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+    row = page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
+    kv_mask = t_live[:, None] & d_live[None, :]
+    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
+    """One block of the online softmax: the running maxima ``m``, sums ``l`` and ``acc`` of the
+    group's heads after keys ``k`` and values ``v`` of tokens ``t`` (those before ``end``)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where((t < end)[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
+                 m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
+    """A row of one split (every row of a short context) stores its output, normalised, and the
+    merge skips it; otherwise the split stores its partial for the merge."""
+    if seq_len <= split_tokens:
+        if HAS_SINK:  # the sink's mass joins the denominator, rescaled to the larger maximum
+            sink = tl.load(sink_ptr + head, mask=g_live, other=0.0) * 1.4426950408889634
+            top = tl.maximum(m, sink)
+            acc = acc * tl.exp2(m - top)[:, None]
+            l = l * tl.exp2(m - top) + tl.exp2(sink - top)
+        out = acc / tl.maximum(l, 1.0)[:, None]  # l >= 1 when the row has a token or a sink; 0 leaves zeros
+        tl.store(out_ptr + b * out_stride_b + head[:, None] * out_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
+    else:
+        part = (b * HEADS + head) * splits + split
+        keep = g_live & (start + 0 * g < seq_len)  # a vector compare: the interpreter rejects a broadcast scalar mask
+        tl.store(m_ptr + part, m, mask=keep)
+        tl.store(l_ptr + part, l, mask=keep)
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
 
 
 # what follows the batch (the page table's width, the split plan, pointers into the batch's packed
@@ -24,8 +96,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
-    start = split * split_tokens
+    seq_len, start, first, end = _split_range(lens_ptr, b, split, max_tokens, split_tokens, window)
     if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
         return
     g = tl.arange(0, BLOCK_G)
@@ -35,53 +106,101 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     d_live = d < HEAD_DIM
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    end = tl.minimum(start + split_tokens, seq_len)
-    first = start
-    if window > 0:  # keys before the window: a split wholly before it stores an empty partial
-        first = tl.maximum(start, seq_len - window)
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        t_live = t < end
-        page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        row = page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
-        kv_mask = t_live[:, None] & d_live[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_live[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-    if seq_len <= split_tokens:  # the row's one split: its output, normalised; the merge skips the row
-        if HAS_SINK:  # the sink's mass joins the denominator, rescaled to the larger maximum
-            sink = tl.load(sink_ptr + head, mask=g_live, other=0.0) * 1.4426950408889634
-            top = tl.maximum(m, sink)
-            acc = acc * tl.exp2(m - top)[:, None]
-            l = l * tl.exp2(m - top) + tl.exp2(sink - top)
-        out = acc / tl.maximum(l, 1.0)[:, None]  # l >= 1 when the row has a token or a sink; 0 leaves zeros
-        tl.store(out_ptr + b * out_stride_b + head[:, None] * out_stride_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
+        k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
+                         stride_page, stride_tok, stride_head, PAGE)
+        m, l, acc = _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE)
+    _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
+                 m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
+
+
+@triton.jit
+def _rope_rows(src, stride_h, rows, row_ok, d, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
+               HAS_NORM: tl.constexpr):
+    """Heads ``rows`` of one token's projection at ``src`` (row stride ``stride_h``), normed by the
+    weights at ``w_ptr`` (HAS_NORM) and rotated (``rope_tiles.norm_rope``): ``[R, HEAD_DIM]``."""
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = (d + half) % HEAD_DIM
+    ok = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(src + rows[:, None] * stride_h + d[None, :], mask=ok, other=0.0)
+    x_p = tl.load(src + rows[:, None] * stride_h + partner[None, :], mask=ok, other=0.0)
+    w, w_p = cos, cos  # unread without a norm
+    if HAS_NORM:
+        w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+        w_p = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+    return norm_rope(x, x_p, w, w_p, cos, sin, (d < half)[None, :], eps, HEAD_DIM, HAS_NORM)
+
+
+# as decode_partial_kernel's, and the new token's slot and position (views into the packed index buffer)
+@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "split_tokens", "splits"],
+            do_not_specialize_on_alignment=["table_ptr", "lens_ptr", "loc_ptr", "pos_ptr"])
+def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
+                               out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
+                               stride_head, table_stride_b,
+                               num_pages, max_tokens, split_tokens, splits, qk_scale, window,
+                               k_new_ptr, v_new_ptr, k_stride_b, k_stride_h, v_stride_b, v_stride_h, loc_ptr,
+                               pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, max_positions, eps,
+                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                               HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
+    rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
+    token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
+    the token's slot and attends from registers. So ``qk_rope``'s launch is gone from a decode
+    step, and what no kernel of the step writes (the lengths, positions, rotary tables, the norm
+    weights and the older tokens' pages) is read before the PDL wait, beside the projection's end;
+    the new token's row of the first block is read stale there and replaced."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len, start, first, end = _split_range(lens_ptr, b, split, max_tokens, split_tokens, window)
+    if (split > 0) & (start >= seq_len):  # past the row: nothing to store (split 0's program waits)
         return
-    part = (b * HEADS + head) * splits + split
-    keep = g_live & (start + 0 * g < seq_len)  # a vector compare: the interpreter rejects a broadcast scalar mask
-    tl.store(m_ptr + part, m, mask=keep)
-    tl.store(l_ptr + part, l, mask=keep)
-    tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    g_live = g < GROUP
+    d_live = d < HEAD_DIM
+    t = first + tl.arange(0, BLOCK_N)
+    k0, v0 = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
+                       stride_page, stride_tok, stride_head, PAGE)
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_positions - 1)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d)[None, :]
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d)[None, :]
+    pdl_wait(PDL)  # see triton_support.pdl_args: q, k and v come from the projection just before
+    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
+    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+    q = _rope_rows(q_ptr + b * q_stride_b, q_stride_h, head, g_live, d, qw_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    one = tl.arange(0, 1)
+    k_new = _rope_rows(k_new_ptr + b * k_stride_b, k_stride_h, kv_head + one, one == 0, d, kw_ptr, cos, sin, eps,
+                       HEAD_DIM, HAS_NORM)
+    v_new = tl.load(v_new_ptr + b * v_stride_b + kv_head * v_stride_h + d)[None, :]
+    last = seq_len - 1
+    if (seq_len > 0) & (last // split_tokens == split):  # the new token is this split's: into its slot
+        slot = tl.minimum(tl.maximum(tl.load(loc_ptr + b).to(tl.int64), 0), num_pages * PAGE - 1)
+        row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
+        tl.store(k_ptr + row + d[None, :], k_new)
+        tl.store(v_ptr + row + d[None, :], v_new)
+    # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    new = (t == last)[:, None]
+    m, l, acc = _attend(q, tl.where(new, k_new, k0), tl.where(new, v_new, v0), t, end, m, l, acc, qk_scale, IEEE)
+    for t0 in range(first + BLOCK_N, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
+                         stride_page, stride_tok, stride_head, PAGE)
+        new = (t == last)[:, None]
+        m, l, acc = _attend(q, tl.where(new, k_new, k), tl.where(new, v_new, v), t, end, m, l, acc, qk_scale,
+                            IEEE)
+    _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
+                 m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 
 
 @triton.jit(do_not_specialize=["max_tokens", "split_tokens", "splits"], do_not_specialize_on_alignment=["lens_ptr"])

@@ -9,19 +9,21 @@ import torch
 
 from worker.batch import ForwardBatch
 from worker.kv.gpu_pool import KVPool
+from worker.models.rotary import RopeInputs
 
 
 class AttentionBackend(Protocol):
     pool: KVPool
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, *,
-                sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int = 0, rope: RopeInputs | None = None) -> torch.Tensor:
         """Attend ``q [T, heads, D]`` over each sequence's cached and new tokens (causal), return
-        ``[T, heads, D]``. The new ``k, v [T, kv_heads, D]`` are in the pool already (the model
-        stores them in the same launch as its RoPE); a prefill without a cached prefix reads them
-        from ``k, v`` instead. gpt-oss: ``sinks [heads]`` (float32) are logits that join each
-        softmax's denominator with no value; ``window`` > 0 limits a query to the ``window``
-        keys ending at its own position."""
+        ``[T, heads, D]``. With ``rope``, ``q, k`` are the projection's, and the backend rotates
+        them and stores the new ``k, v [T, kv_heads, D]`` in the pool (``rope.apply``, one launch;
+        the Triton decode attention does it inside its own); without, they are rotated and in the
+        pool already. A prefill without a cached prefix reads the new keys from ``k, v``.
+        gpt-oss: ``sinks [heads]`` (float32) are logits that join each softmax's denominator with
+        no value; ``window`` > 0 limits a query to the ``window`` keys ending at its own position."""
         ...
 
     def warm_plans(self, heads: int, max_q: int, max_context: int) -> int:

@@ -15,6 +15,7 @@ from torch.nn.attention.bias import causal_lower_right
 from worker.attention.registry import register
 from worker.batch import ForwardBatch
 from worker.kv.gpu_pool import KVPool
+from worker.models.rotary import RopeInputs
 
 
 @register("torch")
@@ -27,7 +28,9 @@ class TorchAttention:
         return 0  # nothing is planned per shape
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, *,
-                sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int = 0, rope: RopeInputs | None = None) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope.apply(q, k)
         heads = q.shape[1]
         keys = self._gather(self.pool.k[layer], batch, heads)  # [B, heads, S, D]
         values = self._gather(self.pool.v[layer], batch, heads)

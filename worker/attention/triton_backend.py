@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import NamedTuple
 
 import torch
@@ -23,8 +24,10 @@ from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch
 from worker.kv.gpu_pool import KVPool
+from worker.models.rotary import RopeInputs
 
 log = logging.getLogger("sluice.worker")
+ROPE_INSIDE_ENV = "SLUICE_ROPE_INSIDE"
 
 
 class PrefillPlan(NamedTuple):
@@ -44,10 +47,17 @@ class TritonAttention:
         self.scale = scale
         self._plan: PrefillPlan | None = None
         self.cudnn = True  # until cuDNN refuses a call: then the paged kernel for every prefix
+        # a decode step's RoPE inside the attention's launch (SLUICE_ROPE_INSIDE=0: qk_rope's own, the A/B)
+        self.rope_inside = os.environ.get(ROPE_INSIDE_ENV, "1") != "0"
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, *,
-                sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, window: int = 0, rope: RopeInputs | None = None) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if batch.is_decode and rope is not None and self.rope_inside:  # qk_rope's work in the attention's launch
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale,
+                                          sinks=sinks, window=window, rope=rope, k=k)
+        if rope is not None:
+            q, k = rope.apply(q, k)
         if batch.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale,
                                           sinks=sinks, window=window)

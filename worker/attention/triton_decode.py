@@ -24,6 +24,7 @@ import torch
 
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
 from worker.attention.paged_checks import check_paged_inputs, check_sinks
+from worker.models.rotary import RopeInputs
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
@@ -46,43 +47,80 @@ def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | Non
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
                            backend: str | None = None, sinks: torch.Tensor | None = None,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, rope: RopeInputs | None = None, k: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer):
     row b attends to its first ``seq_lens[b]`` tokens through ``page_table [B, max_pages]``.
     Returns ``[B, heads, D]`` in q's dtype. CUDA tensors run the kernel, others the eager twin
     (``backend`` forces one, see ``moe_offload.kernels.triton_support``). gpt-oss: ``sinks
     [heads]`` float32 logits join each head's denominator; ``window`` > 0 keeps the last ``window``
-    tokens only (the splits before them store an empty partial)."""
+    tokens only (the splits before them store an empty partial).
+
+    With ``rope``, ``q`` and ``k [B, kv_heads, D]`` are the projection's, not yet rotated, and the
+    row's new token (its last) is not yet in the caches: the kernel rotates them and stores the new
+    key and ``rope.write``'s value at the token's slot (``decode_rope_partial_kernel``; the twin runs
+    ``rope.apply`` first). Where the head dim is not a power of two of at least 16, ``rope.apply``
+    runs first on the GPU too."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     check_sinks(sinks, q)
+    if rope is not None:
+        _check_rope(rope, q, k, k_cache, v_cache)
+        if not use_triton(q, backend) or q.shape[2] != max(16, next_pow2(q.shape[2])):
+            q, _ = rope.apply(q, k, backend)
+            rope = None
     if not use_triton(q, backend):
         return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale, sinks, window)
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
     splits, split_tokens = split_plan(B, kv_heads, max_tokens, num_splits)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    group = heads // kv_heads
     block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
     m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
     acc = torch.empty(B, heads, splits, block_d, dtype=torch.float32, device=q.device)
-    partial, reduce = _kernels()
+    partial, reduce, rope_partial = _kernels()
     sink_ptr = sinks if sinks is not None else m  # unused without HAS_SINK
-    partial[(B, kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, sink_ptr, m, denom, acc, out, out.stride(0), out.stride(1),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        num_pages, max_tokens, split_tokens, splits, scale * _LOG2E, window,
-        HEADS=heads, GROUP=group, HEAD_DIM=D, PAGE=page, BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_SINK=sinks is not None,
-        num_warps=4, **pdl_args(q))
+    args = (q, k_cache, v_cache, page_table, seq_lens, sink_ptr, m, denom, acc, out, out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+            num_pages, max_tokens, split_tokens, splits, scale * _LOG2E, window)
+    consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
+                  BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+                  HAS_SINK=sinks is not None, num_warps=4, **pdl_args(q))
+    if rope is None:
+        partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
+    else:
+        rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
         HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
     return out
+
+
+def _rope_args(rope: RopeInputs, k: torch.Tensor) -> tuple:
+    """``decode_rope_partial_kernel``'s arguments after the plain kernel's."""
+    v, loc = rope.write.v, rope.write.out_loc
+    norms = (rope.q_norm, rope.k_norm) if rope.q_norm is not None else (k, k)  # unread without HAS_NORM
+    return (k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), loc, rope.positions, rope.rotary.cos,
+            rope.rotary.sin, *norms, rope.rotary.cos.shape[0], rope.eps)
+
+
+def _check_rope(rope: RopeInputs, q: torch.Tensor, k: torch.Tensor | None, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> None:
+    """The kernel stores the new keys and values through the paged caches: ``rope.write``'s slot
+    views must be these caches, one row a sequence."""
+    if k is None:
+        raise ValueError("a decode attention with rope needs the projection's k")
+    rope.check(q, k)
+    w = rope.write
+    if w.k_cache.data_ptr() != k_cache.data_ptr() or w.v_cache.data_ptr() != v_cache.data_ptr():
+        raise ValueError("rope.write must store into the caches this attention reads")
+    if w.k_cache.numel() != k_cache.numel() or q.shape[0] != k.shape[0]:
+        raise ValueError(f"rope.write's caches {tuple(w.k_cache.shape)} and k {tuple(k.shape)} must match "
+                         f"the pool {tuple(k_cache.shape)} and q {tuple(q.shape)}")
 
 
 def paged_decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -127,5 +165,6 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_t
 def _kernels():
     import worker.attention.decode_kernel as decode_kernel  # imports triton: only when a kernel launches
 
-    return decode_kernel.decode_partial_kernel, decode_kernel.decode_reduce_kernel
+    return (decode_kernel.decode_partial_kernel, decode_kernel.decode_reduce_kernel,
+            decode_kernel.decode_rope_partial_kernel)
 

@@ -22,7 +22,7 @@ from worker.kv.state_pool import StatePool
 from worker.models.hybrid_weights import SharedExpertWeights
 from worker.models.linear import add_rms_norm_linear, linear, swiglu_linear_gated_add
 from worker.models.norm import add_rms_norm
-from worker.models.rotary import KVWrite, Rotary, qk_rope
+from worker.models.rotary import KVWrite, RopeInputs, Rotary
 from worker.models.weights import LayerWeights, ModelWeights
 
 
@@ -104,8 +104,8 @@ class MoETransformer:
         if window and self.window_attention is not None:
             attention, batch = self.window_attention, batch.window
         write = KVWrite(v, *attention.pool.layer_slots(kv_layer), batch.out_loc)
-        q, k = qk_rope(q, k, batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write=write)
-        out = attention.forward(kv_layer, q, k, v, batch, sinks=lw.sinks, window=window)
+        rope = RopeInputs(batch.positions, self.rotary, *norms, cfg.rms_norm_eps, write)
+        out = attention.forward(kv_layer, q, k, v, batch, sinks=lw.sinks, window=window, rope=rope)
         out = out.reshape(T, cfg.q_size)
         if cfg.attn_output_gate:
             out = out * torch.sigmoid(qkv[:, cfg.q_size + 2 * cfg.kv_size:])

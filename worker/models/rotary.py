@@ -26,6 +26,7 @@ import torch
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
 from worker.models.family_config import Yarn
 from worker.models.norm import rms_norm_eager
+from worker.models.rope_tiles import norm_rope
 
 
 class Rotary:
@@ -99,6 +100,29 @@ class KVWrite(NamedTuple):
     k_cache: torch.Tensor  # [slots, kv_heads, D] contiguous: one layer of the pool (KVPool.layer_slots)
     v_cache: torch.Tensor  # the same for values
     out_loc: torch.Tensor  # [T] int32/int64 slot of each token
+
+
+class RopeInputs(NamedTuple):
+    """What rotates a layer's new q and k and stores its new keys and values (``qk_rope``'s other
+    arguments): the attention backend applies it, or, at a decode step on a GPU, the decode
+    attention does the same work in its own launch (``paged_decode_attention(rope=...)``)."""
+
+    positions: torch.Tensor  # [T] int32/int64
+    rotary: Rotary
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    write: KVWrite
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qk_rope`` on the projection's ``q, k``: rotated copies, the new keys and values stored."""
+        return qk_rope(q, k, self.positions, self.rotary, self.q_norm, self.k_norm, self.eps, write=self.write,
+                       backend=backend)
+
+    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """``qk_rope``'s host checks, for a kernel that does its work."""
+        _check(q, k, self.positions, self.rotary, self.q_norm, self.k_norm)
+        _check_write(self.write, k)
 
 
 def qk_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
@@ -217,23 +241,17 @@ def _kernel():
                 w_ptr = kw_ptr
             half: tl.constexpr = DIM // 2
             partner = (cols + half) % DIM
-            x = tl.load(src + cols)
-            x_p = tl.load(src + partner)
-            dtype = x.dtype
-            if HAS_NORM:
-                xf = x.to(tl.float32)
-                inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / DIM + eps)
-                w = tl.load(w_ptr + cols).to(tl.float32)
-                w_p = tl.load(w_ptr + partner).to(tl.float32)
-                x = ((xf * inv).to(dtype).to(tl.float32) * w).to(dtype)
-                x_p = ((x_p.to(tl.float32) * inv).to(dtype).to(tl.float32) * w_p).to(dtype)
             pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_positions - 1)
-            cos = tl.load(cos_ptr + pos * DIM + cols).to(dtype).to(tl.float32)
-            sin = tl.load(sin_ptr + pos * DIM + cols).to(dtype).to(tl.float32)
-            rotated = tl.where(cols < half, -x_p.to(tl.float32), x_p.to(tl.float32))
-            a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
-            b = (rotated * sin).to(dtype).to(tl.float32)
-            out = (a + b).to(dtype)
+            x = tl.load(src + cols)
+            w, w_p = x, x  # unread without a norm
+            if HAS_NORM:
+                w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+                w_p = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+            cos = tl.load(cos_ptr + pos * DIM + cols).to(x.dtype).to(tl.float32)[None, :]
+            sin = tl.load(sin_ptr + pos * DIM + cols).to(x.dtype).to(tl.float32)[None, :]
+            out = norm_rope(x[None, :], tl.load(src + partner)[None, :], w, w_p, cos, sin, (cols < half)[None, :],
+                            eps, DIM, HAS_NORM)
+            out = tl.reshape(out, (DIM,))
             tl.store(dst + cols, out)
             if WRITE:
                 if h >= HEADS:

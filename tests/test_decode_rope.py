@@ -1,0 +1,154 @@
+"""The decode attention with RoPE inside (``paged_decode_attention(rope=...)``,
+``decode_rope_partial_kernel``): from the projection's q, k and v as they are, against ``qk_rope``'s
+twin followed by the attention's twin, interpreted on the CPU and compiled in bf16 on a GPU under
+sync debug mode; the new keys and values it stores against the twin's; the host checks; and whole
+decode steps with RoPE inside the attention and in its own launch."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The interpreter is chosen when a kernel is first built; on a GPU the kernels compile instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.test_decode_graph import decode_case  # noqa: E402
+from tests.test_sink_attention import sinks_for  # noqa: E402
+from worker.attention.triton_decode import paged_decode_attention, split_plan  # noqa: E402
+from worker.models.rotary import KVWrite, RopeInputs, Rotary  # noqa: E402
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+# B, heads, kv_heads, D, page, max_pages, norms, window, sinks
+CONFIGS = [
+    (6, 4, 2, 16, 4, 12, True, 0, False),  # GQA 2, qwen3's q/k norms
+    (7, 8, 1, 32, 16, 5, False, 0, False),  # GQA 8, no norms (Mixtral)
+    (5, 4, 2, 16, 4, 12, False, 7, True),  # gpt-oss: a window and sinks
+    (4, 3, 3, 16, 1, 40, True, 0, False),  # no GQA, a page of one token
+]
+
+
+def rope_case(gen, config, dtype=torch.float32, device="cpu", lens=None):
+    """Raw (unrotated) q, k, v of one new token a row, caches whose rows up to each new token hold
+    older keys, and the ``RopeInputs`` that store the new token at its slot (row ``seq_len - 1``
+    of its page table; rows of length 0 write a scratch slot and attend to nothing)."""
+    B, heads, kv_heads, D, page, max_pages, norms, _, _ = config
+    num_pages = B * max_pages + 1
+    q, k_cache, v_cache, table, lens = decode_case(gen, B, heads, kv_heads, D, page, max_pages, num_pages, dtype,
+                                                   device, lens)
+    table = torch.randperm(num_pages - 1, generator=gen)[:B * max_pages].view(B, max_pages).add(1).to(device)
+    qkv = torch.randn(B, (heads + 2 * kv_heads) * D, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q, k, v = q.view(B, heads, D), k.view(B, kv_heads, D), v.view(B, kv_heads, D)
+    last = (lens - 1).clamp(min=0)
+    slot = torch.where(lens > 0, table.gather(1, (last // page)[:, None])[:, 0] * page + last % page, 0)
+    rotary = Rotary(D, 1e4, max_pages * page, torch.device(device))
+    weights = [None] * 2
+    if norms:
+        weights = [(1 + 0.5 * torch.randn(D, generator=gen)).to(dtype).to(device) for _ in range(2)]
+    write = KVWrite(v, k_cache.view(-1, kv_heads, D), v_cache.view(-1, kv_heads, D), slot)
+    return q, k, k_cache, v_cache, table, lens, RopeInputs(last, rotary, *weights, 1e-6, write)
+
+
+def twin(q, k, k_cache, v_cache, table, lens, rope, scale, sinks, window):
+    """``qk_rope``'s twin (rotates, stores the new token), then the attention's twin, on copies."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    kv_heads, D = k_cache.shape[2], k_cache.shape[3]
+    write = rope.write._replace(k_cache=k_cache.view(-1, kv_heads, D), v_cache=v_cache.view(-1, kv_heads, D))
+    q, _ = rope._replace(write=write).apply(q, k, backend="eager")
+    out = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, backend="eager", sinks=sinks, window=window)
+    return out, k_cache, v_cache
+
+
+def check_against_twin(config, gen, dtype, device, tol, splits=None, lens=None, sync_debug="default"):
+    """The kernel (under ``sync_debug``) against the twins: output and both caches."""
+    window, has_sinks = config[7], config[8]
+    q, k, k_cache, v_cache, table, lens, rope = rope_case(gen, config, dtype, device, lens)
+    sinks = sinks_for(config[1], gen, device) if has_sinks else None
+    scale = config[3] ** -0.5
+    want, k_want, v_want = twin(q, k, k_cache, v_cache, table, lens, rope, scale, sinks, window)
+    scratch = k_cache[0].clone(), v_cache[0].clone()
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode(sync_debug)
+    try:
+        got = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, num_splits=splits, backend="triton",
+                                     sinks=sinks, window=window, rope=rope, k=k)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # the new keys, rotated, and values as they are at their slots; page 0 is the scratch page, which
+    # the twin writes for rows of length 0 and the kernel leaves alone (such a row has no new token)
+    torch.testing.assert_close(k_cache[1:], k_want[1:], rtol=tol, atol=tol)
+    assert torch.equal(v_cache[1:], v_want[1:])
+    if config[3] >= 16:  # the kernel's path (below 16, qk_rope's launch writes the scratch page as the twin)
+        assert torch.equal(k_cache[0], scratch[0]) and torch.equal(v_cache[0], scratch[1])
+    return lens
+
+
+@interpreted
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_rope_then_attention_twins(config):
+    gen = torch.Generator().manual_seed(sum(config[:6]))
+    for splits in (None, 1, 2, 3):
+        lens = check_against_twin(config, gen, torch.float32, "cpu", 1e-4, splits)
+        assert (lens == 0).any() and (lens == config[4] * config[5]).any()  # empty and full rows covered
+
+
+@interpreted
+def test_the_new_token_in_each_split_and_block():
+    """The new token at the first and last position of a split and of a block (the first block is
+    read before the wait and patched, later ones as they are loaded)."""
+    config = (6, 4, 2, 16, 4, 48, True, 0, False)
+    _, split_tokens = split_plan(6, 2, 48 * 4, num_splits=3)
+    lens = [1, split_tokens, split_tokens + 1, 65, 64, 2 * split_tokens + 1]
+    check_against_twin(config, torch.Generator().manual_seed(3), torch.float32, "cpu", 1e-4, 3, lens)
+
+
+@interpreted
+def test_head_dims_the_kernel_cannot_take_rotate_first():
+    """A head dim below 16 takes ``rope.apply`` and the plain kernel, with the same results."""
+    check_against_twin((5, 4, 2, 8, 4, 6, True, 0, False), torch.Generator().manual_seed(8), torch.float32, "cpu",
+                       1e-4)
+
+
+def test_host_checks_refuse_what_the_kernel_cannot_store():
+    gen = torch.Generator().manual_seed(1)
+    q, k, k_cache, v_cache, table, lens, rope = rope_case(gen, CONFIGS[0])
+    args = (q, k_cache, v_cache, table, lens, 0.25)
+    with pytest.raises(ValueError, match="needs the projection's k"):
+        paged_decode_attention(*args, rope=rope)
+    other = rope._replace(write=rope.write._replace(k_cache=k_cache.clone().view(-1, 2, 16)))
+    with pytest.raises(ValueError, match="caches this attention reads"):
+        paged_decode_attention(*args, rope=other, k=k)
+    with pytest.raises(ValueError, match="positions must be"):
+        paged_decode_attention(*args, rope=rope._replace(positions=rope.positions[:2]), k=k)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [(5, 32, 4, 128, 16, 300, True, 0, False), (8, 64, 4, 64, 16, 40, False, 128, True),
+                                    (3, 16, 2, 256, 16, 700, True, 0, False)], ids=lambda c: "-".join(map(str, c[:6])))
+def test_kernel_matches_twins_bf16_on_gpu_without_syncs(config):
+    gen = torch.Generator().manual_seed(config[0])
+    for trial in range(3):  # trial 0 compiles
+        check_against_twin(config, gen, torch.bfloat16, "cuda", 3e-2, sync_debug="error" if trial else "default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_graph_decode_with_rope_inside_matches_its_own_launch(tmp_path, monkeypatch, arch):
+    """Whole decode steps: graphs with RoPE inside the attention (under PDL where the card has it,
+    so the early reads of the older tokens' pages run beside the projection) against eager steps
+    with ``qk_rope``'s own launch (``SLUICE_ROPE_INSIDE=0``): float32 logits within 1e-5."""
+    from tests.test_decode_graph import decode_in_lockstep, gpu_runner
+    from tests.tiny_models import write_tiny
+
+    write_tiny(tmp_path, arch, seed=4, layers=3, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2)
+    monkeypatch.setenv("SLUICE_ROPE_INSIDE", "0")
+    separate = gpu_runner(str(tmp_path), "float32", False)
+    monkeypatch.setenv("SLUICE_ROPE_INSIDE", "1")
+    inside = gpu_runner(str(tmp_path), "float32", True)
+    assert inside.model.attention.rope_inside and not separate.model.attention.rope_inside
+    decode_in_lockstep(inside, separate, (1, 6, 20), 1e-5)
