@@ -15,11 +15,8 @@ from moe_offload.kernels.triton_support import PDL_ENV, pdl_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a kernel may read before its wait (the names its early loads are assigned to): the one-row
-# projection's weights (no kernel writes them); the decode attention with RoPE inside, the step's
-# inputs (lengths, positions, page table), the rotary tables and the older tokens' pages, which
-# no kernel of the step writes (the new token's row it reads stale and replaces after the wait).
-EARLY_LOADS = {"gemv_kernel": {"w_all"}, "decode_rope_partial_kernel": {"seq_len", "start", "first", "end", "k0", "v0",
-                                                                        "pos", "cos", "sin"}}
+# projection's weights (no kernel writes them).
+EARLY_LOADS = {"gemv_kernel": {"w_all"}}
 
 
 def pdl_kernels() -> dict[str, tuple[ast.FunctionDef, dict[str, ast.FunctionDef]]]:
@@ -115,9 +112,9 @@ def both(x):
 
 @pytest.mark.parametrize("kernel, problem", [
     ("def k(x, PDL):\n    y = read(x)\n    pdl_wait(PDL)\n", "read(x) before the wait"),
-    ("def decode_rope_partial_kernel(x, PDL):\n    pos = read(x)\n    pdl_wait(PDL)\n", None),
-    ("def decode_rope_partial_kernel(x, PDL):\n    pos = both(x)\n    pdl_wait(PDL)\n", "both(x) before the wait"),
-    ("def decode_rope_partial_kernel(x, PDL):\n    q = read(x)\n    pdl_wait(PDL)\n", "read(x) before the wait"),
+    ("def gemv_kernel(x, PDL):\n    w_all = read(x)\n    pdl_wait(PDL)\n", None),
+    ("def gemv_kernel(x, PDL):\n    w_all = both(x)\n    pdl_wait(PDL)\n", "both(x) before the wait"),
+    ("def gemv_kernel(x, PDL):\n    q = read(x)\n    pdl_wait(PDL)\n", "read(x) before the wait"),
     ("def k(x, PDL):\n    pdl_wait(PDL)\n    write(x)\n", None),
 ], ids=["helper-load", "allowed-helper-load", "helper-write", "not-allowed-name", "after-wait"])
 def test_the_check_follows_helpers_of_the_file(kernel, problem):

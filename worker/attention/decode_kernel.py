@@ -151,30 +151,25 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
-    the token's slot and attends from registers. So ``qk_rope``'s launch is gone from a decode
-    step, and what no kernel of the step writes (the lengths, positions, rotary tables, the norm
-    weights and the older tokens' pages) is read before the PDL wait, beside the projection's end;
-    the new token's row of the first block is read stale there and replaced."""
+    the token's slot and attends from registers (the pages hold it only after this launch); a row
+    of length 0 stores nothing. So ``qk_rope``'s launch is gone from a decode step. Launched with 8
+    warps: the rotation's float32 tiles take it to about 210 registers a thread (246 with 4 warps,
+    which ran the step 7 % slower than two launches; H200, 2026-12-05)."""
+    pdl_wait(PDL)  # see triton_support.pdl_args
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len, start, first, end = _split_range(lens_ptr, b, split, max_tokens, split_tokens, window)
-    if (split > 0) & (start >= seq_len):  # past the row: nothing to store (split 0's program waits)
+    if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
         return
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + g
     g_live = g < GROUP
     d_live = d < HEAD_DIM
-    t = first + tl.arange(0, BLOCK_N)
-    k0, v0 = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
-                       stride_page, stride_tok, stride_head, PAGE)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_positions - 1)
-    cos = tl.load(cos_ptr + pos * HEAD_DIM + d)[None, :]
-    sin = tl.load(sin_ptr + pos * HEAD_DIM + d)[None, :]
-    pdl_wait(PDL)  # see triton_support.pdl_args: q, k and v come from the projection just before
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
     q = _rope_rows(q_ptr + b * q_stride_b, q_stride_h, head, g_live, d, qw_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
     one = tl.arange(0, 1)
     k_new = _rope_rows(k_new_ptr + b * k_stride_b, k_stride_h, kv_head + one, one == 0, d, kw_ptr, cos, sin, eps,
@@ -190,9 +185,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    new = (t == last)[:, None]
-    m, l, acc = _attend(q, tl.where(new, k_new, k0), tl.where(new, v_new, v0), t, end, m, l, acc, qk_scale, IEEE)
-    for t0 in range(first + BLOCK_N, end, BLOCK_N):
+    for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
                          stride_page, stride_tok, stride_head, PAGE)

@@ -31,6 +31,7 @@ SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it 
 TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
 REDUCE_CHUNK = 128  # splits merged per step of the reduce loop: a 128k-token row takes 2-4 steps
 REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHUNK x this, in float32)
+ROPE_WARPS = 8  # the partial kernel with RoPE inside: with 4, 246 registers a thread and a slower step (H200)
 _LOG2E = 1.4426950408889634
 
 
@@ -92,6 +93,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rope is None:
         partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
     else:
+        consts["num_warps"] = ROPE_WARPS
         rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
