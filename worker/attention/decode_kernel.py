@@ -11,16 +11,29 @@ from worker.models.rope_tiles import norm_rope
 
 
 @triton.jit
-def _split_range(lens_ptr, b, split, max_tokens, split_tokens, window):
-    """Row b's length (clamped to the table), and the tokens ``[first, end)`` that this split
-    attends (``first`` past ``end`` when the split lies past the row or before its window)."""
+def _split_range(lens_ptr, max_tokens, split_tokens, window):
+    """Program (b, kv_head, split): those, row b's length (clamped to the table), where the split
+    starts, and the tokens ``[first, end)`` that it attends (``first`` past ``end`` when the split
+    lies past the row or before its window)."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, seq_len)
     first = start
     if window > 0:  # keys before the window: a split wholly before it stores an empty partial
         first = tl.maximum(start, seq_len - window)
-    return seq_len, start, first, end
+    return b, kv_head, split, seq_len, start, first, end
+
+
+@triton.jit
+def _group(kv_head, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query heads of ``kv_head`` (GQA) as a program's rows, and the head dim as its columns,
+    each with which are real."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    return g, kv_head * GROUP + g, g < GROUP, d, d < HEAD_DIM
 
 
 @triton.jit
@@ -59,6 +72,28 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
+                num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr):
+    """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
+    ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
+    pages' (which this launch writes)."""
+    # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for t0 in range(first, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
+                         stride_page, stride_tok, stride_head, PAGE)
+        if NEW:
+            new = (t == last)[:, None]
+            k, v = tl.where(new, k_new, k), tl.where(new, v_new, v)
+        m, l, acc = _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE)
+    return m, l, acc
+
+
+@triton.jit
 def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -93,28 +128,15 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # see triton_support.pdl_args
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, start, first, end = _split_range(lens_ptr, b, split, max_tokens, split_tokens, window)
+    b, kv_head, split, seq_len, start, first, end = _split_range(lens_ptr, max_tokens, split_tokens, window)
     if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
         return
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    head = kv_head * GROUP + g
-    g_live = g < GROUP
-    d_live = d < HEAD_DIM
+    g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
-    m = tl.full([BLOCK_G], -1e30, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for t0 in range(first, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
-                         stride_page, stride_tok, stride_head, PAGE)
-        m, l, acc = _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE)
+    m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
+                            num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
+                            BLOCK_N, IEEE, False)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -156,17 +178,10 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     warps: the rotation's float32 tiles take it to about 210 registers a thread (246 with 4 warps,
     which ran the step 7 % slower than two launches; H200, 2026-12-05)."""
     pdl_wait(PDL)  # see triton_support.pdl_args
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, start, first, end = _split_range(lens_ptr, b, split, max_tokens, split_tokens, window)
+    b, kv_head, split, seq_len, start, first, end = _split_range(lens_ptr, max_tokens, split_tokens, window)
     if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
         return
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    head = kv_head * GROUP + g
-    g_live = g < GROUP
-    d_live = d < HEAD_DIM
+    g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, HEAD_DIM)
     pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_positions - 1)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
@@ -181,17 +196,9 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
-    # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
-    m = tl.full([BLOCK_G], -1e30, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for t0 in range(first, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
-                         stride_page, stride_tok, stride_head, PAGE)
-        new = (t == last)[:, None]
-        m, l, acc = _attend(q, tl.where(new, k_new, k), tl.where(new, v_new, v), t, end, m, l, acc, qk_scale,
-                            IEEE)
+    m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                            table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G,
+                            HEAD_DIM, BLOCK_N, IEEE, True)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 
