@@ -71,6 +71,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             rope = None
     if not use_triton(q, backend):
         return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale, sinks, window)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, num_splits, sinks, window, rope, k)
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+            seq_lens: torch.Tensor, scale: float, num_splits: int | None, sinks: torch.Tensor | None, window: int,
+            rope: RopeInputs | None, k: torch.Tensor | None) -> torch.Tensor:
+    """The partial kernel (with RoPE inside where ``rope`` is given) and the merge."""
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
@@ -89,11 +96,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_pages, max_tokens, split_tokens, splits, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, num_warps=4, **pdl_args(q))
+                  HAS_SINK=sinks is not None, num_warps=4 if rope is None else ROPE_WARPS, **pdl_args(q))
     if rope is None:
         partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
     else:
-        consts["num_warps"] = ROPE_WARPS
         rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
