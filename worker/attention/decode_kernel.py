@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.decode_tiles import pdl_wait
-from worker.models.rope_tiles import norm_rope
+from worker.models.rope_tiles import rope_rows, rope_tables
 
 
 @triton.jit
@@ -141,23 +141,6 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
 
-@triton.jit
-def _rope_rows(src, stride_h, rows, row_ok, d, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
-               HAS_NORM: tl.constexpr):
-    """Heads ``rows`` of one token's projection at ``src`` (row stride ``stride_h``), normed by the
-    weights at ``w_ptr`` (HAS_NORM) and rotated (``rope_tiles.norm_rope``): ``[R, HEAD_DIM]``."""
-    half: tl.constexpr = HEAD_DIM // 2
-    partner = (d + half) % HEAD_DIM
-    ok = row_ok[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(src + rows[:, None] * stride_h + d[None, :], mask=ok, other=0.0)
-    x_p = tl.load(src + rows[:, None] * stride_h + partner[None, :], mask=ok, other=0.0)
-    w, w_p = cos, cos  # unread without a norm
-    if HAS_NORM:
-        w = tl.load(w_ptr + d).to(tl.float32)[None, :]
-        w_p = tl.load(w_ptr + partner).to(tl.float32)[None, :]
-    return norm_rope(x, x_p, w, w_p, cos, sin, (d < half)[None, :], eps, HEAD_DIM, HAS_NORM)
-
-
 # as decode_partial_kernel's, and the new token's slot and position (views into the packed index buffer)
 @triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "split_tokens", "splits"],
             do_not_specialize_on_alignment=["table_ptr", "lens_ptr", "loc_ptr", "pos_ptr"])
@@ -182,12 +165,10 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
         return
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, HEAD_DIM)
-    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0), max_positions - 1)
-    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
-    q = _rope_rows(q_ptr + b * q_stride_b, q_stride_h, head, g_live, d, qw_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
+    cos, sin = rope_tables(cos_ptr, sin_ptr, pos_ptr, b, max_positions, d, q_ptr.dtype.element_ty, HEAD_DIM)
+    q = rope_rows(q_ptr + b * q_stride_b, q_stride_h, head, g_live, d, qw_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
     one = tl.arange(0, 1)
-    k_new = _rope_rows(k_new_ptr + b * k_stride_b, k_stride_h, kv_head + one, one == 0, d, kw_ptr, cos, sin, eps,
+    k_new = rope_rows(k_new_ptr + b * k_stride_b, k_stride_h, kv_head + one, one == 0, d, kw_ptr, cos, sin, eps,
                        HEAD_DIM, HAS_NORM)
     v_new = tl.load(v_new_ptr + b * v_stride_b + kv_head * v_stride_h + d)[None, :]
     last = seq_len - 1

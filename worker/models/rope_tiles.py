@@ -1,6 +1,6 @@
-"""The rotary embedding's arithmetic as a Triton piece, shared by ``qk_rope``'s kernel
-(``worker.models.rotary``) and the decode attention that rotates its own queries and new keys
-(``worker.attention.decode_kernel``), so both round where the eager twin does.
+"""The rotary embedding as Triton pieces, shared by ``qk_rope``'s kernel (``worker.models.rotary``)
+and the decode attention that rotates its own queries and new keys
+(``worker.attention.decode_kernel``), so both read and round as the eager twin does.
 
 May import: triton only.
 """
@@ -27,3 +27,28 @@ def norm_rope(x, x_p, w, w_p, cos, sin, low, eps, DIM: tl.constexpr, HAS_NORM: t
     a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
     b = (rotated * sin).to(dtype).to(tl.float32)
     return (a + b).to(dtype)
+
+
+@triton.jit
+def rope_tables(cos_ptr, sin_ptr, pos_ptr, t, max_positions, cols, dtype: tl.constexpr, DIM: tl.constexpr):
+    """Token ``t``'s rows of the cos and sin tables (its position clamped into them), rounded to
+    ``dtype`` as the twin does: ``[1, DIM]`` float32 each."""
+    pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_positions - 1)
+    cos = tl.load(cos_ptr + pos * DIM + cols).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * DIM + cols).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rope_rows(src, stride_h, rows, row_ok, cols, w_ptr, cos, sin, eps, DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads ``rows`` of one token's projection at ``src`` (row stride ``stride_h``), normed by the
+    weights at ``w_ptr`` (HAS_NORM) and rotated by ``rope_tables``' ``cos, sin``: ``[R, DIM]``."""
+    half: tl.constexpr = DIM // 2
+    partner = (cols + half) % DIM
+    x = tl.load(src + rows[:, None] * stride_h + cols[None, :], mask=row_ok[:, None], other=0.0)
+    x_p = tl.load(src + rows[:, None] * stride_h + partner[None, :], mask=row_ok[:, None], other=0.0)
+    w, w_p = cos, cos  # unread without a norm
+    if HAS_NORM:
+        w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+        w_p = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+    return norm_rope(x, x_p, w, w_p, cos, sin, (cols < half)[None, :], eps, DIM, HAS_NORM)

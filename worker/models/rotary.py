@@ -26,7 +26,7 @@ import torch
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
 from worker.models.family_config import Yarn
 from worker.models.norm import rms_norm_eager
-from worker.models.rope_tiles import norm_rope
+from worker.models.rope_tiles import rope_rows, rope_tables
 
 
 class Rotary:
@@ -239,19 +239,9 @@ def _kernel():
                 src = k_ptr + t * k_stride_t + (h - HEADS) * k_stride_h
                 dst = k_out_ptr + (t * KV_HEADS + h - HEADS) * DIM
                 w_ptr = kw_ptr
-            half: tl.constexpr = DIM // 2
-            partner = (cols + half) % DIM
-            pos = tl.minimum(tl.maximum(tl.load(pos_ptr + t).to(tl.int64), 0), max_positions - 1)
-            x = tl.load(src + cols)
-            w, w_p = x, x  # unread without a norm
-            if HAS_NORM:
-                w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
-                w_p = tl.load(w_ptr + partner).to(tl.float32)[None, :]
-            cos = tl.load(cos_ptr + pos * DIM + cols).to(x.dtype).to(tl.float32)[None, :]
-            sin = tl.load(sin_ptr + pos * DIM + cols).to(x.dtype).to(tl.float32)[None, :]
-            out = norm_rope(x[None, :], tl.load(src + partner)[None, :], w, w_p, cos, sin, (cols < half)[None, :],
-                            eps, DIM, HAS_NORM)
-            out = tl.reshape(out, (DIM,))
+            cos, sin = rope_tables(cos_ptr, sin_ptr, pos_ptr, t, max_positions, cols, src.dtype.element_ty, DIM)
+            one = tl.arange(0, 1)
+            out = tl.reshape(rope_rows(src, 0, one, one == 0, cols, w_ptr, cos, sin, eps, DIM, HAS_NORM), (DIM,))
             tl.store(dst + cols, out)
             if WRITE:
                 if h >= HEADS:
