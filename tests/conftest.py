@@ -28,8 +28,18 @@ def remove_expert_stores_made_by_tests():
             pass
 
 
+def pytest_configure(config):
+    if torch.cuda.is_available() and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist's order by test count; the files come heaviest first
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # the GPU suite's files heaviest first, so --dist loadfile hands out the long ones early
+        from tests.gpu_order import heaviest_first, load_seconds
+
+        by_id = {item.nodeid: item for item in items}
+        items[:] = [by_id[nodeid] for nodeid in heaviest_first(list(by_id), load_seconds())]
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
