@@ -65,3 +65,23 @@ def test_the_script_records_the_latest_run_of_each_test(tmp_path):
                    check=True, capture_output=True)
     assert json.loads(out.read_text())["tests"] == {"tests/test_a.py::t[(1, 2)]": 1.5, "tests/test_b.py::t": 5.0}
     assert load_seconds(out) == {"tests/test_a.py::t[(1, 2)]": 1.5, "tests/test_b.py::t": 5.0}
+
+
+def test_conftest_reorders_a_gpu_collection_and_turns_xdist_count_order_off(monkeypatch):
+    """On a GPU the collection hook hands the files out heaviest first (by the recorded seconds);
+    on a CPU it leaves the order and marks CUDA tests skipped."""
+    import types
+
+    import torch
+
+    from tests import conftest
+
+    seconds = load_seconds()
+    heavy = max(seconds, key=seconds.get)  # the longest recorded test, against a new file's one test
+    items = [types.SimpleNamespace(nodeid=n, keywords={}) for n in ("tests/test_zz_new.py::t", heavy)]
+    config = types.SimpleNamespace(option=types.SimpleNamespace(loadscopereorder=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    conftest.pytest_configure(config)
+    conftest.pytest_collection_modifyitems(config, items)
+    assert [i.nodeid for i in items] == [heavy, "tests/test_zz_new.py::t"]
+    assert config.option.loadscopereorder is False
