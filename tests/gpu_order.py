@@ -61,3 +61,23 @@ def heaviest_first(nodeids: list[str], seconds: dict[str, float]) -> list[str]:
         groups.setdefault(file_of(nodeid), []).append(nodeid)
     order = sorted(groups, key=lambda name: -sum(weights[n] for n in groups[name]))  # stable
     return [nodeid for name in order for nodeid in groups[name]]
+
+
+def makespan(nodeids: list[str], weights: dict[str, float], workers: int) -> float:
+    """When the last of ``workers`` ends, each taking the next file in ``nodeids``' order when it
+    is free (xdist's loadfile hands a worker its next file as its last tests run)."""
+    files: dict[str, float] = {}
+    for nodeid in nodeids:
+        files[file_of(nodeid)] = files.get(file_of(nodeid), 0.0) + weights[nodeid]
+    ends = [0.0] * workers
+    for seconds in files.values():
+        ends[ends.index(min(ends))] += seconds
+    return max(ends)
+
+
+def by_count(nodeids: list[str]) -> list[str]:
+    """xdist's default loadfile order: the files by decreasing number of tests (stable)."""
+    groups: dict[str, list[str]] = {}
+    for nodeid in nodeids:
+        groups.setdefault(file_of(nodeid), []).append(nodeid)
+    return [nodeid for name in sorted(groups, key=lambda name: -len(groups[name])) for nodeid in groups[name]]

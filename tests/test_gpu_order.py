@@ -6,21 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.gpu_order import file_of, heaviest_first, load_seconds, expected_seconds
+from tests.gpu_order import by_count, expected_seconds, file_of, heaviest_first, load_seconds, makespan
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def makespan(nodeids: list[str], weights: dict[str, float], workers: int) -> float:
-    """When the last of ``workers`` ends, each taking the next file in ``nodeids``' order when it
-    is free (xdist's loadfile, which hands a worker its next file as its last tests run)."""
-    files: dict[str, float] = {}
-    for nodeid in nodeids:
-        files[file_of(nodeid)] = files.get(file_of(nodeid), 0.0) + weights[nodeid]
-    ends = [0.0] * workers
-    for seconds in files.values():
-        ends[ends.index(min(ends))] += seconds
-    return max(ends)
+def test_xdist_default_order_is_by_test_count():
+    ids = ["a.py::t1", "b.py::t1", "b.py::t2", "c.py::t1"]
+    assert by_count(ids) == ["b.py::t1", "b.py::t2", "a.py::t1", "c.py::t1"]
 
 
 def test_files_go_heaviest_first_and_keep_their_tests_in_order():
@@ -37,7 +30,7 @@ def test_a_test_without_a_record_weighs_its_name_then_its_file_then_the_median()
     assert expected_seconds(["x.py::t"], {}) == {"x.py::t": 1.0}
 
 
-def test_the_recorded_suite_ends_within_grahams_bound_and_no_later_than_in_collection_order():
+def test_the_recorded_suite_ends_within_grahams_bound_and_no_later_than_in_other_orders():
     """Handing files out heaviest first is Graham's LPT rule: its end is within 4/3 of the best
     possible, which is at least the longest file and the total over the workers."""
     seconds = load_seconds()
@@ -51,6 +44,7 @@ def test_the_recorded_suite_ends_within_grahams_bound_and_no_later_than_in_colle
         best = max(max(files.values()), sum(files.values()) / workers)
         assert ordered <= (4 / 3) * best + 1e-9
         assert ordered <= makespan(ids, seconds, workers)
+        assert ordered <= makespan(by_count(ids), seconds, workers)  # xdist's default order
 
 
 def test_the_script_records_the_latest_run_of_each_test(tmp_path):
