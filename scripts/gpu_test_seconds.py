@@ -25,7 +25,7 @@ from tests.gpu_order import (SECONDS_FILE, by_count, expected_seconds, file_of, 
                              load_seconds, makespan)
 
 
-def test_seconds(paths: list[Path]) -> dict[str, float]:
+def seconds_per_test(paths: list[Path]) -> dict[str, float]:
     """Test id -> seconds of its phases, the latest log's where several logs have it."""
     latest: dict[str, float] = {}
     for path in paths:
@@ -69,7 +69,7 @@ def main() -> None:
         return
     if not args.logs:
         p.error("give the logs to read (or --makespan)")
-    tests = {nodeid: round(seconds, 2) for nodeid, seconds in sorted(test_seconds(args.logs).items())}
+    tests = {nodeid: round(seconds, 2) for nodeid, seconds in sorted(seconds_per_test(args.logs).items())}
     doc = {"card": args.card, "logs": [str(path) for path in args.logs], "tests": tests}
     args.out.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
     files = {file_of(nodeid) for nodeid in tests}

@@ -189,3 +189,16 @@ def test_graph_decode_with_rope_inside_matches_its_own_launch(tmp_path, monkeypa
     inside = gpu_runner(str(tmp_path), "float32", True)
     assert inside.model.attention.rope_inside and not separate.model.attention.rope_inside
     decode_in_lockstep(inside, separate, (1, 6, 20), 1e-5)
+
+
+def test_rope_warps_come_from_the_environment():
+    """``SLUICE_ROPE_WARPS`` (the benchmark's A/B of the fused kernel's warps) or 8."""
+    import subprocess
+    import sys
+
+    code = "from worker.attention import triton_decode as t; print(t.ROPE_WARPS)"
+    base = {k: v for k, v in os.environ.items() if k != "SLUICE_ROPE_WARPS"}
+    for env, want in (({}, "8"), ({"SLUICE_ROPE_WARPS": "4"}, "4")):
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.stdout.strip() == want

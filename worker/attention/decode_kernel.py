@@ -160,7 +160,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     of length 0 stores nothing. So ``qk_rope``'s launch is gone from a decode step. Launched with 8
     warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles take it to 246
     registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower than with two
-    launches (H200, 2026-12-05)."""
+    launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``)."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, start, first, end = _split_range(lens_ptr, max_tokens, split_tokens, window)
     if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store

@@ -19,6 +19,7 @@ output (zeros for ``seq_len`` 0) and never read outside the pool.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -31,7 +32,9 @@ SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it 
 TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
 REDUCE_CHUNK = 128  # splits merged per step of the reduce loop: a 128k-token row takes 2-4 steps
 REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHUNK x this, in float32)
-ROPE_WARPS = 8  # the partial kernel with RoPE inside: with 4, 246 registers a thread and a slower step (H200)
+# the partial kernel with RoPE inside: with 4, 246 registers a thread and a slower step (H200);
+# SLUICE_ROPE_WARPS=N times another count in a whole step (bench_decode.py), unset in serving
+ROPE_WARPS = int(os.environ.get("SLUICE_ROPE_WARPS", "8"))
 _LOG2E = 1.4426950408889634
 
 
