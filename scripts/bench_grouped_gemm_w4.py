@@ -16,7 +16,8 @@ HBM bound = bytes of the experts the routing touches (weights in their format, p
 rows assume twice that, unmeasured); ratio = max(bounds) / time (1 = at the bound). "vs bf16" and
 "vs fp8" are those rows' times over this row's (above 1: faster). ``--sweep`` times 4-bit prefill
 tiles (block_m, block_n, block_k, group_m, warps, stages) at the prefill sizes, ``--decode-sweep``
-the decode tiles (fields of the format's ``decode_tiles`` changed) at the decode sizes.
+the decode tiles (fields of the format's ``decode_tiles`` changed) at the decode sizes; a swept
+config whose output differs from the default tiles' stops the sweep (``check_same``).
 """
 from __future__ import annotations
 
@@ -152,14 +153,24 @@ def _flat(banks: tuple) -> tuple:
 
 def sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> list[dict]:
     hidden, weights, slots = routing(num_tokens, geo)
-    rows = []
+    rows, reference = [], fused_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt)
     for tiles in SWEEP:
         config = BlockConfig(*tiles)
+        check_same(reference, fused_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config), tiles)
         time = time_us(lambda: fused_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": fmt, "tokens": num_tokens, "config": list(tiles),
                      "default": config == default_config(num_tokens, hidden.dtype), "time_us": time})
         progress(rows[-1])
     return rows
+
+
+def check_same(reference: torch.Tensor, out: torch.Tensor, tiles: object) -> None:
+    """A swept config is timed only if it computes what the default tiles do (the sums' order
+    differs: within 1e-2 of the largest output); otherwise the sweep stops with one line."""
+    err = (out.float() - reference.float()).abs().max().item() / max(reference.float().abs().max().item(), 1e-6)
+    if not err <= 1e-2:
+        sys.exit(f"tiles {tiles or 'default'} compute something else than the default tiles "
+                 f"(largest difference {err:.2e} of the largest output)")
 
 
 def progress(row: dict) -> None:
@@ -176,11 +187,12 @@ def _matches(change: dict, token: str) -> bool:
 
 def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple, only: list[str]) -> list[dict]:
     hidden, weights, slots = routing(num_tokens, geo)
-    rows = []
+    rows, reference = [], decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt)
     for change in DECODE_SWEEP:
         if only and change and not any(_matches(change, token) for token in only):
             continue  # the default always, then only the changes asked for
         config = decode_tiles(fmt, geo["inter"])._replace(**change)
+        check_same(reference, decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config), change)
         time = time_us(lambda: decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config))
         rows.append({"geometry": geo_name, "variant": f"{fmt}-decode", "tokens": num_tokens, "config": change,
                      "default": not change, "time_us": time})
