@@ -509,13 +509,18 @@ def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("stage,expert_dtype", [("kernel", "auto"), ("misses", "auto"), ("misses", "fp8"),
-                                                ("mirror", "auto"), ("mirror", "fp8"), ("mirror", "nvfp4")])
-def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype):
+@pytest.mark.parametrize("stage,expert_dtype,streams", [
+    ("kernel", "auto", "1"), ("misses", "auto", "1"), ("misses", "fp8", "1"), ("mirror", "auto", "1"),
+    ("mirror", "fp8", "1"), ("mirror", "nvfp4", "1"), ("mirror", "fp8", "2"), ("mirror", "nvfp4", "2")])
+def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype, streams, monkeypatch):
     """Chunks staged by the kernel, by the misses' conditional copies or by the copy engine from the
-    mirror (from the mapped host store, bf16 and fp8 or nvfp4 with their scale banks) give the
-    logits of the plain cache path, under sync debug."""
+    mirror (from the mapped host store, bf16 and fp8 or nvfp4 with their scale banks; its copies on
+    one stream or, SLUICE_MIRROR_STREAMS=2, on two) give the logits of the plain cache path, under
+    sync debug."""
     from moe_offload.miss_copies import conditional_graphs
+    from moe_offload.mirrored_misses import STREAMS_ENV
+
+    monkeypatch.setenv(STREAMS_ENV, streams)
 
     if stage == "misses" and not conditional_graphs():
         with pytest.raises(ValueError, match="conditional nodes"):
@@ -532,6 +537,7 @@ def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_
     stats = r.experts.pipeline.stats()
     assert stats[f"chunks_{stage}"] > 0 and stats["from_host"] > 0
     assert stage in ("misses", "mirror") or stats["in_place"] == 0  # no decode ran: no hit to read in place
+    assert stage != "mirror" or (r.experts.pipeline.mirrored.second is not None) == (streams == "2")
 
 
 @pytest.mark.cuda
