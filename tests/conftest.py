@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,20 @@ def remove_expert_stores_made_by_tests():
 def pytest_configure(config):
     if torch.cuda.is_available() and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # xdist's order by test count; the files come heaviest first
+    if torch.cuda.is_available():  # before transformers or our code imports fla: its kept configs, if any
+        from worker.linear_attention.fla_tuning import use_kept_configs
+
+        use_kept_configs(torch.cuda.get_device_name())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """``SLUICE_FLA_DUMP=DIR`` on a GPU: the configs fla's autotuners chose in this process (an xdist
+    worker's own) written to DIR/<worker>/, for ``scripts/fla_configs.py merge``."""
+    folder = os.environ.get("SLUICE_FLA_DUMP")
+    if folder and torch.cuda.is_available() and "fla.ops.utils.cache" in sys.modules:
+        from worker.linear_attention.fla_tuning import dump, tuned
+
+        dump(Path(folder) / os.environ.get("PYTEST_XDIST_WORKER", "main"), tuned())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -75,6 +75,7 @@ def test_conftest_reorders_a_gpu_collection_and_turns_xdist_count_order_off(monk
     items = [types.SimpleNamespace(nodeid=n, keywords={}) for n in ("tests/test_zz_new.py::t", heavy)]
     config = types.SimpleNamespace(option=types.SimpleNamespace(loadscopereorder=True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a pretended GPU")  # no fla configs kept
     conftest.pytest_configure(config)
     conftest.pytest_collection_modifyitems(config, items)
     assert [i.nodeid for i in items] == [heavy, "tests/test_zz_new.py::t"]

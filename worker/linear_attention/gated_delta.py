@@ -17,10 +17,14 @@ by the identity of the ``cu_seqlens`` tensor, so a caller's persistent buffer re
 would get a stale table: each call passes a fresh view. Its initial state is dense, so the slots
 are gathered before and scattered after (fixed shapes). Its kernels autotune on the first call
 for each head shape and dtype (key without T), and autotuning synchronises: warm up once per
-layer shape before serving. Measured on an H200: about 1.2 ms of host time a call (Triton's
+layer shape before serving. Where the repository keeps this GPU's tuned configs
+(``fla_tuning``), fla reads those instead of autotuning the shapes they hold.
+Measured on an H200: about 1.2 ms of host time a call (Triton's
 launches of its seven kernels), against 0.4 ms of GPU time at T=4096 (Hv=32, Dk=Dv=128).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -42,6 +46,7 @@ def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         return gated_delta_chunked(q, k, v, g, beta, state, slots, cu_seqlens_host)
     if not q.is_cuda or q.shape[-1] > MAX_HEAD_DIM_FLA:
         raise ValueError(f"fla's chunked kernels need CUDA tensors and Dk <= {MAX_HEAD_DIM_FLA}")
+    _use_kept_configs(q.device.index)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     o, final = chunk_gated_delta_rule(
@@ -50,6 +55,14 @@ def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         cu_seqlens=cu_seqlens[:], chunk_indices=chunk_indices(cu_seqlens_host, cu_seqlens))
     state.index_copy_(0, slots, final)
     return o[0].to(v.dtype)
+
+
+@functools.cache
+def _use_kept_configs(device: int | None) -> bool:
+    """Once, before fla's first use on a GPU: its kept configs (``fla_tuning``)."""
+    from worker.linear_attention.fla_tuning import use_kept_configs
+
+    return use_kept_configs(torch.cuda.get_device_name(device))
 
 
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -1,0 +1,91 @@
+"""fla's autotuned kernels, tuned once per GPU model and kept in the repository.
+
+fla's chunked gated-delta-rule kernels autotune on their first call for each head shape and
+dtype: on a freshly started machine that compiles and times every config of about seven kernels,
+125-190 s for one head shape (H100, cold Triton cache), in the GPU suite and in a hybrid model's
+warm-up alike. fla can instead read each kernel's chosen config from files (``FLA_CONFIG_DIR``,
+``FLA_CACHE_MODE``; fla's ``ops/utils/cache.py``). So:
+
+- ``use_kept_configs`` (before fla's first use) points fla at ``fla_configs/<GPU>/`` where that
+  folder exists and the user set neither variable, in fla's ``strict`` mode: a key tuned before
+  is read, any other is autotuned as before (never a config tuned for another shape);
+- ``dump`` writes the configs this process's autotuners chose, in fla's file format, and
+  ``merge`` joins several processes' dumps (a GPU suite's workers: ``SLUICE_FLA_DUMP``, see
+  ``tests/conftest.py``; ``scripts/fla_configs.py`` merges them into ``fla_configs/<GPU>/``).
+
+May import: the standard library (fla and triton inside the functions that read or write their tuners).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+KEPT = Path(__file__).with_name("fla_configs")
+MODE = "strict"
+
+
+def gpu_folder(device_name: str) -> str:
+    """The folder name fla gives a GPU (its ``sanitize_gpu_name``)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
+
+
+def use_kept_configs(device_name: str, kept: Path = KEPT) -> bool:
+    """Point fla at the kept configs of ``device_name`` (see the module docstring); whether it did."""
+    folder = kept / gpu_folder(device_name)
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not folder.is_dir():
+        return False
+    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), MODE
+    cache = sys.modules.get("fla.ops.utils.cache")
+    if cache is not None:  # imported already (transformers may import fla): it read the mode at import
+        cache.FLA_CACHE_MODE = cache.FlaCacheMode(MODE)
+    return True
+
+
+def key_hash(key: list) -> str:
+    """fla's hash of an autotune key (``AutotuneKey.key_hash``)."""
+    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+
+
+def config_entry(key: tuple, config) -> dict:
+    """One tuned key and its ``triton.Config`` as fla's files hold them."""
+    return {"autotune_key": list(key),
+            "config": {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+                       "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}}
+
+
+def tuned() -> dict[str, dict[str, dict]]:
+    """Kernel name -> {key hash: entry} of every fla autotuner in this process that has tuned."""
+    from fla.ops.utils.cache import CachedAutotuner
+
+    out: dict[str, dict[str, dict]] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla."):
+            continue
+        for tuner in vars(module).values():
+            if isinstance(tuner, CachedAutotuner) and tuner.cache:
+                entries = out.setdefault(tuner.kernel_name, {})
+                for key, config in tuner.cache.items():
+                    entries[key_hash(list(key))] = config_entry(key, config)
+    return out
+
+
+def dump(folder: Path, kernels: dict[str, dict[str, dict]]) -> int:
+    """``kernels`` (as ``tuned`` gives them) merged into ``folder``'s files; the entries written."""
+    import triton
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, entries in kernels.items():
+        path = folder / f"{name}.json"
+        old = json.loads(path.read_text())["autotune_entries"] if path.exists() else {}
+        doc = {"kernel_name": name, "triton_version": triton.__version__, "autotune_entries": {**old, **entries}}
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return sum(len(entries) for entries in kernels.values())
+
+
+def read(folder: Path) -> dict[str, dict[str, dict]]:
+    """A dump folder's entries, as ``tuned`` gives them."""
+    return {path.stem: json.loads(path.read_text())["autotune_entries"] for path in sorted(folder.glob("*.json"))}
