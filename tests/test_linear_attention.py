@@ -328,11 +328,17 @@ def _no_syncs(call):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", GPU_CONFIGS)
+@pytest.mark.parametrize("name", ["qwen3-next"])  # the other configs: test_linear_attention_gpu_*.py
 def test_fla_chunk_and_step_kernel_match_twins_on_cuda(name):
+    fla_chunk_and_step_kernel_match_twins(name)
+
+
+def fla_chunk_and_step_kernel_match_twins(name: str) -> None:
     """bf16 inputs, float32 states, random lengths: fla's chunk path and our step kernel against
     the twins run on the CPU from the same inputs, without syncs (after a warm-up call that lets
-    Triton autotune: autotuning itself synchronises)."""
+    Triton autotune: autotuning itself synchronises). Each config in a file of its own: on a
+    freshly started machine fla autotunes each head shape for 125-190 s (H100), and the GPU suite
+    gives a file to one worker (--dist loadfile)."""
     cfg = GPU_CONFIGS[name]
     cuda = torch.device("cuda")
     for trial in range(GPU_TRIALS):
