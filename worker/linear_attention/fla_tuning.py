@@ -9,9 +9,9 @@ warm-up alike. fla can instead read each kernel's chosen config from files (``FL
 - ``use_kept_configs`` (before fla's first use) points fla at ``fla_configs/<GPU>/`` where that
   folder exists and the user set neither variable, in fla's ``strict`` mode: a key tuned before
   is read, any other is autotuned as before (never a config tuned for another shape);
-- ``dump`` writes the configs this process's autotuners chose, in fla's file format, and
-  ``merge`` joins several processes' dumps (a GPU suite's workers: ``SLUICE_FLA_DUMP``, see
-  ``tests/conftest.py``; ``scripts/fla_configs.py`` merges them into ``fla_configs/<GPU>/``).
+- ``tuned`` reads the configs this process's autotuners chose and ``dump`` writes them in fla's
+  file format (a GPU suite's workers each their own: ``SLUICE_FLA_DUMP``, see ``tests/conftest.py``);
+  ``scripts/fla_configs.py merge`` joins such dumps into ``fla_configs/<GPU>/``.
 
 May import: the standard library (fla and triton inside the functions that read or write their tuners).
 """
