@@ -93,3 +93,12 @@ def mapped_device_bytes(device_ptr: int, nbytes: int, device: torch.device, owne
     if tensor.data_ptr() != device_ptr:
         raise RuntimeError(f"torch copied mapped host memory to {tensor.device} instead of viewing it")
     return tensor
+
+
+def pinned_device_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over pinned host memory (mapped: the device reads and writes it over PCIe), of
+    ``pinned``'s shape and dtype, so torch sees its copies as device-to-device (capturable in a
+    CUDA graph) and kernels read it zero-copy."""
+    nbytes = pinned.numel() * pinned.element_size()
+    device_ptr = pinned_device_pointer(pinned.data_ptr(), device)
+    return mapped_device_bytes(device_ptr, nbytes, device, owner=pinned).view(pinned.dtype).view(pinned.shape)

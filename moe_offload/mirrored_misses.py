@@ -32,7 +32,7 @@ import os
 import torch
 
 from moe_offload.copy_runs import bridge_gaps, copy_runs
-from moe_offload.host_register import mapped_device_bytes, pinned_device_pointer
+from moe_offload.host_register import pinned_device_view
 from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.miss_copies import through_slot_map
 
@@ -51,10 +51,15 @@ class MirroredMisses:
     """The host's mirror of ``slot_for_id``, each chunk's copy plan from it, and the device-side
     repair (module docstring). ``banks``: ``(host [L*E, ...], pool [S, ...])`` for the weights and
     every scale bank, the host side device-addressable on CUDA; the buffer of ``b`` is
-    ``pool[b*n : (b+1)*n]``. ``experts``: the share's expert ids per layer (``n`` of them)."""
+    ``pool[b*n : (b+1)*n]``. ``experts``: the share's expert ids per layer (``n`` of them).
+    ``streams``: the copy streams of ``stage``, 1 or 2 (``STREAMS_ENV`` where not given)."""
 
     def __init__(self, slot_for_id: torch.Tensor, banks: list[tuple[torch.Tensor, torch.Tensor]],
-                 num_layers: int, num_experts: int, experts: torch.Tensor, lent: int, backend: str | None = None):
+                 num_layers: int, num_experts: int, experts: torch.Tensor, lent: int, backend: str | None = None,
+                 streams: int | None = None):
+        streams = os.environ.get(STREAMS_ENV, "1") if streams is None else streams
+        if str(streams) not in ("1", "2"):
+            raise ValueError(f"the mirror copies on 1 or 2 streams ({STREAMS_ENV}), not {streams}")
         device = slot_for_id.device
         count = experts.numel()
         self.slot_for_id, self.banks, self.lent, self.count, self.backend = slot_for_id, banks, lent, count, backend
@@ -67,10 +72,9 @@ class MirroredMisses:
         self.cuda = device.type == "cuda"
         # -1 everywhere until the first refresh: a first chunk copies every expert, like "memcpy"
         self.mirror = torch.full((num_layers * num_experts,), -1, dtype=torch.int32, pin_memory=self.cuda)
-        self._mirror_dst = _device_view(self.mirror, device) if self.cuda else self.mirror
+        self._mirror_dst = pinned_device_view(self.mirror, device) if self.cuda else self.mirror
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        two = os.environ.get(STREAMS_ENV, "1") == "2"
-        self.second = torch.cuda.Stream(device) if self.cuda and two else None  # see STREAMS_ENV
+        self.second = torch.cuda.Stream(device) if self.cuda and str(streams) == "2" else None  # see STREAMS_ENV
         self._forked = False
         # the chunk's plan (``plan``): the host's copies per layer as (host row, share index, length) runs
         self.runs: list[list[tuple[int, int, int]]] = []
@@ -199,11 +203,3 @@ def _bridge(row_bytes: int, expert_bytes: int, count: int) -> int:
     if row_bytes > BRIDGE_SHARE * expert_bytes:
         return 0
     return min(count, BRIDGE_BYTES // row_bytes)
-
-
-def _device_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CUDA tensor over pinned host memory (mapped: the device writes it over PCIe), so the
-    refresh is a device-to-device copy in torch's eyes, capturable in a CUDA graph."""
-    nbytes = pinned.numel() * pinned.element_size()
-    device_ptr = pinned_device_pointer(pinned.data_ptr(), device)
-    return mapped_device_bytes(device_ptr, nbytes, device, owner=pinned).view(pinned.dtype)

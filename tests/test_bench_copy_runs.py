@@ -1,6 +1,7 @@
 """scripts/bench_copy_runs.py: its ways of staging a layer's misses put the same bytes in the same
-buffer slots (an expert record holds every bank's row at its offset), so its timings compare
-copies of the same data; the bytes it counts are the bytes it moves."""
+buffer slots (the mirror's own staging on one stream and on two; an expert record holds every
+bank's row at its offset), so its timings compare copies of the same data; the bytes it counts are
+the bytes it moves."""
 from __future__ import annotations
 
 import random
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # it imports report_table
-from bench_copy_runs import ALIGN, Layout, bank_bytes, layer_runs, offsets  # noqa: E402
+from bench_copy_runs import ALIGN, Layout, bank_bytes, offsets  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -29,24 +30,23 @@ def test_offsets_are_aligned_and_do_not_overlap():
     assert offs == [0, ALIGN, 3 * ALIGN, 4 * ALIGN] and record == 5 * ALIGN
 
 
-def test_runs_cover_exactly_the_misses():
-    runs = layer_runs(random.Random(3), 40, 0.25)
-    moved = [e for src, dst, n in runs for e in range(src, src + n)]
-    assert len(moved) == 30 == len(set(moved)) and all(src == dst for src, dst, _ in runs)
-
-
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
-def test_banks_and_records_stage_the_same_bytes(dtype):
+def test_every_way_stages_the_misses_bytes(dtype):
     torch.manual_seed(0)
-    layout = Layout(bank_bytes(dtype, 48, 64), 24, CPU)
-    runs = layer_runs(random.Random(1), 24, 0.25)
-    copies = layout.copy("banks", runs)
-    assert layout.copy("banks2", runs) == copies  # on a CPU: the same copies, one stream
-    assert layout.copy("records", runs) == len(runs) <= copies
-    misses = [e for src, _, n in runs for e in range(src, src + n)]
-    for pool, host, off, size in zip(layout.pool, layout.host, layout.offsets, layout.sizes):
-        assert torch.equal(pool[misses], host[misses])
-        assert torch.equal(layout.pool_records[misses, off:off + size], pool[misses])
-    assert layout.moved_bytes("records", runs) == len(misses) * layout.record
-    unbridged = sum(size for size, bridge in zip(layout.sizes, layout.bridge) if not bridge)
-    assert layout.moved_bytes("banks", runs) == layout.moved_bytes("banks2", runs) >= len(misses) * unbridged
+    experts = 24
+    layout = Layout(bank_bytes(dtype, 48, 64), experts, 0.25, random.Random(1), CPU)
+    mirror = layout.mirrors["banks"]
+    for layer in range(2):
+        misses = [j for _, j, n in mirror.runs[layer] for j in range(j, j + n)]
+        assert len(misses) == 18 == len(set(misses))  # a quarter of the experts are hits
+        copies = layout.copy("banks", layer)
+        assert layout.copy("banks2", layer) == copies  # on a CPU: the same copies, one stream
+        assert layout.copy("records", layer) == len(mirror.runs[layer]) <= copies
+        rows = slots = [layer * experts + j for j in misses]  # two layers: host row and buffer slot coincide
+        for b, (host, off, size) in enumerate(zip(layout.host, layout.offsets, layout.sizes)):
+            for way in ("banks", "banks2"):
+                assert torch.equal(layout.mirrors[way].banks[b][1][slots], host[rows])
+            assert torch.equal(layout.pool_records[slots, off:off + size], host[rows, 0])
+        assert layout.moved_bytes("records", layer) == len(misses) * layout.record
+        unbridged = sum(size for size, bridge in zip(layout.sizes, mirror.bridge) if not bridge)
+        assert layout.moved_bytes("banks", layer) == layout.moved_bytes("banks2", layer) >= len(misses) * unbridged

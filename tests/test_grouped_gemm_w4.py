@@ -451,15 +451,22 @@ def first_of_each(configs: list, keys) -> list:
     return out
 
 
+def prefill_block_m(tiles: tuple) -> set:
+    return {tiles[0]}
+
+
+def decode_block_fields(change: dict) -> set:
+    return {field for field in change if field.endswith(("_n", "_k"))}
+
+
 def test_explicit_tiles_cover_every_swept_shape():
     from scripts.bench_grouped_gemm_w4 import DECODE_SWEEP, SWEEP
 
-    prefill = first_of_each(SWEEP, lambda tiles: {tiles[0]})
-    assert sorted(t[0] for t in prefill) == sorted({t[0] for t in SWEEP}) and len(prefill) < len(SWEEP)
-    shapes = lambda change: {f for f in change if f.endswith(("_n", "_k"))}  # noqa: E731
-    decode = first_of_each(DECODE_SWEEP, shapes)
-    assert set().union(*map(shapes, decode)) == set().union(*map(shapes, DECODE_SWEEP))
-    assert len(decode) <= 8 < len(DECODE_SWEEP)
+    prefill = first_of_each(SWEEP, prefill_block_m)
+    assert set().union(*map(prefill_block_m, prefill)) == set().union(*map(prefill_block_m, SWEEP))
+    decode = first_of_each(DECODE_SWEEP, decode_block_fields)
+    assert set().union(*map(decode_block_fields, decode)) == set().union(*map(decode_block_fields, DECODE_SWEEP))
+    assert len(prefill) < len(SWEEP) and len(decode) <= 8 < len(DECODE_SWEEP)
 
 
 @pytest.mark.cuda
@@ -472,10 +479,10 @@ def test_cuda_explicit_tiles(fmt):
     from scripts.bench_grouped_gemm_w4 import DECODE_SWEEP, SWEEP
 
     banks = random_banks(64, 1056, 352, fmt, "cuda")
-    for tiles in first_of_each(SWEEP, lambda tiles: {tiles[0]}):
+    for tiles in first_of_each(SWEEP, prefill_block_m):
         check_trials("prefill", banks, fmt, kernels().BlockConfig(*tiles), trials=3, token_counts=[5, 300, 1024],
                      top_ks=[4], dtypes=[torch.bfloat16], device="cuda", seed=2)
-    for tiles in first_of_each(DECODE_SWEEP, lambda change: {f for f in change if f.endswith(("_n", "_k"))}):
+    for tiles in first_of_each(DECODE_SWEEP, decode_block_fields):
         check_trials("decode", banks, fmt, decode().W4_DECODE_TILES._replace(**tiles), trials=4, token_counts=[1, 3, 6, 8],
                      top_ks=[8], dtypes=[torch.bfloat16], device="cuda", seed=3)
 

@@ -196,6 +196,20 @@ def test_a_small_bank_is_copied_across_the_hits_and_the_weights_are_not():
     assert mirrored.slots(0, torch.arange(experts)).tolist() == [0, 16, 2, 3, 17, 5, 18, 7]
 
 
+def test_the_mirrors_streams_are_one_or_two(monkeypatch):
+    """``streams`` (or SLUICE_MIRROR_STREAMS) other than 1 or 2 is refused, never taken for one."""
+    from moe_offload.mirrored_misses import STREAMS_ENV, MirroredMisses
+
+    table, banks = torch.full((4,), -1, dtype=torch.int32), [(torch.zeros(4, 1, 8), torch.zeros(4, 1, 8))] * 2
+    with pytest.raises(ValueError, match="1 or 2 streams"):
+        MirroredMisses(table, banks, 2, 2, torch.arange(2), 4, streams=3)
+    monkeypatch.setenv(STREAMS_ENV, "two")
+    with pytest.raises(ValueError, match=STREAMS_ENV):
+        MirroredMisses(table, banks, 2, 2, torch.arange(2), 4)
+    monkeypatch.setenv(STREAMS_ENV, "2")
+    assert MirroredMisses(table, banks, 2, 2, torch.arange(2), 4).second is None  # no second stream off CUDA
+
+
 def test_a_stale_mirror_stages_exactly_and_counts_its_errors():
     """Whatever the host's mirror says (scrambled before every chunk here, as a torn or old copy
     could be), chunks give the resident results and leave the lent slots empty: experts it thought

@@ -17,10 +17,8 @@ May import: the standard library (fla and triton inside the functions that read 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -29,25 +27,24 @@ MODE = "strict"
 
 
 def gpu_folder(device_name: str) -> str:
-    """The folder name fla gives a GPU (its ``sanitize_gpu_name``)."""
-    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
+    """The folder fla reads a GPU's configs from (its ``sanitize_gpu_name``)."""
+    from fla.ops.utils.cache import sanitize_gpu_name
+
+    return sanitize_gpu_name(device_name)
 
 
 def use_kept_configs(device_name: str, kept: Path = KEPT) -> bool:
     """Point fla at the kept configs of ``device_name`` (see the module docstring); whether it did."""
-    folder = kept / gpu_folder(device_name)
-    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not folder.is_dir():
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not kept.is_dir():
         return False
+    folder = kept / gpu_folder(device_name)
+    if not folder.is_dir():
+        return False
+    from fla.ops.utils import cache  # fla reads its mode once, at import: set it there too
+
     os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), MODE
-    cache = sys.modules.get("fla.ops.utils.cache")
-    if cache is not None:  # imported already (transformers may import fla): it read the mode at import
-        cache.FLA_CACHE_MODE = cache.FlaCacheMode(MODE)
+    cache.FLA_CACHE_MODE = cache.FlaCacheMode(MODE)
     return True
-
-
-def key_hash(key: list) -> str:
-    """fla's hash of an autotune key (``AutotuneKey.key_hash``)."""
-    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
 
 
 def config_entry(key: tuple, config) -> dict:
@@ -59,7 +56,7 @@ def config_entry(key: tuple, config) -> dict:
 
 def tuned() -> dict[str, dict[str, dict]]:
     """Kernel name -> {key hash: entry} of every fla autotuner in this process that has tuned."""
-    from fla.ops.utils.cache import CachedAutotuner
+    from fla.ops.utils.cache import AutotuneKey, CachedAutotuner
 
     out: dict[str, dict[str, dict]] = {}
     for name, module in list(sys.modules.items()):
@@ -69,7 +66,7 @@ def tuned() -> dict[str, dict[str, dict]]:
             if isinstance(tuner, CachedAutotuner) and tuner.cache:
                 entries = out.setdefault(tuner.kernel_name, {})
                 for key, config in tuner.cache.items():
-                    entries[key_hash(list(key))] = config_entry(key, config)
+                    entries[AutotuneKey.key_hash(key)] = config_entry(key, config)
     return out
 
 
