@@ -79,3 +79,14 @@ def test_workers_dumps_merge_and_the_later_choice_wins(tmp_path):
     assert target == tmp_path / "kept" / "NVIDIA_H200" and count == 2
     kept = read(target)
     assert kept["k1"][HASH]["config"]["num_warps"] == 8 and len(kept["k2"]) == 1
+
+
+def test_tune_refuses_without_a_gpu_and_a_model_without_linear_layers(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        fla_configs.tune(["tiny-hybrid-geometry"], 64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before anything touches a GPU
+    with pytest.raises(SystemExit, match="qwen3-30b-geometry has no linear-attention layers"):
+        fla_configs.tune(["qwen3-30b-geometry"], 64)
