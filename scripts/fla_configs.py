@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -65,10 +66,12 @@ def tune(models: list[str], tokens: int) -> dict[str, dict[str, dict]]:
         g = -torch.rand(tokens, hv, **cuda)
         state = torch.zeros(2, hv, dk, dv, **cuda)
         bounds = [0, tokens // 2, tokens]
+        start = time.perf_counter()
         gated_delta_chunk(q, k, v, g, beta, state, torch.arange(2, **cuda), torch.tensor(bounds, dtype=torch.int32,
                                                                                          **cuda), bounds)
         torch.cuda.synchronize()
-        print(f"{model}: {hk} key / {hv} value heads of {dk} x {dv}, run")
+        print(f"{model}: {hk} key / {hv} value heads of {dk} x {dv}, first run {time.perf_counter() - start:.1f} s "
+              "(compiling, and tuning what is not kept)")
     return tuned()
 
 

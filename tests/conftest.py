@@ -34,9 +34,9 @@ def pytest_configure(config):
     if torch.cuda.is_available() and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # xdist's order by test count; the files come heaviest first
     if torch.cuda.is_available():  # before transformers or our code imports fla: its kept configs, if any
-        from worker.linear_attention.fla_tuning import use_kept_configs
+        from worker.linear_attention.fla_tuning import prepare
 
-        use_kept_configs(torch.cuda.get_device_name())
+        prepare(torch.cuda.get_device_name())
 
 
 def pytest_sessionfinish(session, exitstatus):

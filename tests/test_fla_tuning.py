@@ -90,3 +90,29 @@ def test_tune_refuses_without_a_gpu_and_a_model_without_linear_layers(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused before anything touches a GPU
     with pytest.raises(SystemExit, match="qwen3-30b-geometry has no linear-attention layers"):
         fla_configs.tune(["qwen3-30b-geometry"], 64)
+
+
+def test_every_fla_tuner_becomes_one_that_reads_kept_configs():
+    """In a fresh process (an earlier import elsewhere must not hide the change): after ``prepare``'s
+    swap, no plain Triton autotuner is left in fla's modules, the chunked gated-delta kernels among
+    those changed, each named as fla's own decorator names it."""
+    import subprocess
+
+    code = """
+import sys
+from triton.runtime.autotuner import Autotuner
+from worker.linear_attention import fla_tuning
+changed = fla_tuning.cache_every_tuner()
+from fla.ops.utils.cache import CachedAutotuner
+tuners = fla_tuning._autotuners()
+assert all(type(t) is CachedAutotuner for t in tuners)
+names = {t.kernel_name for t in tuners}
+from fla.ops.common import chunk_h
+assert chunk_h.chunk_fwd_kernel_h.fn.kernel_name == "chunk_fwd_kernel_h" in names  # under triton.heuristics
+assert fla_tuning.cache_every_tuner() == 0  # once is enough
+print(changed, len(names))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    changed, names = map(int, out.stdout.split()[-2:])  # fla 0.6: 300 and more
+    assert changed > 10 and names > 10

@@ -9,6 +9,13 @@ warm-up alike. fla can instead read each kernel's chosen config from files (``FL
 - ``use_kept_configs`` (before fla's first use) points fla at ``fla_configs/<GPU>/`` where that
   folder exists and the user set neither variable, in fla's ``strict`` mode: a key tuned before
   is read, any other is autotuned as before (never a config tuned for another shape);
+- ``cache_every_tuner``: fla reads kept configs only through its ``CachedAutotuner``, which few of
+  its kernels ask for by name (fla 0.6: the l2norm and the conv); the chunked gated-delta kernels
+  use ``triton.autotune``, and fla's way to swap that globally (``configure_fla_cache_autotune``)
+  must run before its kernels are defined, while importing it imports them all. So once fla is
+  imported its plain Triton autotuners are made ``CachedAutotuner``s (the class fla's swap would
+  have built, with the kernel name it takes): the same tuners that first look for a kept config;
+  ``prepare`` does both, before fla's first use;
 - ``tuned`` reads the configs this process's autotuners chose and ``dump`` writes them in fla's
   file format (a GPU suite's workers each their own: ``SLUICE_FLA_DUMP``, see ``tests/conftest.py``);
   ``scripts/fla_configs.py merge`` joins such dumps into ``fla_configs/<GPU>/``.
@@ -47,6 +54,46 @@ def use_kept_configs(device_name: str, kept: Path = KEPT) -> bool:
     return True
 
 
+def cache_every_tuner() -> int:
+    """fla's plain Triton autotuners made fla's ``CachedAutotuner`` (module docstring); how many."""
+    from triton.runtime.autotuner import Autotuner
+
+    import fla.ops  # noqa: F401  every kernel module of fla's ops
+    from fla.ops.utils.cache import CachedAutotuner
+
+    changed = 0
+    for tuner in _autotuners():
+        if type(tuner) is Autotuner:
+            fn = tuner.fn  # the name CachedAutotuner.__init__ gives it
+            tuner.kernel_name = fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__
+            tuner.__class__ = CachedAutotuner
+            changed += 1
+    return changed
+
+
+def _autotuners() -> list:
+    """Every Triton autotuner that fla's imported modules hold, under any ``triton.heuristics``."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    found: dict[int, Autotuner] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla."):
+            continue
+        for value in vars(module).values():
+            while isinstance(value, Heuristics):
+                value = value.fn
+            if isinstance(value, Autotuner):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def prepare(device_name: str) -> bool:
+    """Before fla's first use on a GPU: its kept configs, read by every tuner; whether any are kept."""
+    kept = use_kept_configs(device_name)
+    cache_every_tuner()
+    return kept
+
+
 def config_entry(key: tuple, config) -> dict:
     """One tuned key and its ``triton.Config`` as fla's files hold them."""
     return {"autotune_key": list(key),
@@ -59,14 +106,11 @@ def tuned() -> dict[str, dict[str, dict]]:
     from fla.ops.utils.cache import AutotuneKey, CachedAutotuner
 
     out: dict[str, dict[str, dict]] = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("fla."):
-            continue
-        for tuner in vars(module).values():
-            if isinstance(tuner, CachedAutotuner) and tuner.cache:
-                entries = out.setdefault(tuner.kernel_name, {})
-                for key, config in tuner.cache.items():
-                    entries[AutotuneKey.key_hash(key)] = config_entry(key, config)
+    for tuner in _autotuners():
+        if isinstance(tuner, CachedAutotuner) and tuner.cache:
+            entries = out.setdefault(tuner.kernel_name, {})
+            for key, config in tuner.cache.items():
+                entries[AutotuneKey.key_hash(key)] = config_entry(key, config)
     return out
 
 

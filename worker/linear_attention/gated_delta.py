@@ -59,10 +59,10 @@ def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 @functools.cache
 def _use_kept_configs(device: int | None) -> bool:
-    """Once, before fla's first use on a GPU: its kept configs (``fla_tuning``)."""
-    from worker.linear_attention.fla_tuning import use_kept_configs
+    """Once, before fla's first use on a GPU: its kept configs, read by every tuner (``fla_tuning``)."""
+    from worker.linear_attention.fla_tuning import prepare
 
-    return use_kept_configs(torch.cuda.get_device_name(device))
+    return prepare(torch.cuda.get_device_name(device))
 
 
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
