@@ -27,8 +27,6 @@ chunk: the one host read is of the mirror, which no stream waits for.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moe_offload.copy_runs import bridge_gaps, copy_runs
@@ -41,25 +39,16 @@ STALE_FIELDS = ("wasted", "repaired")  # per layer: host copies of experts that 
 # across the hits between two runs of misses too: a copy's set-up costs microseconds, the bytes nothing.
 BRIDGE_BYTES = 64 << 10
 BRIDGE_SHARE = 0.01
-# SLUICE_MIRROR_STREAMS=2: the first bank's copies on the copy stream, the other banks' on a second
-# copy stream at once (a copy costs the engine about 3 us beside its bytes: a second engine may hide
-# the scale banks' set-up under the weights' bytes; scripts/bench_copy_runs.py's banks2); unset: one
-STREAMS_ENV = "SLUICE_MIRROR_STREAMS"
 
 
 class MirroredMisses:
     """The host's mirror of ``slot_for_id``, each chunk's copy plan from it, and the device-side
     repair (module docstring). ``banks``: ``(host [L*E, ...], pool [S, ...])`` for the weights and
     every scale bank, the host side device-addressable on CUDA; the buffer of ``b`` is
-    ``pool[b*n : (b+1)*n]``. ``experts``: the share's expert ids per layer (``n`` of them).
-    ``streams``: the copy streams of ``stage``, 1 or 2 (``STREAMS_ENV`` where not given)."""
+    ``pool[b*n : (b+1)*n]``. ``experts``: the share's expert ids per layer (``n`` of them)."""
 
     def __init__(self, slot_for_id: torch.Tensor, banks: list[tuple[torch.Tensor, torch.Tensor]],
-                 num_layers: int, num_experts: int, experts: torch.Tensor, lent: int, backend: str | None = None,
-                 streams: int | None = None):
-        streams = os.environ.get(STREAMS_ENV, "1") if streams is None else streams
-        if str(streams) not in ("1", "2"):
-            raise ValueError(f"the mirror copies on 1 or 2 streams ({STREAMS_ENV}), not {streams}")
+                 num_layers: int, num_experts: int, experts: torch.Tensor, lent: int, backend: str | None = None):
         device = slot_for_id.device
         count = experts.numel()
         self.slot_for_id, self.banks, self.lent, self.count, self.backend = slot_for_id, banks, lent, count, backend
@@ -74,7 +63,6 @@ class MirroredMisses:
         self.mirror = torch.full((num_layers * num_experts,), -1, dtype=torch.int32, pin_memory=self.cuda)
         self._mirror_dst = pinned_device_view(self.mirror, device) if self.cuda else self.mirror
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        self.second = torch.cuda.Stream(device) if self.cuda and str(streams) == "2" else None  # see STREAMS_ENV
         self._forked = False
         # the chunk's plan (``plan``): the host's copies per layer as (host row, share index, length) runs
         self.runs: list[list[tuple[int, int, int]]] = []
@@ -150,25 +138,12 @@ class MirroredMisses:
         bridged across hits), then the repairs (one ``gather_missing`` launch, its count on the
         device); on the current stream (the copy stream), after the layer two back has let go of
         the buffer."""
-        if self.second is None:
-            for bank in range(len(self.banks)):
-                self._copy_bank(bank, layer)
-        else:  # STREAMS_ENV: the other banks' copies on the second stream, joined before the repairs
-            current = torch.cuda.current_stream(self.slot_for_id.device)
-            self.second.wait_stream(current)
-            self._copy_bank(0, layer)
-            with torch.cuda.stream(self.second):
-                for bank in range(1, len(self.banks)):
-                    self._copy_bank(bank, layer)
-            current.wait_stream(self.second)
+        start = (layer % 2) * self.count
+        for (h, pool), bridge in zip(self.banks, self.bridge):
+            for src, j, length in bridge_gaps(self.runs[layer], bridge) if bridge else self.runs[layer]:
+                pool[start + j:start + j + length].copy_(h[src:src + length], non_blocking=True)
+                self.copies += 1
         self._repair(layer)
-
-    def _copy_bank(self, bank: int, layer: int) -> None:
-        """Bank ``bank``'s copies of ``layer``'s runs into its buffer, on the current stream."""
-        (h, pool), bridge, start = self.banks[bank], self.bridge[bank], (layer % 2) * self.count
-        for src, j, length in bridge_gaps(self.runs[layer], bridge) if bridge else self.runs[layer]:
-            pool[start + j:start + j + length].copy_(h[src:src + length], non_blocking=True)
-            self.copies += 1
 
     def _repair(self, layer: int) -> None:
         host = [h for h, _ in self.banks]

@@ -1,7 +1,7 @@
 """Time the copy engine on a prefill chunk's misses as the mirror stages them (``MirroredMisses.stage``:
-one copy per run of missed experts per bank, small banks bridged, then its repair launch), on one
-copy stream and on two, against one copy per run of whole expert records (an expert-major layout:
-every bank of an expert in one record) and one copy of the same bytes.
+one copy per run of missed experts per bank, small banks bridged, then its repair launch), against
+one copy per run of whole expert records (an expert-major layout: every bank of an expert in one
+record) and one copy of the same bytes.
 
     python scripts/bench_copy_runs.py [--expert-dtype bf16 fp8 nvfp4 mxfp4] [--cache 0.25] [--json out.json]
 
@@ -13,12 +13,10 @@ copy is the device-to-device ``copy_`` the mirror issues. The question it answer
 set-up cost, beside its bytes, make the mirror's 4-bit staging (4 unbridged banks) slower than its
 bytes?
 
-Rows per format: ``banks`` (the mirror today), ``banks2`` (the mirror with ``streams=2``: the first
-bank's copies on one stream, the others' on a second, so that two copy engines may overlap one's
-set-up with the other's bytes), ``records`` (the mirror's runs, one copy each), ``one`` (a layer's
-missed bytes in one copy: the engine's ceiling). Time from CUDA events around ``--reps`` reps;
-host us = the Python time to issue a copy (it includes waits where the copy queue is full); bound
-= bytes / 55 GB/s (pinned host-to-device, DESIGN.md); ratio = bound / time.
+Rows per format: ``banks`` (the mirror today), ``records`` (the mirror's runs, one copy each),
+``one`` (a layer's missed bytes in one copy: the engine's ceiling). Time from CUDA events around
+``--reps`` reps; host us = the Python time to issue a copy (it includes waits where the copy queue
+is full); bound = bytes / 55 GB/s (pinned host-to-device, DESIGN.md); ratio = bound / time.
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ from report_table import bench_parser, print_table, write_json  # noqa: E402  (b
 PCIE_BYTES_PER_S = 55e9
 ALIGN = 256  # a bank's offset inside a record
 LAYERS = 2  # of host banks: the mirror's buffer alternates between two layers
-WAYS = ("banks", "banks2", "records", "one")
+WAYS = ("banks", "records", "one")
 
 
 def bank_bytes(dtype: str, inter: int, hidden: int) -> list[int]:
@@ -67,7 +65,7 @@ def host_tensor(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class Layout:
     """Two layers of ``experts`` experts' banks (uint8 rows ``[L*E, 1, bytes]``) in host memory and
-    a mirror staging them into a buffer, on one stream and on two; the same experts as records."""
+    a mirror staging them into a buffer; the same experts as records."""
 
     def __init__(self, sizes: list[int], experts: int, cache: float, rng: random.Random, device: torch.device):
         self.sizes, (self.offsets, self.record), self.experts = sizes, offsets(sizes), experts
@@ -82,14 +80,13 @@ class Layout:
         for layer in range(LAYERS):  # hits at slots past the buffer's, read in place
             hits = rng.sample(range(experts), round(cache * experts))
             table[[layer * experts + e for e in hits]] = LAYERS * experts + torch.arange(len(hits), dtype=torch.int32)
-        self.mirrors = {way: self._mirror(table.to(device), experts, streams)
-                        for way, streams in (("banks", 1), ("banks2", 2))}
+        self.mirror = self._mirror(table.to(device), experts)
 
-    def _mirror(self, table: torch.Tensor, experts: int, streams: int) -> MirroredMisses:
+    def _mirror(self, table: torch.Tensor, experts: int) -> MirroredMisses:
         """A mirror over the host banks, its buffer its own, its plan made from the exact table."""
         pools = [torch.zeros_like(h, device=table.device) for h in self.host]
         mirror = MirroredMisses(table, list(zip(self.host, pools)), LAYERS, experts, torch.arange(experts),
-                                LAYERS * experts, streams=streams)
+                                LAYERS * experts)
         mirror.refresh(beside=False)
         if table.is_cuda:
             torch.cuda.synchronize()  # the plan reads the mirror: here it must be exact, not recent
@@ -98,11 +95,11 @@ class Layout:
 
     def copy(self, way: str, layer: int) -> int:
         """``layer``'s misses copied ``way``; the copies."""
-        if way in self.mirrors:
-            before = self.mirrors[way].copies
-            self.mirrors[way].stage(layer)
-            return self.mirrors[way].copies - before
-        runs, start = self.mirrors["banks"].runs[layer], (layer % LAYERS) * self.experts  # its buffer, as stage's
+        if way == "banks":
+            before = self.mirror.copies
+            self.mirror.stage(layer)
+            return self.mirror.copies - before
+        runs, start = self.mirror.runs[layer], (layer % LAYERS) * self.experts  # its buffer, as stage's
         if way == "records":
             for src, j, n in runs:
                 self.pool_records[start + j:start + j + n].copy_(self.host_records[src:src + n], non_blocking=True)
@@ -113,8 +110,8 @@ class Layout:
 
     def moved_bytes(self, way: str, layer: int) -> int:
         """The bytes ``way`` moves for ``layer`` (bridged gaps and record padding counted)."""
-        mirror = self.mirrors["banks"]
-        if way in self.mirrors:
+        mirror = self.mirror
+        if way == "banks":
             return sum(sum(n for _, _, n in bridge_gaps(mirror.runs[layer], bridge)) * size
                        for size, bridge in zip(self.sizes, mirror.bridge))
         return sum(n for _, _, n in mirror.runs[layer]) * self.record

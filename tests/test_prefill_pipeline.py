@@ -196,20 +196,6 @@ def test_a_small_bank_is_copied_across_the_hits_and_the_weights_are_not():
     assert mirrored.slots(0, torch.arange(experts)).tolist() == [0, 16, 2, 3, 17, 5, 18, 7]
 
 
-def test_the_mirrors_streams_are_one_or_two(monkeypatch):
-    """``streams`` (or SLUICE_MIRROR_STREAMS) other than 1 or 2 is refused, never taken for one."""
-    from moe_offload.mirrored_misses import STREAMS_ENV, MirroredMisses
-
-    table, banks = torch.full((4,), -1, dtype=torch.int32), [(torch.zeros(4, 1, 8), torch.zeros(4, 1, 8))] * 2
-    with pytest.raises(ValueError, match="1 or 2 streams"):
-        MirroredMisses(table, banks, 2, 2, torch.arange(2), 4, streams=3)
-    monkeypatch.setenv(STREAMS_ENV, "two")
-    with pytest.raises(ValueError, match=STREAMS_ENV):
-        MirroredMisses(table, banks, 2, 2, torch.arange(2), 4)
-    monkeypatch.setenv(STREAMS_ENV, "2")
-    assert MirroredMisses(table, banks, 2, 2, torch.arange(2), 4).second is None  # no second stream off CUDA
-
-
 def test_a_stale_mirror_stages_exactly_and_counts_its_errors():
     """Whatever the host's mirror says (scrambled before every chunk here, as a torn or old copy
     could be), chunks give the resident results and leave the lent slots empty: experts it thought
@@ -523,18 +509,13 @@ def prefill(r: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("stage,expert_dtype,streams", [
-    ("kernel", "auto", "1"), ("misses", "auto", "1"), ("misses", "fp8", "1"), ("mirror", "auto", "1"),
-    ("mirror", "fp8", "1"), ("mirror", "nvfp4", "1"), ("mirror", "fp8", "2"), ("mirror", "nvfp4", "2")])
-def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype, streams, monkeypatch):
+@pytest.mark.parametrize("stage,expert_dtype", [("kernel", "auto"), ("misses", "auto"), ("misses", "fp8"),
+                                                ("mirror", "auto"), ("mirror", "fp8"), ("mirror", "nvfp4")])
+def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_dtype):
     """Chunks staged by the kernel, by the misses' conditional copies or by the copy engine from the
-    mirror (from the mapped host store, bf16 and fp8 or nvfp4 with their scale banks; its copies on
-    one stream or, SLUICE_MIRROR_STREAMS=2, on two) give the logits of the plain cache path, under
-    sync debug."""
+    mirror (from the mapped host store, bf16 and fp8 or nvfp4 with their scale banks) give the
+    logits of the plain cache path, under sync debug."""
     from moe_offload.miss_copies import conditional_graphs
-    from moe_offload.mirrored_misses import STREAMS_ENV
-
-    monkeypatch.setenv(STREAMS_ENV, streams)
 
     if stage == "misses" and not conditional_graphs():
         with pytest.raises(ValueError, match="conditional nodes"):
@@ -551,7 +532,6 @@ def test_cuda_multichunk_prefill_stage_modes_equal_the_cache_path(stage, expert_
     stats = r.experts.pipeline.stats()
     assert stats[f"chunks_{stage}"] > 0 and stats["from_host"] > 0
     assert stage in ("misses", "mirror") or stats["in_place"] == 0  # no decode ran: no hit to read in place
-    assert stage != "mirror" or (r.experts.pipeline.mirrored.second is not None) == (streams == "2")
 
 
 @pytest.mark.cuda
