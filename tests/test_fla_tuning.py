@@ -116,3 +116,19 @@ print(changed, len(names))
     assert out.returncode == 0, out.stderr[-2000:]
     changed, names = map(int, out.stdout.split()[-2:])  # fla 0.6: 300 and more
     assert changed > 10 and names > 10
+
+
+def test_prepare_says_when_fla_will_autotune(tmp_path, fla_env, monkeypatch, caplog):
+    """No kept folder for this GPU: one line naming the card and the command that keeps configs;
+    a kept one: silence (and fla pointed at it)."""
+    monkeypatch.setattr(fla_tuning, "cache_every_tuner", lambda: 0)  # fla's tuners: the subprocess test's
+    monkeypatch.setattr(fla_tuning, "KEPT", tmp_path)
+    monkeypatch.setattr(fla_tuning.use_kept_configs, "__defaults__", (tmp_path,))
+    with caplog.at_level("INFO", logger="sluice.worker"):
+        assert not fla_tuning.prepare("NVIDIA H200")
+    assert "no tuned configs for NVIDIA H200" in caplog.text and "fla_configs.py tune" in caplog.text
+    caplog.clear()
+    (tmp_path / gpu_folder("NVIDIA H200")).mkdir()
+    with caplog.at_level("INFO", logger="sluice.worker"):
+        assert fla_tuning.prepare("NVIDIA H200")
+    assert caplog.text == ""

@@ -25,10 +25,12 @@ May import: the standard library (fla and triton inside the functions that read 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
+log = logging.getLogger("sluice.worker")
 KEPT = Path(__file__).with_name("fla_configs")
 MODE = "strict"
 
@@ -91,6 +93,9 @@ def prepare(device_name: str) -> bool:
     """Before fla's first use on a GPU: its kept configs, read by every tuner; whether any are kept."""
     kept = use_kept_configs(device_name)
     cache_every_tuner()
+    if not kept and "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ:
+        log.info("fla keeps no tuned configs for %s here: its kernels autotune on first use (about a minute a "
+                 "head shape); `python scripts/fla_configs.py tune MODEL` keeps them", device_name)
     return kept
 
 
