@@ -1,0 +1,62 @@
+"""scripts/gpu_suite.sh: the GPU suite run after run until RUNS pass in a row, the row carried to
+the next call on the same machine while the code is the same; run here with a stand-in ``python``
+whose "suite" passes or fails as told (no GPU, no pytest)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = """#!/usr/bin/env bash
+echo "$@" >> "$FAKE_DIR/calls"
+[ -e "$FAKE_DIR/fail" ] && { echo "FAILED tests/test_x.py::test_y"; echo "1 failed"; exit 1; }
+echo "3 passed"
+"""
+
+
+def run(tmp_path: Path, runs: int, budget: int = 3000, fail: bool = False) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text(FAKE)
+    (bin_dir / "python").chmod(0o755)
+    (tmp_path / "fail").unlink(missing_ok=True)
+    if fail:
+        (tmp_path / "fail").touch()
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), OUT=str(tmp_path / "out"),
+               SUITE_STATE=str(tmp_path / "state" / "row"), SUITE_BUDGET=str(budget))
+    return subprocess.run(["bash", "scripts/gpu_suite.sh", str(runs)], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+
+
+def calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "calls").read_text().splitlines()
+
+
+def test_runs_until_the_row_is_done_and_carries_it_to_the_next_call(tmp_path):
+    cold = run(tmp_path, 2, budget=300)  # a first run needs room for compiling and tuning
+    assert cold.returncode == 0 and "run 1 needs ~450 s" in cold.stdout and not (tmp_path / "calls").exists()
+    first = run(tmp_path, 1)
+    assert first.returncode == 0 and "run 1: rc=0" in first.stdout and "1 of 1 in a row" in first.stdout
+    assert calls(tmp_path)[0].startswith("-m pytest -m cuda -n 6 --dist loadfile")
+    second = run(tmp_path, 2, budget=300)  # the row goes on: a warm run fits
+    assert second.returncode == 0 and "run 2: rc=0" in second.stdout and "2 of 2 in a row" in second.stdout
+    assert (tmp_path / "out" / "suite2.tail").read_text().strip() == "3 passed"
+    assert len(calls(tmp_path)) == 2
+    assert run(tmp_path, 2).stdout.strip() == "suite: 2 of 2 in a row"  # done: nothing runs
+    assert len(calls(tmp_path)) == 2
+
+
+def test_a_failure_ends_the_call_and_starts_the_row_over(tmp_path):
+    assert run(tmp_path, 1).returncode == 0
+    failed = run(tmp_path, 3, fail=True)
+    assert failed.returncode == 1 and "run 2: rc=1" in failed.stdout and "FAILED tests/test_x.py" in failed.stdout
+    again = run(tmp_path, 1)
+    assert "run 1: rc=0" in again.stdout and len(calls(tmp_path)) == 3
+
+
+def test_a_row_kept_for_other_code_starts_over(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "row").write_text("2 0123456789ab\n")  # two passes of another tree
+    out = run(tmp_path, 2)
+    assert "run 1: rc=0" in out.stdout and "run 2: rc=0" in out.stdout and len(calls(tmp_path)) == 2
