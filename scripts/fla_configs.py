@@ -55,11 +55,11 @@ def tune(models: list[str], tokens: int) -> dict[str, dict[str, dict]]:
 
     if not torch.cuda.is_available():
         raise SystemExit("tune needs a CUDA GPU: fla tunes its kernels on the card it runs on")
+    cuda, bf16 = dict(device="cuda"), dict(device="cuda", dtype=torch.bfloat16)
     for model in models:
         shape = ModelConfig.from_dir(model).linear
         if shape is None:
             raise SystemExit(f"{model} has no linear-attention layers")
-        cuda, bf16 = dict(device="cuda"), dict(device="cuda", dtype=torch.bfloat16)
         hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
         q, k = (torch.randn(tokens, hk, dk, **bf16) for _ in range(2))
         v, beta = torch.randn(tokens, hv, dv, **bf16), torch.rand(tokens, hv, **bf16)

@@ -1,14 +1,15 @@
 """fla's autotuned kernels, tuned once per GPU model and kept in the repository.
 
 fla's chunked gated-delta-rule kernels autotune on their first call for each head shape and
-dtype: on a freshly started machine that compiles and times every config of about seven kernels,
-125-190 s for one head shape (H100, cold Triton cache), in the GPU suite and in a hybrid model's
-warm-up alike. fla can instead read each kernel's chosen config from files (``FLA_CONFIG_DIR``,
+dtype: on a freshly started machine that compiles and times every config of about seven kernels
+(H100, cold Triton cache: 65 s for Qwen3.5-35B-A3B's shape, 125-190 s for each of the GPU tests'
+shapes), in the GPU suite and in a hybrid model's warm-up alike. fla can instead read each kernel's chosen config from files (``FLA_CONFIG_DIR``,
 ``FLA_CACHE_MODE``; fla's ``ops/utils/cache.py``). So:
 
 - ``use_kept_configs`` (before fla's first use) points fla at ``fla_configs/<GPU>/`` where that
   folder exists and the user set neither variable, in fla's ``strict`` mode: a key tuned before
-  is read, any other is autotuned as before (never a config tuned for another shape);
+  is read, any other is autotuned as before (never a config tuned for another shape); where no
+  folder is kept for the card it logs one line naming ``scripts/fla_configs.py tune``;
 - ``cache_every_tuner``: fla reads kept configs only through its ``CachedAutotuner``, which few of
   its kernels ask for by name (fla 0.6: the l2norm and the conv); the chunked gated-delta kernels
   use ``triton.autotune``, and fla's way to swap that globally (``configure_fla_cache_autotune``)
@@ -44,10 +45,12 @@ def gpu_folder(device_name: str) -> str:
 
 def use_kept_configs(device_name: str, kept: Path = KEPT) -> bool:
     """Point fla at the kept configs of ``device_name`` (see the module docstring); whether it did."""
-    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or not kept.is_dir():
-        return False
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
+        return False  # the user's own settings
     folder = kept / gpu_folder(device_name)
     if not folder.is_dir():
+        log.info("fla keeps no tuned configs for %s here: its kernels autotune on first use (about a minute a "
+                 "head shape); `python scripts/fla_configs.py tune MODEL` keeps them", device_name)
         return False
     from fla.ops.utils import cache  # fla reads its mode once, at import: set it there too
 
@@ -89,14 +92,11 @@ def _autotuners() -> list:
     return list(found.values())
 
 
-def prepare(device_name: str) -> bool:
+def prepare(device_name: str, kept: Path = KEPT) -> bool:
     """Before fla's first use on a GPU: its kept configs, read by every tuner; whether any are kept."""
-    kept = use_kept_configs(device_name)
+    used = use_kept_configs(device_name, kept)
     cache_every_tuner()
-    if not kept and "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ:
-        log.info("fla keeps no tuned configs for %s here: its kernels autotune on first use (about a minute a "
-                 "head shape); `python scripts/fla_configs.py tune MODEL` keeps them", device_name)
-    return kept
+    return used
 
 
 def config_entry(key: tuple, config) -> dict:

@@ -46,7 +46,7 @@ def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         return gated_delta_chunked(q, k, v, g, beta, state, slots, cu_seqlens_host)
     if not q.is_cuda or q.shape[-1] > MAX_HEAD_DIM_FLA:
         raise ValueError(f"fla's chunked kernels need CUDA tensors and Dk <= {MAX_HEAD_DIM_FLA}")
-    _use_kept_configs(q.device.index)
+    _prepare_fla(q.device.index)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     o, final = chunk_gated_delta_rule(
@@ -58,7 +58,7 @@ def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 @functools.cache
-def _use_kept_configs(device: int | None) -> bool:
+def _prepare_fla(device: int | None) -> bool:
     """Once, before fla's first use on a GPU: its kept configs, read by every tuner (``fla_tuning``)."""
     from worker.linear_attention.fla_tuning import prepare
 
