@@ -31,6 +31,14 @@ def remove_expert_stores_made_by_tests():
 
 
 def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        # each xdist worker its share of the cores: six workers of torch's default (every core) spin
+        # against each other, and small CPU twins run 5-20 times slower (a GPU suite's fla test: 13 s
+        # alone, 302 s among six workers, H100 host of 16 cores); servers the tests start inherit it
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     if torch.cuda.is_available() and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # xdist's order by test count; the files come heaviest first
     if torch.cuda.is_available():  # before transformers or our code imports fla: its kept configs, if any
