@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from moe_offload import expert_records
 from moe_offload.choices import POLICIES
 from moe_offload.experts import ExpertBanks
 from moe_offload.expert_scales import ExpertScales
@@ -118,8 +119,9 @@ class ExpertCache:
         self.policy = policy_for(policy, num_layers)
         self.backend = backend
         # ==== slot pools: contents are only meaningful where id_of_slot says so ====
-        pools = [torch.empty((num_slots, *shape), dtype=dt, device=device)
-                 for shape, dt in bank_specs(fmt, w2_shape[1], w2_shape[0]).values()]
+        # expert-major: a slot is one record of every bank's row (``expert_records``), as in the store
+        specs = list(bank_specs(fmt, w2_shape[1], w2_shape[0]).values())
+        self.records, pools = expert_records.allocate(num_slots, specs, device)
         self.w13, self.w2 = pools[:2]
         self.scales = None if scale_block is None else ExpertScales(
             pools[2], pools[3], scale_block, kind=kind).with_tensors(pools[2:])

@@ -32,14 +32,10 @@ import torch
 from moe_offload.experts import ExpertBanks
 from moe_offload.host_register import host_register, host_unregister, mapped_device_bytes
 from moe_offload.store_header import Header, mark_complete, parse_header, read_header, write_header
-from moe_offload.store_layout import HEADER_BYTES, SEGMENT_PREFIX, BankLayout, BankSpec, StoreIdentity
+from moe_offload.store_layout import HEADER_BYTES, SEGMENT_PREFIX, BankLayout, StoreIdentity
 
 log = logging.getLogger("sluice.expert_store")
 SHM_DIR = Path(os.environ.get("SLUICE_SHM_DIR", "/dev/shm"))  # where expert segments live
-
-
-def _bank_view(raw: torch.Tensor, spec: BankSpec) -> torch.Tensor:
-    return raw[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
 
 
 def _cuda_device(device: torch.device | int | None) -> torch.device:
@@ -80,7 +76,7 @@ class ExpertStore:
     def bank(self, name: str) -> torch.Tensor:
         if self._bytes is None:
             raise RuntimeError(f"expert store {self.name} is closed")
-        return _bank_view(self._bytes, self.layout.bank(name))
+        return self.layout.view(self._bytes, name)
 
     def host_banks(self) -> ExpertBanks:
         return self._banks(self.bank)
@@ -105,7 +101,7 @@ class ExpertStore:
         if not self.registered:
             raise RuntimeError(f"expert store {self.name}: call register_cuda() before device_banks()")
         raw = mapped_device_bytes(self._device_ptr, self.nbytes, self._device, owner=self)
-        return self._banks(lambda name: _bank_view(raw, self.layout.bank(name)))
+        return self._banks(lambda name: self.layout.view(raw, name))
 
     def _banks(self, view: Callable[[str], torch.Tensor]) -> ExpertBanks:
         """``w13``, ``w2`` and, in a quantized store, their scale banks (whatever the format names)."""

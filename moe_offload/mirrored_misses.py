@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from moe_offload.copy_runs import bridge_gaps, copy_runs
+from moe_offload.expert_records import paired_records
 from moe_offload.host_register import pinned_device_view
 from moe_offload.kernels.gather_missing import gather_missing
 from moe_offload.miss_copies import through_slot_map
@@ -78,15 +79,18 @@ class MirroredMisses:
         self.in_place = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
-        # per bank: how many hits a copy may bridge (0: none)
-        self.bridge = bridges([pool[0].numel() * pool.element_size() for _, pool in banks], count)
+        # what ``stage`` copies: expert records where both sides are (``expert_records``: a run is one
+        # copy), else each bank with how many hits its copies may bridge (0: none)
+        records = paired_records(banks)
+        self.copy_banks = [(*pair, 0) for pair in records] if records else \
+            [(*pair, bridge) for pair, bridge in zip(banks, bridges([p[0].nbytes for _, p in banks], count))]
         self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
 
     @property
     def copies_per_run(self) -> int:
-        """Copies a run of missed experts takes: one per bank not bridged (bf16's and fp8's two
-        weight banks; 4-bit formats' group scales are copied on their own too)."""
-        return sum(1 for bridge in self.bridge if not bridge)
+        """Copies a run of missed experts takes: one between expert records, else one per bank not
+        bridged (bf16's and fp8's two weight banks; 4-bit formats' group scales on their own too)."""
+        return sum(1 for *_, bridge in self.copy_banks if not bridge)
 
     def refresh(self, beside: bool = True) -> None:
         """Enqueue a copy of the table into the mirror: ``beside`` the current stream's work on
@@ -134,12 +138,12 @@ class MirroredMisses:
         self.stale[:, 1] += order[:, -1]
 
     def stage(self, layer: int) -> None:
-        """Fill ``layer``'s buffer: the host's copies, one per run per bank (a small bank's runs
-        bridged across hits), then the repairs (one ``gather_missing`` launch, its count on the
+        """Fill ``layer``'s buffer: the host's copies, one per run (of records; or per bank, a small
+        bank's runs bridged across hits), then the repairs (one ``gather_missing`` launch, its count on the
         device); on the current stream (the copy stream), after the layer two back has let go of
         the buffer."""
         start = (layer % 2) * self.count
-        for (h, pool), bridge in zip(self.banks, self.bridge):
+        for h, pool, bridge in self.copy_banks:
             for src, j, length in bridge_gaps(self.runs[layer], bridge) if bridge else self.runs[layer]:
                 pool[start + j:start + j + length].copy_(h[src:src + length], non_blocking=True)
                 self.copies += 1

@@ -67,8 +67,9 @@ class OffloadedExperts:
             raise ValueError(f"banks hold {num_layers}x{num_experts} experts, the cache expects "
                              f"{cache.num_layers}x{cache.num_experts}")
         tensors = banks.tensors()
-        if not all(t.is_contiguous() for t in tensors):
-            raise ValueError("host banks must be contiguous: the gather addresses experts by id * size")
+        if not all(t[0, 0].is_contiguous() and t.stride(0) == t.shape[1] * t.stride(1) for t in tensors):
+            raise ValueError("host banks must hold each expert's rows contiguous, an expert id one stride apart "
+                             "(the gathers address expert id * stride)")
         if cache.w13.is_cuda and not all(t.is_cuda or t.is_pinned() for t in tensors):
             raise ValueError("a CUDA cache gathers from pinned (mapped) host banks; these are pageable")
         if banks.format != cache.format:

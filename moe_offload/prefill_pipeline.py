@@ -33,6 +33,7 @@ import torch
 
 from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES, check_choice
 from moe_offload.expert_cache import ExpertCache
+from moe_offload.expert_records import paired_records
 from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, share_count, stage_experts
@@ -173,6 +174,7 @@ class PrefillPipeline:
         self.buf_scales = [self._scale_banks(cache, host_scales, b, count) for b in range(2)]
         self.gemm_scales = [host_scales.with_tensors([buf for _, _, buf in banks]) if banks else None
                             for banks in self.buf_scales]
+        self.layer_copies = [self._layer_copies(b) for b in range(2)]  # "memcpy": (host, buffer) pairs
         device = cache.w13.device
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
@@ -259,9 +261,7 @@ class PrefillPipeline:
             elif self.chunk_stage == "memcpy":
                 # a share is strided in the host bank: then a copy kernel, not the copy engine, moves it
                 experts = slice(layer * num_experts + self.share.first, (layer + 1) * num_experts, self.share.stride)
-                self.buf_w13[buf].copy_(self.host_w13[experts], non_blocking=True)
-                self.buf_w2[buf].copy_(self.host_w2[experts], non_blocking=True)
-                for _, host, dst in self.buf_scales[buf]:
+                for host, dst in self.layer_copies[buf]:
                     dst.copy_(host[experts], non_blocking=True)
                 self.staged[layer, 1] += count
             else:
@@ -304,6 +304,13 @@ class PrefillPipeline:
     def lookups_joined(self) -> None:
         if self.mirrored is not None:
             self.mirrored.join()
+
+    def _layer_copies(self, buf: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What "memcpy" copies into buffer ``buf``: ``(host, buffer)`` of each bank, or one pair of
+        expert records where both sides are records (``expert_records``: a layer in one copy)."""
+        pairs = [(self.host_w13, self.buf_w13[buf]), (self.host_w2, self.buf_w2[buf])]
+        pairs += [(host, dst) for _, host, dst in self.buf_scales[buf]]
+        return paired_records(pairs) or pairs
 
     @staticmethod
     def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None, buf: int,

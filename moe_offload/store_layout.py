@@ -2,16 +2,20 @@
 that records both at the start of the segment is ``store_header.py``).
 
 ```
- 0              HEADER_BYTES         (every offset a multiple of ALIGN)                total_bytes
- ┌──────────────┬──────────────────────┬─────┬──────────────────────┬─────┐
- │ header       │ bank w13 [L,E,2I,H]  │ pad │ bank w2 [L,E,H,I]    │ pad │ quantized: w13_scale, w2_scale, ...
- └──────────────┴──────────────────────┴─────┴──────────────────────┴─────┘
+ 0              HEADER_BYTES                                                             total_bytes
+ ┌──────────────┬───────────────────────────────────────┬───────────────────────┬─────┬─────┐
+ │ header       │ record 0 = expert (layer 0, expert 0)  │ record 1              │ ... │ pad │
+ └──────────────┴───────────────────────────────────────┴───────────────────────┴─────┴─────┘
+ a record:  w13 row [2I,H] | w2 row [H,I] | quantized: w13_scale row | w2_scale row | ...   (each at a
+            multiple of expert_records.RECORD_ALIGN; record_bytes the same for every expert)
  header: magic 8s | version u32 | complete u32 | json_len u64 | created f64 | fill_seconds f64 | json
 ```
 
 Each bank has its own dtype and shape, as the experts' format says (``formats.bank_specs``): fp8
 ``w13``/``w2`` in ``float8_e4m3fn`` with float32 scale grids; 4-bit packed uint8 ``w13``/``w2`` with
-group scales and nvfp4's channel scales; the layout records the scale block and the 4-bit kind.
+group scales and nvfp4's channel scales; the layout records the scale block and the 4-bit kind. A
+bank is a strided view ``[L, E, ...]`` into the records (``BankLayout.view``); the cache's slots are
+records of the same layout, so the copy engine moves a run of experts in one copy.
 
 `complete` is written last, after the data and `fill_seconds`, so a crashed fill is never taken
 for a usable store.
@@ -27,10 +31,11 @@ from typing import NamedTuple
 
 import torch
 
+from moe_offload.expert_records import RecordLayout, bank_views, record_layout
 from moe_offload.formats import ExpertFormat, ScaleBlock, bank_specs
 from moe_offload.safetensors_file import checkpoint_files
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: expert-major records (1: bank after bank)
 SEGMENT_PREFIX = "sluice-experts-"
 HEADER_BYTES = 1 << 16  # the banks start here (store_header.py writes what comes before)
 ALIGN = 4096
@@ -68,34 +73,43 @@ class ExpertGeometry(NamedTuple):
 
 class BankSpec(NamedTuple):
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # [L, E, ...]
     dtype: torch.dtype
-    offset: int
+    offset: int  # of an expert's row within its record
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def row_bytes(self) -> int:
+        """One expert's bytes."""
+        return math.prod(self.shape[2:]) * self.dtype.itemsize
+
 
 @dataclass(frozen=True)
 class BankLayout:
-    """Named banks placed one after another behind the header, each at an ALIGN boundary;
-    ``scale_block`` is that of the scale banks (None without them), ``kind`` names a 4-bit format."""
+    """Named banks ``[L, E, ...]``, stored expert-major behind the header: one record of
+    ``record_bytes`` an expert (``expert_records``: each bank's row at its ``offset``), so a run of
+    experts is one contiguous range. ``scale_block`` is that of the scale banks (None without them),
+    ``kind`` names a 4-bit format."""
 
     banks: tuple[BankSpec, ...]
+    record_bytes: int
     scale_block: ScaleBlock | None = None
     kind: str = ""
 
     @classmethod
     def of(cls, banks: dict[str, tuple[tuple[int, ...], torch.dtype]],
            scale_block: ScaleBlock | None = None, kind: str = "") -> BankLayout:
-        """``banks``: name -> (shape, dtype), in segment order."""
-        specs, offset = [], HEADER_BYTES
-        for name, (shape, dtype) in banks.items():
-            spec = BankSpec(name, tuple(int(d) for d in shape), dtype, offset)
-            specs.append(spec)
-            offset = _align(offset + spec.nbytes)
-        return cls(tuple(specs), scale_block, kind)
+        """``banks``: name -> (shape ``[L, E, ...]``, dtype), in record order."""
+        shapes = [tuple(int(d) for d in shape) for shape, _ in banks.values()]
+        if len({shape[:2] for shape in shapes}) > 1:
+            raise ValueError(f"banks of different experts {[shape[:2] for shape in shapes]} cannot share records")
+        rows = record_layout([math.prod(shape[2:]) * dtype.itemsize for shape, (_, dtype) in zip(shapes, banks.values())])
+        specs = tuple(BankSpec(name, shape, dtype, offset)
+                      for (name, (_, dtype)), shape, offset in zip(banks.items(), shapes, rows.offsets))
+        return cls(specs, rows.record_bytes, scale_block, kind)
 
     @classmethod
     def experts(cls, geometry: ExpertGeometry, fmt: ExpertFormat | torch.dtype) -> BankLayout:
@@ -110,14 +124,27 @@ class BankLayout:
         return ExpertFormat(self.bank("w13").dtype, self.scale_block, self.kind)
 
     @property
+    def num_records(self) -> int:
+        return math.prod(self.banks[0].shape[:2]) if self.banks else 0
+
+    @property
     def total_bytes(self) -> int:
-        return _align(self.banks[-1].offset + self.banks[-1].nbytes) if self.banks else HEADER_BYTES
+        return _align(HEADER_BYTES + self.num_records * self.record_bytes)
 
     def bank(self, name: str) -> BankSpec:
         for spec in self.banks:
             if spec.name == name:
                 return spec
         raise KeyError(f"no bank {name!r} in the expert store (has {[b.name for b in self.banks]})")
+
+    def view(self, segment: torch.Tensor, name: str) -> torch.Tensor:
+        """Bank ``name`` ``[L, E, ...]`` over ``segment``, the whole segment's bytes (a strided
+        view into the records)."""
+        spec = self.bank(name)
+        records = segment[HEADER_BYTES:HEADER_BYTES + self.num_records * self.record_bytes]
+        rows = bank_views(records.view(self.num_records, self.record_bytes), [(spec.shape[2:], spec.dtype)],
+                          RecordLayout((spec.offset,), self.record_bytes))
+        return rows[0].view(spec.shape)
 
     def to_json(self) -> list[dict]:
         return [
@@ -127,8 +154,9 @@ class BankLayout:
 
     @classmethod
     def from_json(cls, banks: list[dict], scale_block: list[int] | None = None, kind: str = "") -> BankLayout:
-        specs = tuple(BankSpec(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"]), b["offset"]) for b in banks)
-        return cls(specs, ScaleBlock(*scale_block) if scale_block else None, kind)
+        """The layout of ``to_json``'s banks (their offsets follow from their order, shapes and dtypes)."""
+        return cls.of({b["name"]: (tuple(b["shape"]), dtype_from_name(b["dtype"])) for b in banks},
+                      ScaleBlock(*scale_block) if scale_block else None, kind)
 
 
 def as_format(fmt: ExpertFormat | torch.dtype) -> ExpertFormat:

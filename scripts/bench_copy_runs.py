@@ -1,7 +1,8 @@
-"""Time the copy engine on a prefill chunk's misses as the mirror stages them (``MirroredMisses.stage``:
-one copy per run of missed experts per bank, small banks bridged, then its repair launch), against
-one copy per run of whole expert records (an expert-major layout: every bank of an expert in one
-record) and one copy of the same bytes.
+"""Time the copy engine on a prefill chunk's misses as the mirror stages them (``MirroredMisses.stage``,
+then its repair launch): from banks stored one after another (one copy per run of missed experts
+per bank, small banks bridged), against the expert records the store and the cache hold now
+(``expert_records``: every bank of an expert in one record, one copy per run), and one copy of the
+same bytes.
 
     python scripts/bench_copy_runs.py [--expert-dtype bf16 fp8 nvfp4 mxfp4] [--cache 0.25] [--json out.json]
 
@@ -10,11 +11,11 @@ hits a random ``--cache`` share of its experts (at a slot past the buffer: read 
 its misses (an 8k chunk routes to nearly every expert); the layers staged in turn ``--layers`` times
 a rep. The host banks are pinned memory seen by the device (as the expert store's are), so every
 copy is the device-to-device ``copy_`` the mirror issues. The question it answers: does a copy's
-set-up cost, beside its bytes, make the mirror's 4-bit staging (4 unbridged banks) slower than its
-bytes?
+set-up cost, beside its bytes, make the mirror's 4-bit staging from separate banks (4 unbridged)
+slower than its bytes, and do records recover it?
 
-Rows per format: ``banks`` (the mirror today), ``records`` (the mirror's runs, one copy each),
-``one`` (a layer's missed bytes in one copy: the engine's ceiling). Time from CUDA events around
+Rows per format: ``banks`` (the mirror over separate banks, as before expert records),
+``records`` (the mirror over records: the engine's staging), ``one`` (a layer's missed bytes in one copy: the engine's ceiling). Time from CUDA events around
 ``--reps`` reps; host us = the Python time to issue a copy (it includes waits where the copy queue
 is full); bound = bytes / 55 GB/s (pinned host-to-device, DESIGN.md); ratio = bound / time.
 """
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from moe_offload.copy_runs import bridge_gaps  # noqa: E402
+from moe_offload.expert_records import bank_views, record_layout  # noqa: E402
 from moe_offload.formats import bank_specs, resolve_expert_format  # noqa: E402
 from moe_offload.formats.expert_format import ExpertFormat  # noqa: E402
 from moe_offload.host_register import pinned_device_view  # noqa: E402
@@ -37,7 +39,6 @@ from moe_offload.mirrored_misses import MirroredMisses  # noqa: E402
 from report_table import bench_parser, print_table, write_json  # noqa: E402  (beside this script)
 
 PCIE_BYTES_PER_S = 55e9
-ALIGN = 256  # a bank's offset inside a record
 LAYERS = 2  # of host banks: the mirror's buffer alternates between two layers
 WAYS = ("banks", "records", "one")
 
@@ -49,15 +50,6 @@ def bank_bytes(dtype: str, inter: int, hidden: int) -> list[int]:
             for shape, dt in bank_specs(fmt, inter, hidden).values()]
 
 
-def offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Each bank's offset in a record, ``ALIGN``-aligned, and the record's length."""
-    out, at = [], 0
-    for size in sizes:
-        out.append(at)
-        at += -(-size // ALIGN) * ALIGN
-    return out, at
-
-
 def host_tensor(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``rows`` in pinned host memory that ``device`` addresses (on a CPU: as they are)."""
     return pinned_device_view(rows.pin_memory(), device) if device.type == "cuda" else rows
@@ -65,14 +57,16 @@ def host_tensor(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class Layout:
     """Two layers of ``experts`` experts' banks (uint8 rows ``[L*E, 1, bytes]``) in host memory and
-    a mirror staging them into a buffer; the same experts as records."""
+    a mirror staging them into a buffer; the same experts as records, with a mirror of their own."""
 
     def __init__(self, sizes: list[int], experts: int, cache: float, rng: random.Random, device: torch.device):
-        self.sizes, (self.offsets, self.record), self.experts = sizes, offsets(sizes), experts
+        self.sizes, self.experts = sizes, experts
+        self.offsets, self.record = record_layout(sizes)
+        specs = [((1, s), torch.uint8) for s in sizes]
         rows = [torch.randint(0, 256, (LAYERS * experts, 1, s), dtype=torch.uint8) for s in sizes]
         records = torch.zeros(LAYERS * experts, self.record, dtype=torch.uint8)
-        for r, off, s in zip(rows, self.offsets, sizes):
-            records[:, off:off + s] = r[:, 0]
+        for view, r in zip(bank_views(records, specs, record_layout(sizes)), rows):
+            view.copy_(r)
         self.host = [host_tensor(r, device) for r in rows]
         self.host_records = host_tensor(records, device)
         self.pool_records = torch.zeros(LAYERS * experts, self.record, dtype=torch.uint8, device=device)
@@ -80,12 +74,15 @@ class Layout:
         for layer in range(LAYERS):  # hits at slots past the buffer's, read in place
             hits = rng.sample(range(experts), round(cache * experts))
             table[[layer * experts + e for e in hits]] = LAYERS * experts + torch.arange(len(hits), dtype=torch.int32)
-        self.mirror = self._mirror(table.to(device), experts)
+        table = table.to(device)
+        self.mirror = self._mirror(table, self.host, [torch.zeros_like(h, device=device) for h in self.host])
+        as_banks = [bank_views(r, specs, record_layout(sizes)) for r in (self.host_records, self.pool_records)]
+        self.records_mirror = self._mirror(table, *as_banks)
 
-    def _mirror(self, table: torch.Tensor, experts: int) -> MirroredMisses:
-        """A mirror over the host banks, its buffer its own, its plan made from the exact table."""
-        pools = [torch.zeros_like(h, device=table.device) for h in self.host]
-        mirror = MirroredMisses(table, list(zip(self.host, pools)), LAYERS, experts, torch.arange(experts),
+    def _mirror(self, table: torch.Tensor, host: list[torch.Tensor], pools: list[torch.Tensor]) -> MirroredMisses:
+        """A mirror from ``host`` into ``pools``, its plan made from the exact table."""
+        experts = self.experts
+        mirror = MirroredMisses(table, list(zip(host, pools)), LAYERS, experts, torch.arange(experts),
                                 LAYERS * experts)
         mirror.refresh(beside=False)
         if table.is_cuda:
@@ -95,15 +92,11 @@ class Layout:
 
     def copy(self, way: str, layer: int) -> int:
         """``layer``'s misses copied ``way``; the copies."""
-        if way == "banks":
-            before = self.mirror.copies
-            self.mirror.stage(layer)
-            return self.mirror.copies - before
-        runs, start = self.mirror.runs[layer], (layer % LAYERS) * self.experts  # its buffer, as stage's
-        if way == "records":
-            for src, j, n in runs:
-                self.pool_records[start + j:start + j + n].copy_(self.host_records[src:src + n], non_blocking=True)
-            return len(runs)
+        if way != "one":
+            mirror = self.mirror if way == "banks" else self.records_mirror
+            before = mirror.copies
+            mirror.stage(layer)
+            return mirror.copies - before
         nbytes = self.moved_bytes(way, layer)
         self.pool_records.view(-1)[:nbytes].copy_(self.host_records.view(-1)[:nbytes], non_blocking=True)
         return 1
@@ -113,7 +106,7 @@ class Layout:
         mirror = self.mirror
         if way == "banks":
             return sum(sum(n for _, _, n in bridge_gaps(mirror.runs[layer], bridge)) * size
-                       for size, bridge in zip(self.sizes, mirror.bridge))
+                       for size, (*_, bridge) in zip(self.sizes, mirror.copy_banks))
         return sum(n for _, _, n in mirror.runs[layer]) * self.record
 
 

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.choices import EXPERT_DTYPES, INVALIDATE_MODES
+from moe_offload.expert_records import paired_records
 from moe_offload.kernels.stage_experts import stage_experts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import PrefillPipeline
@@ -73,7 +74,7 @@ def warm_cache(experts: OffloadedExperts, seed: int) -> None:
 
 def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 4) -> list[dict]:
     """GB/s of staging whole layers from the host: the stage kernel with every expert a miss (lent
-    = S), and the copy engine moving the layer's contiguous banks."""
+    = S), and the copy engine moving the layer's records (its banks one by one where not records)."""
     cache, num_experts = experts.cache, experts.cache.num_experts
     host = experts.store.host_banks()  # pinned (registered) CPU views: what cudaMemcpyAsync reads
     host_banks = [b.view(-1, *b.shape[2:]) for b in host.tensors()]
@@ -101,10 +102,13 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
                                                 scales=scales))
         rows.append({"method": f"stage kernel, {n} CTAs", "GB/s": gbs})
 
+    pairs = list(zip(host_banks, (pool[:num_experts] for pool in pools)))
+    pairs = paired_records(pairs) or pairs  # the store's and the cache's expert records: a layer in one copy
+
     def memcpy(layer: int) -> None:
         ids = slice(layer * num_experts, (layer + 1) * num_experts)
-        for pool, bank in zip(pools, host_banks):
-            pool[:num_experts].copy_(bank[ids], non_blocking=True)
+        for bank, pool in pairs:
+            pool.copy_(bank[ids], non_blocking=True)
 
     rows.append({"method": "cudaMemcpyAsync, whole layer", "GB/s": timed(memcpy)})
     return rows

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # it imports report_table
-from bench_copy_runs import ALIGN, Layout, bank_bytes, offsets  # noqa: E402
+from bench_copy_runs import Layout, bank_bytes  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -22,11 +22,6 @@ def test_bank_bytes_follow_the_format(dtype, banks):
     assert len(sizes) == banks
     per_value = {"bf16": 2, "fp8": 1, "nvfp4": 0.5, "mxfp4": 0.5}[dtype]
     assert sizes[0] == 2 * 96 * 64 * per_value and sizes[1] == 64 * 96 * per_value
-
-
-def test_offsets_are_aligned_and_do_not_overlap():
-    offs, record = offsets([5, 300, 1, 256])
-    assert offs == [0, ALIGN, 3 * ALIGN, 4 * ALIGN] and record == 5 * ALIGN
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
@@ -45,5 +40,6 @@ def test_every_way_stages_the_misses_bytes(dtype):
             assert torch.equal(mirror.banks[b][1][slots], host[rows])
             assert torch.equal(layout.pool_records[slots, off:off + size], host[rows, 0])
         assert layout.moved_bytes("records", layer) == len(misses) * layout.record
-        unbridged = sum(size for size, bridge in zip(layout.sizes, mirror.bridge) if not bridge)
+        unbridged = sum(size for size, (*_, bridge) in zip(layout.sizes, mirror.copy_banks) if not bridge)
+        assert layout.records_mirror.copies_per_run == 1
         assert layout.moved_bytes("banks", layer) >= len(misses) * unbridged

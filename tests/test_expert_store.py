@@ -28,6 +28,7 @@ from moe_offload.store_fill import (
 )
 from moe_offload.safetensors_file import checkpoint_files
 from moe_offload.store_header import COMPLETE_OFFSET, parse_header
+from moe_offload.expert_records import RECORD_ALIGN, records_of
 from moe_offload.store_layout import (
     ALIGN,
     BankLayout,
@@ -110,7 +111,9 @@ def test_fill_from_checkpoint_reads_back(tmp_path, names, ckpt_dtype, first_laye
         assert banks.w13.shape == GEOMETRY.w13_shape and banks.w13.dtype == torch.bfloat16
         assert torch.equal(banks.w13, w13.to(torch.bfloat16))
         assert torch.equal(banks.w2, w2.to(torch.bfloat16))
-        assert all(spec.offset % ALIGN == 0 for spec in store.layout.banks)
+        records, offsets = records_of([t.flatten(0, 1) for t in banks.tensors()])  # expert-major: a record an expert
+        assert records.shape == (GEOMETRY.num_layers * GEOMETRY.num_experts, store.layout.record_bytes)
+        assert records.data_ptr() % ALIGN == 0 and all(o % RECORD_ALIGN == 0 for o in offsets) and offsets[1] > 0
     finally:
         store.path.unlink()
 

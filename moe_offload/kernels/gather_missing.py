@@ -28,11 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.expert_records import paired_records
 from moe_offload.kernels.triton_support import pdl_args, raw_bytes, use_triton
 
 BLOCK = 4096
 SPLIT = 8  # programs per block, each taking every SPLIT-th planned expert
 MAX_BANKS = 6
+ARGS = 5  # a bank's arguments: host, slots, an expert's items, the two row strides
 STEP = 8192  # items a step of the few programs (8 KB of fp8 or 4-bit, 16 KB of bf16)
 STEP_WARPS = 8
 PROGRAMS = 32  # the few-program form's width: 32 steps of 8-16 KB in flight, enough for the link
@@ -51,8 +53,9 @@ def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
         if host.dim() != 3 or host.shape[1:] != slots.shape[1:] or host.dtype != slots.dtype:
             raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match slots "
                              f"{tuple(slots.shape)} {slots.dtype}")
-        if not (host.is_contiguous() and slots.is_contiguous()) or slots.device != slot_device:
-            raise ValueError("host banks and slot pools must be contiguous, the pools on one device")
+        if not (host[0].is_contiguous() and slots[0].is_contiguous()) or slots.device != slot_device:
+            raise ValueError("an expert's rows must be contiguous in the host banks and slot pools, the pools on "
+                             "one device")
     if len({host.shape[0] for host, _ in banks}) != 1 or len({slots.shape[0] for _, slots in banks}) != 1:
         raise ValueError("every bank (w13, w2 and any scales) must hold the same experts and slots")
 
@@ -74,6 +77,7 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
     """
     banks = _pairs(host_w13, host_w2, slot_w13, slot_w2, host_scales, slot_scales)
     _check(plan_src, plan_dst, count, banks)
+    banks = paired_records(banks) or banks  # both sides expert records: a planned expert's record at once
     if programs < 0:
         raise ValueError(f"programs must be 0 (the wide grid) or a count of programs, not {programs}")
     if not use_triton(slot_w13, backend):
@@ -90,7 +94,7 @@ def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
     to ``MAX_BANKS`` with the first bank, and where each bank's blocks start on the grid (the
     padding's start at the grid's end, so no program reaches it)."""
     args, starts, total = _bank_args(banks), [], 0
-    for numel in args[2:3 * len(banks):3]:
+    for numel in args[2:ARGS * len(banks):ARGS]:
         starts.append(total)
         total += _num_blocks(numel)
     starts += [total] * (MAX_BANKS - len(banks))
@@ -102,18 +106,19 @@ def _launch(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
 def _launch_few(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                 banks: list[tuple[torch.Tensor, torch.Tensor]], programs: int) -> None:
     """One launch of ``programs`` programs over every bank (the padding's banks are not visited)."""
-    gather_missing_few_kernel[(programs,)](plan_src, plan_dst, count, *_bank_args(banks), NUM_BANKS=len(banks), STEP=STEP,
-                                           num_warps=STEP_WARPS, **pdl_args(banks[0][1]))
+    gather_missing_few_kernel[(programs,)](plan_src, plan_dst, count, *_bank_args(banks), NUM_BANKS=len(banks),
+                                           STEP=STEP, num_warps=STEP_WARPS, **pdl_args(banks[0][1]))
 
 
 def _bank_args(banks: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
-    """Each bank's (host, slots, an expert's items) as raw bytes, padded to ``MAX_BANKS`` with the
-    first bank's."""
+    """Each bank's (host, slots, an expert's items, the host's and the slots' row strides) as raw
+    bytes, padded to ``MAX_BANKS`` with the first bank's. Either side may be expert records
+    (``expert_records``): then its rows are strided."""
     args = []
     for host, slots in banks:
         host, slots = raw_bytes(host), raw_bytes(slots)
-        args += [host, slots, host[0].numel()]
-    return args + args[:3] * (MAX_BANKS - len(banks))
+        args += [host, slots, host[0].numel(), host.stride(0), slots.stride(0)]
+    return args + args[:ARGS] * (MAX_BANKS - len(banks))
 
 
 def _pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, slot_w13: torch.Tensor, slot_w2: torch.Tensor,
@@ -143,26 +148,29 @@ def gather_missing_eager(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: 
 
 
 @triton.jit
-def _copy_part(src_ptr, dst_ptr, numel, offs, plan_src_ptr, plan_dst_ptr, j):
+def _copy_part(src_ptr, dst_ptr, numel, src_row, dst_row, offs, plan_src_ptr, plan_dst_ptr, j):
     """Items ``offs`` (below ``numel``) of planned expert ``j``'s row: host -> its slot."""
     src = tl.load(plan_src_ptr + j).to(tl.int64)
     dst = tl.load(plan_dst_ptr + j).to(tl.int64)
     inside = offs < numel
-    vals = tl.load(src_ptr + src * numel + offs, mask=inside)
-    tl.store(dst_ptr + dst * numel + offs, vals, mask=inside)
+    vals = tl.load(src_ptr + src * src_row + offs, mask=inside)
+    tl.store(dst_ptr + dst * dst_row + offs, vals, mask=inside)
 
 
 @triton.jit
-def _copy_block(src_ptr, dst_ptr, numel, block, plan_src_ptr, plan_dst_ptr, count, BLOCK: tl.constexpr):
+def _copy_block(src_ptr, dst_ptr, numel, src_row, dst_row, block, plan_src_ptr, plan_dst_ptr, count,
+                BLOCK: tl.constexpr):
     """Block ``block`` of every planned expert this program takes (every num_programs(1)-th)."""
     offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     for j in range(tl.program_id(1), count, tl.num_programs(1)):
-        _copy_part(src_ptr, dst_ptr, numel, offs, plan_src_ptr, plan_dst_ptr, j)
+        _copy_part(src_ptr, dst_ptr, numel, src_row, dst_row, offs, plan_src_ptr, plan_dst_ptr, j)
 
 
 @triton.jit
-def gather_missing_kernel(plan_src_ptr, plan_dst_ptr, count_ptr, src0, dst0, numel0, src1, dst1, numel1,
-                          src2, dst2, numel2, src3, dst3, numel3, src4, dst4, numel4, src5, dst5, numel5,
+def gather_missing_kernel(plan_src_ptr, plan_dst_ptr, count_ptr,
+                          src0, dst0, numel0, srow0, drow0, src1, dst1, numel1, srow1, drow1,
+                          src2, dst2, numel2, srow2, drow2, src3, dst3, numel3, srow3, drow3,
+                          src4, dst4, numel4, srow4, drow4, src5, dst5, numel5, srow5, drow5,
                           start1, start2, start3, start4, start5, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
@@ -170,45 +178,47 @@ def gather_missing_kernel(plan_src_ptr, plan_dst_ptr, count_ptr, src0, dst0, num
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     if pid < start1:
-        _copy_block(src0, dst0, numel0, pid, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+        _copy_block(src0, dst0, numel0, srow0, drow0, pid, plan_src_ptr, plan_dst_ptr, count, BLOCK)
     elif pid < start2:
-        _copy_block(src1, dst1, numel1, pid - start1, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+        _copy_block(src1, dst1, numel1, srow1, drow1, pid - start1, plan_src_ptr, plan_dst_ptr, count, BLOCK)
     elif pid < start3:
-        _copy_block(src2, dst2, numel2, pid - start2, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+        _copy_block(src2, dst2, numel2, srow2, drow2, pid - start2, plan_src_ptr, plan_dst_ptr, count, BLOCK)
     elif pid < start4:
-        _copy_block(src3, dst3, numel3, pid - start3, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+        _copy_block(src3, dst3, numel3, srow3, drow3, pid - start3, plan_src_ptr, plan_dst_ptr, count, BLOCK)
     elif pid < start5:
-        _copy_block(src4, dst4, numel4, pid - start4, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+        _copy_block(src4, dst4, numel4, srow4, drow4, pid - start4, plan_src_ptr, plan_dst_ptr, count, BLOCK)
     else:
-        _copy_block(src5, dst5, numel5, pid - start5, plan_src_ptr, plan_dst_ptr, count, BLOCK)
+        _copy_block(src5, dst5, numel5, srow5, drow5, pid - start5, plan_src_ptr, plan_dst_ptr, count, BLOCK)
 
 
 @triton.jit
-def _deal_steps(src_ptr, dst_ptr, numel, plan_src_ptr, plan_dst_ptr, count, STEP: tl.constexpr):
+def _deal_steps(src_ptr, dst_ptr, numel, src_row, dst_row, plan_src_ptr, plan_dst_ptr, count, STEP: tl.constexpr):
     """Every planned expert's items of one bank, cut into ``STEP``-item steps dealt round-robin to
     the programs."""
     steps = tl.cdiv(numel, STEP)
     for w in range(tl.program_id(0), count * steps, tl.num_programs(0)):
         j = w // steps
         offs = (w - j * steps).to(tl.int64) * STEP + tl.arange(0, STEP)
-        _copy_part(src_ptr, dst_ptr, numel, offs, plan_src_ptr, plan_dst_ptr, j)
+        _copy_part(src_ptr, dst_ptr, numel, src_row, dst_row, offs, plan_src_ptr, plan_dst_ptr, j)
 
 
 @triton.jit
-def gather_missing_few_kernel(plan_src_ptr, plan_dst_ptr, count_ptr, src0, dst0, numel0, src1, dst1, numel1,
-                              src2, dst2, numel2, src3, dst3, numel3, src4, dst4, numel4, src5, dst5, numel5,
+def gather_missing_few_kernel(plan_src_ptr, plan_dst_ptr, count_ptr,
+                              src0, dst0, numel0, srow0, drow0, src1, dst1, numel1, srow1, drow1,
+                              src2, dst2, numel2, srow2, drow2, src3, dst3, numel3, srow3, drow3,
+                              src4, dst4, numel4, srow4, drow4, src5, dst5, numel5, srow5, drow5,
                               NUM_BANKS: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # see triton_support.pdl_args
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     count = tl.load(count_ptr)
-    _deal_steps(src0, dst0, numel0, plan_src_ptr, plan_dst_ptr, count, STEP)
-    _deal_steps(src1, dst1, numel1, plan_src_ptr, plan_dst_ptr, count, STEP)
+    _deal_steps(src0, dst0, numel0, srow0, drow0, plan_src_ptr, plan_dst_ptr, count, STEP)
+    _deal_steps(src1, dst1, numel1, srow1, drow1, plan_src_ptr, plan_dst_ptr, count, STEP)
     if NUM_BANKS > 2:
-        _deal_steps(src2, dst2, numel2, plan_src_ptr, plan_dst_ptr, count, STEP)
+        _deal_steps(src2, dst2, numel2, srow2, drow2, plan_src_ptr, plan_dst_ptr, count, STEP)
     if NUM_BANKS > 3:
-        _deal_steps(src3, dst3, numel3, plan_src_ptr, plan_dst_ptr, count, STEP)
+        _deal_steps(src3, dst3, numel3, srow3, drow3, plan_src_ptr, plan_dst_ptr, count, STEP)
     if NUM_BANKS > 4:
-        _deal_steps(src4, dst4, numel4, plan_src_ptr, plan_dst_ptr, count, STEP)
+        _deal_steps(src4, dst4, numel4, srow4, drow4, plan_src_ptr, plan_dst_ptr, count, STEP)
     if NUM_BANKS > 5:
-        _deal_steps(src5, dst5, numel5, plan_src_ptr, plan_dst_ptr, count, STEP)
+        _deal_steps(src5, dst5, numel5, srow5, drow5, plan_src_ptr, plan_dst_ptr, count, STEP)

@@ -267,8 +267,9 @@ def _check_fill(fill: SlotFill, w13: torch.Tensor, w2: torch.Tensor) -> None:
         if host.dim() != 3 or host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype:
             raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
                              f"{tuple(pool.shape)} {pool.dtype}")
-        if not (host.is_contiguous() and pool.is_contiguous()):
-            raise ValueError("a fill copies rows by offset: host banks and slot pools must be contiguous")
+        if not (host[0].is_contiguous() and pool[0].is_contiguous()):
+            raise ValueError("a fill copies rows by offset: an expert's rows must be contiguous in the host banks "
+                             "and slot pools")
 
 
 def _precision(dtype: torch.dtype) -> str:

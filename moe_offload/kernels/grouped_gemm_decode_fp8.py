@@ -327,8 +327,8 @@ def _tiles_from(text: str) -> DecodeConfig:
 
 def _check(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
            fill: SlotFill | None) -> None:
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("the fp8 decode path reads contiguous w13 and w2 banks")
+    if not (w13[0].is_contiguous() and w2[0].is_contiguous()):
+        raise ValueError("the fp8 decode path reads each slot's w13 and w2 rows contiguous")
     if not hidden.is_contiguous() or slots.numel() > DECODE_MAX_PAIRS:
         raise ValueError(f"the fp8 decode path takes contiguous tokens of at most {DECODE_MAX_PAIRS} pairs, got "
                          f"{tuple(hidden.shape)} x {slots.shape[-1]}")

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from moe_offload.expert_records import paired_records
 from moe_offload.kernels.triton_support import next_pow2, raw_bytes, use_triton
 
 BLOCK = 8192  # elements per work item: 16 KB of bf16 in flight per CTA
@@ -59,13 +60,13 @@ def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
         if host.shape[0] != num_ids or len({pool.dtype, host.dtype, buf.dtype}) != 1:
             raise ValueError(f"host bank of {host.shape[0]} experts / dtypes {pool.dtype}, {host.dtype}, {buf.dtype} "
                              f"do not match {num_ids} ids of one dtype")
-        if not (pool.is_contiguous() and host.is_contiguous() and buf.is_contiguous()):
-            raise ValueError("pools, host banks and buffers must be contiguous")
+        if not (pool[0].is_contiguous() and host[0].is_contiguous() and buf[0].is_contiguous()):
+            raise ValueError("an expert's rows must be contiguous in the pools, host banks and buffers")
         if not count <= lent <= pool.shape[0]:
             raise ValueError(f"lent range [0, {lent}) must hold a buffer of {count} "
                              f"and fit the {pool.shape[0]} slots")
         # the buffer must lie in the lent range: a hit's source slot (>= lent) then never overlaps it
-        offset, slot_bytes = buf.data_ptr() - pool.data_ptr(), pool[0].nbytes
+        offset, slot_bytes = buf.data_ptr() - pool.data_ptr(), pool.stride(0) * pool.element_size()
         if buf.device != pool.device or offset % slot_bytes or not 0 <= offset <= (lent - count) * slot_bytes:
             raise ValueError("the buffer must be a slot-aligned view of the pool inside its lent range")
         if len({pool.device, buf.device, slot_for_id.device, stats.device}) != 1:
@@ -97,13 +98,13 @@ def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Te
     if not use_triton(buf_w13, backend):
         stage_experts_eager(layer, num_experts, lent, slot_for_id, banks, stats, first, stride)
         return
-    for i, bank in enumerate(banks):
+    for i, bank in enumerate(paired_records(banks) or banks):  # expert records everywhere: one launch
         pool, host, buf = (raw_bytes(t) for t in bank)
         numel = pool[0].numel()
         grid = min(programs, count * -(-numel // BLOCK))
         _kernel()[(grid,)](slot_for_id, pool, host, buf, stats, layer, num_experts, first, stride, count, lent, numel,
-                           COUNT=i == 0, BLOCK=BLOCK, PROGRAMS=grid, BLOCK_E=next_pow2(count),
-                           NUM_FIELDS=len(STAGE_FIELDS), num_warps=8)
+                           pool.stride(0), host.stride(0), buf.stride(0), COUNT=i == 0, BLOCK=BLOCK, PROGRAMS=grid,
+                           BLOCK_E=next_pow2(count), NUM_FIELDS=len(STAGE_FIELDS), num_warps=8)
 
 
 def stage_experts_eager(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
@@ -128,7 +129,7 @@ def _kernel():
 
     @triton.jit
     def stage_experts_kernel(slot_for_id_ptr, pool_ptr, host_ptr, buf_ptr, stats_ptr,
-                             layer, num_experts, first, stride, count, lent, numel,
+                             layer, num_experts, first, stride, count, lent, numel, pool_row, host_row, buf_row,
                              COUNT: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
                              BLOCK_E: tl.constexpr, NUM_FIELDS: tl.constexpr):
         pid = tl.program_id(0)
@@ -144,10 +145,10 @@ def _kernel():
             # (the first version selected per lane with hit/miss masks and staged at ~7 GB/s)
             slot = tl.load(slot_for_id_ptr + gid).to(tl.int64)
             if slot >= lent:
-                src = pool_ptr + slot * numel
+                src = pool_ptr + slot * pool_row
             else:
-                src = host_ptr + gid.to(tl.int64) * numel
-            tl.store(buf_ptr + e.to(tl.int64) * numel + offs, tl.load(src + offs, mask=inside), mask=inside)
+                src = host_ptr + gid.to(tl.int64) * host_row
+            tl.store(buf_ptr + e.to(tl.int64) * buf_row + offs, tl.load(src + offs, mask=inside), mask=inside)
         if COUNT:
             if pid == 0:
                 es = tl.arange(0, BLOCK_E)

@@ -84,7 +84,9 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The same memory as integers, for kernels that copy bytes whatever the dtype (fp8 pointers
     need not be supported by every Triton target or the interpreter). One-byte items with an even
     last dimension go in pairs (int16), so a copy kernel's block of elements moves as many bytes
-    for fp8 banks as for bf16 ones."""
-    if tensor.element_size() == 1 and tensor.shape[-1] % 2 == 0 and tensor.is_contiguous():
+    for fp8 banks as for bf16 ones, where every stride but the last is even too (expert records'
+    rows: ``expert_records``)."""
+    pairs = tensor.stride(-1) == 1 and all(s % 2 == 0 for s in (*tensor.stride()[:-1], tensor.storage_offset()))
+    if tensor.element_size() == 1 and tensor.shape[-1] % 2 == 0 and pairs:
         return tensor.view(torch.int16)
     return tensor.view(_RAW_DTYPES[tensor.element_size()])

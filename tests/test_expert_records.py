@@ -1,0 +1,178 @@
+"""Expert records (``moe_offload.expert_records``): the store's and the cache's banks as strided views
+into one record an expert. The views hold what the banks hold; a run of experts is found as one
+range of records on both sides (and not where a side is banks of its own); the gather and the stage
+kernel read and write records, banks of their own, or one of each, byte for byte as their twins;
+the prefill pipeline from record banks equals resident and stages a run of misses in one copy."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_offload.expert_records import (  # noqa: E402
+    RECORD_ALIGN, allocate, bank_views, paired_records, record_layout, records_of)
+from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
+from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
+from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
+from moe_offload.offloaded import OffloadedExperts  # noqa: E402
+from tests.launch_count import count_launches  # noqa: E402
+from tests.test_cache_kernels import GATHER_SHAPES, interpreted, random_gather, scale_banks  # noqa: E402
+from tests.test_expert_cache import make_banks  # noqa: E402
+from tests.test_prefill_pipeline import EXPERTS, LAYERS, PREFILL, batches, lent_slots_are_empty  # noqa: E402
+
+
+def as_records(banks: list[torch.Tensor], pin: bool = False) -> list[torch.Tensor]:
+    """The same values ``[N, ...]`` as views into expert records (in pinned memory: ``pin``)."""
+    specs = [(b.shape[1:], b.dtype) for b in banks]
+    records, _ = allocate(banks[0].shape[0], specs, "cpu")
+    records = records.fill_(0xAB).pin_memory() if pin else records.fill_(0xAB)  # padding: never read as a bank
+    views = bank_views(records, specs, record_layout([b[0].nbytes for b in banks]))
+    for view, bank in zip(views, banks):
+        view.copy_(bank)
+    return views
+
+
+def test_layout_aligns_every_bank_and_overlaps_none():
+    layout = record_layout([5, 300, 1, 256])
+    assert layout.offsets == (0, RECORD_ALIGN, 3 * RECORD_ALIGN, 4 * RECORD_ALIGN)
+    assert layout.record_bytes == 5 * RECORD_ALIGN
+
+
+def test_views_are_the_records_and_are_found_again():
+    specs = [((6, 8), torch.bfloat16), ((8, 3), torch.uint8), ((6, 1), torch.float32)]
+    records, banks = allocate(5, specs, "cpu")
+    for i, bank in enumerate(banks):
+        bank.copy_(torch.full(bank.shape, i + 1, dtype=bank.dtype))
+    layout = record_layout([6 * 8 * 2, 8 * 3, 6 * 4])
+    assert records.shape == (5, layout.record_bytes)
+    assert torch.equal(records[3, layout.offsets[1]:layout.offsets[1] + 24], torch.full((24,), 2, dtype=torch.uint8))
+    found, offsets = records_of(banks)
+    assert found.data_ptr() == records.data_ptr() and found.shape == records.shape and offsets == layout.offsets
+    assert records_of([b[1:4] for b in banks])[0].shape == (3, layout.record_bytes)  # a buffer of the pool
+    assert records_of([b.clone() for b in banks]) is None  # banks of their own
+    assert records_of([banks[0], banks[1][:4]]) is None  # not the same experts
+    other = allocate(3, specs, "cpu")[1]
+    assert len(paired_records(list(zip([b[:3] for b in banks], other)))) == 1
+    assert paired_records(list(zip([b[:3].clone() for b in banks], other))) is None
+    shorter = allocate(3, specs[:2], "cpu")[1]  # another layout: the offsets agree, the records do not
+    assert paired_records(list(zip([b[:3] for b in banks[:2]], shorter))) is None
+
+
+@interpreted
+@pytest.mark.parametrize("programs", [0, 2])
+@pytest.mark.parametrize("layout", ["records", "host-records", "slot-records"])
+def test_gather_moves_records_byte_for_byte(layout, programs):
+    """Plans of every shape over w13, w2 and two scale banks, with either side or both as records:
+    one launch, each bank's planned rows equal to the twin's over banks of their own."""
+    kernel = "triton.gather_missing_few_kernel" if programs else "triton.gather_missing_kernel"
+    for trial in range(8):
+        gen = torch.Generator().manual_seed(trial)
+        plan, host, slots = random_gather(GATHER_SHAPES[trial % len(GATHER_SHAPES)], gen)
+        host = [*host, *scale_banks(2, host[0].shape[0], gen)]
+        slots = [*slots, *(t[:slots[0].shape[0]].clone() for t in scale_banks(2, host[0].shape[0], gen))]
+        want = [t.clone() for t in slots]
+        gather_mod.gather_missing(*plan, *host[:2], *want[:2], backend="eager", host_scales=host[2:],
+                                  slot_scales=want[2:])
+        src = as_records(host) if layout != "slot-records" else host
+        got = as_records(slots) if layout != "host-records" else [t.clone() for t in slots]
+        with count_launches() as launches:
+            gather_mod.gather_missing(*plan, *src[:2], *got[:2], backend="triton", host_scales=src[2:],
+                                      slot_scales=got[2:], programs=programs)
+        assert dict(launches.launches) == {kernel: 1}
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), trial
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["records", "host-banks"])
+def test_stage_kernel_stages_records_as_its_twin(layout):
+    """A layer staged from a record pool (hits) and record or plain host banks (misses) into a
+    record buffer: the kernel equals the twin, with one launch where every side is records."""
+    gen = torch.Generator().manual_seed(1)
+    layers, experts, slots, lent = 3, 6, 20, 12
+    host = [torch.randn(layers * experts, 5, 7, generator=gen), torch.randn(layers * experts, 7, 5, generator=gen),
+            torch.randn(layers * experts, 2, 3, generator=gen)]
+    pools = as_records([torch.randn(slots, *h.shape[1:], generator=gen) for h in host])
+    host = as_records(host) if layout == "records" else host
+    slot_for_id = torch.full((layers * experts,), -1, dtype=torch.int32)
+    resident = torch.randperm(layers * experts, generator=gen)[:slots]
+    slot_for_id[resident] = torch.randperm(slots, generator=gen)[:len(resident)].int()  # lent-range ones miss
+    outs = []
+    for backend in ("triton", "eager"):
+        pool = as_records([t.clone() for t in pools])
+        stats = torch.zeros(layers, 2, dtype=torch.int64)
+        scales = [(pool[2], host[2], pool[2][6:12])]
+        with count_launches() as launches:
+            stage_mod.stage_experts(1, experts, lent, slot_for_id, *pool[:2], *host[:2], pool[0][6:12], pool[1][6:12],
+                                    stats, backend=backend, programs=4, scales=scales)
+        outs.append((pool, stats, sum(launches.launches.values())))
+    (got, got_stats, launched), (want, want_stats, _) = outs
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(got_stats, want_stats)
+    assert launched == (1 if layout == "records" else 3)
+
+
+def record_banks(banks: ExpertBanks, pin: bool = False) -> ExpertBanks:
+    """``banks`` as the store holds them: ``[L, E, ...]`` views into one record an expert."""
+    views = as_records([t.flatten(0, 1) for t in banks.tensors()], pin)
+    return banks._replace(**{name: v.view(t.shape) for name, t, v in zip(("w13", "w2"), banks.tensors(), views)})
+
+
+@pytest.mark.parametrize("stage", ["kernel", "memcpy", "misses", "mirror"])
+def test_pipeline_from_records_equals_resident_and_copies_a_run_at_once(stage):
+    """Host banks in records (as the store's) and the cache's record slots: every stage mode gives
+    the resident results and leaves the lent slots empty; the mirror copies a run of misses in one
+    copy, "memcpy" a layer in one."""
+    plain = make_banks(LAYERS, EXPERTS, 16, 8)
+    banks = record_banks(plain)
+    assert records_of([t.flatten(0, 1) for t in banks.tensors()]) is not None
+    offloaded = OffloadedExperts.create(banks, 3 * EXPERTS, "cpu", "lfru", pipeline=True, stage=stage)
+    resident = ResidentExperts(plain)
+    pipeline = offloaded.pipeline
+    assert [len(pairs) for pairs in pipeline.layer_copies] == [1, 1]
+    if pipeline.mirrored is not None:
+        assert pipeline.mirrored.copies_per_run == 1
+    for step in batches(0, rounds=3):
+        copies = pipeline.mirrored.copies if pipeline.mirrored is not None else 0
+        for layer, (x, weights, ids) in enumerate(step):
+            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids),
+                                       rtol=1e-5, atol=1e-5)
+        if len(step[0][0]) == PREFILL:
+            assert lent_slots_are_empty(offloaded.cache)
+            if stage == "mirror":  # the chunk's copies: one a run of missed experts
+                assert pipeline.mirrored.copies - copies == sum(len(runs) for runs in pipeline.mirrored.runs) > 0
+    assert pipeline.stats()[f"chunks_{stage}"] == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("stage", ["kernel", "memcpy", "mirror"])
+def test_cuda_pipeline_from_pinned_records_matches_resident_without_sync(stage):
+    """bf16 experts in pinned records (as the registered store's) staged into the cache's record
+    slots: each stage mode equals resident experts under sync-debug mode, the mirror one copy a run."""
+    from tests.test_expert_cache import skewed_routing
+
+    plain = make_banks(LAYERS, 16, 128, 64)
+    plain = ExpertBanks(plain.w13.bfloat16(), plain.w2.bfloat16())
+    piped = OffloadedExperts.create(record_banks(plain, pin=True), 48, "cuda", pipeline=True, stage=stage)
+    resident = ResidentExperts(plain.to("cuda"))
+    assert [len(pairs) for pairs in piped.pipeline.layer_copies] == [1, 1]
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(LAYERS, 16, generator=gen)
+    for checked in (False, True, True):  # the first round compiles
+        for tokens in (256, 4, 4, 256):
+            inputs = [(torch.randn(tokens, 128, generator=gen).bfloat16().cuda(),
+                       *skewed_routing(gen, tokens, 16, 4, bias[layer], "cuda")) for layer in range(LAYERS)]
+            torch.cuda.set_sync_debug_mode("error" if checked else "default")
+            try:
+                outs = [piped.forward(layer, *inputs[layer]) for layer in range(LAYERS)]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for layer in range(LAYERS):
+                torch.testing.assert_close(outs[layer], resident.forward(layer, *inputs[layer]), rtol=2e-2, atol=2e-2)
+    stats = piped.pipeline.stats()
+    assert stats[f"chunks_{stage}"] == 6 and stats["from_host"] > 0
+    if stage == "mirror":
+        assert piped.pipeline.mirrored.copies_per_run == 1
