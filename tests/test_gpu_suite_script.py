@@ -11,20 +11,23 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE = """#!/usr/bin/env bash
 echo "$@" >> "$FAKE_DIR/calls"
 [ -e "$FAKE_DIR/fail" ] && { echo "FAILED tests/test_x.py::test_y"; echo "1 failed"; exit 1; }
+[ -e "$FAKE_DIR/cut" ] && { echo "...."; exit 124; }  # as timeout reports a run it killed
 echo "3 passed"
 """
 
 
-def run(tmp_path: Path, runs: int, budget: int = 3000, fail: bool = False) -> subprocess.CompletedProcess:
+def run(tmp_path: Path, runs: int, budget: int = 3000, fail: bool = False, cut: bool = False,
+        **env: str) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(FAKE)
     (bin_dir / "python").chmod(0o755)
-    (tmp_path / "fail").unlink(missing_ok=True)
-    if fail:
-        (tmp_path / "fail").touch()
+    for flag, on in (("fail", fail), ("cut", cut)):
+        (tmp_path / flag).unlink(missing_ok=True)
+        if on:
+            (tmp_path / flag).touch()
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), OUT=str(tmp_path / "out"),
-               SUITE_STATE=str(tmp_path / "state" / "row"), SUITE_BUDGET=str(budget))
+               SUITE_STATE=str(tmp_path / "state" / "row"), SUITE_BUDGET=str(budget), **env)
     return subprocess.run(["bash", "scripts/gpu_suite.sh", str(runs)], cwd=ROOT, env=env, capture_output=True,
                           text=True)
 
@@ -60,3 +63,18 @@ def test_a_row_kept_for_other_code_starts_over(tmp_path):
     (tmp_path / "state" / "row").write_text("2 0123456789ab\n")  # two passes of another tree
     out = run(tmp_path, 2)
     assert "run 1: rc=0" in out.stdout and "run 2: rc=0" in out.stdout and len(calls(tmp_path)) == 2
+
+
+def test_a_run_cut_off_by_the_budget_leaves_the_row_as_it_was(tmp_path):
+    assert "1 of 1 in a row" in run(tmp_path, 1).stdout
+    cut = run(tmp_path, 3, cut=True)
+    assert cut.returncode == 0 and "run 2 cut off by the budget, not counted; 1 of 3 in a row" in cut.stdout
+    assert "run 2: rc=0" in run(tmp_path, 3, budget=300).stdout  # the row goes on from its one pass
+
+
+def test_the_first_run_on_a_machine_needs_the_cold_time_and_later_ones_the_warm(tmp_path):
+    short = run(tmp_path, 1, budget=200, SUITE_COLD_S="150")
+    assert "run 1: rc=0" in short.stdout
+    later = run(tmp_path, 3, budget=200, SUITE_WARM_S="250")
+    assert "run 2 needs ~250 s" in later.stdout and later.returncode == 0  # warm now, and 250 > 200
+    assert len(calls(tmp_path)) == 1
