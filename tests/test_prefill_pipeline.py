@@ -448,16 +448,13 @@ def test_auto_prefill_tokens_on_cpu(model_dir):
 
 # ==== GPU ====
 
-@pytest.mark.cuda
-def test_cuda_pipeline_bf16_matches_resident_without_sync():
-    banks = make_banks(LAYERS, 16, 128, 64)
-    banks = ExpertBanks(banks.w13.bfloat16(), banks.w2.bfloat16())
-    host = ExpertBanks(banks.w13.pin_memory(), banks.w2.pin_memory())
-    piped = OffloadedExperts.create(host, 48, "cuda", pipeline=True)
-    resident = ResidentExperts(ExpertBanks(banks.w13.cuda(), banks.w2.cuda()))
+def cuda_rounds_match(piped: OffloadedExperts, resident: ResidentExperts) -> None:
+    """Three rounds of chunks (256 tokens) and decode steps (4) through ``piped`` (16 experts of
+    hidden 128, top-4), the first compiling, the others under sync-debug mode: every layer's
+    output equals ``resident``'s."""
     gen = torch.Generator().manual_seed(0)
     bias = torch.randn(LAYERS, 16, generator=gen)
-    for checked in (False, True, True):  # the first round compiles
+    for checked in (False, True, True):
         for tokens in (256, 4, 4, 256):
             inputs = [(torch.randn(tokens, 128, generator=gen).bfloat16().cuda(),
                        *skewed_routing(gen, tokens, 16, 4, bias[layer], "cuda")) for layer in range(LAYERS)]
@@ -468,6 +465,15 @@ def test_cuda_pipeline_bf16_matches_resident_without_sync():
                 torch.cuda.set_sync_debug_mode("default")
             for layer in range(LAYERS):
                 torch.testing.assert_close(outs[layer], resident.forward(layer, *inputs[layer]), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_pipeline_bf16_matches_resident_without_sync():
+    banks = make_banks(LAYERS, 16, 128, 64)
+    banks = ExpertBanks(banks.w13.bfloat16(), banks.w2.bfloat16())
+    host = ExpertBanks(banks.w13.pin_memory(), banks.w2.pin_memory())
+    piped = OffloadedExperts.create(host, 48, "cuda", pipeline=True)
+    cuda_rounds_match(piped, ResidentExperts(ExpertBanks(banks.w13.cuda(), banks.w2.cuda())))
     stats = piped.pipeline.stats()  # hits from the cache (the kernel) or in place (the mirror: "auto" on a GPU)
     assert stats["from_cache"] + stats["in_place"] > 0 and stats["from_host"] > 0
     assert lent_slots_are_empty(piped.cache)  # the last batch was a chunk
