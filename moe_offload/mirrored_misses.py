@@ -139,9 +139,9 @@ class MirroredMisses:
 
     def stage(self, layer: int) -> None:
         """Fill ``layer``'s buffer: the host's copies, one per run (of records; or per bank, a small
-        bank's runs bridged across hits), then the repairs (one ``gather_missing`` launch, its count on the
-        device); on the current stream (the copy stream), after the layer two back has let go of
-        the buffer."""
+        bank's runs bridged across hits), then the repairs (one ``gather_missing`` launch, its count
+        on the device); on the current stream (the copy stream), after the layer two back has let
+        go of the buffer."""
         start = (layer % 2) * self.count
         for h, pool, bridge in self.copy_banks:
             for src, j, length in bridge_gaps(self.runs[layer], bridge) if bridge else self.runs[layer]:

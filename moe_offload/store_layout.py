@@ -81,11 +81,6 @@ class BankSpec(NamedTuple):
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    @property
-    def row_bytes(self) -> int:
-        """One expert's bytes."""
-        return math.prod(self.shape[2:]) * self.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class BankLayout:
@@ -106,9 +101,9 @@ class BankLayout:
         shapes = [tuple(int(d) for d in shape) for shape, _ in banks.values()]
         if len({shape[:2] for shape in shapes}) > 1:
             raise ValueError(f"banks of different experts {[shape[:2] for shape in shapes]} cannot share records")
-        rows = record_layout([math.prod(shape[2:]) * dtype.itemsize for shape, (_, dtype) in zip(shapes, banks.values())])
-        specs = tuple(BankSpec(name, shape, dtype, offset)
-                      for (name, (_, dtype)), shape, offset in zip(banks.items(), shapes, rows.offsets))
+        dtypes = [dtype for _, dtype in banks.values()]
+        rows = record_layout([math.prod(shape[2:]) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)])
+        specs = tuple(BankSpec(*spec) for spec in zip(banks, shapes, dtypes, rows.offsets))
         return cls(specs, rows.record_bytes, scale_block, kind)
 
     @classmethod

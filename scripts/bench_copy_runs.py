@@ -15,7 +15,8 @@ set-up cost, beside its bytes, make the mirror's 4-bit staging from separate ban
 slower than its bytes, and do records recover it?
 
 Rows per format: ``banks`` (the mirror over separate banks, as before expert records),
-``records`` (the mirror over records: the engine's staging), ``one`` (a layer's missed bytes in one copy: the engine's ceiling). Time from CUDA events around
+``records`` (the mirror over records: the engine's staging), ``one`` (a layer's missed bytes in one
+copy: the engine's ceiling). Time from CUDA events around
 ``--reps`` reps; host us = the Python time to issue a copy (it includes waits where the copy queue
 is full); bound = bytes / 55 GB/s (pinned host-to-device, DESIGN.md); ratio = bound / time.
 """

@@ -139,8 +139,8 @@ def test_pipeline_from_records_equals_resident_and_copies_a_run_at_once(stage):
     for step in batches(0, rounds=3):
         copies = pipeline.mirrored.copies if pipeline.mirrored is not None else 0
         for layer, (x, weights, ids) in enumerate(step):
-            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), resident.forward(layer, x, weights, ids),
-                                       rtol=1e-5, atol=1e-5)
+            want = resident.forward(layer, x, weights, ids)
+            torch.testing.assert_close(offloaded.forward(layer, x, weights, ids), want, rtol=1e-5, atol=1e-5)
         if len(step[0][0]) == PREFILL:
             assert lent_slots_are_empty(offloaded.cache)
             if stage == "mirror":  # the chunk's copies: one a run of missed experts
