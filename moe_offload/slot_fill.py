@@ -50,12 +50,14 @@ class SlotFill(NamedTuple):
 
     def check_quantized(self, w13: torch.Tensor, w2: torch.Tensor, kind: str) -> None:
         """Before a quantized GEMM fills these slots: the host banks match the pools ``w13``, ``w2``
-        row for row (contiguous, same dtype) and carry scales of ``kind`` ("" fp8, else 4-bit)."""
+        row for row (an expert's rows contiguous, same dtype) and carry scales of ``kind`` ("" fp8,
+        else 4-bit)."""
         if self.host_scales is None or self.host_scales.kind != kind:
             raise ValueError(f"{kind or 'fp8'} slots fill from the host's {kind or 'fp8'} scales")
         for host, pool in ((self.host_w13, w13), (self.host_w2, w2)):
-            if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host.is_contiguous():
+            if host.shape[1:] != pool.shape[1:] or host.dtype != pool.dtype or not host[0].is_contiguous():
                 raise ValueError(f"host bank {tuple(host.shape)} {host.dtype} does not match the slots "
                                  f"{tuple(pool.shape)} {pool.dtype}")
-            if host.data_ptr() % 16:  # the 4-bit kernels copy mxfp4 rows 16 bytes at a time
-                raise ValueError(f"host bank {tuple(host.shape)} does not start on a 16-byte boundary")
+            if host.data_ptr() % 16 or host.stride(0) * host.element_size() % 16:
+                # the 4-bit kernels copy mxfp4 rows 16 bytes at a time
+                raise ValueError(f"host bank {tuple(host.shape)}: its experts do not start on 16-byte boundaries")

@@ -13,28 +13,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moe_offload.expert_records import (  # noqa: E402
-    RECORD_ALIGN, allocate, bank_views, paired_records, record_layout, records_of)
+from moe_offload.expert_records import RECORD_ALIGN, allocate, paired_records, record_layout, records_of  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
 from moe_offload.offloaded import OffloadedExperts  # noqa: E402
 from tests.launch_count import count_launches  # noqa: E402
+from tests.record_banks import as_records  # noqa: E402
 from tests.test_cache_kernels import GATHER_SHAPES, interpreted, random_gather, scale_banks  # noqa: E402
 from tests.test_expert_cache import make_banks  # noqa: E402
 from tests.test_prefill_pipeline import (  # noqa: E402
     EXPERTS, LAYERS, PREFILL, batches, cuda_rounds_match, lent_slots_are_empty)
-
-
-def as_records(banks: list[torch.Tensor], pin: bool = False) -> list[torch.Tensor]:
-    """The same values ``[N, ...]`` as views into expert records (in pinned memory: ``pin``)."""
-    specs = [(b.shape[1:], b.dtype) for b in banks]
-    records, _ = allocate(banks[0].shape[0], specs, "cpu")
-    records = records.fill_(0xAB).pin_memory() if pin else records.fill_(0xAB)  # padding: never read as a bank
-    views = bank_views(records, specs, record_layout([b[0].nbytes for b in banks]))
-    for view, bank in zip(views, banks):
-        view.copy_(bank)
-    return views
 
 
 def test_layout_aligns_every_bank_and_overlaps_none():

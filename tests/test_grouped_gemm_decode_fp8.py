@@ -19,6 +19,7 @@ from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, ScaleBlock  # noqa: E402
 from moe_offload.grouped import ExpertScales, SlotFill, grouped_swiglu, grouped_swiglu_eager  # noqa: E402
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
 from tests.launch_count import sync_errors  # noqa: E402
+from tests.record_banks import as_records  # noqa: E402
 from tests.test_grouped_gemm_fp8 import make_fp8_banks, rel_err  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -71,14 +72,24 @@ def fill_case(banks, host, slots: torch.Tensor, trial: int, gen: torch.Generator
     return SlotFill(plan, h13, h2, hscales), want
 
 
-def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_device=None, sync_free=False):
+def in_records(banks, block, pin: bool = False):
+    """fp8 banks ``(w13, w2, scales)`` as views into expert records (the store's and the cache's)."""
+    w13, w2, s13, s2 = as_records([banks[0], banks[1], banks[2].w13, banks[2].w2], pin)
+    return w13, w2, ExpertScales(s13, s2, block)
+
+
+def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_device=None, sync_free=False,
+               records=False):
+    """``records``: the pools and the host banks as expert records."""
     num_slots, dim, inter, top_k = shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for trial in range(trials):  # one trial's banks at a time: a GPU run pins them in host memory
         gen = torch.Generator().manual_seed(trial)
         banks = make_fp8_banks(num_slots, dim, inter, block, device, seed=trial)
         host = make_fp8_banks(num_slots + 6, dim, inter, block, device, seed=trial + 50)
-        if host_device == "cpu":
+        if records:
+            banks, host = in_records(banks, block), in_records(host, block, pin=host_device == "cpu")
+        elif host_device == "cpu":
             host = (host[0].cpu().pin_memory(), host[1].cpu().pin_memory(),
                     ExpertScales(host[2].w13.cpu().pin_memory(), host[2].w2.cpu().pin_memory(), block))
         tokens = TOKENS[trial % len(TOKENS)]
@@ -97,9 +108,10 @@ def run_trials(shape, block, dtype, device, trials=TRIALS, config=None, host_dev
 @interpreted
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_parity_with_fills_interpreted(shape, block):
+@pytest.mark.parametrize("records", [False, True], ids=["banks", "records"])
+def test_parity_with_fills_interpreted(shape, block, records):
     run_trials(shape, block, torch.float32, "cpu", trials=INTERPRETED_TRIALS,
-               config=decode_fp8().FP8_DECODE_TILES._replace(**SMALL))
+               config=decode_fp8().FP8_DECODE_TILES._replace(**SMALL), records=records)
 
 
 @interpreted
@@ -154,6 +166,7 @@ def test_bf16_from_pinned_host_banks_sync_free(shape, block):
     pinned host banks under the sync check."""
     run_trials(shape, block, torch.bfloat16, "cuda", trials=2, host_device="cpu")  # compiles
     run_trials(shape, block, torch.bfloat16, "cuda", host_device="cpu", sync_free=True)
+    run_trials(shape, block, torch.bfloat16, "cuda", trials=4, host_device="cpu", sync_free=True, records=True)
 
 
 @pytest.mark.cuda

@@ -24,6 +24,7 @@ from moe_offload.kernels.grouped_gemm_w4_banks import GROUP, grouped_swiglu_w4_e
 from moe_offload.kernels.lookup_admit import CopyPlan  # noqa: E402
 from moe_offload.slot_fill import SlotFill  # noqa: E402
 from tests.launch_count import sync_errors  # noqa: E402
+from tests.record_banks import as_records  # noqa: E402
 from tests.test_grouped_gemm_w4 import (FORMATS, TOLERANCE, Banks, decode, kernels, make_extras,  # noqa: E402
                                         random_banks, rel_err)
 
@@ -75,17 +76,26 @@ def pinned(banks: Banks) -> Banks:
     return Banks(*(None if t is None else t.cpu().pin_memory() for t in banks))
 
 
-def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_free=False):
+def in_records(banks: Banks, pin: bool = False) -> Banks:
+    """``banks`` as views into expert records (the store's and the cache's layout), pinned with ``pin``."""
+    views = iter(as_records([t for t in banks if t is not None], pin))
+    return Banks(*(None if t is None else next(views) for t in banks))
+
+
+def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_free=False, records=False):
     """``trials`` calls of 1, 3 or 6 tokens (slots shared between tokens), each with its own banks and
     a fill of none, some or all of its routed slots (every fourth trial a slot out of range; every
     other one gpt-oss's biases and clamped activation): pools and output against a gather and the
-    twin."""
+    twin. ``records``: the pools and the host banks as expert records."""
     num_slots, dim, inter, top_k = shape
     for trial in range(trials):  # one trial's banks at a time: a GPU run pins them in host memory
         gen = torch.Generator().manual_seed(trial)
         banks = random_banks(num_slots, dim, inter, fmt, device, seed=trial, gain=3.0)
         host = random_banks(num_slots + 6, dim, inter, fmt, device, seed=trial + 50, gain=3.0)
-        host = pinned(host) if host_device == "cpu" else host
+        if records:
+            banks, host = in_records(banks), in_records(host, pin=host_device == "cpu")
+        elif host_device == "cpu":
+            host = pinned(host)
         tokens = TOKENS[trial % len(TOKENS)]
         slots = torch.stack([torch.randperm(num_slots, generator=gen)[:top_k] for _ in range(tokens)])
         if trial % 4 == 3:
@@ -108,9 +118,9 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fill_matches_a_gather_interpreted(fmt, case):
     """3 configurations x 6 trials: 1, 3 and 6 tokens, none, some or all of the routed slots
-    filled, out-of-range slots."""
+    filled, out-of-range slots; the third configuration over expert records."""
     config = decode().W4_DECODE_TILES._replace(**CPU_TILES[case])
-    run_trials(fmt, CPU_SHAPES[fmt], "cpu", trials=6, config=config)
+    run_trials(fmt, CPU_SHAPES[fmt], "cpu", trials=6, config=config, records=case == 2)
 
 
 @interpreted
@@ -167,3 +177,4 @@ def test_cuda_fill_from_pinned_host_banks_sync_free(fmt, shape):
     pinned host banks, each call under the sync check once compiled."""
     run_trials(fmt, shape, "cuda", trials=3, host_device="cpu")  # compiles every variant
     run_trials(fmt, shape, "cuda", trials=20, host_device="cpu", sync_free=True)
+    run_trials(fmt, shape, "cuda", trials=4, host_device="cpu", sync_free=True, records=True)
