@@ -54,12 +54,15 @@ def allocate(count: int, specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
 
 def records_of(banks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """The ``[N, R]`` uint8 records that ``banks [N, ...]`` are views into, and each bank's offset
-    in a record; None where they are not (banks of their own, or copies made by ``.to``)."""
+    in a record; None where they are not (banks of their own, copies made by ``.to``, or not every
+    bank of the record, in its order: a record copied whole must hold nothing else)."""
     first = banks[0]
     record_bytes = first.stride(0) * first.element_size()
     storage = first.untyped_storage()
-    base = min(b.data_ptr() for b in banks)
+    base = first.data_ptr()
     offsets = tuple(b.data_ptr() - base for b in banks)
+    if record_layout([b[0].nbytes for b in banks]) != (offsets, record_bytes):
+        return None
     for bank, offset in zip(banks, offsets):
         if (bank.untyped_storage().data_ptr() != storage.data_ptr() or bank.shape[0] != first.shape[0]
                 or bank.stride(0) * bank.element_size() != record_bytes or not bank[0].is_contiguous()

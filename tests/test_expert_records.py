@@ -45,6 +45,9 @@ def test_views_are_the_records_and_are_found_again():
     assert records_of([b[1:4] for b in banks])[0].shape == (3, layout.record_bytes)  # a buffer of the pool
     assert records_of([b.clone() for b in banks]) is None  # banks of their own
     assert records_of([banks[0], banks[1][:4]]) is None  # not the same experts
+    assert records_of(banks[1:]) is None and records_of(banks[:2]) is None  # a part of the record
+    assert records_of([b[:4] for b in banks[1:]]) is None  # a part, with records after it to run into
+    assert records_of([banks[1], banks[0], banks[2]]) is None  # not in the record's order
     other = allocate(3, specs, "cpu")[1]
     assert len(paired_records(list(zip([b[:3] for b in banks], other)))) == 1
     assert paired_records(list(zip([b[:3].clone() for b in banks], other))) is None
