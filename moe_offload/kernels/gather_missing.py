@@ -12,7 +12,9 @@ The kernel copies raw bytes (each bank viewed as the integer type of its item si
 serves bf16 banks, fp8 and 4-bit banks (1 byte) and their scale banks alike, and every bank of a
 call in one launch: the grid's first axis runs over the banks' blocks one bank after another
 (``MAX_BANKS`` at most: w13, w2 and nvfp4's four scale banks), so a decode step's small scale rows
-cross PCIe beside each other, not one launch's latency after another's.
+cross PCIe beside each other, not one launch's latency after another's. Where both sides are expert
+records (``moe_offload.expert_records``: the store's and the cache's), the call moves whole records,
+one bank; a side of banks of their own is read through its row strides.
 
 With ``programs`` the launch is that many programs, which deal the planned rows among them in
 ``STEP``-item steps, instead of a program per block of every planned expert. The wide grid holds

@@ -18,7 +18,8 @@ the SMs; it reads mapped host memory through its device address (about 51-55 GB/
 decode gather). ``scripts/bench_prefill.py`` measures it against a whole-layer copy-engine copy.
 
 Like the gather it copies raw bytes (``triton_support.raw_bytes``): fp8 banks and their float32 scale
-banks are staged by the same kernel, one launch per bank.
+banks are staged by the same kernel, one launch per bank, or one for whole records where the pool,
+the host banks and the buffer are all expert records (``moe_offload.expert_records``).
 """
 from __future__ import annotations
 
