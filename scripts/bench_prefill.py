@@ -198,6 +198,7 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
                              invalidate=mode, chunk=chunk, prefix=prefix,
                              seconds=seconds, tok_s=chunk / seconds, hit_rate=hits / max(hits + staged["from_host"], 1),
                              pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
+                             copies=staged.get("mirror_copies", 0) / runner.model_config.num_layers,
                              bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
                              ratio=max(pcie_s, flops_s) / seconds))
     except torch.OutOfMemoryError:
@@ -314,14 +315,14 @@ def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[di
     if stage_rows:
         print_table(STAGE_COLUMNS, stage_rows)
     print(f"{'cache':>6} {'experts':>12} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} "
-          f"{'hits':>5} {'PCIe GB':>8} {'HBM GB':>7} {'bound s':>8} {'bound':>5} {'ratio':>6}")
+          f"{'hits':>5} {'PCIe GB':>8} {'HBM GB':>7} {'copies':>6} {'bound s':>8} {'bound':>5} {'ratio':>6}")
     for r in rows:
         head = f"{r['fraction']:>6.0%} {r['experts']:>12} {r['invalidate']:>6} {r['chunk']:>6} {r['prefix']:>6}"
         if r.get("oom"):
             print(f"{head} {'out of memory':>40}")
             continue
         print(f"{head} {r['seconds']:>8.3f} {r['tok_s']:>8.0f} {r['hit_rate']:>5.2f} {r['pcie_gb']:>8.1f} "
-              f"{r['hbm_gb']:>7.1f} {r['bound_s']:>8.3f} {r['bound']:>5} {r['ratio']:>6.3f}")
+              f"{r['hbm_gb']:>7.1f} {r['copies']:>6.1f} {r['bound_s']:>8.3f} {r['bound']:>5} {r['ratio']:>6.3f}")
 
 
 if __name__ == "__main__":
