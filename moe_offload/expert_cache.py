@@ -121,7 +121,7 @@ class ExpertCache:
         # ==== slot pools: contents are only meaningful where id_of_slot says so ====
         # expert-major: a slot is one record of every bank's row (``expert_records``), as in the store
         specs = list(bank_specs(fmt, w2_shape[1], w2_shape[0]).values())
-        self.records, pools = expert_records.allocate(num_slots, specs, device)
+        _, pools = expert_records.allocate(num_slots, specs, device)  # the views keep the records alive
         self.w13, self.w2 = pools[:2]
         self.scales = None if scale_block is None else ExpertScales(
             pools[2], pools[3], scale_block, kind=kind).with_tensors(pools[2:])

@@ -32,7 +32,7 @@ import torch
 from moe_offload.copy_runs import bridge_gaps, copy_runs
 from moe_offload.expert_records import paired_records
 from moe_offload.host_register import pinned_device_view
-from moe_offload.kernels.gather_missing import gather_missing
+from moe_offload.kernels.gather_missing import check_gather, gather_pairs
 from moe_offload.miss_copies import through_slot_map
 
 STALE_FIELDS = ("wasted", "repaired")  # per layer: host copies of experts that were resident; repairs
@@ -79,9 +79,12 @@ class MirroredMisses:
         self.in_place = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
-        # what ``stage`` copies: expert records where both sides are (``expert_records``: a run is one
-        # copy), else each bank with how many hits its copies may bridge (0: none)
+        # what ``stage`` copies and the repairs gather, resolved once: expert records where both sides
+        # are (``expert_records``: a run is one copy), else each bank, with how many hits its copies
+        # may bridge (0: none)
+        check_gather(self.repair_src[0, :count], self.repair_dst[0, :count], self.repair_count[0, :1], banks)
         records = paired_records(banks)
+        self.gather_banks = records or banks
         self.copy_banks = [(*pair, 0) for pair in records] if records else \
             [(*pair, bridge) for pair, bridge in zip(banks, bridges([p[0].nbytes for _, p in banks], count))]
         self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
@@ -150,11 +153,8 @@ class MirroredMisses:
         self._repair(layer)
 
     def _repair(self, layer: int) -> None:
-        host = [h for h, _ in self.banks]
-        pools = [p for _, p in self.banks]
-        scales = {} if len(self.banks) == 2 else {"host_scales": tuple(host[2:]), "slot_scales": tuple(pools[2:])}
-        gather_missing(self.repair_src[layer, :self.count], self.repair_dst[layer, :self.count],
-                       self.repair_count[layer, :1], host[0], host[1], pools[0], pools[1], self.backend, **scales)
+        gather_pairs(self.repair_src[layer, :self.count], self.repair_dst[layer, :self.count],
+                     self.repair_count[layer, :1], self.gather_banks, self.backend)
 
     def slots(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Pool slots of ``layer``'s routed experts at share ``index``."""

@@ -36,7 +36,7 @@ from moe_offload.expert_cache import ExpertCache
 from moe_offload.expert_records import paired_records
 from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
-from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, share_count, stage_experts
+from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, check_stage, share_count, stage_banks
 from moe_offload.miss_copies import MissCopies
 from moe_offload.mirrored_misses import MirroredMisses
 
@@ -179,6 +179,7 @@ class PrefillPipeline:
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else HostStreams())
         # experts staged per layer, by source (STAGE_FIELDS); device counters, read by stats()
         self.staged = torch.zeros(cache.num_layers, len(STAGE_FIELDS), dtype=torch.int64, device=device)
+        self.stage_banks = [self._stage_banks(b) for b in range(2)]  # the stage kernel's, checked and resolved
         self.misses = self._miss_copies(host_scales) if stage == "misses" else None
         self.mirrored = self._mirrored_misses(host_scales) if stage in ("mirror", "auto") else None
         self.chunk_stage = "kernel" if stage == "auto" else stage  # this chunk's, chosen by begin
@@ -265,10 +266,8 @@ class PrefillPipeline:
                     dst.copy_(host[experts], non_blocking=True)
                 self.staged[layer, 1] += count
             else:
-                stage_experts(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.cache.w13,
-                              self.cache.w2, self.host_w13, self.host_w2, self.buf_w13[buf], self.buf_w2[buf],
-                              self.staged, self.cache.backend, self.programs, scales=self.buf_scales[buf],
-                              first=self.share.first, stride=self.share.stride)
+                stage_banks(layer, num_experts, self.lent, self.cache.tables.slot_for_id, self.stage_banks[buf],
+                            self.staged, self.cache.backend, self.programs, self.share.first, self.share.stride)
         self.streams.record(f"ready{buf}", "copy")
 
     def _miss_copies(self, host_scales: ExpertScales | None) -> MissCopies:
@@ -304,6 +303,16 @@ class PrefillPipeline:
     def lookups_joined(self) -> None:
         if self.mirrored is not None:
             self.mirrored.join()
+
+    def _stage_banks(self, buf: int) -> list[tuple[torch.Tensor, ...]]:
+        """What the stage kernel moves into buffer ``buf``: ``(pool, host, buffer)`` of each bank,
+        checked here once (``check_stage``), or one such triple of expert records where all three
+        are records (``expert_records``: one launch a layer)."""
+        cache = self.cache
+        banks = [(cache.w13, self.host_w13, self.buf_w13[buf]), (cache.w2, self.host_w2, self.buf_w2[buf]),
+                 *self.buf_scales[buf]]
+        check_stage(0, cache.num_experts, self.lent, cache.tables.slot_for_id, banks, self.staged, self.count)
+        return paired_records(banks) or banks
 
     def _layer_copies(self, buf: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What "memcpy" copies into buffer ``buf``: ``(host, buffer)`` of each bank, or one pair of

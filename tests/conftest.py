@@ -34,8 +34,8 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         # each xdist worker its share of the cores: six workers of torch's default (every core) spin
-        # against each other, and small CPU twins run 5-20 times slower (a GPU suite's fla test: 13 s
-        # alone, 302 s among six workers, H100 host of 16 cores); servers the tests start inherit it
+        # against each other on small CPU twins (a GPU suite's fla test took 13 s alone and 302 s
+        # among six workers, H100 host of 16 cores); servers the tests start inherit the share
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)

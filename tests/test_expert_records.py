@@ -154,3 +154,29 @@ def test_cuda_pipeline_from_pinned_records_matches_resident_without_sync(stage):
     assert stats[f"chunks_{stage}"] == 6 and stats["from_host"] > 0
     if stage == "mirror":
         assert piped.pipeline.mirrored.copies_per_run == 1
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-geometry", "qwen3.5-35b-a3b-geometry", "gpt-oss-120b-geometry"])
+def test_a_record_pads_an_expert_by_a_few_hundred_bytes(model):
+    """The alignment's padding on the real geometries, which ``slot_bytes`` (an expert's own bytes,
+    the memory plan's and the bounds' unit) leaves out: 128 B on qwen3-30b fp8, 308 B on gpt-oss
+    fp8 (of 4.7 and 24.9 MB), none in bf16 or nvfp4."""
+    import math
+
+    from moe_offload.formats import bank_specs, resolve_expert_format
+    from moe_offload.formats.expert_format import ExpertFormat
+    from worker.config import ModelConfig
+    from worker.expert_placement import expert_slot_bytes
+
+    cfg = ModelConfig.from_dir(model)
+    padding = {}
+    for name in ("bf16", "fp8", "nvfp4", "mxfp4"):
+        fmt = resolve_expert_format(name, ExpertFormat(torch.bfloat16), torch.bfloat16)
+        rows = [math.prod(shape) * dtype.itemsize
+                for shape, dtype in bank_specs(fmt, cfg.expert_intermediate_size, cfg.hidden_size).values()]
+        assert sum(rows) == expert_slot_bytes(cfg, fmt)
+        padding[name] = record_layout(rows).record_bytes - sum(rows)
+    want = {"qwen3-30b-geometry": {"bf16": 0, "fp8": 128, "nvfp4": 0, "mxfp4": 0},
+            "qwen3.5-35b-a3b-geometry": {"bf16": 0, "fp8": 0, "nvfp4": 0, "mxfp4": 0},
+            "gpt-oss-120b-geometry": {"bf16": 0, "fp8": 308, "nvfp4": 0, "mxfp4": 128}}[model]
+    assert padding == want

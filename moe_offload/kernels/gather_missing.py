@@ -42,8 +42,9 @@ STEP_WARPS = 8
 PROGRAMS = 32  # the few-program form's width: 32 steps of 8-16 KB in flight, enough for the link
 
 
-def _check(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
-           banks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def check_gather(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+                 banks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The host-side checks of a gather over ``(host, slots)`` bank pairs (metadata only)."""
     if plan_src.dim() != 1 or plan_src.shape != plan_dst.shape or count.numel() != 1:
         raise ValueError("plan_src and plan_dst must be [P] and count [1]")
     if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (plan_src, plan_dst, count)):
@@ -78,11 +79,18 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
     range. On CUDA the host banks must be device-addressable (pinned/registered, or device views).
     """
     banks = _pairs(host_w13, host_w2, slot_w13, slot_w2, host_scales, slot_scales)
-    _check(plan_src, plan_dst, count, banks)
-    banks = paired_records(banks) or banks  # both sides expert records: a planned expert's record at once
+    check_gather(plan_src, plan_dst, count, banks)
+    gather_pairs(plan_src, plan_dst, count, paired_records(banks) or banks, backend, programs)
+
+
+def gather_pairs(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
+                 banks: list[tuple[torch.Tensor, torch.Tensor]], backend: str | None = None, programs: int = 0) -> None:
+    """``gather_missing`` over ``(host, slots)`` pairs that ``check_gather`` passed, resolved to whole
+    records where both sides are (``paired_records``): for an owner that gathers from the same banks
+    every layer and resolves them once (the mirror's repairs)."""
     if programs < 0:
         raise ValueError(f"programs must be 0 (the wide grid) or a count of programs, not {programs}")
-    if not use_triton(slot_w13, backend):
+    if not use_triton(banks[0][1], backend):
         gather_missing_eager(plan_src, plan_dst, count, banks)
     elif programs:
         _launch_few(plan_src, plan_dst, count, banks, programs)

@@ -43,8 +43,8 @@ def share_count(num_experts: int, first: int, stride: int) -> int:
     return len(range(first, num_experts, stride))
 
 
-def _check(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
-           banks: list[tuple[torch.Tensor, ...]], stats: torch.Tensor, count: int) -> None:
+def check_stage(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
+                banks: list[tuple[torch.Tensor, ...]], stats: torch.Tensor, count: int) -> None:
     """Shapes, dtypes, devices and the buffer's place in the pool, all from metadata."""
     num_ids = slot_for_id.numel()
     if num_experts < 1 or num_ids % num_experts or not 0 <= layer < num_ids // num_experts:
@@ -92,14 +92,24 @@ def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Te
     the device): ``lookup_admit`` keeps them in ``[0, S)`` or -1.
     """
     banks = [(pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2), *scales]
-    count = share_count(num_experts, first, stride)
-    _check(layer, num_experts, lent, slot_for_id, banks, stats, count)
+    check_stage(layer, num_experts, lent, slot_for_id, banks, stats, share_count(num_experts, first, stride))
+    stage_banks(layer, num_experts, lent, slot_for_id, paired_records(banks) or banks, stats, backend, programs,
+                first, stride)
+
+
+def stage_banks(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
+                banks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], stats: torch.Tensor,
+                backend: str | None = None, programs: int = PROGRAMS, first: int = 0, stride: int = 1) -> None:
+    """``stage_experts`` over ``(pool, host, buf)`` banks that ``check_stage`` passed, resolved to
+    whole records where every side is (``paired_records``: one launch): for an owner that stages
+    from the same banks every layer and resolves them once (the prefill pipeline)."""
     if programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
-    if not use_triton(buf_w13, backend):
+    if not use_triton(banks[0][2], backend):
         stage_experts_eager(layer, num_experts, lent, slot_for_id, banks, stats, first, stride)
         return
-    for i, bank in enumerate(paired_records(banks) or banks):  # expert records everywhere: one launch
+    count = share_count(num_experts, first, stride)
+    for i, bank in enumerate(banks):
         pool, host, buf = (raw_bytes(t) for t in bank)
         numel = pool[0].numel()
         grid = min(programs, count * -(-numel // BLOCK))
@@ -111,14 +121,14 @@ def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Te
 def stage_experts_eager(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tensor,
                         banks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], stats: torch.Tensor,
                         first: int = 0, stride: int = 1) -> None:
-    """Reference twin over ``(pool, host, buf)`` banks: plain gathers and a select (CPU path and
-    oracle; it copies every expert from both sources, so it saves no PCIe traffic)."""
+    """Reference twin over ``(pool, host, buf)`` banks (or records): plain gathers and a select (CPU
+    path and oracle; it copies every expert from both sources, so it saves no PCIe traffic)."""
     gids = layer * num_experts + torch.arange(first, num_experts, stride, device=slot_for_id.device)
     slots = slot_for_id[gids].long()
     hit = slots >= lent
     for pool, host, buf in banks:
         from_host = host[gids.to(host.device)].to(buf.device)
-        buf.copy_(torch.where(hit[:, None, None], pool[slots.clamp(min=0)], from_host))
+        buf.copy_(torch.where(hit.view(-1, *[1] * (buf.dim() - 1)), pool[slots.clamp(min=0)], from_host))
     num_hit = hit.sum()
     stats[layer].add_(torch.stack((num_hit, gids.numel() - num_hit)))
 

@@ -2,9 +2,9 @@
 
 fla's chunked gated-delta-rule kernels autotune on their first call for each head shape and
 dtype: on a freshly started machine that compiles and times every config of about seven kernels
-(H100, cold Triton cache: 65 s for Qwen3.5-35B-A3B's shape, 125-190 s for each of the GPU tests'
-shapes), in the GPU suite and in a hybrid model's warm-up alike. fla can instead read each kernel's chosen config from files (``FLA_CONFIG_DIR``,
-``FLA_CACHE_MODE``; fla's ``ops/utils/cache.py``). So:
+(H100, cold Triton cache: 65 s for Qwen3.5-35B-A3B's shape, by ``scripts/fla_configs.py tune``), in
+the GPU suite and in a hybrid model's warm-up alike. fla can instead read each kernel's chosen
+config from files (``FLA_CONFIG_DIR``, ``FLA_CACHE_MODE``; fla's ``ops/utils/cache.py``). So:
 
 - ``use_kept_configs`` (before fla's first use) points fla at ``fla_configs/<GPU>/`` where that
   folder exists and the user set neither variable, in fla's ``strict`` mode: a key tuned before
