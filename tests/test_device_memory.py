@@ -11,6 +11,8 @@ from worker.device_memory import GIB, DeviceMemory
 from worker.expert_placement import ExpertOptions
 from worker.runner import ModelRunner, RunnerConfig
 
+from tests.fresh_process import run_fresh
+
 CUDA = torch.device("cuda")
 
 
@@ -61,35 +63,35 @@ def test_bad_limits_are_refused(limit, device):
 
 
 @pytest.mark.cuda
-def test_the_allocator_stays_under_a_small_limit(monkeypatch):
+def test_the_allocator_stays_under_a_small_limit():
     """A real runner sized from free memory (expert cache auto, KV pool auto, prefill chunk auto)
     under a 4 GiB limit: torch's peak stays under it, and an allocation past it is refused. Without
-    the limit the KV pool alone would take 80% of the card. The card's free memory is read as
-    the whole card: the GPU suite's other workers hold some of it at any moment, and the plan is to
-    be the limit's, not theirs (the limit binding is what this test is about)."""
+    the limit the KV pool alone would take 80% of the card. In a fresh process (tests/fresh_process.py),
+    with the card's free memory read as the whole card: the GPU suite's other workers hold some of it
+    at any moment, and the plan is to be the limit's, not theirs (the limit binding is what this test
+    is about)."""
+    run_fresh("tests.test_device_memory:allocator_under_a_small_limit")
+
+
+def allocator_under_a_small_limit() -> None:
     from scheduler.generate import generate
     from scheduler.messages.to_scheduler import SamplingParams
 
     limit = 4
     total = torch.cuda.mem_get_info()[1]
-    assert total > 4 * limit * GIB  # a card the limit makes a difference on
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        runner = ModelRunner(RunnerConfig("small-geometry", device="cuda", gpu_memory_limit=limit,
-                                          experts=ExpertOptions(cache_auto=True, dummy_weights=True,
-                                                                kv_reserve_tokens=4096)))
-        assert runner.kv_pool.capacity * runner.kv_pool.page_bytes > GIB  # sized from the limit, not fixed
-        generate(runner, [10 + i % 500 for i in range(4990)], SamplingParams(), 16)  # vocab 512
-        torch.cuda.synchronize()
-        assert 0 < torch.cuda.max_memory_reserved() <= limit * GIB
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            torch.empty(limit * GIB, dtype=torch.uint8, device="cuda")
-        del runner
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
+    assert total > 4 * limit * GIB, "a card the limit makes a difference on"
+    torch.cuda.mem_get_info = lambda device=None: (total, total)  # this process only
+    runner = ModelRunner(RunnerConfig("small-geometry", device="cuda", gpu_memory_limit=limit,
+                                      experts=ExpertOptions(cache_auto=True, dummy_weights=True,
+                                                            kv_reserve_tokens=4096)))
+    pool = runner.kv_pool.capacity * runner.kv_pool.page_bytes
+    assert pool > GIB, f"a KV pool of {pool} bytes: sized from the limit, not fixed"
+    generate(runner, [10 + i % 500 for i in range(4990)], SamplingParams(), 16)  # vocab 512
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_reserved()
+    assert 0 < peak <= limit * GIB, f"peak reserved {peak} bytes under a {limit} GiB limit"
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch.empty(limit * GIB, dtype=torch.uint8, device="cuda")
 
 
 def test_offline_generate_refuses_ids_outside_the_vocabulary():
@@ -105,3 +107,10 @@ def test_offline_generate_refuses_ids_outside_the_vocabulary():
         with pytest.raises(ValueError, match="token ids must lie in"):
             generate(runner, bad, SamplingParams(), 2)
     assert runner.kv_pool.num_free == runner.kv_pool.capacity  # nothing allocated before the refusal
+
+
+def test_a_fresh_process_body_fails_its_caller():
+    """tests/fresh_process.py: a body that returns passes, one that dies fails the caller with its output."""
+    run_fresh("os:getpid")
+    with pytest.raises(AssertionError, match="os:abort failed in a fresh process"):
+        run_fresh("os:abort")
