@@ -12,6 +12,8 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+from frontend.prompt_pieces import PromptPieces
+
 
 # The variables render_chat sets itself; a request's template kwargs may set any other.
 RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
@@ -53,6 +55,7 @@ class ChatTokenizer:
         eos_token: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.pieces = PromptPieces(tokenizer)  # a conversation's earlier messages are not encoded again
         self.chat_template = chat_template  # the Jinja source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -83,7 +86,9 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """A raw prompt, plus the special tokens (BOS) that tokenizer.json's post-processor adds."""
-        return self._encode(text, add_special_tokens=True)
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized on a worker
+        # thread then leaves the frontend's event loop running
+        return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     @property
     def has_chat_template(self) -> bool:
@@ -121,12 +126,7 @@ class ChatTokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The template writes BOS itself when the model wants one, as transformers assumes.
-        return self._encode(self.render_chat(messages, tools, template_kwargs), add_special_tokens=False)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # encode_batch releases the GIL (encode does not): a long prompt tokenized on a worker
-        # thread then leaves the frontend's event loop running
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.pieces.encode(self.render_chat(messages, tools, template_kwargs))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

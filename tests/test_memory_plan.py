@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from moe_offload.expert_store import remove_segment
 from tests.test_device_memory import CUDA, card  # noqa: F401 (fixture)

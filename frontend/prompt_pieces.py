@@ -1,0 +1,103 @@
+"""A chat prompt tokenized piece by piece, each piece's ids kept: an agent client resends the whole
+conversation every turn, and encoding its 130k tokens again takes 170 ms of one core, while only the
+new messages are new text.
+
+The rendered prompt is cut at the tokenizer's added tokens that are matched on the raw text
+(``<|im_start|>``, ``<|im_end|>``, ...: ``normalized: false``). ``tokenizers`` itself splits those
+out first (leftmost, longest), then normalizes, pre-tokenizes and runs the model on each piece
+between them alone (the other added tokens are found inside a piece, after normalizing), so the
+pieces' ids, encoded one by one and joined with the added tokens' ids, are the ids of the whole
+text. Two things in a tokenizer.json break that, and with either the prompt is encoded whole as
+before: an added token with ``lstrip``/``rstrip``/``single_word`` (it looks at the text beside
+it), and a Metaspace pre-tokenizer with ``prepend_scheme: first`` (it treats the piece at offset 0
+differently, Mixtral's tokenizer). ``tests/test_prompt_pieces.py`` checks the joined ids against
+whole encodings.
+
+The kept pieces are the long ones (short ones cost less to encode than to look up), in an LRU
+bounded by their token count."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from array import array
+from collections import OrderedDict
+
+import tokenizers
+
+CACHE_TOKENS = 8_000_000  # 32 MB of ids and about as much text: 60 sessions of 128k tokens
+MIN_CACHED_CHARS = 256
+
+
+def piecewise_reason(tokenizer: tokenizers.Tokenizer) -> str | None:
+    """Why this tokenizer's prompts cannot be encoded piece by piece, or None when they can."""
+    for token in tokenizer.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or token.single_word:
+            return f"added token {token.content!r} is matched with lstrip/rstrip/single_word"
+    spec = json.loads(tokenizer.to_str())
+    for part in ("normalizer", "pre_tokenizer"):
+        if '"prepend_scheme": "first"' in json.dumps(spec.get(part)):
+            return f"the {part} prepends to the first piece only (prepend_scheme first)"
+    return None
+
+
+class PromptPieces:
+    """``encode(text)``: the ids of ``text`` as ``tokenizer.encode(text, add_special_tokens=False)``
+    gives them, from kept pieces where it can. Thread-safe (the frontend encodes on worker threads)."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, max_tokens: int = CACHE_TOKENS) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.reason = piecewise_reason(tokenizer)  # None: piecewise
+        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if not t.normalized}
+        self._added = added
+        # longest first: at one position the regex takes the first alternative, tokenizers the longest
+        names = sorted(added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names else None
+        self._kept: OrderedDict[str, array] = OrderedDict()
+        self._lock = threading.Lock()
+        self.tokens = 0  # kept ids
+        self.hits = self.misses = 0  # kept pieces found / encoded and kept
+
+    def encode(self, text: str) -> list[int]:
+        if self.reason is not None or self._split is None:
+            return self._encode_all([text])[0]
+        parts = self._split(text)  # text, added token, text, added token, ..., text
+        pieces = parts[0::2]
+        found = self._lookup(pieces)
+        missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None and p))
+        fresh = dict(zip(missing, self._encode_all(missing)))
+        self._keep(fresh)
+        out: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                out.append(self._added[part])
+            elif part:
+                out.extend(found[i // 2] if found[i // 2] is not None else fresh[part])
+        return out
+
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch releases the GIL (encode does not) and runs the texts in parallel
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)] if texts else []
+
+    def _lookup(self, pieces: list[str]) -> list[array | None]:
+        with self._lock:
+            found = [self._kept.get(p) if len(p) >= MIN_CACHED_CHARS else None for p in pieces]
+            for p, ids in zip(pieces, found):
+                if ids is not None:
+                    self._kept.move_to_end(p)
+                    self.hits += 1
+            return found
+
+    def _keep(self, fresh: dict[str, list[int]]) -> None:
+        with self._lock:
+            for piece, ids in fresh.items():
+                if len(piece) < MIN_CACHED_CHARS or len(ids) > self.max_tokens or piece in self._kept:
+                    continue
+                self._kept[piece] = array("i", ids)
+                self.tokens += len(ids)
+                self.misses += 1
+            while self.tokens > self.max_tokens:
+                _, dropped = self._kept.popitem(last=False)
+                self.tokens -= len(dropped)

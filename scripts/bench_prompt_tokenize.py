@@ -1,0 +1,89 @@
+"""The frontend's tokenization of an agent session's prompts (CPU only, no model).
+
+An agent client sends the whole conversation every turn. Each turn here adds a tool result of about
+``--turn-tokens`` tokens (the repository's own source files, as a coding agent reads them) and a
+short assistant message, up to ``--turns`` turns; the prompt is rendered with the model's chat
+template and encoded whole (``tokenizer.encode``, as before) and by ``frontend.prompt_pieces``
+(the engine's ``ChatTokenizer.encode_chat``). The bound is encoding the turn's new messages alone
+(their rendered text), the least any encoder that must read them does.
+
+    python scripts/bench_prompt_tokenize.py [--tokenizer DIR] [--turns 60] [--turn-tokens 2048]
+
+Without ``--tokenizer`` the embedded default model's tokenizer and ChatML template (byte-level
+BPE as Qwen's).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from frontend.tokenizer import ChatTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tool_texts(tokenizer: ChatTokenizer, tokens: int) -> list[str]:
+    """The repository's Python files in chunks of about ``tokens`` tokens, in a fixed order."""
+    text = "".join(p.read_text() for p in sorted(ROOT.glob("[fmswt]*/**/*.py")))
+    chars = tokens * 200_000 // len(tokenizer.tokenizer.encode(text[:200_000]).ids)  # tokens x chars a token
+    return [text[i:i + chars] for i in range(0, len(text) - chars, chars)]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def session(tokenizer: ChatTokenizer, args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
+    """Per turn: context tokens, seconds whole, seconds by pieces, seconds of the new messages alone."""
+    texts = tool_texts(tokenizer, args.turn_tokens)
+    messages = [{"role": "system", "content": "You are a coding agent. Read files, run tools, fix the bug."}]
+    rows = []
+    for turn in range(args.turns):
+        new = [{"role": "assistant", "content": f"Reading file {turn}."},
+               {"role": "user", "content": texts[turn % len(texts)]}]
+        messages += new
+        text = tokenizer.render_chat(messages)
+        whole = timed(lambda: tokenizer.tokenizer.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        pieces = timed(lambda: ids.extend(tokenizer.encode_chat(messages)))
+        alone = tokenizer.render_chat(new)
+        bound = timed(lambda: tokenizer.tokenizer.encode(alone, add_special_tokens=False))
+        rows.append((len(ids), whole, pieces, bound))
+    return rows
+
+
+def report(rows: list[tuple[int, float, float, float]], tokenizer_dir: Path) -> None:
+    print(f"prompt tokenization of one agent session, tokenizer {tokenizer_dir}; bound = encoding the "
+          f"turn's new messages alone")
+    print(f"{'turns':>9s} {'context':>8s} {'whole ms':>9s} {'pieces ms':>10s} {'bound ms':>9s} {'ratio':>6s}")
+    quarter = max(1, len(rows) // 4)
+    for first in range(0, len(rows), quarter):
+        part = rows[first:first + quarter]
+        whole, pieces, bound = (statistics.median(r[i] for r in part) * 1e3 for i in (1, 2, 3))
+        print(f"{first + 1:>4d}-{first + len(part):<4d} {part[-1][0]:>8d} {whole:>9.2f} {pieces:>10.2f} "
+              f"{bound:>9.2f} {bound / pieces:>6.2f}")
+    last = rows[-1]
+    print(f"last turn, {last[0]} tokens: whole {last[1] * 1e3:.1f} ms, pieces {last[2] * 1e3:.1f} ms, "
+          f"bound {last[3] * 1e3:.1f} ms ({last[3] / last[2]:.2f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", type=Path, default=None, help="directory with tokenizer.json and its template")
+    p.add_argument("--turns", type=int, default=60)
+    p.add_argument("--turn-tokens", type=int, default=2048, help="tokens of each turn's tool result")
+    args = p.parse_args()
+    if args.tokenizer is None:
+        from worker.default_model import default_model_dir
+        args.tokenizer = default_model_dir()
+    tokenizer = ChatTokenizer.from_dir(args.tokenizer)
+    print(f"piecewise: {tokenizer.pieces.reason or 'yes'}")
+    report(session(tokenizer, args), args.tokenizer)
+
+
+if __name__ == "__main__":
+    main()
