@@ -35,9 +35,10 @@ def piecewise_reason(tokenizer: tokenizers.Tokenizer) -> str | None:
     for token in tokenizer.get_added_tokens_decoder().values():
         if token.lstrip or token.rstrip or token.single_word:
             return f"added token {token.content!r} is matched with lstrip/rstrip/single_word"
-    spec = json.loads(tokenizer.to_str())
     for part in ("normalizer", "pre_tokenizer"):
-        if '"prepend_scheme": "first"' in json.dumps(spec.get(part)):
+        component = getattr(tokenizer, part)
+        spec = json.loads(component.__getstate__()) if component is not None else None  # its tokenizer.json entry
+        if '"prepend_scheme": "first"' in json.dumps(spec):
             return f"the {part} prepends to the first piece only (prepend_scheme first)"
     return None
 

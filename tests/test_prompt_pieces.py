@@ -113,6 +113,9 @@ def _bpe(normalizer=None, pre_tokenizer=None, added: list[AddedToken] = ()) -> T
 
 @pytest.mark.parametrize("tok, reason", [
     (_bpe(pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme="first")), "prepend_scheme first"),
+    (_bpe(pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Digits(),
+                                                 pre_tokenizers.Metaspace(prepend_scheme="first")])),
+     "prepend_scheme first"),  # found inside a Sequence too
     (_bpe(added=[AddedToken("<x>", lstrip=True)]), "lstrip/rstrip/single_word"),
     (_bpe(added=[AddedToken("<x>", single_word=True)]), "lstrip/rstrip/single_word"),
 ])
