@@ -60,6 +60,7 @@ class PromptPieces:
         self._lock = threading.Lock()
         self.tokens = 0  # kept ids
         self.hits = self.misses = 0  # kept pieces found / encoded and kept
+        self.reused_tokens = 0  # prompt tokens taken from kept pieces, not encoded again
 
     def encode(self, text: str) -> list[int]:
         if self.reason is not None or self._split is None:
@@ -89,6 +90,7 @@ class PromptPieces:
                 if ids is not None:
                     self._kept.move_to_end(p)
                     self.hits += 1
+                    self.reused_tokens += len(ids)
             return found
 
     def _keep(self, fresh: dict[str, list[int]]) -> None:

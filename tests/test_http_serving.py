@@ -172,6 +172,22 @@ def test_metrics_parse_and_move_with_the_zmq_stats(server, oai, zmq_client):
         ("sluice_engine_seconds_total", (("kind", "host"),))]
 
 
+def test_a_resent_history_is_not_tokenized_again(server, oai, zmq_client):
+    """An agent's next turn resends its history: the frontend takes that message's tokens from its
+    kept pieces (frontend/prompt_pieces.py) and counts them in /metrics."""
+    history = [{"role": "user", "content": "a tool result of a few hundred characters. " * 8}]
+    before = _metrics(server[1])[("sluice_prompt_tokens_reused_total", ())]
+    first = oai.chat.completions.create(messages=history, **GREEDY)
+    turn2 = [*history, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "and now?"}]
+    oai.chat.completions.create(messages=turn2, **GREEDY)
+    after = _metrics(server[1])
+    reused = len(history[0]["content"]) + len("user\n")  # byte tokens: the message's piece after <|im_start|>
+    assert after[("sluice_prompt_tokens_reused_total", ())] - before == reused
+    assert after[("sluice_prompt_pieces_kept_tokens", ())] >= reused
+    assert zmq_client.stats()["frontend_prompt_tokens_reused"] == after[("sluice_prompt_tokens_reused_total", ())]
+
+
 def test_disconnect_before_a_whole_reply_aborts_and_frees_every_page(server, zmq_client):
     aborted = zmq_client.stats()["requests_aborted"]
     body = {"model": "tiny", "prompt": "a long wait " * 5, "max_tokens": 400, "temperature": 0,
