@@ -7,11 +7,11 @@ The rendered prompt is cut at the tokenizer's added tokens that are matched on t
 out first (leftmost, longest), then normalizes, pre-tokenizes and runs the model on each piece
 between them alone (the other added tokens are found inside a piece, after normalizing), so the
 pieces' ids, encoded one by one and joined with the added tokens' ids, are the ids of the whole
-text. Two things in a tokenizer.json break that, and with either the prompt is encoded whole as
-before: an added token with ``lstrip``/``rstrip``/``single_word`` (it looks at the text beside
-it), and a Metaspace pre-tokenizer with ``prepend_scheme: first`` (it treats the piece at offset 0
-differently, Mixtral's tokenizer). ``tests/test_prompt_pieces.py`` checks the joined ids against
-whole encodings.
+text. Three things break that, and with any of them the prompt is encoded whole as before: an added
+token with ``lstrip``/``rstrip``/``single_word`` (it looks at the text beside it), a Metaspace
+pre-tokenizer with ``prepend_scheme: first`` (it treats the piece at offset 0 differently,
+Mixtral's tokenizer), and ``encode_special_tokens`` set on the tokenizer (special tokens read as
+text). ``tests/test_prompt_pieces.py`` checks the joined ids against whole encodings.
 
 The kept pieces are the long ones (short ones cost less to encode than to look up), in an LRU
 bounded by their token count."""
@@ -63,7 +63,8 @@ class PromptPieces:
         self.reused_tokens = 0  # prompt tokens taken from kept pieces, not encoded again
 
     def encode(self, text: str) -> list[int]:
-        if self.reason is not None or self._split is None:
+        # encode_special_tokens (settable at any time) encodes special tokens' text as text: no pieces
+        if self.reason is not None or self._split is None or self.tokenizer.encode_special_tokens:
             return self._encode_all([text])[0]
         parts = self._split(text)  # text, added token, text, added token, ..., text
         pieces = parts[0::2]

@@ -128,6 +128,16 @@ def test_tokenizers_that_are_not_piecewise_encode_whole(tok, reason):
     assert pieces.encode(text) == _whole(tok, text) and pieces.hits == pieces.misses == 0
 
 
+def test_special_tokens_encoded_as_text_are_not_pieces(smollm2):
+    """``encode_special_tokens`` makes tokenizers read ``<|im_start|>`` as text: the prompt is encoded whole."""
+    tok = Tokenizer.from_str(smollm2.to_str())
+    tok.encode_special_tokens = True
+    text = ("<|im_start|>user\n" + "x" * 300 + "<|im_end|>") * 2
+    pieces = PromptPieces(tok)
+    assert pieces.encode(text) == _whole(tok, text) != _whole(smollm2, text)
+    assert pieces.hits == pieces.misses == 0
+
+
 def test_piecewise_would_be_wrong_where_it_is_refused():
     """The refusal is needed: with prepend_scheme first, the pieces encoded alone differ."""
     tok = _bpe(pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme="first"))
