@@ -54,6 +54,8 @@ class ChatTokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
     ) -> None:
+        tokenizer.no_truncation()  # a tokenizer.json may set either: a prompt is never cut or padded (too
+        tokenizer.no_padding()  # long is refused against the context), and pieces are encoded in batches
         self.tokenizer = tokenizer
         self.pieces = PromptPieces(tokenizer)  # a conversation's earlier messages are not encoded again
         self.chat_template = chat_template  # the Jinja source

@@ -138,6 +138,18 @@ def test_special_tokens_encoded_as_text_are_not_pieces(smollm2):
     assert pieces.hits == pieces.misses == 0
 
 
+def test_a_tokenizer_json_that_pads_or_truncates_does_neither(smollm2):
+    """A tokenizer.json may carry padding and truncation; a prompt is neither cut nor padded (and a
+    batch of pieces would be padded to its longest)."""
+    tok = Tokenizer.from_str(smollm2.to_str())
+    tok.enable_truncation(64)
+    tok.enable_padding(length=None)
+    chat = ChatTokenizer(tok, CHATML)
+    messages = [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "short"}]
+    assert chat.encode_chat(messages) == _whole(smollm2, chat.render_chat(messages))
+    assert len(chat.encode("y " * 100)) > 64
+
+
 def test_piecewise_would_be_wrong_where_it_is_refused():
     """The refusal is needed: with prepend_scheme first, the pieces encoded alone differ."""
     tok = _bpe(pre_tokenizer=pre_tokenizers.Metaspace(prepend_scheme="first"))
