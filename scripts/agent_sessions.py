@@ -12,6 +12,13 @@ token of the previous turns (history and the model's own answers) served from th
 ratio is cached prompt tokens over that ideal, for turns after the first. Prompts are token ids
 drawn from ``[10, id-range)`` so the history stays token-exact across turns.
 
+``--text`` sends chat messages instead, as an agent client does: the task and each tool result are
+slices of this repository's source files (``CHARS_PER_TOKEN`` characters a requested token), each
+reply goes back into the history as the assistant's text, and the frontend renders the chat
+template and tokenizes the whole conversation every turn (its kept pieces: frontend/prompt_pieces.py).
+The ideal then is the previous turn's prompt and reply tokens; a reply whose text tokenizes
+differently (random weights write odd bytes) is not found in the cache past where it differs.
+
 ``scripts/agent_ab.py`` runs this workload against two builds of the server, one after the other.
 """
 from __future__ import annotations
@@ -19,16 +26,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from frontend.client import DEFAULT_ENDPOINT, AsyncClient
 
 CONTENT_MODES = ("fresh", "shared")
+CHARS_PER_TOKEN = 3.5  # --text: characters of source a requested token (the default model's BPE on code)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def source_text() -> str:
+    """This repository's Python files, in a fixed order: the text of --text prompts."""
+    return "".join(p.read_text() for p in sorted(ROOT.glob("[fmsw]*/**/*.py")))
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,7 @@ class Workload:
     id_range: int = 1000  # prompt token ids are drawn from [10, id_range)
     seed: int = 0
     content: str = "fresh"  # fresh: each session its own random tokens; shared: one first prompt for all
+    text: bool = False  # chat messages of source text instead of token ids
 
     def generator(self, stream: str) -> random.Random:
         return random.Random(f"{self.seed}/{stream}")
@@ -53,6 +71,12 @@ class Workload:
 
     def tokens(self, gen: random.Random, n: int) -> list[int]:
         return [gen.randrange(10, self.id_range) for _ in range(n)]
+
+    def message(self, gen: random.Random, n: int) -> dict[str, str]:
+        """A user message of about ``n`` tokens of source text, from a random place."""
+        text, chars = source_text(), int(n * CHARS_PER_TOKEN)
+        start = gen.randrange(0, max(1, len(text) - chars))
+        return {"role": "user", "content": text[start:start + chars]}
 
 
 def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
@@ -67,41 +91,64 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sessions' random tokens")
     p.add_argument("--content", default=d.content, choices=CONTENT_MODES,
                    help="fresh: every session draws its own random tokens; shared: all open with one first prompt")
+    p.add_argument("--text", action="store_true",
+                   help="chat messages of source text, rendered and tokenized by the server, instead of token ids")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     return Workload(args.sessions, args.turns, args.context, args.tool_tokens, args.max_tokens, args.id_range,
-                    args.seed, args.content)
+                    args.seed, args.content, args.text)
 
 
-async def timed_turn(client: AsyncClient, prompt: list[int], max_tokens: int) -> tuple[dict, list[int]]:
-    """One greedy request: its timings and usage, and the tokens it generated."""
+async def timed_turn(client: AsyncClient, prompt: dict, max_tokens: int) -> tuple[dict, list[int], str]:
+    """One greedy request (``prompt``: ``input_ids`` or ``messages``): its timings and usage, and the
+    tokens and text it generated."""
     start = time.perf_counter()
-    ttft, output, usage = None, [], None
-    async for chunk in client.stream(input_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+    ttft, output, text, usage = None, [], [], None
+    async for chunk in client.stream(**prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
         if ttft is None and chunk.token_ids:
             ttft = time.perf_counter() - start
         output += chunk.token_ids
+        text.append(chunk.text)
         usage = chunk.usage or usage
     row = dict(seconds=time.perf_counter() - start, ttft_s=ttft, prompt_tokens=usage.prompt_tokens,
                cached_tokens=usage.cached_prompt_tokens, new_tokens=len(output))
-    return row, output
+    return row, output, "".join(text)
 
 
 async def session(client: AsyncClient, sid: int, workload: Workload, t0: float,
                   on_turn: Callable[[dict], None] | None = None) -> list[dict]:
     """One session's turns; ``on_turn`` sees each turn's row as it ends (progress of a long run)."""
+    if workload.text:
+        return await text_session(client, sid, workload, t0, on_turn)
     gen = workload.generator(f"tools/{sid}")
     history = workload.first_prompt(sid)
     turns = []
     for turn in range(workload.turns):
         prompt = history + (workload.tokens(gen, workload.tool_tokens) if turn else [])
         started = time.perf_counter() - t0
-        row, output = await timed_turn(client, prompt, workload.max_tokens)
+        row, output, _ = await timed_turn(client, {"input_ids": prompt}, workload.max_tokens)
         turns.append(dict(session=sid, turn=turn, started_s=started, ideal_cached=len(history) if turn else 0, **row))
         if on_turn is not None:
             on_turn(turns[-1])
         history = prompt + output
+    return turns
+
+
+async def text_session(client: AsyncClient, sid: int, workload: Workload, t0: float,
+                       on_turn: Callable[[dict], None] | None = None) -> list[dict]:
+    """``session`` in chat messages (--text): the reply's text joins the history as the assistant's."""
+    gen = workload.generator(f"tools/{sid}")
+    first = workload.generator("first" if workload.content == "shared" else f"first/{sid}")
+    history, ideal, turns = [workload.message(first, workload.context)], 0, []
+    for turn in range(workload.turns):
+        prompt = history + ([workload.message(gen, workload.tool_tokens)] if turn else [])
+        started = time.perf_counter() - t0
+        row, _, reply = await timed_turn(client, {"messages": prompt}, workload.max_tokens)
+        turns.append(dict(session=sid, turn=turn, started_s=started, ideal_cached=ideal, **row))
+        if on_turn is not None:
+            on_turn(turns[-1])
+        history, ideal = prompt + [{"role": "assistant", "content": reply}], row["prompt_tokens"] + row["new_tokens"]
     return turns
 
 

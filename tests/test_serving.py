@@ -222,3 +222,23 @@ def test_agent_sessions_serve_each_turns_history_from_the_cache(server, monkeypa
                                      "200", "--json", str(tmp_path / "agents.json")])
     main()
     assert "cached / ideal" in capsys.readouterr().out and (tmp_path / "agents.json").exists()
+
+
+def test_text_agent_sessions_render_and_tokenize_on_the_server(server):
+    """agent_sessions --text: chat messages of source text; the server renders and tokenizes each
+    turn's whole history, finds the earlier turns in its prefix cache, and takes their pieces from
+    the frontend's kept ones (frontend/prompt_pieces.py)."""
+    import asyncio
+
+    from scripts.agent_sessions import Workload, run_sessions, server_stats
+
+    before = asyncio.run(server_stats(server.endpoint, WAIT_S))["frontend_prompt_tokens_reused"]
+    workload = Workload(sessions=2, turns=3, context=80, tool_tokens=10, max_tokens=4, text=True)  # 512-token context
+    rows = asyncio.run(run_sessions(server.endpoint, workload, WAIT_S))
+    assert len(rows) == 6 and all(r["new_tokens"] == 4 for r in rows)
+    for r in rows:
+        if r["turn"]:
+            # the task's 280 characters (byte tokens) and more are cached; at most the ideal
+            assert 280 - PAGE < r["cached_tokens"] <= r["ideal_cached"] < r["prompt_tokens"], r
+    reused = asyncio.run(server_stats(server.endpoint, WAIT_S))["frontend_prompt_tokens_reused"] - before
+    assert reused >= 2 * 2 * 280  # each session's task, in each of its two later turns
