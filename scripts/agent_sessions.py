@@ -92,7 +92,7 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults) -> None:
     p.add_argument("--content", default=d.content, choices=CONTENT_MODES,
                    help="fresh: every session draws its own random tokens; shared: all open with one first prompt")
     p.add_argument("--text", action="store_true",
-                   help="chat messages of source text, rendered and tokenized by the server, instead of token ids")
+                   help="chat messages of source text, which the server renders and tokenizes, not token ids")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:

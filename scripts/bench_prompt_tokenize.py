@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from frontend.tokenizer import ChatTokenizer
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+
+from frontend.tokenizer import ChatTokenizer  # noqa: E402
+from scripts.agent_sessions import source_text  # noqa: E402
 
 
 def tool_texts(tokenizer: ChatTokenizer, tokens: int) -> list[str]:
-    """The repository's Python files in chunks of about ``tokens`` tokens, in a fixed order."""
-    text = "".join(p.read_text() for p in sorted(ROOT.glob("[fmswt]*/**/*.py")))
+    """The repository's source (as agent_sessions --text sends it) in chunks of about ``tokens``
+    tokens, in a fixed order."""
+    text = source_text()
     chars = tokens * 200_000 // len(tokenizer.tokenizer.encode(text[:200_000]).ids)  # tokens x chars a token
     return [text[i:i + chars] for i in range(0, len(text) - chars, chars)]
 

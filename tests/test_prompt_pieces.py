@@ -172,3 +172,14 @@ def test_other_pipelines_are_piecewise(pre_tokenizer):
     text = "Ab cd<|s|> ef<Y>  GH<|s|><|s|>ij<|s|>x\n" * 40 + "<|s|>" + "long piece " * 30
     assert pieces.encode(text) == _whole(tok, text) == pieces.encode(text)
     assert tok.token_to_id("<y>") in _whole(tok, text) and pieces.hits == 1  # the long piece, kept
+
+
+def test_the_benchmark_runs_a_short_session(monkeypatch, capsys):
+    """scripts/bench_prompt_tokenize.py, 4 turns: the default model's tokenizer is piecewise and each
+    quarter's row is printed beside its bound."""
+    from scripts import bench_prompt_tokenize
+
+    monkeypatch.setattr("sys.argv", ["bench_prompt_tokenize.py", "--turns", "4", "--turn-tokens", "300"])
+    bench_prompt_tokenize.main()
+    out = capsys.readouterr().out
+    assert "piecewise: yes" in out and out.count("\n") == 8 and "last turn" in out  # 4 rows, a turn each
