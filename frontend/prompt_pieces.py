@@ -14,7 +14,8 @@ Mixtral's tokenizer), and ``encode_special_tokens`` set on the tokenizer (specia
 text). ``tests/test_prompt_pieces.py`` checks the joined ids against whole encodings.
 
 The kept pieces are the long ones (short ones cost less to encode than to look up), in an LRU
-bounded by their token count."""
+bounded by their memory: a piece's characters and 4 bytes an id (a piece of long runs of spaces has
+many characters a token, so tokens alone would not bound it)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from collections import OrderedDict
 
 import tokenizers
 
-CACHE_TOKENS = 8_000_000  # 32 MB of ids and about as much text: 60 sessions of 128k tokens
+CACHE_BYTES = 64 << 20  # about 60 sessions of 128k tokens (3.5 characters and a 4-byte id a token)
 MIN_CACHED_CHARS = 256
 
 
@@ -47,9 +48,9 @@ class PromptPieces:
     """``encode(text)``: the ids of ``text`` as ``tokenizer.encode(text, add_special_tokens=False)``
     gives them, from kept pieces where it can. Thread-safe (the frontend encodes on worker threads)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, max_tokens: int = CACHE_TOKENS) -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, max_bytes: int = CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
         self.reason = piecewise_reason(tokenizer)  # None: piecewise
         added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if not t.normalized}
         self._added = added
@@ -58,7 +59,7 @@ class PromptPieces:
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names else None
         self._kept: OrderedDict[str, array] = OrderedDict()
         self._lock = threading.Lock()
-        self.tokens = 0  # kept ids
+        self.tokens = self.bytes = 0  # kept ids, and their pieces' cost (_cost)
         self.hits = self.misses = 0  # kept pieces found / encoded and kept
         self.reused_tokens = 0  # prompt tokens taken from kept pieces, not encoded again
 
@@ -97,11 +98,18 @@ class PromptPieces:
     def _keep(self, fresh: dict[str, list[int]]) -> None:
         with self._lock:
             for piece, ids in fresh.items():
-                if len(piece) < MIN_CACHED_CHARS or len(ids) > self.max_tokens or piece in self._kept:
+                if len(piece) < MIN_CACHED_CHARS or _cost(piece, ids) > self.max_bytes or piece in self._kept:
                     continue
                 self._kept[piece] = array("i", ids)
                 self.tokens += len(ids)
+                self.bytes += _cost(piece, ids)
                 self.misses += 1
-            while self.tokens > self.max_tokens:
-                _, dropped = self._kept.popitem(last=False)
+            while self.bytes > self.max_bytes:
+                piece, dropped = self._kept.popitem(last=False)
                 self.tokens -= len(dropped)
+                self.bytes -= _cost(piece, dropped)
+
+
+def _cost(piece: str, ids) -> int:
+    """A kept piece's memory, near enough: its characters (a byte each in ASCII) and 4 bytes an id."""
+    return len(piece) + 4 * len(ids)

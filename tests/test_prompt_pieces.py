@@ -76,17 +76,27 @@ def test_a_growing_session_encodes_only_its_new_messages(smollm2):
 
 def test_the_kept_pieces_stay_under_their_bound(smollm2, monkeypatch):
     monkeypatch.setattr(prompt_pieces, "MIN_CACHED_CHARS", 8)
-    pieces = PromptPieces(smollm2, max_tokens=500)
+    pieces = PromptPieces(smollm2, max_bytes=3000)
     rng = random.Random(1)
     for _ in range(40):
         text = "<|im_start|>".join(_long(rng, 3) for _ in range(5))
         assert pieces.encode(text) == _whole(smollm2, text)
-        assert 0 < pieces.tokens <= 500
+        assert 0 < pieces.bytes <= 3000
     assert pieces.tokens == sum(len(ids) for ids in pieces._kept.values())
+    assert pieces.bytes == sum(len(p) + 4 * len(ids) for p, ids in pieces._kept.items())
+
+
+def test_a_piece_of_few_tokens_and_many_characters_counts_its_characters(smollm2):
+    """Runs of spaces are many characters a token: the bound is memory, not tokens."""
+    pieces = PromptPieces(smollm2, max_bytes=100_000)
+    for n in range(30):
+        text = f"<|im_start|>{n}" + " " * 20_000
+        assert pieces.encode(text) == _whole(smollm2, text)
+    assert pieces.bytes <= 100_000 and len(pieces._kept) <= 5
 
 
 def test_threads_encode_at_once(smollm2):
-    pieces, rng = PromptPieces(smollm2, max_tokens=20_000), random.Random(2)
+    pieces, rng = PromptPieces(smollm2, max_bytes=100_000), random.Random(2)
     texts = ["<|im_end|>\n<|im_start|>".join(_long(rng, 12) for _ in range(6)) for _ in range(8)]
     wrong: list[str] = []
 
@@ -99,7 +109,7 @@ def test_threads_encode_at_once(smollm2):
     threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert not wrong and pieces.tokens <= 20_000
+    assert not wrong and pieces.bytes <= 100_000
 
 
 def _bpe(normalizer=None, pre_tokenizer=None, added: list[AddedToken] = ()) -> Tokenizer:
