@@ -75,18 +75,11 @@ def records_of(banks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, 
     return raw.as_strided((first.shape[0], record_bytes), (record_bytes, 1), start), offsets
 
 
-def shared_records(sides: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...] | None:
-    """Each side's records (``sides``: the banks of the host, the pool, a buffer, in one order),
-    where every side is records with the banks at the same offsets: then a run of experts is one
-    copy; else None."""
-    found = [records_of(banks) for banks in sides]
+def whole_records(pairs: Sequence[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """``pairs`` (one tuple of sides a bank: ``(host, pool)``, ``(pool, host, buffer)``) as one tuple
+    of whole records, where every side is records with the banks at the same offsets (a run of
+    experts is then one copy); else ``pairs`` as given."""
+    found = [records_of(banks) for banks in zip(*pairs)]
     if any(r is None for r in found) or len({(r[1], r[0].shape[1]) for r in found}) != 1:
-        return None
-    return tuple(r[0] for r in found)
-
-
-def paired_records(pairs: Sequence[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]] | None:
-    """``pairs`` (one tuple of sides a bank: ``(host, pool)``, ``(pool, host, buffer)``) as one
-    such tuple of records where ``shared_records`` finds them, else None."""
-    records = shared_records(list(zip(*pairs)))
-    return None if records is None else [records]
+        return list(pairs)
+    return [tuple(r[0] for r in found)]

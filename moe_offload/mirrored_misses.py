@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from moe_offload.copy_runs import bridge_gaps, copy_runs
-from moe_offload.expert_records import paired_records
+from moe_offload.expert_records import whole_records
 from moe_offload.host_register import pinned_device_view
 from moe_offload.kernels.gather_missing import check_gather, gather_pairs
 from moe_offload.miss_copies import through_slot_map
@@ -80,13 +80,12 @@ class MirroredMisses:
         self.stale = torch.zeros(num_layers, len(STALE_FIELDS), dtype=torch.int64, device=device)
         self.copies = 0  # cudaMemcpyAsync calls issued (host counter)
         # what ``stage`` copies and the repairs gather, resolved once: expert records where both sides
-        # are (``expert_records``: a run is one copy), else each bank, with how many hits its copies
-        # may bridge (0: none)
+        # are (``expert_records``: a run is one copy), else each bank; with how many hits its copies
+        # may bridge (0: none, as for a record or a weight bank)
         check_gather(self.repair_src[0, :count], self.repair_dst[0, :count], self.repair_count[0, :1], banks)
-        records = paired_records(banks)
-        self.gather_banks = records or banks
-        self.copy_banks = [(*pair, 0) for pair in records] if records else \
-            [(*pair, bridge) for pair, bridge in zip(banks, bridges([p[0].nbytes for _, p in banks], count))]
+        self.gather_banks = whole_records(banks)
+        row_bytes = [pool[0].nbytes for _, pool in self.gather_banks]
+        self.copy_banks = [(*pair, bridge) for pair, bridge in zip(self.gather_banks, bridges(row_bytes, count))]
         self._repair(0)  # nothing to repair yet: compiles the gather at start-up, not in a chunk
 
     @property

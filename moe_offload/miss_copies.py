@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.expert_records import paired_records
+from moe_offload.expert_records import whole_records
 
 def through_slot_map(slot_map: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Pool slots of routed experts at share ``index`` through a layer's ``slot_map [n]`` (a hit's
@@ -51,7 +51,7 @@ class MissCopies:
         device = slot_for_id.device
         count = experts.numel()
         # expert records on both sides (``expert_records``): an expert is one copy, not one a bank
-        self.slot_for_id, self.banks, self.lent = slot_for_id, paired_records(banks) or banks, lent
+        self.slot_for_id, self.banks, self.lent = slot_for_id, whole_records(banks), lent
         self.count = count
         # host bank row of each (layer, share index): the copy sources, and the table entries read
         host_rows = torch.arange(num_layers)[:, None] * num_experts + experts.cpu()[None, :]

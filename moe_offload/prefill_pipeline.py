@@ -33,7 +33,7 @@ import torch
 
 from moe_offload.choices import INVALIDATE_MODES, STAGE_MODES, check_choice
 from moe_offload.expert_cache import ExpertCache
-from moe_offload.expert_records import paired_records
+from moe_offload.expert_records import whole_records
 from moe_offload.grouped import ExpertBias, ExpertScales, bias_args, grouped_swiglu
 from moe_offload.kernels.invalidate_slots import invalidate_slots, invalidate_slots_eager
 from moe_offload.kernels.stage_experts import PROGRAMS, STAGE_FIELDS, check_stage, share_count, stage_banks
@@ -312,14 +312,14 @@ class PrefillPipeline:
         banks = [(cache.w13, self.host_w13, self.buf_w13[buf]), (cache.w2, self.host_w2, self.buf_w2[buf]),
                  *self.buf_scales[buf]]
         check_stage(0, cache.num_experts, self.lent, cache.tables.slot_for_id, banks, self.staged, self.count)
-        return paired_records(banks) or banks
+        return whole_records(banks)
 
     def _layer_copies(self, buf: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """What "memcpy" copies into buffer ``buf``: ``(host, buffer)`` of each bank, or one pair of
         expert records where both sides are records (``expert_records``: a layer in one copy)."""
         pairs = [(self.host_w13, self.buf_w13[buf]), (self.host_w2, self.buf_w2[buf])]
         pairs += [(host, dst) for _, host, dst in self.buf_scales[buf]]
-        return paired_records(pairs) or pairs
+        return whole_records(pairs)
 
     @staticmethod
     def _scale_banks(cache: ExpertCache, host_scales: ExpertScales | None, buf: int,

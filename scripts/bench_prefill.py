@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.choices import EXPERT_DTYPES, INVALIDATE_MODES
-from moe_offload.expert_records import paired_records
+from moe_offload.expert_records import whole_records
 from moe_offload.kernels.stage_experts import stage_experts
 from moe_offload.offloaded import OffloadedExperts
 from moe_offload.prefill_pipeline import PrefillPipeline
@@ -102,8 +102,8 @@ def stage_bandwidth(experts: OffloadedExperts, programs: list[int], reps: int = 
                                                 scales=scales))
         rows.append({"method": f"stage kernel, {n} CTAs", "GB/s": gbs})
 
-    pairs = list(zip(host_banks, (pool[:num_experts] for pool in pools)))
-    pairs = paired_records(pairs) or pairs  # the store's and the cache's expert records: a layer in one copy
+    # the store's and the cache's expert records: a layer in one copy
+    pairs = whole_records(list(zip(host_banks, (pool[:num_experts] for pool in pools))))
 
     def memcpy(layer: int) -> None:
         ids = slice(layer * num_experts, (layer + 1) * num_experts)

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from moe_offload.expert_records import RECORD_ALIGN, allocate, paired_records, record_layout, records_of  # noqa: E402
+from moe_offload.expert_records import RECORD_ALIGN, allocate, whole_records, record_layout, records_of  # noqa: E402
 from moe_offload.experts import ExpertBanks, ResidentExperts  # noqa: E402
 from moe_offload.kernels import gather_missing as gather_mod  # noqa: E402
 from moe_offload.kernels import stage_experts as stage_mod  # noqa: E402
@@ -49,10 +49,13 @@ def test_views_are_the_records_and_are_found_again():
     assert records_of([b[:4] for b in banks[1:]]) is None  # a part, with records after it to run into
     assert records_of([banks[1], banks[0], banks[2]]) is None  # not in the record's order
     other = allocate(3, specs, "cpu")[1]
-    assert len(paired_records(list(zip([b[:3] for b in banks], other)))) == 1
-    assert paired_records(list(zip([b[:3].clone() for b in banks], other))) is None
+    (host, pool), = whole_records(list(zip([b[:3] for b in banks], other)))  # one pair of whole records
+    assert host.shape == pool.shape == (3, layout.record_bytes) and host.data_ptr() == records.data_ptr()
+    own = list(zip([b[:3].clone() for b in banks], other))
+    assert whole_records(own) == own  # not records on one side: the banks as given
     shorter = allocate(3, specs[:2], "cpu")[1]  # another layout: the offsets agree, the records do not
-    assert paired_records(list(zip([b[:3] for b in banks[:2]], shorter))) is None
+    mixed = list(zip([b[:3] for b in banks[:2]], shorter))
+    assert whole_records(mixed) == mixed
 
 
 @interpreted

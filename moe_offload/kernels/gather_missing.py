@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.expert_records import paired_records
+from moe_offload.expert_records import whole_records
 from moe_offload.kernels.triton_support import pdl_args, raw_bytes, use_triton
 
 BLOCK = 4096
@@ -80,13 +80,13 @@ def gather_missing(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.
     """
     banks = _pairs(host_w13, host_w2, slot_w13, slot_w2, host_scales, slot_scales)
     check_gather(plan_src, plan_dst, count, banks)
-    gather_pairs(plan_src, plan_dst, count, paired_records(banks) or banks, backend, programs)
+    gather_pairs(plan_src, plan_dst, count, whole_records(banks), backend, programs)
 
 
 def gather_pairs(plan_src: torch.Tensor, plan_dst: torch.Tensor, count: torch.Tensor,
                  banks: list[tuple[torch.Tensor, torch.Tensor]], backend: str | None = None, programs: int = 0) -> None:
     """``gather_missing`` over ``(host, slots)`` pairs that ``check_gather`` passed, resolved to whole
-    records where both sides are (``paired_records``): for an owner that gathers from the same banks
+    records where both sides are (``whole_records``): for an owner that gathers from the same banks
     every layer and resolves them once (the mirror's repairs)."""
     if programs < 0:
         raise ValueError(f"programs must be 0 (the wide grid) or a count of programs, not {programs}")

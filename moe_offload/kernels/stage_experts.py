@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from moe_offload.expert_records import paired_records
+from moe_offload.expert_records import whole_records
 from moe_offload.kernels.triton_support import next_pow2, raw_bytes, use_triton
 
 BLOCK = 8192  # elements per work item: 16 KB of bf16 in flight per CTA
@@ -93,7 +93,7 @@ def stage_experts(layer: int, num_experts: int, lent: int, slot_for_id: torch.Te
     """
     banks = [(pool_w13, host_w13, buf_w13), (pool_w2, host_w2, buf_w2), *scales]
     check_stage(layer, num_experts, lent, slot_for_id, banks, stats, share_count(num_experts, first, stride))
-    stage_banks(layer, num_experts, lent, slot_for_id, paired_records(banks) or banks, stats, backend, programs,
+    stage_banks(layer, num_experts, lent, slot_for_id, whole_records(banks), stats, backend, programs,
                 first, stride)
 
 
@@ -101,7 +101,7 @@ def stage_banks(layer: int, num_experts: int, lent: int, slot_for_id: torch.Tens
                 banks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], stats: torch.Tensor,
                 backend: str | None = None, programs: int = PROGRAMS, first: int = 0, stride: int = 1) -> None:
     """``stage_experts`` over ``(pool, host, buf)`` banks that ``check_stage`` passed, resolved to
-    whole records where every side is (``paired_records``: one launch): for an owner that stages
+    whole records where every side is (``whole_records``: one launch): for an owner that stages
     from the same banks every layer and resolves them once (the prefill pipeline)."""
     if programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
