@@ -54,8 +54,10 @@ class ChatTokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
     ) -> None:
-        tokenizer.no_truncation()  # a tokenizer.json may set either: a prompt is never cut or padded (too
-        tokenizer.no_padding()  # long is refused against the context), and pieces are encoded in batches
+        # a tokenizer.json may set truncation or padding: a prompt is never cut (one too long is
+        # refused against the context) nor padded (prompt_pieces encodes pieces in batches)
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self.tokenizer = tokenizer
         self.pieces = PromptPieces(tokenizer)  # a conversation's earlier messages are not encoded again
         self.chat_template = chat_template  # the Jinja source
