@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from moe_offload.fp8 import BLOCK_128, quantize, quantize_w13  # noqa: E402
 from moe_offload.grouped import ExpertScales, fp8_activations_for, grouped_swiglu  # noqa: E402
 from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
-from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, default_config,  # noqa: E402
+from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, W4Bank, default_config,  # noqa: E402
                                                  fused_grouped_swiglu_w4, grouped_swiglu_w4)
 from moe_offload.kernels.grouped_gemm_w4_decode import decode_grouped_swiglu_w4, decode_tiles  # noqa: E402
 from scripts.report_table import print_sweep  # noqa: E402
@@ -79,8 +79,8 @@ def fp8_banks(w13: torch.Tensor, w2: torch.Tensor) -> tuple:
     return q13, q2, ExpertScales(s13, s2, BLOCK_128)
 
 
-def w4_banks(geo: dict, fmt: str) -> tuple:
-    """``(w13, w13_scale, w13_channel, w2, w2_scale, w2_channel)``: random codes and scales."""
+def w4_banks(geo: dict, fmt: str) -> tuple[W4Bank, W4Bank]:
+    """``w13`` and ``w2`` as the 4-bit ops take them: random codes and scales."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     e = geo["experts"]
 
@@ -92,7 +92,7 @@ def w4_banks(geo: dict, fmt: str) -> tuple:
         scale = (torch.rand(groups, device="cuda", generator=gen) + 0.5).to(torch.float8_e4m3fn)
         return packed, scale, torch.full((e, rows), 1 / (3 * math.sqrt(k)), device="cuda")
 
-    return (*bank(2 * geo["inter"], geo["hidden"]), *bank(geo["hidden"], geo["inter"]))
+    return W4Bank(*bank(2 * geo["inter"], geo["hidden"])), W4Bank(*bank(geo["hidden"], geo["inter"]))
 
 
 def bytes_per_expert(banks: tuple) -> int:
@@ -145,10 +145,11 @@ def bench_one(geo_name: str, geo: dict, num_tokens: int, dtype: str, banks: tupl
 
 
 def _flat(banks: tuple) -> tuple:
-    """fp8 banks are ``(q13, q2, ExpertScales)``: weights and their scale grids."""
+    """fp8 banks are ``(q13, q2, ExpertScales)``: weights and their scale grids; 4-bit ones two
+    ``W4Bank``s."""
     if isinstance(banks[-1], ExpertScales):
         return banks[0], banks[1], banks[2].w13, banks[2].w2
-    return banks
+    return (*banks[0], *banks[1])
 
 
 def sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tuple) -> list[dict]:

@@ -27,7 +27,7 @@ if not torch.cuda.is_available():  # the interpreter is chosen when the kernel m
 pytest.importorskip("triton")
 
 from moe_offload import fp4  # noqa: E402
-from moe_offload.kernels.grouped_gemm_w4_banks import GROUP, grouped_swiglu_w4_eager  # noqa: E402
+from moe_offload.kernels.grouped_gemm_w4_banks import GROUP, W4Bank, grouped_swiglu_w4_eager  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 FORMATS = ["nvfp4", "mxfp4"]
@@ -53,6 +53,12 @@ class Banks(NamedTuple):
     w2: torch.Tensor
     w2_scale: torch.Tensor
     w2_channel_scale: torch.Tensor | None
+
+    def w4(self, extras=None):
+        """The ops' two ``W4Bank`` arguments, with ``extras``' biases."""
+        b13, b2 = (None, None) if extras is None else (extras.w13_bias, extras.w2_bias)
+        return (W4Bank(self.w13, self.w13_scale, self.w13_channel_scale, b13),
+                W4Bank(self.w2, self.w2_scale, self.w2_channel_scale, b2))
 
 
 def random_banks(num_slots, dim, inter, fmt, device="cpu", seed=0, gain=1.0):
@@ -94,7 +100,8 @@ class Extras(NamedTuple):
     activation: str = "swiglu"
 
     def kwargs(self):
-        return self._asdict()
+        """The ops' keyword arguments (the biases go into the banks: ``Banks.w4``)."""
+        return dict(bias_ids=self.bias_ids, activation=self.activation)
 
 
 def make_extras(gen, banks, slots, with_bias, gpt_oss, bias_dtype=torch.float32, expert_of_slot=None):
@@ -134,9 +141,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 def run_op(path, hidden, weights, slots, banks, fmt, extras, config=None):
     """``path``: "decode", "prefill" (the ops themselves, with ``config``) or "public" (the picking op)."""
     if path == "public":
-        return kernels().grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, backend="triton", **extras.kwargs())
+        return kernels().grouped_swiglu_w4(hidden, weights, slots, *banks.w4(extras), fmt=fmt, backend="triton",
+                                           **extras.kwargs())
     op = decode().decode_grouped_swiglu_w4 if path == "decode" else kernels().fused_grouped_swiglu_w4
-    return op(hidden, weights, slots, *banks, fmt=fmt, config=config, **extras.kwargs())
+    return op(hidden, weights, slots, *banks.w4(extras), fmt=fmt, config=config, **extras.kwargs())
 
 
 def trial_cases(banks, fmt, trials, token_counts, top_ks, dtypes, seed, device="cpu", gpt_oss_every=2,
@@ -156,7 +164,8 @@ def trial_cases(banks, fmt, trials, token_counts, top_ks, dtypes, seed, device="
         with_bias = trial % 2 == 1 if mixed else extras == "gpt_oss"
         trial_extras = make_extras(gen, banks, slots, with_bias=with_bias, gpt_oss=gpt_oss)
         hidden = (torch.randn(num_tokens, dim, generator=gen) * (gain_gpt_oss if gpt_oss else 1.0)).to(device, dtype)
-        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt=fmt, **trial_extras.kwargs())
+        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(trial_extras), fmt=fmt,
+                                      **trial_extras.kwargs())
         yield trial, (hidden, weights, slots, trial_extras), ref
 
 
@@ -216,7 +225,7 @@ def test_twin_matches_a_per_token_loop(fmt):
         slots[0, 0], slots[3, 1] = -1, 5
         extras = make_extras(gen, banks, slots, with_bias=trial % 2 == 1, gpt_oss=trial >= 2)
         hidden = torch.randn(7, 64, generator=gen) * (3.0 if trial >= 2 else 1.0)
-        out = grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt=fmt, **extras.kwargs())
+        out = grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(extras), fmt=fmt, **extras.kwargs())
         assert rel_err(out, per_token_reference(hidden, weights, slots, banks, fmt, extras)) < 1e-5, trial
 
 
@@ -281,7 +290,8 @@ def test_out_of_range_slots_contribute_zero(fmt, path, tokens):
     hidden = torch.randn(tokens, 64, generator=gen)
     out = run_op(path, hidden, weights, slots.masked_scatter(bad, wild), banks, fmt, extras)
     assert torch.all(out[-1] == 0)
-    ref = grouped_swiglu_w4_eager(hidden, weights.masked_fill(bad, 0.0), slots, *banks, fmt=fmt, **extras.kwargs())
+    ref = grouped_swiglu_w4_eager(hidden, weights.masked_fill(bad, 0.0), slots, *banks.w4(extras), fmt=fmt,
+                                  **extras.kwargs())
     if tokens > 1:
         assert rel_err(out[:-1], ref[:-1]) < 1e-5
 
@@ -296,7 +306,8 @@ def test_bias_ids_outside_the_biases_add_nothing():
     hidden = torch.randn(3, 64, generator=gen)
     for path in ("decode", "prefill"):
         out = run_op(path, hidden, weights, slots, banks, "mxfp4", wild)
-        assert rel_err(out, grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt="mxfp4", **wild.kwargs())) < 1e-5
+        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(wild), fmt="mxfp4", **wild.kwargs())
+        assert rel_err(out, ref) < 1e-5
 
 
 @interpreted
@@ -315,7 +326,7 @@ def test_public_op_takes_each_path_at_its_batch():
         hidden = torch.randn(tokens, 32, generator=gen)
         with count_launches() as counter:
             out = run_op("public", hidden, weights, slots, banks, "mxfp4", Extras())
-        assert rel_err(out, grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt="mxfp4")) < 1e-5
+        assert rel_err(out, grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(), fmt="mxfp4")) < 1e-5
         triton_launches = {k: v for k, v in counter.launches.items() if k.startswith("triton.")}
         assert f"triton.{kernel}" in triton_launches and sum(triton_launches.values()) == launches, (tokens,
                                                                                                     triton_launches)
@@ -324,8 +335,8 @@ def test_public_op_takes_each_path_at_its_batch():
 def test_public_op_runs_the_twin_on_cpu_tensors():
     banks = random_banks(3, 32, 32, "nvfp4", seed=8)
     hidden, weights, slots = torch.randn(2, 32), torch.rand(2, 2), torch.tensor([[0, 2], [1, 1]])
-    out = kernels().grouped_swiglu_w4(hidden, weights, slots, *banks, fmt="nvfp4", backend="eager")
-    assert torch.equal(out, grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt="nvfp4"))
+    out = kernels().grouped_swiglu_w4(hidden, weights, slots, *banks.w4(), fmt="nvfp4", backend="eager")
+    assert torch.equal(out, grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(), fmt="nvfp4"))
 
 
 # ==== host checks ====
@@ -358,20 +369,22 @@ def test_inconsistent_arguments_raise_before_any_launch(bad, path):
     op = {"decode": decode().decode_grouped_swiglu_w4, "prefill": kernels().fused_grouped_swiglu_w4,
           "eager": grouped_swiglu_w4_eager}[path]
     with pytest.raises(ValueError):
-        op(hidden, weights, slots, *banks.values(), **kwargs)
+        op(hidden, weights, slots, *Banks(**banks).w4(Extras(kwargs.pop("w13_bias", None),
+                                                             kwargs.pop("w2_bias", None))), **kwargs)
 
 
 def test_mxfp4_has_no_channel_scale_and_k_must_fit_its_group():
     banks = random_banks(3, 64, 32, "mxfp4")
     hidden, weights, slots = torch.randn(2, 64), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="channel"):
-        kernels().fused_grouped_swiglu_w4(hidden, weights, slots, *banks._replace(w2_channel_scale=torch.ones(3, 64)),
+        kernels().fused_grouped_swiglu_w4(hidden, weights, slots,
+                                          *banks._replace(w2_channel_scale=torch.ones(3, 64)).w4(),
                                           fmt="mxfp4")
     nv = random_banks(3, 48, 32, "nvfp4")  # 48 columns: whole nvfp4 groups, not mxfp4 ones
     mx = Banks(nv.w13, nv.w13_scale[..., :1].view(torch.uint8), None, nv.w2, nv.w2_scale[..., :1].view(torch.uint8),
                None)
     with pytest.raises(ValueError, match="multiples of 32"):
-        kernels().fused_grouped_swiglu_w4(torch.randn(2, 48), weights, slots, *mx, fmt="mxfp4")
+        kernels().fused_grouped_swiglu_w4(torch.randn(2, 48), weights, slots, *mx.w4(), fmt="mxfp4")
 
 
 def test_tiles_must_fit_the_group_and_the_dot():
@@ -379,14 +392,15 @@ def test_tiles_must_fit_the_group_and_the_dot():
     hidden, weights, slots = torch.randn(2, 64), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.long)
     for tiles in [(16, 64, 16, 1, 4, 2), (16, 64, 48, 1, 4, 2), (8, 64, 32, 1, 4, 2), (16, 16, 32, 1, 4, 2)]:
         with pytest.raises(ValueError):
-            kernels().fused_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt="nvfp4",
+            kernels().fused_grouped_swiglu_w4(hidden, weights, slots, *banks.w4(), fmt="nvfp4",
                                               config=kernels().BlockConfig(*tiles))
     with pytest.raises(ValueError, match="group"):
-        decode().decode_grouped_swiglu_w4(hidden, weights, slots, *random_banks(3, 64, 32, "mxfp4"), fmt="mxfp4",
+        decode().decode_grouped_swiglu_w4(hidden, weights, slots, *random_banks(3, 64, 32, "mxfp4").w4(),
+                                          fmt="mxfp4",
                                           config=decode().W4_DECODE_TILES._replace(gate_up_k=48))
     with pytest.raises(ValueError, match="at most"):
         decode().decode_grouped_swiglu_w4(torch.randn(33, 64), torch.rand(33, 2), torch.zeros(33, 2, dtype=torch.long),
-                                          *banks, fmt="nvfp4")
+                                          *banks.w4(), fmt="nvfp4")
 
 
 def test_the_per_token_down_takes_long_steps_where_its_reads_are_masked_anyway():
@@ -507,5 +521,5 @@ def test_cuda_graph_replay_with_new_routing(fmt, num_tokens, capture_graph):
         slots.copy_(new_slots)
         extras.bias_ids.copy_(expert_of_slot[new_slots])  # the cache's view follows its slots
         graph.replay()
-        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks, fmt=fmt, **extras.kwargs())
+        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(extras), fmt=fmt, **extras.kwargs())
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]

@@ -106,10 +106,10 @@ def run_trials(fmt, shape, device, trials, config=None, host_device=None, sync_f
         hidden = torch.randn(tokens, dim, generator=gen).to(device, dtype)
         fill, want = fill_case(banks, host, fmt, slots, trial, gen)
         with sync_errors(sync_free):
-            out = decode().decode_grouped_swiglu_w4(hidden, weights, slots, *banks, fmt=fmt, config=config, fill=fill,
-                                                    **extras.kwargs())
+            out = decode().decode_grouped_swiglu_w4(hidden, weights, slots, *banks.w4(extras), fmt=fmt, config=config,
+                                                    fill=fill, **extras.kwargs())
         assert all(torch.equal(got, w) for got, w in zip(tensors(banks), tensors(want))), trial
-        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *want, fmt=fmt, **extras.kwargs())
+        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *want.w4(extras), fmt=fmt, **extras.kwargs())
         assert rel_err(out, ref) < TOLERANCE[hidden.dtype], (trial, rel_err(out, ref))
 
 
@@ -146,7 +146,7 @@ def test_public_op_fills_decode_batches_and_gathers_larger_ones(fmt, monkeypatch
         out = grouped_swiglu(hidden, weights, slots, banks.w13, banks.w2, scales=scales_of(banks, fmt), fill=fill,
                              backend="triton")
         assert all(torch.equal(got, w) for got, w in zip(tensors(banks), tensors(want)))
-        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *want, fmt=fmt)
+        ref = grouped_swiglu_w4_eager(hidden, weights, slots, *want.w4(), fmt=fmt)
         assert rel_err(out, ref) < TOLERANCE[torch.float32]
     assert gathers == [1]  # the call past the decode path only
 
@@ -159,11 +159,11 @@ def test_refuses_a_fill_it_cannot_ride():
     slots = torch.arange(2 * top_k).view(2, top_k) % num_slots
     with pytest.raises(ValueError, match="cannot fill as it computes"):
         many = torch.zeros(33, top_k, dtype=torch.long)
-        kernels().grouped_swiglu_w4(torch.randn(33, dim), torch.rand(33, top_k), many, *banks, fmt=fmt,
+        kernels().grouped_swiglu_w4(torch.randn(33, dim), torch.rand(33, top_k), many, *banks.w4(), fmt=fmt,
                                     backend="triton", fill=SlotFill(plan, host.w13, host.w2, scales_of(host, fmt)))
     nvfp4_host = random_banks(num_slots, dim, inter, "nvfp4")
     with pytest.raises(ValueError, match="host's mxfp4 scales"):
-        decode().decode_grouped_swiglu_w4(torch.randn(1, dim), torch.rand(1, top_k), slots[:1], *banks, fmt=fmt,
+        decode().decode_grouped_swiglu_w4(torch.randn(1, dim), torch.rand(1, top_k), slots[:1], *banks.w4(), fmt=fmt,
                                           fill=SlotFill(plan, host.w13, host.w2, scales_of(nvfp4_host, "nvfp4")))
 
 

@@ -24,6 +24,7 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
         fill = None
     ch13 = None if scales.w13_channel is None else scales.w13_channel[..., 0]
     ch2 = None if scales.w2_channel is None else scales.w2_channel[..., 0]
-    return grouped_gemm_w4.grouped_swiglu_w4(hidden, weights, slots, w13, scales.w13, ch13, w2, scales.w2, ch2,
-                                             fmt=scales.kind, out_dtype=out_dtype, backend=backend, fill=fill,
-                                             **extras)
+    bank13 = grouped_gemm_w4.W4Bank(w13, scales.w13, ch13, extras.pop("w13_bias", None))
+    bank2 = grouped_gemm_w4.W4Bank(w2, scales.w2, ch2, extras.pop("w2_bias", None))
+    return grouped_gemm_w4.grouped_swiglu_w4(hidden, weights, slots, bank13, bank2, fmt=scales.kind,
+                                             out_dtype=out_dtype, backend=backend, fill=fill, **extras)

@@ -103,17 +103,13 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
                        BLOCK_K, GROUP, E8M0, CHANNEL, BIAS, PRECISION, EVEN_K)
 
 
-def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
-                            w13_scale: torch.Tensor, w13_channel_scale: torch.Tensor | None, w2: torch.Tensor,
-                            w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
-                            out_dtype: torch.dtype | None = None, config: BlockConfig | None = None,
-                            w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                            bias_ids: torch.Tensor | None = None, activation: str = "swiglu") -> torch.Tensor:
+def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: W4Bank,
+                            w2: W4Bank, *, fmt: str, out_dtype: torch.dtype | None = None,
+                            config: BlockConfig | None = None, bias_ids: torch.Tensor | None = None,
+                            activation: str = "swiglu") -> torch.Tensor:
     """The prefill path: ``[T, H]`` in ``out_dtype`` (default hidden's), four launches (align,
     gate_up, down, sum over k) over grids fixed by shapes; slots outside ``[0, S)`` contribute zero."""
-    bank13 = W4Bank(w13, w13_scale, w13_channel_scale, w13_bias)
-    bank2 = W4Bank(w2, w2_scale, w2_channel_scale, w2_bias)
-    check_w4_args(hidden, weights, slots, bank13, bank2, fmt, activation, out_dtype, bias_ids)
+    check_w4_args(hidden, weights, slots, w13, w2, fmt, activation, out_dtype, bias_ids)
     num_tokens, top_k = slots.shape
     cfg = config or default_config(num_tokens, hidden.dtype)
     check_config(cfg, fmt)
@@ -122,12 +118,13 @@ def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: 
         return out
     slots = slots.reshape(-1).contiguous()
     ids = slots if bias_ids is None else bias_ids.reshape(-1).contiguous()
-    align = align_by_slot(slots, w13.shape[0], cfg.block_m)
+    num_slots = w13.packed.shape[0]
+    align = align_by_slot(slots, num_slots, cfg.block_m)
     consts = kernel_consts(fmt, hidden.dtype)
-    act = _gate_up(hidden, slots, ids, bank13, align, top_k, cfg, consts, activation)
+    act = _gate_up(hidden, slots, ids, w13, align, top_k, cfg, consts, activation)
     pair_out = torch.empty(slots.numel(), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _down(act, slots, ids, weights.reshape(-1).contiguous(), bank2, align, pair_out, cfg, consts)
-    sum_over_k(pair_out, slots, out, w13.shape[0], top_k)
+    _down(act, slots, ids, weights.reshape(-1).contiguous(), w2, align, pair_out, cfg, consts)
+    sum_over_k(pair_out, slots, out, num_slots, top_k)
     return out
 
 
@@ -159,20 +156,17 @@ def _down(act: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, weights: to
 
 # ==== the public op ====
 
-def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
-                      w13_scale: torch.Tensor, w13_channel_scale: torch.Tensor | None, w2: torch.Tensor,
-                      w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
-                      out_dtype: torch.dtype | None = None, w13_bias: torch.Tensor | None = None,
-                      w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
+def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: W4Bank, w2: W4Bank,
+                      *, fmt: str, out_dtype: torch.dtype | None = None, bias_ids: torch.Tensor | None = None,
                       activation: str = "swiglu", backend: str | None = None,
                       fill: SlotFill | None = None) -> torch.Tensor:
-    """``hidden [T, H]``, ``weights`` and ``slots [T, k]`` over 4-bit banks -> ``[T, H]``. CUDA
-    tensors take the decode path up to ``DECODE_MAX_PAIRS`` (token, slot) pairs and the prefill
-    path above; anything else the eager twin (``backend`` or ``SLUICE_KERNELS`` forces one:
-    ``triton_support.use_triton``). ``fill``: only where ``fills_in_gemm`` (else gather first)."""
-    args = (hidden, weights, slots, w13, w13_scale, w13_channel_scale, w2, w2_scale, w2_channel_scale)
-    kwargs = dict(fmt=fmt, out_dtype=out_dtype, w13_bias=w13_bias, w2_bias=w2_bias, bias_ids=bias_ids,
-                  activation=activation)
+    """``hidden [T, H]``, ``weights`` and ``slots [T, k]`` over 4-bit banks (``W4Bank``: packed
+    codes, scales, biases) -> ``[T, H]``. CUDA tensors take the decode path up to
+    ``DECODE_MAX_PAIRS`` (token, slot) pairs and the prefill path above; anything else the eager
+    twin (``backend`` or ``SLUICE_KERNELS`` forces one: ``triton_support.use_triton``). ``fill``:
+    only where ``fills_in_gemm`` (else gather first)."""
+    args = (hidden, weights, slots, w13, w2)
+    kwargs = dict(fmt=fmt, out_dtype=out_dtype, bias_ids=bias_ids, activation=activation)
     if fill is not None and not fills_in_gemm(hidden, slots, backend):
         raise ValueError("this batch's path cannot fill as it computes: gather the fill first")
     if not use_triton(hidden, backend):

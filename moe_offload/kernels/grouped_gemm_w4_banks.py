@@ -126,32 +126,29 @@ def bank_args(bank: W4Bank) -> tuple[tuple, tuple, dict]:
 
 # ==== the eager twin ====
 
-def grouped_swiglu_w4_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
-                            w13_scale: torch.Tensor, w13_channel_scale: torch.Tensor | None, w2: torch.Tensor,
-                            w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
-                            out_dtype: torch.dtype | None = None, w13_bias: torch.Tensor | None = None,
-                            w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
-                            activation: str = "swiglu", config: object = None) -> torch.Tensor:
+def grouped_swiglu_w4_eager(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: W4Bank,
+                            w2: W4Bank, *, fmt: str, out_dtype: torch.dtype | None = None,
+                            bias_ids: torch.Tensor | None = None, activation: str = "swiglu",
+                            config: object = None) -> torch.Tensor:
     """Reference: every slot the batch uses dequantized (``moe_offload.fp4``) and multiplied in
     float32; the intermediate activation rounded to hidden's dtype, as the kernels store it; a
     token's k outputs summed in float32. Slots outside ``[0, S)`` contribute zero.
 
     Reads the routing on the host (which slots occur), so it is the CPU path and the parity
     oracle, never the GPU hot path. ``config`` is accepted (and ignored) for the kernels' signature."""
-    bank13, bank2 = W4Bank(w13, w13_scale, w13_channel_scale, w13_bias), W4Bank(w2, w2_scale, w2_channel_scale, w2_bias)
-    check_w4_args(hidden, weights, slots, bank13, bank2, fmt, activation, out_dtype, bias_ids)
+    check_w4_args(hidden, weights, slots, w13, w2, fmt, activation, out_dtype, bias_ids)
     num_tokens, top_k = slots.shape
     flat, ids = slots.reshape(-1), (slots if bias_ids is None else bias_ids).reshape(-1)
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     for slot in torch.unique(flat).tolist():
-        if not 0 <= slot < w13.shape[0]:
+        if not 0 <= slot < w13.packed.shape[0]:
             continue
         rows = torch.nonzero(flat == slot).squeeze(-1)
         tokens = rows // top_k
-        gate_up = hidden[tokens].float() @ _dequantize(bank13, slot, fmt).T + _bias(bank13.bias, ids[rows])
+        gate_up = hidden[tokens].float() @ _dequantize(w13, slot, fmt).T + _bias(w13.bias, ids[rows])
         gate, up = gate_up.chunk(2, dim=-1)
         act = _activate(gate, up, activation).to(hidden.dtype).float()
-        down = act @ _dequantize(bank2, slot, fmt).T + _bias(bank2.bias, ids[rows])
+        down = act @ _dequantize(w2, slot, fmt).T + _bias(w2.bias, ids[rows])
         out.index_add_(0, tokens, down * weights.reshape(-1)[rows, None].float())
     return out.to(out_dtype or hidden.dtype)
 

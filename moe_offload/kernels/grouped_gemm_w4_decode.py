@@ -213,25 +213,20 @@ def _down_slot_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_p
                            BLOCK_K, GROUP, E8M0, CHANNEL, BIAS, PRECISION, EVEN_K)
 
 
-def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
-                             w13_scale: torch.Tensor, w13_channel_scale: torch.Tensor | None, w2: torch.Tensor,
-                             w2_scale: torch.Tensor, w2_channel_scale: torch.Tensor | None, *, fmt: str,
-                             out_dtype: torch.dtype | None = None, config: DecodeConfig | None = None,
-                             w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                             bias_ids: torch.Tensor | None = None, activation: str = "swiglu",
-                             fill: SlotFill | None = None) -> torch.Tensor:
+def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: W4Bank,
+                             w2: W4Bank, *, fmt: str, out_dtype: torch.dtype | None = None,
+                             config: DecodeConfig | None = None, bias_ids: torch.Tensor | None = None,
+                             activation: str = "swiglu", fill: SlotFill | None = None) -> torch.Tensor:
     """The decode path: ``[T, H]`` in ``out_dtype`` (default hidden's) for at most
     ``DECODE_MAX_PAIRS`` pairs, two launches (three past ``DECODE_MAX_TOKENS`` tokens). With a
     ``fill`` the planned experts' scales are gathered first, their packed weights copied in by the
     gate_up launch."""
-    bank13 = W4Bank(w13, w13_scale, w13_channel_scale, w13_bias)
-    bank2 = W4Bank(w2, w2_scale, w2_channel_scale, w2_bias)
-    check_w4_args(hidden, weights, slots, bank13, bank2, fmt, activation, out_dtype, bias_ids)
+    check_w4_args(hidden, weights, slots, w13, w2, fmt, activation, out_dtype, bias_ids)
     num_tokens, top_k = slots.shape
     if num_tokens * top_k > DECODE_MAX_PAIRS:
         raise ValueError(f"the decode path takes at most {DECODE_MAX_PAIRS} (token, slot) pairs; "
                          f"got {num_tokens} x {top_k}")
-    cfg = config or decode_tiles(fmt, w13.shape[1] // 2)
+    cfg = config or decode_tiles(fmt, w13.packed.shape[1] // 2)
     _check_config(cfg, fmt)
     out = torch.empty(num_tokens, hidden.shape[1], dtype=out_dtype or hidden.dtype, device=hidden.device)
     if num_tokens == 0:
@@ -240,13 +235,13 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
     ids = slots if bias_ids is None else bias_ids.contiguous()
     consts = kernel_consts(fmt, hidden.dtype)
     if fill is not None:
-        fill.check_quantized(bank13.packed, bank2.packed, fmt)
-        fill.gather_scales(_scale_banks(bank13, bank2))
-    act, weighted = _gate_up(hidden, weights, slots, ids, bank13, bank2, cfg, consts, activation, fill)
+        fill.check_quantized(w13.packed, w2.packed, fmt)
+        fill.gather_scales(_scale_banks(w13, w2))
+    act, weighted = _gate_up(hidden, weights, slots, ids, w13, w2, cfg, consts, activation, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, ids, bank2, out, cfg, consts, weighted)
+        _down_per_token(act, weights, slots, ids, w2, out, cfg, consts, weighted)
     else:
-        _down_per_slot(act, weights, slots, ids, bank2, out, cfg, consts)
+        _down_per_slot(act, weights, slots, ids, w2, out, cfg, consts)
     return out
 
 
