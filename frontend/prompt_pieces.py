@@ -14,21 +14,18 @@ pre-tokenizer with ``prepend_scheme: first`` (it treats the piece at offset 0 di
 Mixtral's tokenizer), and ``encode_special_tokens`` set on the tokenizer (special tokens read as
 text). ``tests/test_prompt_pieces.py`` checks the joined ids against whole encodings.
 
-The kept pieces are the long ones (short ones cost less to encode than to look up), in an LRU
-bounded by their memory: a piece's characters and 4 bytes an id (a piece of long runs of spaces has
-many characters a token, so tokens alone would not bound it)."""
+The kept pieces are the long ones (short ones cost less to encode than to look up), in the
+tokenizer's ``KeptIds`` (an LRU bounded by memory)."""
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-from array import array
-from collections import OrderedDict
 
 import tokenizers
 
-CACHE_BYTES = 64 << 20  # about 60 sessions of 128k tokens (3.5 characters and a 4-byte id a token)
+from frontend.kept_ids import KeptIds
+
 MIN_CACHED_CHARS = 256
 
 
@@ -49,20 +46,15 @@ class PromptPieces:
     """``encode(text)``: the ids of ``text`` as ``tokenizer.encode(text, add_special_tokens=False)``
     gives them, from kept pieces where it can. Thread-safe (the frontend encodes on worker threads)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, max_bytes: int = CACHE_BYTES) -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, kept: KeptIds | None = None) -> None:
         self.tokenizer = tokenizer
-        self.max_bytes = max_bytes
+        self.kept = kept if kept is not None else KeptIds()
         self.reason = piecewise_reason(tokenizer)  # None: piecewise
         added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if not t.normalized}
         self._added = added
         # longest first: at one position the regex takes the first alternative, tokenizers the longest
         names = sorted(added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names else None
-        self._kept: OrderedDict[str, array] = OrderedDict()
-        self._lock = threading.Lock()
-        self.tokens = self.bytes = 0  # kept ids, and their pieces' cost (_cost)
-        self.hits = self.misses = 0  # kept pieces found / encoded and kept
-        self.reused_tokens = 0  # prompt tokens taken from kept pieces, not encoded again
 
     def encode(self, text: str) -> list[int]:
         # encode_special_tokens (settable at any time) encodes special tokens' text as text: no pieces
@@ -70,10 +62,10 @@ class PromptPieces:
             return self._encode_all([text])[0]
         parts = self._split(text)  # text, added token, text, added token, ..., text
         pieces = parts[0::2]
-        found = self._lookup(pieces)
+        found = self.kept.lookup(pieces, MIN_CACHED_CHARS)
         missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None and p))
         fresh = dict(zip(missing, self._encode_all(missing)))
-        self._keep(fresh)
+        self.kept.keep(fresh.items(), MIN_CACHED_CHARS)
         out: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
@@ -85,32 +77,3 @@ class PromptPieces:
     def _encode_all(self, texts: list[str]) -> list[list[int]]:
         # encode_batch releases the GIL (encode does not) and runs the texts in parallel
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)] if texts else []
-
-    def _lookup(self, pieces: list[str]) -> list[array | None]:
-        with self._lock:
-            found = [self._kept.get(p) if len(p) >= MIN_CACHED_CHARS else None for p in pieces]
-            for p, ids in zip(pieces, found):
-                if ids is not None:
-                    self._kept.move_to_end(p)
-                    self.hits += 1
-                    self.reused_tokens += len(ids)
-            return found
-
-    def _keep(self, fresh: dict[str, list[int]]) -> None:
-        with self._lock:
-            for piece, ids in fresh.items():
-                if len(piece) < MIN_CACHED_CHARS or _cost(piece, ids) > self.max_bytes or piece in self._kept:
-                    continue
-                self._kept[piece] = array("i", ids)
-                self.tokens += len(ids)
-                self.bytes += _cost(piece, ids)
-                self.misses += 1
-            while self.bytes > self.max_bytes:
-                piece, dropped = self._kept.popitem(last=False)
-                self.tokens -= len(dropped)
-                self.bytes -= _cost(piece, dropped)
-
-
-def _cost(piece: str, ids) -> int:
-    """A kept piece's memory, near enough: its characters (a byte each in ASCII) and 4 bytes an id."""
-    return len(piece) + 4 * len(ids)

@@ -12,6 +12,7 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+from frontend.kept_ids import KeptIds
 from frontend.prompt_pieces import PromptPieces
 
 
@@ -59,7 +60,10 @@ class ChatTokenizer:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.tokenizer = tokenizer
-        self.pieces = PromptPieces(tokenizer)  # a conversation's earlier messages are not encoded again
+        # a conversation's earlier messages are not tokenized again: template prompts' pieces and
+        # harmony prompts' messages keep their ids here
+        self.kept = KeptIds()
+        self.pieces = PromptPieces(tokenizer, self.kept)
         self.chat_template = chat_template  # the Jinja source
         self.bos_token = bos_token
         self.eos_token = eos_token

@@ -8,9 +8,13 @@ template and encoded whole (``tokenizer.encode``, as before) and by ``frontend.p
 (their rendered text), the least any encoder that must read them does.
 
     python scripts/bench_prompt_tokenize.py [--tokenizer DIR] [--turns 60] [--turn-tokens 2048]
+    python scripts/bench_prompt_tokenize.py --harmony [--turns 60] [--turn-tokens 2048]
 
 Without ``--tokenizer`` the embedded default model's tokenizer and ChatML template (byte-level
-BPE as Qwen's).
+BPE as Qwen's). ``--harmony``: gpt-oss's prompts, a Chat request a turn whose assistant reasons and
+calls ``read_file`` and whose tool result is the source, rendered by openai-harmony whole and by
+``frontend.http.harmony.render`` message by message (needs o200k_base.tiktoken:
+``scripts/fetch_o200k.py``).
 """
 from __future__ import annotations
 
@@ -60,7 +64,40 @@ def session(tokenizer: ChatTokenizer, args: argparse.Namespace) -> list[tuple[in
     return rows
 
 
-def report(rows: list[tuple[int, float, float, float]], tokenizer_dir: Path) -> None:
+def harmony_session(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
+    """``session``'s rows for gpt-oss: each turn a reasoned call and its tool result."""
+    import msgspec
+    from openai_harmony import Conversation
+
+    from frontend.http.harmony import render
+    from frontend.http.harmony.encoding import encoding
+    from frontend.http.schemas import ChatRequest
+    from frontend.kept_ids import KeptIds
+
+    text, kept = source_text(), KeptIds()
+    chars = args.turn_tokens * 200_000 // len(encoding().encode(text[:200_000], disallowed_special=()))
+    tool = {"type": "function", "function": {"name": "read_file", "description": "a file's text", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}
+    messages, rows = [{"role": "system", "content": "You are a coding agent. Read files, fix the bug."}], []
+    for turn in range(args.turns):
+        call = {"id": f"c{turn}", "type": "function", "function": {"name": "read_file",
+                                                                   "arguments": f'{{"path": "file{turn}.py"}}'}}
+        start = turn * chars % max(len(text) - chars, 1)
+        new = [{"role": "assistant", "reasoning_content": f"I should read file {turn}.", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": f"c{turn}", "content": text[start:start + chars]}]
+        messages += new
+        body = msgspec.convert({"model": "m", "messages": messages}, ChatRequest)
+        whole = timed(lambda: render.prompt_ids(body, [tool]))
+        ids: list[int] = []
+        pieces = timed(lambda: ids.extend(render.prompt_ids(body, [tool], kept=kept)))
+        names = {f"c{turn}": "read_file"}
+        alone = [h for m in body.messages[-2:] for h in render.conversation_messages(m, names)]
+        bound = timed(lambda: encoding().render_conversation(Conversation.from_messages(alone)))
+        rows.append((len(ids), whole, pieces, bound))
+    return rows
+
+
+def report(rows: list[tuple[int, float, float, float]], tokenizer_dir: Path | str) -> None:
     print(f"prompt tokenization of one agent session, tokenizer {tokenizer_dir}; bound = encoding the "
           f"turn's new messages alone")
     print(f"{'turns':>9s} {'context':>8s} {'whole ms':>9s} {'pieces ms':>10s} {'bound ms':>9s} {'ratio':>6s}")
@@ -80,7 +117,11 @@ def main() -> None:
     p.add_argument("--tokenizer", type=Path, default=None, help="directory with tokenizer.json and its template")
     p.add_argument("--turns", type=int, default=60)
     p.add_argument("--turn-tokens", type=int, default=2048, help="tokens of each turn's tool result")
+    p.add_argument("--harmony", action="store_true", help="gpt-oss's harmony prompts (openai-harmony)")
     args = p.parse_args()
+    if args.harmony:
+        report(harmony_session(args), "o200k_harmony (openai-harmony)")
+        return
     if args.tokenizer is None:
         from worker.default_model import default_model_dir
         args.tokenizer = default_model_dir()

@@ -112,6 +112,89 @@ def test_without_the_vocabulary_file_a_request_is_refused_in_one_line(monkeypatc
     assert err.value.status == 503 and "scripts/fetch_o200k.py" in str(err.value) and "\n" not in str(err.value)
 
 
+# ==== rendering message by message, ids kept ====
+
+def _harmony_messages():
+    """A strategy for conversations of every kind of message Sluice renders, with texts that look
+    like harmony's own tokens and texts that do not."""
+    from hypothesis import strategies as st
+    from openai_harmony import (Author, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
+                                ToolDescription)
+
+    text = st.lists(st.sampled_from(["a", " ", "\n", "é", "<|end|>", "<|start|>", "{", "0"]), max_size=12).map("".join)
+    said = lambda channel: text.map(lambda t: Message.from_role_and_content(Role.ASSISTANT, t).with_channel(channel))
+    tools = st.lists(st.sampled_from(["f", "g"]), max_size=2).map(
+        lambda names: [ToolDescription.new(n, "does " + n, parameters=PARAMETERS) for n in names])
+    developer = st.tuples(text, tools).map(lambda it: Message.from_role_and_content(
+        Role.DEVELOPER, DeveloperContent.new().with_instructions(it[0]).with_function_tools(it[1])))
+    system = st.sampled_from(["Low", "High"]).map(lambda e: Message.from_role_and_content(
+        Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort(e))))
+    kinds = st.one_of(
+        text.map(lambda t: Message.from_role_and_content(Role.USER, t)), said("analysis"), said("final"),
+        said("commentary"), said("commentary").map(lambda m: m.with_recipient("functions.f")
+                                                    .with_content_type("<|constrain|>json")),
+        text.map(lambda t: Message.from_author_and_content(Author.new(Role.TOOL, "functions.f"), t)
+                 .with_channel("commentary").with_recipient("assistant")), developer)
+    return st.tuples(st.lists(system, max_size=1), st.lists(developer, max_size=1), st.lists(kinds, max_size=9))
+
+
+def test_message_by_message_is_the_librarys_rendering():
+    """Any conversation (tools or none, analysis before or after final answers, ending anywhere),
+    rendered with ids kept, again from the kept ids, and grown by more messages, equals the
+    library's rendering of the whole."""
+    from hypothesis import given, settings
+    from openai_harmony import Conversation, Role
+
+    from frontend.kept_ids import KeptIds
+
+    def whole(messages):
+        return harmony().render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
+
+    @settings(max_examples=300, deadline=None)
+    @given(_harmony_messages(), _harmony_messages())
+    def check(first, more):
+        messages, kept = [*first[0], *first[1], *first[2]], KeptIds()
+        assert render.render_for_completion(messages, kept) == whole(messages)
+        assert render.render_for_completion(messages, kept) == whole(messages)  # all kept now
+        grown = messages + more[2]
+        assert render.render_for_completion(grown, kept) == whole(grown)
+
+    check()
+
+
+def test_a_session_renders_only_its_new_messages():
+    """A growing agent session through ``prompt_ids``: each turn finds every earlier message kept
+    and equals the library's rendering; a full cache still renders right."""
+    from frontend.kept_ids import KeptIds
+
+    messages, kept, small = [{"role": "system", "content": "Be brief."}], KeptIds(), KeptIds(max_bytes=300)
+    for turn in range(6):
+        args = '{"city": "C%d"}' % turn
+        call = {"id": f"c{turn}", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+        messages += [{"role": "user", "content": f"City {turn}?"},
+                     {"role": "assistant", "reasoning_content": f"Look up {turn}.", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"c{turn}", "content": '{"temp": %d}' % turn}]
+        body = chat_body(messages=messages)
+        hits = kept.hits
+        ids = render.prompt_ids(body, [TOOL], TODAY, kept=kept)
+        assert ids == render.prompt_ids(body, [TOOL], TODAY) == render.prompt_ids(body, [TOOL], TODAY, kept=small)
+        assert kept.hits - hits == (2 + 4 * turn if turn else 0)  # system, developer, each earlier turn's 4
+    assert kept.reused_tokens > 0 and 0 < small.bytes <= 300
+
+
+def test_the_benchmark_runs_a_harmony_session(monkeypatch, capsys):
+    """scripts/bench_prompt_tokenize.py --harmony, 4 turns: a row a turn beside its bound, the
+    context growing by about a tool result a turn."""
+    from scripts import bench_prompt_tokenize
+
+    monkeypatch.setattr("sys.argv", ["bench_prompt_tokenize.py", "--harmony", "--turns", "4", "--turn-tokens", "300"])
+    bench_prompt_tokenize.main()
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[0][0].isdigit()]
+    assert len(rows) == 4 and "last turn" in out
+    assert all(300 < int(b[1]) - int(a[1]) < 450 for a, b in zip(rows, rows[1:]))
+
+
 # ==== reading replies ====
 
 @pytest.mark.parametrize("size", [1, 3, 50])

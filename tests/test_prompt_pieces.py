@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from frontend import prompt_pieces
+from frontend.kept_ids import KeptIds
 from frontend.prompt_pieces import PromptPieces, piecewise_reason
 from frontend.tokenizer import ChatTokenizer
 from worker import default_model as dm
@@ -67,36 +68,36 @@ def test_a_growing_session_encodes_only_its_new_messages(smollm2):
     messages = [{"role": "system", "content": _long(rng, 30, plain)}]
     for turn in range(12):
         messages.append({"role": "user" if turn % 2 else "assistant", "content": _long(rng, 40, plain)})
-        before = chat.pieces.hits
+        before = chat.pieces.kept.hits
         ids = chat.encode_chat(messages)
         assert ids == _whole(smollm2, chat.render_chat(messages))
-        assert chat.pieces.hits - before == (len(messages) - 1 if turn else 0)  # the earlier messages: kept
-    assert chat.pieces.misses == len(messages)  # each message encoded once
+        assert chat.pieces.kept.hits - before == (len(messages) - 1 if turn else 0)  # the earlier messages: kept
+    assert chat.pieces.kept.misses == len(messages)  # each message encoded once
 
 
 def test_the_kept_pieces_stay_under_their_bound(smollm2, monkeypatch):
     monkeypatch.setattr(prompt_pieces, "MIN_CACHED_CHARS", 8)
-    pieces = PromptPieces(smollm2, max_bytes=3000)
+    pieces = PromptPieces(smollm2, KeptIds(max_bytes=3000))
     rng = random.Random(1)
     for _ in range(40):
         text = "<|im_start|>".join(_long(rng, 3) for _ in range(5))
         assert pieces.encode(text) == _whole(smollm2, text)
-        assert 0 < pieces.bytes <= 3000
-    assert pieces.tokens == sum(len(ids) for ids in pieces._kept.values())
-    assert pieces.bytes == sum(len(p) + 4 * len(ids) for p, ids in pieces._kept.items())
+        assert 0 < pieces.kept.bytes <= 3000
+    assert pieces.kept.tokens == sum(len(ids) for ids in pieces.kept._kept.values())
+    assert pieces.kept.bytes == sum(len(p) + 4 * len(ids) for p, ids in pieces.kept._kept.items())
 
 
 def test_a_piece_of_few_tokens_and_many_characters_counts_its_characters(smollm2):
     """Runs of spaces are many characters a token: the bound is memory, not tokens."""
-    pieces = PromptPieces(smollm2, max_bytes=100_000)
+    pieces = PromptPieces(smollm2, KeptIds(max_bytes=100_000))
     for n in range(30):
         text = f"<|im_start|>{n}" + " " * 20_000
         assert pieces.encode(text) == _whole(smollm2, text)
-    assert pieces.bytes <= 100_000 and len(pieces._kept) <= 5
+    assert pieces.kept.bytes <= 100_000 and len(pieces.kept._kept) <= 5
 
 
 def test_threads_encode_at_once(smollm2):
-    pieces, rng = PromptPieces(smollm2, max_bytes=100_000), random.Random(2)
+    pieces, rng = PromptPieces(smollm2, KeptIds(max_bytes=100_000)), random.Random(2)
     texts = ["<|im_end|>\n<|im_start|>".join(_long(rng, 12) for _ in range(6)) for _ in range(8)]
     wrong: list[str] = []
 
@@ -109,7 +110,7 @@ def test_threads_encode_at_once(smollm2):
     threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert not wrong and pieces.bytes <= 100_000
+    assert not wrong and pieces.kept.bytes <= 100_000
 
 
 def _bpe(normalizer=None, pre_tokenizer=None, added: list[AddedToken] = ()) -> Tokenizer:
@@ -135,7 +136,7 @@ def test_tokenizers_that_are_not_piecewise_encode_whole(tok, reason):
     assert reason in piecewise_reason(tok)
     pieces = PromptPieces(tok)
     text = "ab <x> cd<|s|> ef<y>gh<|s|>ij " * 30
-    assert pieces.encode(text) == _whole(tok, text) and pieces.hits == pieces.misses == 0
+    assert pieces.encode(text) == _whole(tok, text) and pieces.kept.hits == pieces.kept.misses == 0
 
 
 def test_special_tokens_encoded_as_text_are_not_pieces(smollm2):
@@ -145,7 +146,7 @@ def test_special_tokens_encoded_as_text_are_not_pieces(smollm2):
     text = ("<|im_start|>user\n" + "x" * 300 + "<|im_end|>") * 2
     pieces = PromptPieces(tok)
     assert pieces.encode(text) == _whole(tok, text) != _whole(smollm2, text)
-    assert pieces.hits == pieces.misses == 0
+    assert pieces.kept.hits == pieces.kept.misses == 0
 
 
 def test_a_tokenizer_json_that_pads_or_truncates_does_neither(smollm2):
@@ -181,7 +182,7 @@ def test_other_pipelines_are_piecewise(pre_tokenizer):
     assert pieces.reason is None
     text = "Ab cd<|s|> ef<Y>  GH<|s|><|s|>ij<|s|>x\n" * 40 + "<|s|>" + "long piece " * 30
     assert pieces.encode(text) == _whole(tok, text) == pieces.encode(text)
-    assert tok.token_to_id("<y>") in _whole(tok, text) and pieces.hits == 1  # the long piece, kept
+    assert tok.token_to_id("<y>") in _whole(tok, text) and pieces.kept.hits == 1  # the long piece, kept
 
 
 def test_the_benchmark_runs_a_short_session(monkeypatch, capsys):

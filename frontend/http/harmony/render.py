@@ -3,19 +3,22 @@ today's date), a developer message with the request's system / developer text as
 its tools as the ``functions`` namespace, then the conversation: user text, assistant reasoning
 (analysis), text (final, or commentary beside calls), calls (commentary to ``functions.NAME``),
 and tool results (from ``functions.NAME``, the name read from the call that the result answers).
-The library drops the analysis of turns that a final answer closed."""
+Once a final answer ends the conversation, the library drops the analysis before the first final
+answer. The messages are rendered one by one, each one's ids kept (``render_for_completion``)."""
 
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Any
 
 from openai_harmony import Author, Conversation, DeveloperContent, Message as HarmonyMessage
-from openai_harmony import ReasoningEffort, Role, SystemContent, ToolDescription
+from openai_harmony import ReasoningEffort, RenderOptions, Role, SystemContent, ToolDescription
 
 from frontend.http.errors import ApiError
 from frontend.http.harmony.encoding import encoding
 from frontend.http.schemas import ChatRequest, Message
+from frontend.kept_ids import KeptIds
 
 EFFORTS = ("low", "medium", "high")
 CALL_CONTENT_TYPE = "<|constrain|>json"  # how gpt-oss marks JSON arguments
@@ -47,8 +50,10 @@ def constrained(body: ChatRequest) -> str | None:
     return f"tools[{strict[0]!r}].strict" if strict else None
 
 
-def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: datetime.date | None = None) -> list[int]:
-    """The request's conversation rendered for the assistant's next message."""
+def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: datetime.date | None = None, *,
+               kept: KeptIds | None = None) -> list[int]:
+    """The request's conversation rendered for the assistant's next message; ``kept``: its
+    messages' ids are kept there and taken from there (``render_for_completion``)."""
     check(body)
     if not body.messages:
         raise ApiError(400, "messages is empty", param="messages")
@@ -62,7 +67,7 @@ def prompt_ids(body: ChatRequest, tools: list[dict[str, Any]] | None, today: dat
     names = {c.id: c.function.name for m in body.messages for c in m.tool_calls or []}
     for m in body.messages[lead:]:
         messages += conversation_messages(m, names)
-    return encoding().render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
+    return render_for_completion(messages, kept)
 
 
 def system_message(effort: str, today: datetime.date) -> HarmonyMessage:
@@ -122,3 +127,48 @@ def text_of(m: Message) -> str:
             raise ApiError(400, f"content part of type {part.type!r} is not supported: Sluice serves text only",
                            param="messages")
     return "".join(part.text or "" for part in m.content)
+
+
+# ==== rendering message by message ====
+
+def render_for_completion(messages: list[HarmonyMessage], kept: KeptIds | None = None) -> list[int]:
+    """``render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)``,
+    with each message's ids from ``kept`` where it holds them (an agent resends its whole history
+    every turn). openai-harmony renders a conversation as each message rendered alone, given one
+    fact of the whole (``has_function_tools``: the system message then says where calls go),
+    less the analysis it drops (``kept_for_completion``), then ``<|start|>assistant``;
+    ``tests/test_harmony.py`` checks the two against each other."""
+    if kept is None:
+        return encoding().render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
+    options = RenderOptions(conversation_has_function_tools=has_function_tools(messages))
+    messages = kept_for_completion(messages)
+    keys = [f"{int(options.conversation_has_function_tools)}{m.to_json()}" for m in messages]
+    found = kept.lookup(keys)
+    fresh = {key: encoding().render(m, options) for m, key, ids in zip(messages, keys, found) if ids is None}
+    kept.keep(fresh.items())
+    out: list[int] = []
+    for key, ids in zip(keys, found):
+        out.extend(ids if ids is not None else fresh[key])
+    return out + assistant_start()
+
+
+def has_function_tools(messages: list[HarmonyMessage]) -> bool:
+    """Whether a developer message declares function tools (harmony's ``functions`` namespace)."""
+    return any(isinstance(c, DeveloperContent) and c.tools and c.tools.get("functions") is not None
+               and bool(c.tools["functions"].tools) for m in messages for c in m.content)
+
+
+def kept_for_completion(messages: list[HarmonyMessage]) -> list[HarmonyMessage]:
+    """The messages harmony renders by default (``auto_drop_analysis``): when the last assistant
+    message is a final answer, the analysis messages before the first final answer are dropped."""
+    last = next((m for m in reversed(messages) if m.author.role == Role.ASSISTANT), None)
+    if last is None or last.channel != "final":
+        return messages
+    first_final = next(i for i, m in enumerate(messages) if m.channel == "final")
+    return [m for i, m in enumerate(messages) if not (i < first_final and m.channel == "analysis")]
+
+
+@functools.lru_cache(maxsize=1)
+def assistant_start() -> list[int]:
+    """``<|start|>assistant``: what a completion's render adds after the conversation."""
+    return encoding().render_conversation_for_completion(Conversation.from_messages([]), Role.ASSISTANT)
