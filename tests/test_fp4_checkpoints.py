@@ -17,6 +17,7 @@ from moe_offload.formats import MXFP4, NVFP4, quantize_w13
 from moe_offload.offloaded import OffloadedExperts
 from scheduler.generate import generate
 from scheduler.messages.to_scheduler import SamplingParams
+from tests.parity_helpers import cpu_runner, rel_err
 from tests.tiny_fp4 import write_tiny_fp4
 from tests.tiny_models import write_tiny
 from worker.batch import SequenceChunk
@@ -39,15 +40,6 @@ CASES = [
     dict(family="qwen3_moe", layout="gptoss-mxfp4", hidden=160, heads=4, kv_heads=2, head_dim=16, inter=96),
 ]
 FORMATS = {"modelopt-nvfp4": NVFP4, "ct-nvfp4": NVFP4, "ct-mxfp4": MXFP4, "gptoss-mxfp4": MXFP4}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def cpu_runner(model_dir, **experts) -> ModelRunner:
-    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", page_size=4, kv_tokens=512,
-                                    experts=ExpertOptions(**experts)))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c['family']}-{c['layout']}-h{c['hidden']}-i{c['inter']}")

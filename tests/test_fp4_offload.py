@@ -10,7 +10,7 @@ import torch
 from moe_offload.formats import MXFP4, NVFP4
 from scheduler.generate import generate
 from scheduler.messages.to_scheduler import SamplingParams
-from tests.test_fp8_offload import prefill_then_decode, sync_errors
+from tests.test_fp8_offload import check_sync_free_offload_near_resident, prefill_then_decode
 from worker.expert_placement import ExpertOptions
 from worker.runner import ModelRunner, RunnerConfig
 
@@ -64,14 +64,7 @@ def test_4bit_dummy_store_is_random_codes_under_a_drawn_scale(fmt, tmp_path):
 def test_cuda_4bit_small_geometry_prefill_and_decode_without_sync(fmt):
     r, resident = small("cuda", fmt, cache_fraction=0.25), small("cuda", fmt)
     assert r.experts.pipeline is not None and r.experts.cache.format == fmt
-    prompt = torch.randint(0, 512, (1400,), generator=torch.Generator().manual_seed(0)).tolist()
-    prefill_then_decode(r, prompt[:600], 512, 2)  # compiles every kernel outside the check
-    with sync_errors():
-        logits = prefill_then_decode(r, prompt, 512, 4)  # chunks of 512, 512, 376, then 4 decode steps
-    torch.cuda.synchronize()
-    want = prefill_then_decode(resident, prompt, 512, 4)
-    assert ((logits - want).norm() / want.norm()).item() < 2e-2
-    assert r.experts.pipeline.stats()["from_host"] > 0 and r.experts.cache.stats()["total"]["misses"] > 0
+    check_sync_free_offload_near_resident(r, resident)
 
 
 @pytest.mark.cuda

@@ -20,7 +20,8 @@ from moe_offload.safetensors_file import index_files
 from moe_offload.expert_names import FUSED_NAMES, QWEN3_MOE_NAMES
 from moe_offload.store_fill import read_expert_layer
 from moe_offload.store_layout import ExpertGeometry
-from tests.tiny_fp8 import LAYOUTS, write_tiny_fp8
+from tests.parity_helpers import check_batch_decode, cpu_runner, rel_err
+from tests.tiny_fp8 import LAYOUTS, assert_experts_stay_fp8, write_tiny_fp8
 from worker.batch import SequenceChunk
 from worker.errors import CheckpointError
 from worker.expert_placement import ExpertOptions
@@ -43,16 +44,6 @@ CASES = [
     dict(family="qwen3_moe", layout="ct-channel", hidden=160, heads=5, kv_heads=5, head_dim=32, inter=80, experts=4),
     dict(family="qwen3_moe", layout="ct-block", hidden=160, heads=4, kv_heads=2, head_dim=16, inter=80, experts=8),
 ]
-EXPECTED_FORMAT = {"hf-block": "fp8-b128x128", "ct-channel": "fp8-ch", "ct-tensor": "fp8-ch", "ct-block": "fp8-b128x128"}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def cpu_runner(model_dir, **experts) -> ModelRunner:
-    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", page_size=4, kv_tokens=512,
-                                    experts=ExpertOptions(**experts)))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c['family']}-{c['layout']}-h{c['hidden']}-i{c['inter']}")
@@ -65,23 +56,10 @@ def tiny(request, tmp_path_factory):
 def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(tiny):
     layout, model = tiny
     runner = cpu_runner(model.fp8_dir)
-    assert checkpoint_expert_format(model.fp8_dir).name == EXPECTED_FORMAT[layout]
-    banks = runner.weights.experts
-    assert banks.w13.dtype == FP8_DTYPE and banks.quantized  # experts run as fp8, not dequantized at load
+    assert_experts_stay_fp8(runner, model.fp8_dir, layout)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (1, 9, 23)]
-    pool = runner.kv_pool
-    pages = [pool.allocate(pool.pages_for(len(p) + 4)) for p in prompts]
-    out = runner.forward([SequenceChunk(p, 0, pg) for p, pg in zip(prompts, pages)], [GREEDY] * 3, [0] * 3)
-    for step in range(4):
-        for b, p in enumerate(prompts):
-            with torch.no_grad():
-                ref = model.hf(torch.tensor([p])).logits[0, -1]
-            assert rel_err(out.logits[b], ref) < 1e-4
-        for p, t in zip(prompts, out.next_tokens.tolist()):
-            p.append(t)
-        chunks = [SequenceChunk([p[-1]], len(p) - 1, pg) for p, pg in zip(prompts, pages)]
-        out = runner.forward(chunks, [GREEDY] * 3, [step + 1] * 3)
+    check_batch_decode(runner, model.hf, prompts, steps=4)
 
 
 def test_offloaded_fp8_generation_equals_resident(tiny):

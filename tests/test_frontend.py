@@ -48,27 +48,17 @@ class Server(NamedTuple):
     stderr: Path
 
 
+def frontend_command(*args: str) -> list[str]:
+    """The command line of a frontend process on any free port, with the fake scheduler, and ``args``."""
+    return [sys.executable, "-m", "frontend", "--endpoint", "tcp://127.0.0.1:*", "--http-port", "0",
+            "--scheduler-cmd", FAKE, *args]
+
+
 def start_server(tmp: Path, tok_dir: Path, *args: str) -> Server:
     pid_file, stderr = tmp / "scheduler.pid", tmp / "frontend.stderr"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "frontend",
-            "--endpoint",
-            "tcp://127.0.0.1:*",
-            "--http-port",
-            "0",
-            "--scheduler-cmd",
-            FAKE,
-            "--pid-file",
-            str(pid_file),
-            "--ready-timeout",
-            str(WAIT_S),
-            "--tokenizer-path",
-            str(tok_dir),
-            *args,
-        ],
+        frontend_command("--pid-file", str(pid_file), "--ready-timeout", str(WAIT_S), "--tokenizer-path",
+                         str(tok_dir), *args),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=stderr.open("w"),
@@ -503,20 +493,7 @@ def test_sigterm_shuts_down_cleanly(tmp_path, tok_dir):
 
 def test_scheduler_failing_to_start_is_reported(tmp_path, tok_dir):
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "frontend",
-            "--endpoint",
-            "tcp://127.0.0.1:*",
-            "--http-port",
-            "0",
-            "--scheduler-cmd",
-            FAKE,
-            "--tokenizer-path",
-            str(tok_dir),
-            "--fail-start",
-        ],
+        frontend_command("--tokenizer-path", str(tok_dir), "--fail-start"),
         cwd=REPO,
         capture_output=True,
         text=True,

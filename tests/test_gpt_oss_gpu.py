@@ -8,15 +8,12 @@ import pytest
 import torch
 
 from scheduler.engine import Engine, EngineConfig
-from scheduler.messages.to_scheduler import SamplingParams
+from tests.parity_helpers import assert_greedy_up_to_near_ties, gpu_decode_logits, gpu_prefill_then_decode, rel_err
 from tests.test_engine import req, run
-from tests.test_hybrid_gpu import NEAR_TIE, rel_err
 from tests.tiny_gpt_oss import FULL, SLIDING, hf_logits, write_tiny_gpt_oss
-from worker.batch import SequenceChunk
 from worker.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.cuda
-GREEDY = SamplingParams()
 # head dim 64 and GQA 8 as released; a window of 32 under prompts of 200
 SHAPE = dict(layer_types=(SLIDING, FULL, SLIDING, FULL), hidden=128, heads=8, kv_heads=1, head_dim=64, experts=8,
              top_k=4, inter=64, window=32)
@@ -33,20 +30,6 @@ def runner(model_dir: str, dtype: str = "float32", **kw) -> ModelRunner:
                                     max_prefill_tokens=512, **kw))
 
 
-def prefill_then_decode(r: ModelRunner, ids: list[int], split: list[int], sync_error: bool) -> list[torch.Tensor]:
-    pages = r.kv_pool.allocate(r.kv_pool.pages_for(len(ids)))
-    out, start = [], 0
-    for end in split + list(range(split[-1] + 1, len(ids) + 1)):
-        torch.cuda.set_sync_debug_mode("error" if sync_error else "default")
-        try:
-            out.append(r.forward([SequenceChunk(ids[start:end], start, pages)], [GREEDY], [0]).logits[0].clone())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        start = end
-    r.kv_pool.free(pages)
-    return out
-
-
 @pytest.mark.parametrize("experts", [{}, {"cache_fraction": 0.75}], ids=["resident", "cache"])
 def test_model_on_gpu_matches_transformers(gpt_oss, experts):
     """float32 on the GPU against transformers in float32: a fresh chunk, one over a prefix (both
@@ -57,8 +40,8 @@ def test_model_on_gpu_matches_transformers(gpt_oss, experts):
     r = runner(model_dir, cuda_graph=False, experts=ExpertOptions(**experts))
     ids = torch.randint(0, 120, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = hf_logits(hf, ids)
-    prefill_then_decode(r, ids, [64, 190], sync_error=False)  # compiles
-    got = prefill_then_decode(r, ids, [64, 190], sync_error=True)
+    gpu_prefill_then_decode(r, ids, [64, 190], sync_error=False)  # compiles
+    got = gpu_prefill_then_decode(r, ids, [64, 190], sync_error=True)
     for logits, pos in zip(got, [63, 189] + list(range(190, 200))):
         assert rel_err(logits, ref[pos]) < 5e-3, pos
 
@@ -69,23 +52,7 @@ def test_graph_decode_equals_eager(gpt_oss):
     graphs, eager = runner(model_dir, dtype="bfloat16"), runner(model_dir, dtype="bfloat16", cuda_graph=False)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (5, 33, 70)]
-    results = []
-    for r in (graphs, eager):
-        pages = [r.kv_pool.allocate(r.kv_pool.pages_for(len(p) + 12)) for p in prompts]
-        r.forward([SequenceChunk(p, 0, pg) for p, pg in zip(prompts, pages)], [GREEDY] * 3, [0] * 3)
-        seqs, logits = [list(p) for p in prompts], []
-        for step in range(12):
-            torch.cuda.set_sync_debug_mode("error" if step else "default")  # step 0 captures
-            try:
-                out = r.forward([SequenceChunk([s[-1]], len(s) - 1, pg) for s, pg in zip(seqs, pages)],
-                                [GREEDY] * 3, [step + 1] * 3)
-                logits.append(out.logits.clone())
-                nxt = out.next_tokens.clone()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            for s, t in zip(seqs, nxt.tolist()):
-                s.append(t)
-        results.append(torch.stack(logits))
+    results = [gpu_decode_logits(r, prompts, 12) for r in (graphs, eager)]
     assert graphs.graphs is not None and graphs.graphs.captured
     assert rel_err(results[0], results[1]) < 1e-3
 
@@ -101,9 +68,7 @@ def test_engine_session_on_gpu(gpt_oss):
         updates = run(engine, [req(f"t{turn}", history, max_tokens=8, ignore_eos=True)])[f"t{turn}"]
         out = updates[0]
         ref = hf_logits(hf, history + out)[len(history) - 1:-1]
-        chosen = ref.gather(1, torch.tensor(out)[:, None])[:, 0]
-        gap = ref.max(-1).values - chosen
-        assert (gap <= NEAR_TIE).all(), (turn, out, ref.argmax(-1).tolist(), gap.tolist())
+        assert_greedy_up_to_near_ties(ref, out, turn)
         if turn:
             assert sum(u.cached_prompt_tokens for u in updates[2]) > 0, turn
         history = history + out + torch.randint(0, 120, (50,), generator=gen).tolist()

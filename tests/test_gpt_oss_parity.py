@@ -11,16 +11,14 @@ import pytest
 import torch
 
 from scheduler.engine import Engine, EngineConfig
-from scheduler.messages.to_scheduler import SamplingParams
+from tests.parity_helpers import (check_chunks_then_decode, check_decode_batch, check_prefill_batch, greedy_tokens,
+                                  random_ids)
 from tests.test_engine import req, run
 from tests.tiny_gpt_oss import FULL, SLIDING, hf_greedy, hf_logits, write_tiny_gpt_oss, write_tiny_gpt_oss_mxfp4
-from worker.batch import SequenceChunk
 from worker.config import ModelConfig
 from worker.errors import CheckpointError
 from worker.runner import ModelRunner, RunnerConfig
 from worker.runner_config import ExpertOptions
-
-VOCAB, TOL, GREEDY = 128, 1e-4, SamplingParams()
 
 # window 8 (shorter than every multi-token prompt below) and 5; GQA 2 and 4; YaRN and plain rope
 SHAPES = {
@@ -29,14 +27,6 @@ SHAPES = {
                                   head_dim=32, window=5, top_k=2, experts=4),
     "SS-mha-w8-norope-scaling": dict(seed=2, layer_types=(SLIDING, SLIDING), heads=4, kv_heads=4, yarn=False),
 }
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module", params=list(SHAPES.values()), ids=list(SHAPES))
@@ -49,19 +39,6 @@ def checkpoint(request, tmp_path_factory):
 def tiny(checkpoint):
     path, hf = checkpoint
     return hf, ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=512))
-
-
-def pages(runner: ModelRunner, tokens: int) -> list[int]:
-    return runner.kv_pool.allocate(runner.kv_pool.pages_for(tokens))
-
-
-def step(runner: ModelRunner, chunks: list[SequenceChunk]):
-    return runner.forward(chunks, [GREEDY] * len(chunks), [0] * len(chunks))
-
-
-def check(logits: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = rel_err(logits, ref)
-    assert err < TOL, f"{what}: relative error {err:.2e}"
 
 
 def test_the_checkpoint_exercises_every_part(checkpoint):
@@ -79,11 +56,7 @@ def test_the_checkpoint_exercises_every_part(checkpoint):
 def test_ragged_prefill_matches_hf(tiny):
     hf, runner = tiny
     prompts = [random_ids(n, seed=n) for n in (1, 7, 13, 22)]
-    out = step(runner, [SequenceChunk(p, 0, pages(runner, len(p))) for p in prompts])
-    for b, p in enumerate(prompts):
-        ref = hf_logits(hf, p)[-1]
-        check(out.logits[b], ref, f"prompt of {len(p)}")
-        assert out.next_tokens[b].item() == ref.argmax().item()
+    check_prefill_batch(runner, prompts, [hf_logits(hf, p)[-1] for p in prompts])
 
 
 @pytest.mark.parametrize("length,ends", [(40, (9, 21)), (40, (1, 3, 6, 10, 15, 21)), (40, (4, 8, 12, 16))],
@@ -92,27 +65,14 @@ def test_chunked_prefill_then_decode_past_the_window(tiny, length, ends):
     """Every chunk reads the prefix's pages; every step's logits equal the full forward's."""
     hf, runner = tiny
     ids = random_ids(length, seed=length)
-    ref = hf_logits(hf, ids)
-    seq_pages = pages(runner, length)
-    for start, end in zip((0,) + ends, ends):
-        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages)])
-        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
-    for pos in range(ends[-1], length):
-        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
-        check(out.logits[0], ref[pos], f"decode at {pos}")
+    check_chunks_then_decode(runner, ids, hf_logits(hf, ids), ends)
 
 
 def test_mixed_decode_batch_matches_hf(tiny):
     hf, runner = tiny
     lengths, decode = (3, 10, 17, 30), 3
     seqs = [random_ids(n + decode, seed=100 + n) for n in lengths]
-    refs = [hf_logits(hf, s) for s in seqs]
-    seq_pages = [pages(runner, len(s)) for s in seqs]
-    step(runner, [SequenceChunk(s[:n], 0, pg) for s, n, pg in zip(seqs, lengths, seq_pages)])
-    for i in range(decode):
-        out = step(runner, [SequenceChunk([s[n + i]], n + i, pg) for s, n, pg in zip(seqs, lengths, seq_pages)])
-        for b, (ref, n) in enumerate(zip(refs, lengths)):
-            check(out.logits[b], ref[n + i], f"sequence {b} decoding at {n + i}")
+    check_decode_batch(runner, seqs, lengths, decode, [hf_logits(hf, s) for s in seqs])
 
 
 def test_greedy_text_matches_hf(tiny):
@@ -120,14 +80,7 @@ def test_greedy_text_matches_hf(tiny):
     hf, runner = tiny
     prompts, n = [random_ids(6, seed=3), random_ids(11, seed=4)], 32
     want = [hf_greedy(hf, p, n) for p in prompts]
-    seq_pages = [pages(runner, len(p) + n) for p in prompts]
-    out = step(runner, [SequenceChunk(p, 0, pg) for p, pg in zip(prompts, seq_pages)])
-    got = [[int(t)] for t in out.next_tokens.tolist()]
-    while len(got[0]) < n:
-        out = step(runner, [SequenceChunk([g[-1]], len(p) + len(g) - 1, pg) for p, g, pg in zip(prompts, got, seq_pages)])
-        for g, t in zip(got, out.next_tokens.tolist()):
-            g.append(int(t))
-    assert got == want
+    assert greedy_tokens(runner, prompts, n) == want
 
 
 def test_second_turn_from_the_prefix_cache(checkpoint):
@@ -199,14 +152,7 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_dequantized_weights(mxfp4_
     runner = ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=256))
     assert runner.expert_format.name == "mxfp4"
     ids = random_ids(30, seed=11)
-    ref = hf_logits(hf, ids)
-    seq_pages = pages(runner, len(ids))
-    for start, end in ((0, 9), (9, 20)):
-        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages)])
-        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
-    for pos in range(20, 30):
-        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
-        check(out.logits[0], ref[pos], f"decode at {pos}")
+    check_chunks_then_decode(runner, ids, hf_logits(hf, ids), (9, 20))
 
 
 def test_fp8_experts_of_gpt_oss_are_refused(checkpoint):
@@ -223,14 +169,7 @@ def test_triton_backend_routes_gpt_oss_through_the_paged_paths(checkpoint):
     runner = ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=256,
                                       attention="triton"))
     ids = random_ids(30, seed=12)
-    ref = hf_logits(hf, ids)
-    seq_pages = pages(runner, len(ids))
-    for start, end in ((0, 13), (13, 25)):
-        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages)])
-        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
-    for pos in range(25, 30):
-        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages)])
-        check(out.logits[0], ref[pos], f"decode at {pos}")
+    check_chunks_then_decode(runner, ids, hf_logits(hf, ids), (13, 25))
 
 
 def test_generation_config_adds_its_stop_ids(checkpoint, tmp_path):

@@ -56,6 +56,15 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.wait(timeout=WAIT_S)
 
 
+def assert_one_abort(endpoint: str) -> None:
+    """Waits up to ``WAIT_S`` for the scheduler behind ``endpoint`` to count an abort; asserts it counted one."""
+    with Client(endpoint, timeout=WAIT_S) as c:
+        deadline = time.monotonic() + WAIT_S
+        while c.stats()["aborts_total"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["aborts_total"] == 1
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc, endpoint, url = start(tmp_path_factory.mktemp("http"), "--http-port", "0",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import anthropic
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_http import CALL, KEY, WAIT_S, start, stop  # noqa: E402
+from test_http import CALL, KEY, WAIT_S, assert_one_abort, start, stop  # noqa: E402
 from test_http_serving import model_dir  # noqa: E402,F401  (a fixture)
 
 from frontend.client import Client  # noqa: E402
@@ -267,11 +266,7 @@ def test_a_stream_pings_early_and_while_nothing_comes(tmp_path):
                     break
         assert names[:2] == ["message_start", "ping"]
         assert names[2:] == ["content_block_start", "content_block_delta", "ping"]
-        with Client(endpoint, timeout=WAIT_S) as c:
-            deadline = time.monotonic() + WAIT_S
-            while c.stats()["aborts_total"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert c.stats()["aborts_total"] == 1
+        assert_one_abort(endpoint)
     finally:
         assert stop(proc) == 0
 

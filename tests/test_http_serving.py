@@ -4,35 +4,19 @@ test) and the tiny byte-level model of test_serving.py. One server for the modul
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.client import Client
-from tests.fake_scheduler import EOS_ID, SPECIALS, write_byte_tokenizer
-from tests.test_serving import PAGE, WAIT_S, assert_pages_settled, start, stop
-from tests.tiny_models import write_tiny
+from tests.test_serving import PAGE, WAIT_S, assert_pages_settled, model_dir, start, stop  # noqa: F401 (a fixture)
 
 MAX_BODY = 64 << 10
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-http")
-    write_tiny(path, "mixtral", seed=11, layers=2, vocab=256 + len(SPECIALS), hidden=64, experts=8, top_k=2)
-    write_byte_tokenizer(path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["eos_token_id"] = EOS_ID
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
+def server(tmp_path_factory, model_dir):  # noqa: F811
     s = start(tmp_path_factory.mktemp("srv"), model_dir, "--served-model-name", "tiny",
               "--http-max-body", str(MAX_BODY))
     url = s.proc.stdout.readline().split()[-1]

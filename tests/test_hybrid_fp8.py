@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,14 +24,15 @@ from moe_offload.offloaded import OffloadedExperts
 from moe_offload.safetensors_file import index_files
 from scheduler.generate import generate
 from scheduler.messages.to_scheduler import SamplingParams
-from tests.tiny_fp8 import LAYOUTS, quantize_stored
+from tests.parity_helpers import check_batch_decode, rel_err
+from tests.parity_helpers import cpu_runner as parity_cpu_runner
+from tests.tiny_fp8 import LAYOUTS, assert_experts_stay_fp8, quantize_stored
 from tests.tiny_hybrid import write_tiny_hybrid
 from worker.batch import SequenceChunk
 from worker.config import ModelConfig
 from worker.models.weights import ModelWeights
 from worker.expert_format import checkpoint_expert_format
-from worker.runner import ModelRunner, RunnerConfig
-from worker.runner_config import ExpertOptions
+from worker.runner import ModelRunner
 
 GREEDY = SamplingParams()
 # hidden 160 and expert FFN 144 are not multiples of the 128 block (ragged edges, two row blocks per
@@ -44,7 +46,6 @@ NOT_CONVERTED = ["lm_head", "model.visual", "mlp.gate", "mlp.shared_expert_gate"
                  "linear_attn.in_proj_b"]
 CASES = [("qwen3_5_moe", "hf-block"), ("qwen3_next", "hf-block"), ("qwen3_next", "ct-channel"),
          ("qwen3_5_moe_causal", "ct-block")]
-EXPECTED_FORMAT = {"hf-block": "fp8-b128x128", "ct-channel": "fp8-ch", "ct-block": "fp8-b128x128"}
 
 
 class TinyHybridFP8(NamedTuple):
@@ -93,13 +94,7 @@ def write_hybrid_fp8(root: Path, family: str, layout: str) -> TinyHybridFP8:
     return TinyHybridFP8(src, fp8_dir, float_dir, reference)
 
 
-def cpu_runner(model_dir, **experts) -> ModelRunner:
-    return ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32", page_size=4, kv_tokens=512,
-                                    state_slots=4, experts=ExpertOptions(**experts)))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+cpu_runner = partial(parity_cpu_runner, state_slots=4)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -111,25 +106,11 @@ def tiny(request, tmp_path_factory):
 def test_hybrid_fp8_checkpoint_matches_transformers_on_dequantized_weights(tiny):
     layout, model = tiny
     runner = cpu_runner(model.fp8_dir)
-    assert checkpoint_expert_format(model.fp8_dir).name == EXPECTED_FORMAT[layout]
-    banks = runner.weights.experts
-    assert banks.w13.dtype == FP8_DTYPE and banks.quantized  # experts run as fp8, not dequantized at load
+    assert_experts_stay_fp8(runner, model.fp8_dir, layout)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (1, 9, 23)]  # 120+: image ids
-    pool = runner.kv_pool
-    pages = [pool.allocate(pool.pages_for(len(p) + 4)) for p in prompts]
     slots = [runner.state_pool.running_slot(b) for b in range(len(prompts))]
-    out = runner.forward([SequenceChunk(p, 0, pg, state_slot=s) for p, pg, s in zip(prompts, pages, slots)],
-                         [GREEDY] * 3, [0] * 3)
-    for step in range(4):
-        for b, p in enumerate(prompts):
-            with torch.no_grad():
-                ref = model.hf(torch.tensor([p]), use_cache=False).logits[0, -1]
-            assert rel_err(out.logits[b], ref) < 1e-4, (step, b)
-        for p, t in zip(prompts, out.next_tokens.tolist()):
-            p.append(t)
-        chunks = [SequenceChunk([p[-1]], len(p) - 1, pg, state_slot=s) for p, pg, s in zip(prompts, pages, slots)]
-        out = runner.forward(chunks, [GREEDY] * 3, [step + 1] * 3)
+    check_batch_decode(runner, model.hf, prompts, steps=4, state_slots=slots, use_cache=False)
 
 
 def tensors_of(weights) -> list[torch.Tensor]:

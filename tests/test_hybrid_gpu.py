@@ -7,15 +7,14 @@ import pytest
 import torch
 
 from scheduler.engine import Engine, EngineConfig
-from scheduler.messages.to_scheduler import SamplingParams
+from tests.parity_helpers import (GREEDY, assert_greedy_up_to_near_ties, gpu_decode_logits, gpu_prefill_then_decode,
+                                  rel_err)
 from tests.test_engine import req, run
 from tests.tiny_hybrid import hf_logits, write_tiny_hybrid
 from worker.batch import SequenceChunk
 from worker.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.cuda
-GREEDY = SamplingParams()
-NEAR_TIE = 2e-2  # logits this close may swap under TF32 rounding
 SHAPE = dict(layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
              hidden=128, heads=4, kv_heads=2, head_dim=64, linear_k_heads=2, linear_v_heads=4, linear_k_dim=64,
              linear_v_dim=64, experts=8, top_k=2, inter=64, shared_inter=64)
@@ -32,26 +31,6 @@ def runner(model_dir: str, dtype: str = "bfloat16", **kw) -> ModelRunner:
                                     max_prefill_tokens=512, state_slots=8, state_snapshots=4, **kw))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().norm()).item()
-
-
-def prefill_then_decode(r: ModelRunner, ids: list[int], split: list[int], sync_error: bool) -> list[torch.Tensor]:
-    """Logits after each prefill chunk and each decoded token of ``ids`` (state slot 1)."""
-    pages = r.kv_pool.allocate(r.kv_pool.pages_for(len(ids)))
-    out, start = [], 0
-    for end in split + list(range(split[-1] + 1, len(ids) + 1)):
-        torch.cuda.set_sync_debug_mode("error" if sync_error else "default")
-        try:
-            step = r.forward([SequenceChunk(ids[start:end], start, pages, state_slot=1)], [GREEDY], [0])
-            out.append(step.logits[0].clone())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        start = end
-    r.kv_pool.free(pages)
-    return out
-
-
 def test_model_on_gpu_matches_transformers(hybrid):
     """float32 on the GPU (fla chunk kernels, the step and conv kernels, paged attention) against
     transformers in float32: chunked prefill over a 64-multiple and a ragged split, then decode.
@@ -60,8 +39,8 @@ def test_model_on_gpu_matches_transformers(hybrid):
     r = runner(model_dir, dtype="float32", cuda_graph=False)
     ids = torch.randint(0, 120, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = hf_logits(hf, ids)
-    prefill_then_decode(r, ids, [64, 128, 190], sync_error=False)  # compiles
-    got = prefill_then_decode(r, ids, [64, 128, 190], sync_error=True)
+    gpu_prefill_then_decode(r, ids, [64, 128, 190], sync_error=False, state_slot=1)  # compiles
+    got = gpu_prefill_then_decode(r, ids, [64, 128, 190], sync_error=True, state_slot=1)
     positions = [63, 127, 189] + list(range(190, 200))
     for logits, pos in zip(got, positions):
         assert rel_err(logits, ref[pos]) < 5e-3, pos
@@ -73,25 +52,7 @@ def test_graph_decode_equals_eager(hybrid):
     graphs, eager = runner(model_dir), runner(model_dir, cuda_graph=False)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (5, 33, 70)]
-    results = []
-    for r in (graphs, eager):
-        pages = [r.kv_pool.allocate(r.kv_pool.pages_for(len(p) + 12)) for p in prompts]
-        chunks = [SequenceChunk(p, 0, pg, state_slot=i + 1) for i, (p, pg) in enumerate(zip(prompts, pages))]
-        r.forward(chunks, [GREEDY] * 3, [0] * 3)
-        seqs, logits = [list(p) for p in prompts], []
-        for step in range(12):
-            torch.cuda.set_sync_debug_mode("error" if step else "default")  # step 0 captures
-            try:
-                chunks = [SequenceChunk([s[-1]], len(s) - 1, pg, state_slot=i + 1)
-                          for i, (s, pg) in enumerate(zip(seqs, pages))]
-                out = r.forward(chunks, [GREEDY] * 3, [step + 1] * 3)
-                logits.append(out.logits.clone())
-                nxt = out.next_tokens.clone()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            for s, t in zip(seqs, nxt.tolist()):
-                s.append(t)
-        results.append(torch.stack(logits))
+    results = [gpu_decode_logits(r, prompts, 12, state_slots=[1, 2, 3]) for r in (graphs, eager)]
     assert graphs.graphs is not None and graphs.graphs.captured
     assert rel_err(results[0], results[1]) < 1e-3
 
@@ -109,9 +70,7 @@ def test_engine_session_on_gpu(hybrid):
         assert len(out) == 8, turn
         ref = hf_logits(hf, history + out)[len(history) - 1:-1]
         # each token is transformers' argmax, up to near-ties (Triton's float32 dots round as TF32)
-        chosen = ref.gather(1, torch.tensor(out)[:, None])[:, 0]
-        gap = ref.max(-1).values - chosen
-        assert (gap <= NEAR_TIE).all(), (turn, out, ref.argmax(-1).tolist(), gap.tolist())
+        assert_greedy_up_to_near_ties(ref, out, turn)
         if turn:
             assert engine.stats()["state_prefix_tokens"] > before
         history = history + out + torch.randint(0, 120, (50,), generator=gen).tolist()

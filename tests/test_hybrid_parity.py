@@ -8,9 +8,9 @@ import json
 import re
 
 import pytest
-import torch
 
-from scheduler.messages.to_scheduler import SamplingParams
+from tests.parity_helpers import (check, check_chunks_then_decode, check_decode_batch, check_prefill_batch,
+                                  greedy_tokens, pages, random_ids, step)
 from tests.tiny_hybrid import FAMILIES, hf_greedy, hf_logits, write_tiny_hybrid
 from worker.batch import SequenceChunk
 from worker.config import ModelConfig
@@ -18,9 +18,6 @@ from worker.errors import CheckpointError
 from worker.runner import ModelRunner, RunnerConfig
 
 L, F = "linear_attention", "full_attention"
-VOCAB = 128
-TOL = 1e-4
-GREEDY = SamplingParams()
 
 # GQA heads/kv_heads 1, 2, 4; linear value heads 1x, 2x, 4x the key heads; head_dim 16 and 32 with
 # a quarter or half of it rotated; Qwen3.5 as the released VLM and as a causal LM, experts saved
@@ -46,14 +43,6 @@ SHAPES = {
 }
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module", params=list(SHAPES.values()), ids=list(SHAPES))
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("hybrid")
@@ -67,30 +56,10 @@ def tiny(checkpoint):
     return hf, ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", page_size=4, kv_tokens=256))
 
 
-def pages(runner: ModelRunner, tokens: int) -> list[int]:
-    pool = runner.kv_pool
-    return pool.allocate(pool.pages_for(tokens))
-
-
-def step(runner: ModelRunner, chunks: list[SequenceChunk]):
-    assert max(c.state_slot for c in chunks) < runner.state_pool.num_slots, "too few state slots for the test"
-    return runner.forward(chunks, [GREEDY] * len(chunks), [0] * len(chunks))
-
-
-def check(logits: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = rel_err(logits, ref)
-    assert err < TOL, f"{what}: relative error {err:.2e}"
-
-
 def test_ragged_prefill_matches_hf(tiny):
     hf, runner = tiny
     prompts = [random_ids(n, seed=n) for n in (1, 7, 13, 22)]
-    chunks = [SequenceChunk(p, 0, pages(runner, len(p)), state_slot=s) for s, p in enumerate(prompts, 1)]
-    out = step(runner, chunks)
-    for b, p in enumerate(prompts):
-        ref = hf_logits(hf, p)[-1]
-        check(out.logits[b], ref, f"prompt of {len(p)}")
-        assert out.next_tokens[b].item() == ref.argmax().item()
+    check_prefill_batch(runner, prompts, [hf_logits(hf, p)[-1] for p in prompts], state_slots=[1, 2, 3, 4])
 
 
 # (length, ends of the prefill chunks): then decode to the end. 150 tokens: chunks of exactly 64
@@ -103,14 +72,7 @@ def test_chunked_prefill_then_decode_match_full_forward(tiny, length, ends):
     forward's at that position."""
     hf, runner = tiny
     ids = random_ids(length, seed=length)
-    ref = hf_logits(hf, ids)
-    seq_pages = pages(runner, length)
-    for start, end in zip((0,) + ends, ends):
-        out = step(runner, [SequenceChunk(ids[start:end], start, seq_pages, state_slot=1)])
-        check(out.logits[0], ref[end - 1], f"chunk {start}:{end}")
-    for pos in range(ends[-1], length):
-        out = step(runner, [SequenceChunk([ids[pos]], pos, seq_pages, state_slot=1)])
-        check(out.logits[0], ref[pos], f"decode at {pos}")
+    check_chunks_then_decode(runner, ids, hf_logits(hf, ids), ends, state_slot=1)
 
 
 def test_mixed_decode_batch_matches_hf(tiny):
@@ -118,15 +80,7 @@ def test_mixed_decode_batch_matches_hf(tiny):
     hf, runner = tiny
     lengths, decode = (3, 10, 17, 70), 3
     seqs = [random_ids(n + decode, seed=100 + n) for n in lengths]
-    refs = [hf_logits(hf, s) for s in seqs]
-    seq_pages = [pages(runner, len(s)) for s in seqs]
-    step(runner, [SequenceChunk(s[:n], 0, pg, state_slot=b + 1)
-                  for b, (s, n, pg) in enumerate(zip(seqs, lengths, seq_pages))])
-    for i in range(decode):
-        out = step(runner, [SequenceChunk([s[n + i]], n + i, pg, state_slot=b + 1)
-                            for b, (s, n, pg) in enumerate(zip(seqs, lengths, seq_pages))])
-        for b, (ref, n) in enumerate(zip(refs, lengths)):
-            check(out.logits[b], ref[n + i], f"sequence {b} decoding at {n + i}")
+    check_decode_batch(runner, seqs, lengths, decode, [hf_logits(hf, s) for s in seqs], state_slots=[1, 2, 3, 4])
 
 
 def test_greedy_text_matches_hf(tiny):
@@ -134,15 +88,7 @@ def test_greedy_text_matches_hf(tiny):
     hf, runner = tiny
     prompts, n = [random_ids(6, seed=3), random_ids(11, seed=4)], 32
     want = [hf_greedy(hf, p, n) for p in prompts]
-    seq_pages = [pages(runner, len(p) + n) for p in prompts]
-    out = step(runner, [SequenceChunk(p, 0, pg, state_slot=b + 1) for b, (p, pg) in enumerate(zip(prompts, seq_pages))])
-    got = [[int(t)] for t in out.next_tokens.tolist()]
-    while len(got[0]) < n:
-        out = step(runner, [SequenceChunk([g[-1]], len(p) + len(g) - 1, pg, state_slot=b + 1)
-                            for b, (p, g, pg) in enumerate(zip(prompts, got, seq_pages))])
-        for g, t in zip(got, out.next_tokens.tolist()):
-            g.append(int(t))
-    assert got == want
+    assert greedy_tokens(runner, prompts, n, state_slots=[1, 2]) == want
 
 
 def test_state_snapshot_resumes(tiny):

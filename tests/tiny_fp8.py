@@ -11,8 +11,9 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_offload.fp8 import BLOCK_128, PER_CHANNEL, ScaleBlock, dequantize, quantize
+from moe_offload.fp8 import BLOCK_128, FP8_DTYPE, PER_CHANNEL, ScaleBlock, dequantize, quantize
 from tests.tiny_models import write_tiny
+from worker.expert_format import checkpoint_expert_format
 
 _ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
 
@@ -44,6 +45,10 @@ LAYOUTS = {
     "ct-tensor": Layout("_scale", None, torch.float32, _compressed_tensors("tensor")),
     "ct-block": Layout("_scale", BLOCK_128, torch.float32, _compressed_tensors("block", [128, 128])),
 }
+
+# the expert format (worker.expert_format) each layout's experts read as
+EXPERT_FORMATS = {"hf-block": "fp8-b128x128", "ct-channel": "fp8-ch", "ct-tensor": "fp8-ch",
+                  "ct-block": "fp8-b128x128"}
 
 
 class TinyFP8(NamedTuple):
@@ -91,3 +96,11 @@ def write_tiny_fp8(root: Path, family: str, layout: str, quantize_experts: bool 
         shutil.copy(src / "generation_config.json", path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
     return TinyFP8(fp8_dir, float_dir, hf)
+
+
+def assert_experts_stay_fp8(runner, model_dir: Path, layout: str) -> None:
+    """Asserts the checkpoint at ``model_dir`` reads as ``layout``'s expert format and ``runner`` runs
+    its experts as fp8, not dequantized at load."""
+    assert checkpoint_expert_format(model_dir).name == EXPERT_FORMATS[layout]
+    banks = runner.weights.experts
+    assert banks.w13.dtype == FP8_DTYPE and banks.quantized
