@@ -1,9 +1,8 @@
 """Token ids of texts the frontend met before, kept so that an agent's history is not tokenized
 again every turn: an LRU bounded by memory (a key's characters and 4 bytes an id: a text of long
 runs of spaces has many characters a token, so tokens alone would not bound it). Chat-template
-prompts keep their pieces here (``frontend.prompt_pieces``), gpt-oss's harmony prompts their
-rendered messages (``frontend.http.harmony.render``); a model takes one of the two ways, so their
-keys never meet."""
+prompts keep their pieces in one (``frontend.prompt_pieces``), gpt-oss's harmony prompts their
+rendered messages in another (``frontend.http.harmony.render``): the tokenizer owns both."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ pre-tokenizer with ``prepend_scheme: first`` (it treats the piece at offset 0 di
 Mixtral's tokenizer), and ``encode_special_tokens`` set on the tokenizer (special tokens read as
 text). ``tests/test_prompt_pieces.py`` checks the joined ids against whole encodings.
 
-The kept pieces are the long ones (short ones cost less to encode than to look up), in the
-tokenizer's ``KeptIds`` (an LRU bounded by memory)."""
+The kept pieces are the long ones (short ones cost less to encode than to look up), in a
+``KeptIds`` (an LRU bounded by memory)."""
 
 from __future__ import annotations
 

@@ -270,8 +270,8 @@ class Frontend:
             "frontend_clients": self._table.clients(),
             "scheduler_pid": self._scheduler.pid,
             "frontend_tokenizing": len(self._table.tokenizing),
-            "frontend_prompt_tokens_reused": self._tokenizer.kept.reused_tokens,
-            "frontend_prompt_pieces_kept_tokens": self._tokenizer.kept.tokens,
+            "frontend_prompt_tokens_reused": sum(k.reused_tokens for k in self._tokenizer.kept),
+            "frontend_prompt_pieces_kept_tokens": sum(k.tokens for k in self._tokenizer.kept),
         }
 
     async def _watchdog(self) -> None:

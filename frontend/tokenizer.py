@@ -60,10 +60,12 @@ class ChatTokenizer:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.tokenizer = tokenizer
-        # a conversation's earlier messages are not tokenized again: template prompts' pieces and
-        # harmony prompts' messages keep their ids here
-        self.kept = KeptIds()
-        self.pieces = PromptPieces(tokenizer, self.kept)
+        # a conversation's earlier messages are not tokenized again: the chat template's prompt
+        # pieces and harmony's rendered messages keep their ids, in two LRUs (a gpt-oss server takes
+        # both ways, ZMQ chats through its template and HTTP through openai-harmony, and a text sent
+        # one way must never be taken for the other way's key)
+        self.pieces = PromptPieces(tokenizer)
+        self.harmony_messages = KeptIds()
         self.chat_template = chat_template  # the Jinja source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -97,6 +99,11 @@ class ChatTokenizer:
         # encode_batch releases the GIL (encode does not): a long prompt tokenized on a worker
         # thread then leaves the frontend's event loop running
         return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
+
+    @property
+    def kept(self) -> tuple[KeptIds, KeptIds]:
+        """Both LRUs of kept ids (the stats add them up)."""
+        return self.pieces.kept, self.harmony_messages
 
     @property
     def has_chat_template(self) -> bool:

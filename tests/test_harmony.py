@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import urllib.request
 
 import anthropic
 import msgspec
@@ -317,6 +318,10 @@ def test_a_tool_round_trip_through_chat_completions(served):
                                                    tools=[TOOL], temperature=0, max_tokens=40, stream=True))
     calls = [c for chunk in streamed for c in chunk.choices[0].delta.tool_calls or []]
     assert calls[0].function.name == "get_weather" and "".join(c.function.arguments for c in calls) == ARGS
+    # the second request's system, developer and user messages came from the kept renderings
+    metrics = urllib.request.urlopen(served + "/metrics", timeout=30).read().decode()
+    reused = [line for line in metrics.splitlines() if line.startswith("sluice_prompt_tokens_reused_total ")]
+    assert reused and float(reused[0].split()[1]) > 0, reused
 
 
 def test_a_tool_round_trip_through_responses_and_messages(served):

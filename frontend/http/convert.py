@@ -71,7 +71,7 @@ def tool_schemas(tools: list[dict[str, Any]] | None) -> dict[str, Any] | None:
 
 def chat_prompt_ids(body: ChatRequest, tools: list[dict] | None, tokenizer: ChatTokenizer) -> list[int]:
     if speaks_harmony(tokenizer):  # gpt-oss: rendered by openai-harmony, not by its chat template
-        return harmony_render.prompt_ids(body, tools, kept=tokenizer.kept)
+        return harmony_render.prompt_ids(body, tools, kept=tokenizer.harmony_messages)
     if not body.messages:
         raise ApiError(400, "messages is empty", param="messages")
     # A tool result names its function in many templates (Hermes); OpenAI sends only the call id.
