@@ -3,7 +3,7 @@
     python scripts/agent_ab.py [--serve "OPTIONS FOR BOTH"] [--a "OPTIONS"] [--b "OPTIONS"]
         [--a-root DIR] [--b-root DIR] [--rounds 1] [--builds AB|A|B] [--sessions 1] [--turns 120]
         [--context 4000] [--tool-tokens 1000] [--max-tokens 64] [--content fresh|shared] [--seed 0]
-        [--json agent_ab.json] [--png agent_ab.png | --no-plot]
+        [--text [--http]] [--json agent_ab.json] [--png agent_ab.png | --no-plot]
     python scripts/agent_ab.py --merge a.json b.json [--json ab.json] [--png ab.png]
 
 For each build (A: the defaults, B: ``--prefill-invalidate eager`` unless told otherwise; each may
@@ -36,10 +36,9 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
-from frontend.client import AsyncClient  # noqa: E402
 from scripts import ab_report  # noqa: E402
 from scripts.agent_sessions import (  # noqa: E402
-    Workload, add_workload_args, run_sessions, server_stats, session, workload_from_args,
+    Workload, add_workload_args, connect, run_sessions, server_stats, session, workload_from_args,
 )
 
 DEFAULT_B = "--prefill-invalidate eager"
@@ -50,16 +49,18 @@ class Build(NamedTuple):
     root: Path  # the checkout whose scripts/serve.sh runs
     options: tuple[str, ...]  # engine options of this build, after the common ones
 
-    def command(self, common: tuple[str, ...], pid_file: Path) -> list[str]:
-        # the client speaks ZMQ only: no HTTP port, which another server on the machine may hold
+    def command(self, common: tuple[str, ...], pid_file: Path, http: bool = False) -> list[str]:
+        # over ZMQ no HTTP port, which another server on the machine may hold; with --http any free one
+        api = ["--http-port", "0"] if http else ["--no-http"]
         return [str(self.root / "scripts" / "serve.sh"), "--endpoint", "tcp://127.0.0.1:*",
-                "--pid-file", str(pid_file), "--no-http", *common, *self.options]
+                "--pid-file", str(pid_file), *api, *common, *self.options]
 
 
 class Server(NamedTuple):
     proc: subprocess.Popen
     endpoint: str
     log: Path
+    http: str | None = None  # the OpenAI API's URL, when it serves one
 
 
 def _read_lines(stream, lines: queue.Queue) -> None:
@@ -68,8 +69,9 @@ def _read_lines(stream, lines: queue.Queue) -> None:
     lines.put(None)  # EOF: the server exited
 
 
-def start_server(command: list[str], log: Path, timeout_s: float) -> Server:
-    """Start serve.sh and wait for its ``frontend endpoint`` line (the scheduler is ready then)."""
+def start_server(command: list[str], log: Path, timeout_s: float, http: bool = False) -> Server:
+    """Start serve.sh and wait for its ``frontend endpoint`` line (the scheduler is ready then), and
+    with ``http`` for its ``http endpoint`` line too."""
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"),
                             text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -85,7 +87,9 @@ def start_server(command: list[str], log: Path, timeout_s: float) -> Server:
             raise RuntimeError(f"the server exited with code {proc.wait()} before it was ready; "
                                f"last lines of {log}:\n{_tail(log)}")
         if line.startswith("frontend endpoint "):
-            return Server(proc, line.split()[-1], log)
+            endpoint = line.split()[-1]
+        if line.startswith("frontend endpoint " if not http else "http endpoint "):
+            return Server(proc, endpoint, log, line.split()[-1] if http else None)
 
 
 def stop_server(server: Server, timeout_s: float = 60.0) -> int:
@@ -106,17 +110,17 @@ def _tail(log: Path, lines: int = 30) -> str:
 def run_build(build: Build, rnd: int, args: argparse.Namespace, workload: Workload, log_dir: Path) -> dict:
     """One run: start the build's server, warm it up, measure the workload, stop it."""
     log = log_dir / f"{build.label}-{rnd}.log"
-    command = build.command(tuple(shlex.split(args.serve)), log_dir / f"{build.label}-{rnd}.pid")
+    command = build.command(tuple(shlex.split(args.serve)), log_dir / f"{build.label}-{rnd}.pid", args.http)
     print(f"[{build.label} round {rnd}] {shlex.join(command)}", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    server = start_server(command, log, args.ready_timeout)
+    server = start_server(command, log, args.ready_timeout, args.http)
     ready_s = time.perf_counter() - started
     try:
         warmup = dataclasses.replace(workload, sessions=1, turns=args.warmup_turns, content="fresh")
-        warm = asyncio.run(_warmup(server.endpoint, warmup, args.turn_timeout))
+        warm = asyncio.run(_warmup(server, warmup, args.turn_timeout))
         before = asyncio.run(server_stats(server.endpoint, args.turn_timeout))
         turns = asyncio.run(run_sessions(server.endpoint, workload, args.turn_timeout,
-                                         on_turn=lambda row: _print_turn(build.label, rnd, row)))
+                                         on_turn=lambda row: _print_turn(build.label, rnd, row), http=server.http))
         after = asyncio.run(server_stats(server.endpoint, args.turn_timeout))
     except BaseException:
         stop_server(server)
@@ -136,12 +140,12 @@ def _print_turn(label: str, rnd: int, row: dict) -> None:
           file=sys.stderr, flush=True)
 
 
-async def _warmup(endpoint: str, warmup: Workload, timeout: float) -> list[dict]:
+async def _warmup(server: Server, warmup: Workload, timeout: float) -> list[dict]:
     """A session of its own content (session -1 shares no prefix with the measured ones) that
     compiles the kernels before the clock runs: the first turn of a cold server is not the A/B."""
     if warmup.turns == 0:
         return []
-    async with AsyncClient(endpoint, timeout=timeout) as client:
+    async with connect(server.endpoint, timeout, server.http) as client:
         return await session(client, -1, warmup, time.perf_counter())
 
 
@@ -159,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: report on these earlier outputs together")
     # one session growing past 130k tokens in 120 turns: 4000 + 119 x (1000 + 64)
     add_workload_args(p, sessions=1, turns=120, context=4000, tool_tokens=1000, max_tokens=64)
+    p.add_argument("--http", action="store_true",
+                   help="the turns go to each server's OpenAI API by the openai client (needs --text; "
+                        "scripts/agent_sessions.py --http)")
     p.add_argument("--warmup-turns", type=int, default=2, help="turns of the unmeasured warm-up session (0: none)")
     p.add_argument("--slow-turn", dest="slow_turn_s", type=float, default=10.0, help="seconds that make a turn slow")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to start")
@@ -167,7 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default="agent_ab.json", help="every turn of every run, and the summaries")
     p.add_argument("--png", default="agent_ab.png", help="the plot")
     p.add_argument("--no-plot", action="store_true", help="write no PNG (matplotlib not needed)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.http and not args.text:
+        p.error("--http sends chat messages: add --text")
+    return args
 
 
 def _check_matplotlib() -> None:

@@ -5,7 +5,7 @@ tokens, and how many of them the server served from its prefix cache.
 
     python scripts/agent_sessions.py [--endpoint tcp://127.0.0.1:5557] [--sessions 4] [--turns 5]
         [--context 4000] [--tool-tokens 300] [--max-tokens 64] [--id-range 1000] [--seed 0]
-        [--content fresh|shared] [--json FILE]
+        [--content fresh|shared] [--text [--http URL]] [--json FILE]
 
 The bound it chases is the design's promise, that a turn costs what its new tokens cost: every
 token of the previous turns (history and the model's own answers) served from the cache. The
@@ -19,12 +19,19 @@ template and tokenizes the whole conversation every turn (its kept pieces: front
 The ideal then is the previous turn's prompt and reply tokens; a reply whose text tokenizes
 differently (random weights write odd bytes) is not found in the cache past where it differs.
 
+``--http URL`` (with ``--text``) sends each turn through the server's OpenAI API instead, by the
+official ``openai`` client (streamed chat completions, ``ignore_eos`` in the body), as Codex or an
+openai-agents loop does: the HTTP parsing, the reply's SSE and, for gpt-oss, harmony's rendering
+are in the turn then. Its TTFT is the first chunk with text (the stream's opening role chunk
+carries none), and the cached tokens come from the usage's ``prompt_tokens_details``.
+
 ``scripts/agent_ab.py`` runs this workload against two builds of the server, one after the other.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -100,23 +107,70 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
                     args.seed, args.content, args.text)
 
 
-async def timed_turn(client: AsyncClient, prompt: dict, max_tokens: int) -> tuple[dict, list[int], str]:
-    """One greedy request (``prompt``: ``input_ids`` or ``messages``): its timings and usage, and the
-    tokens and text it generated."""
-    start = time.perf_counter()
-    ttft, output, text, usage = None, [], [], None
-    async for chunk in client.stream(**prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
-        if ttft is None and chunk.token_ids:
-            ttft = time.perf_counter() - start
-        output += chunk.token_ids
-        text.append(chunk.text)
-        usage = chunk.usage or usage
-    row = dict(seconds=time.perf_counter() - start, ttft_s=ttft, prompt_tokens=usage.prompt_tokens,
-               cached_tokens=usage.cached_prompt_tokens, new_tokens=len(output))
-    return row, output, "".join(text)
+class ZmqTurns:
+    """Turns through Sluice's own client over ZMQ (``prompt``: ``input_ids`` or ``messages``)."""
+
+    def __init__(self, client: AsyncClient):
+        self.client = client
+
+    async def turn(self, prompt: dict, max_tokens: int) -> tuple[dict, list[int], str]:
+        """One greedy request: its timings and usage, and the tokens and text it generated."""
+        start = time.perf_counter()
+        ttft, output, text, usage = None, [], [], None
+        async for chunk in self.client.stream(**prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+            if ttft is None and chunk.token_ids:
+                ttft = time.perf_counter() - start
+            output += chunk.token_ids
+            text.append(chunk.text)
+            usage = chunk.usage or usage
+        row = dict(seconds=time.perf_counter() - start, ttft_s=ttft, prompt_tokens=usage.prompt_tokens,
+                   cached_tokens=usage.cached_prompt_tokens, new_tokens=len(output))
+        return row, output, "".join(text)
 
 
-async def session(client: AsyncClient, sid: int, workload: Workload, t0: float,
+class HttpTurns:
+    """Turns through the server's OpenAI API by the official ``openai`` client (``prompt``:
+    ``messages``); no token ids come back, so the reply is its text."""
+
+    def __init__(self, client, model: str):
+        self.client, self.model = client, model
+
+    async def turn(self, prompt: dict, max_tokens: int) -> tuple[dict, list[int], str]:
+        start = time.perf_counter()
+        ttft, text, usage = None, [], None
+        stream = await self.client.chat.completions.create(
+            model=self.model, messages=prompt["messages"], max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None and (delta.content or delta.tool_calls):
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                text.append(delta.content or "")
+            usage = chunk.usage or usage
+        seconds = time.perf_counter() - start
+        details = usage.prompt_tokens_details
+        row = dict(seconds=seconds, ttft_s=ttft if ttft is not None else seconds, prompt_tokens=usage.prompt_tokens,
+                   cached_tokens=details.cached_tokens if details is not None else 0,
+                   new_tokens=usage.completion_tokens)
+        return row, [], "".join(text)
+
+
+@contextlib.asynccontextmanager
+async def connect(endpoint: str, timeout: float, http: str | None = None):
+    """The turns of one run: over ZMQ to ``endpoint``, or by HTTP to ``http`` (the served model's
+    name read from ``/v1/models``)."""
+    if http is None:
+        async with AsyncClient(endpoint, timeout=timeout) as client:
+            yield ZmqTurns(client)
+        return
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=http.rstrip("/") + "/v1", api_key="none", max_retries=0,
+                                  timeout=timeout) as client:
+        yield HttpTurns(client, (await client.models.list()).data[0].id)
+
+
+async def session(client: ZmqTurns | HttpTurns, sid: int, workload: Workload, t0: float,
                   on_turn: Callable[[dict], None] | None = None) -> list[dict]:
     """One session's turns; ``on_turn`` sees each turn's row as it ends (progress of a long run)."""
     if workload.text:
@@ -127,7 +181,7 @@ async def session(client: AsyncClient, sid: int, workload: Workload, t0: float,
     for turn in range(workload.turns):
         prompt = history + (workload.tokens(gen, workload.tool_tokens) if turn else [])
         started = time.perf_counter() - t0
-        row, output, _ = await timed_turn(client, {"input_ids": prompt}, workload.max_tokens)
+        row, output, _ = await client.turn({"input_ids": prompt}, workload.max_tokens)
         turns.append(dict(session=sid, turn=turn, started_s=started, ideal_cached=len(history) if turn else 0, **row))
         if on_turn is not None:
             on_turn(turns[-1])
@@ -135,7 +189,7 @@ async def session(client: AsyncClient, sid: int, workload: Workload, t0: float,
     return turns
 
 
-async def text_session(client: AsyncClient, sid: int, workload: Workload, t0: float,
+async def text_session(client: ZmqTurns | HttpTurns, sid: int, workload: Workload, t0: float,
                        on_turn: Callable[[dict], None] | None = None) -> list[dict]:
     """``session`` in chat messages (--text): the reply's text joins the history as the assistant's."""
     gen = workload.generator(f"tools/{sid}")
@@ -144,7 +198,7 @@ async def text_session(client: AsyncClient, sid: int, workload: Workload, t0: fl
     for turn in range(workload.turns):
         prompt = history + ([workload.message(gen, workload.tool_tokens)] if turn else [])
         started = time.perf_counter() - t0
-        row, _, reply = await timed_turn(client, {"messages": prompt}, workload.max_tokens)
+        row, _, reply = await client.turn({"messages": prompt}, workload.max_tokens)
         turns.append(dict(session=sid, turn=turn, started_s=started, ideal_cached=ideal, **row))
         if on_turn is not None:
             on_turn(turns[-1])
@@ -153,10 +207,13 @@ async def text_session(client: AsyncClient, sid: int, workload: Workload, t0: fl
 
 
 async def run_sessions(endpoint: str, workload: Workload, timeout: float,
-                       on_turn: Callable[[dict], None] | None = None) -> list[dict]:
-    """Every turn of every session, session by session; ``started_s`` counts from the first send."""
+                       on_turn: Callable[[dict], None] | None = None, http: str | None = None) -> list[dict]:
+    """Every turn of every session, session by session; ``started_s`` counts from the first send.
+    ``http``: the server's OpenAI API, by the openai client (``workload.text`` only)."""
+    if http is not None and not workload.text:
+        raise ValueError("--http sends chat messages: add --text")
     t0 = time.perf_counter()
-    async with AsyncClient(endpoint, timeout=timeout) as client:
+    async with connect(endpoint, timeout, http) as client:
         per_session = await asyncio.gather(*(session(client, s, workload, t0, on_turn)
                                              for s in range(workload.sessions)))
     return [t for turns in per_session for t in turns]
@@ -180,11 +237,16 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
+    p.add_argument("--http", metavar="URL", default=None,
+                   help="send the turns to the server's OpenAI API at URL (e.g. http://127.0.0.1:8000), by the "
+                        "openai client; needs --text")
     add_workload_args(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a turn may wait for a reply")
     p.add_argument("--json")
     args = p.parse_args()
-    rows = asyncio.run(run_sessions(args.endpoint, workload_from_args(args), args.timeout))
+    if args.http and not args.text:
+        p.error("--http sends chat messages: add --text")
+    rows = asyncio.run(run_sessions(args.endpoint, workload_from_args(args), args.timeout, http=args.http))
     print(f"{'session':>7} {'turn':>4} {'prompt':>7} {'cached':>7} {'ideal':>7} {'TTFT s':>7} {'turn s':>7}")
     for r in rows:
         print(f"{r['session']:>7} {r['turn']:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} "

@@ -131,3 +131,19 @@ def test_summary_without_offload_or_host_tier_says_so():
     assert math.isnan(s["cached_ratio"])  # one turn: nothing to have cached
     text = ab_report.table([dict(label="B", options=[])], {"B": s}, 10.0)
     assert "(defaults)" in text and text.splitlines()[-1].split()[-1] == "-"
+
+
+def test_with_http_a_build_serves_the_openai_api_on_a_free_port_and_waits_for_it(tmp_path):
+    """--http: the server takes --http-port 0 (not --no-http), and the run waits for its http endpoint
+    line, after the frontend's; a server that prints both (a stand-in here) gives both."""
+    from scripts.agent_ab import Build, start_server, stop_server
+
+    build = Build("A", Path("/checkout"), ("--device", "cpu"))
+    assert "--no-http" in build.command((), tmp_path / "pid") and "--http-port" not in build.command((), tmp_path / "p")
+    assert build.command((), tmp_path / "pid", http=True)[5:7] == ["--http-port", "0"]
+    lines = "frontend endpoint tcp://127.0.0.1:5999", "scheduler pid 1", "http endpoint http://127.0.0.1:8999"
+    script = "".join(f"print({line!r}, flush=True)\n" for line in lines) + "import time\ntime.sleep(60)\n"
+    for http, want in ((False, None), (True, "http://127.0.0.1:8999")):
+        server = start_server([sys.executable, "-c", script], tmp_path / "log", 60, http=http)
+        assert (server.endpoint, server.http) == ("tcp://127.0.0.1:5999", want)
+        stop_server(server)

@@ -172,6 +172,23 @@ def test_a_resent_history_is_not_tokenized_again(server, oai, zmq_client):
     assert zmq_client.stats()["frontend_prompt_tokens_reused"] == after[("sluice_prompt_tokens_reused_total", ())]
 
 
+def test_agent_sessions_over_http(server):
+    """agent_sessions --text --http: each turn by the openai client through the OpenAI API, timed
+    to its first text; later turns find the task (280 byte tokens) in the prefix cache, as over ZMQ."""
+    import asyncio
+
+    from scripts.agent_sessions import Workload, run_sessions
+
+    workload = Workload(sessions=2, turns=3, context=80, tool_tokens=10, max_tokens=4, text=True)
+    rows = asyncio.run(run_sessions(server[0].endpoint, workload, WAIT_S, http=server[1]))
+    assert len(rows) == 6 and all(r["new_tokens"] == 4 and 0 < r["ttft_s"] <= r["seconds"] for r in rows)
+    for r in rows:
+        if r["turn"]:
+            assert 280 - PAGE < r["cached_tokens"] <= r["ideal_cached"] < r["prompt_tokens"], r
+    with pytest.raises(ValueError, match="--text"):
+        asyncio.run(run_sessions(server[0].endpoint, Workload(turns=1), WAIT_S, http=server[1]))
+
+
 def test_disconnect_before_a_whole_reply_aborts_and_frees_every_page(server, zmq_client):
     aborted = zmq_client.stats()["requests_aborted"]
     body = {"model": "tiny", "prompt": "a long wait " * 5, "max_tokens": 400, "temperature": 0,
