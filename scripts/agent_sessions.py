@@ -143,7 +143,8 @@ class HttpTurns:
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for chunk in stream:
             delta = chunk.choices[0].delta if chunk.choices else None
-            if delta is not None and (delta.content or delta.tool_calls):
+            # reasoning (gpt-oss's analysis, a thinking model's) is text the client sees first too
+            if delta is not None and (delta.content or delta.tool_calls or getattr(delta, "reasoning_content", None)):
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 text.append(delta.content or "")
             usage = chunk.usage or usage

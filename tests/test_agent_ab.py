@@ -147,3 +147,40 @@ def test_with_http_a_build_serves_the_openai_api_on_a_free_port_and_waits_for_it
         server = start_server([sys.executable, "-c", script], tmp_path / "log", 60, http=http)
         assert (server.endpoint, server.http) == ("tcp://127.0.0.1:5999", want)
         stop_server(server)
+
+
+def test_an_http_turn_is_timed_to_its_first_reasoning_or_text():
+    """agent_sessions' HTTP turn: the opening role chunk starts no clock, a reasoning chunk (gpt-oss
+    reasons first) does; the reply is the content; the counts are the usage's."""
+    import asyncio
+    import time
+
+    from openai.types.chat import ChatCompletionChunk
+
+    from scripts.agent_sessions import HttpTurns
+
+    def chunk(delta=None, usage=None):
+        choices = [] if delta is None else [{"index": 0, "delta": delta}]
+        return ChatCompletionChunk.model_validate({"id": "c", "object": "chat.completion.chunk", "created": 0,
+                                                   "model": "m", "choices": choices, "usage": usage})
+
+    usage = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33,
+             "prompt_tokens_details": {"cached_tokens": 16}}
+    script = [(0.0, chunk({"role": "assistant", "content": ""})), (0.2, chunk({"reasoning_content": "hm"})),
+              (0.2, chunk({"content": "Hi"})), (0.0, chunk(usage=usage))]
+
+    class Completions:
+        async def create(self, **kw):
+            assert kw["stream"] and kw["extra_body"] == {"ignore_eos": True} and kw["messages"] == ["m"]
+
+            async def chunks():
+                for pause, c in script:
+                    await asyncio.sleep(pause)
+                    yield c
+            return chunks()
+
+    client = type("Client", (), {"chat": type("Chat", (), {"completions": Completions()})()})()
+    started = time.perf_counter()
+    row, ids, text = asyncio.run(HttpTurns(client, "m").turn({"messages": ["m"]}, 3))
+    assert 0.15 < row["ttft_s"] < 0.35 < row["seconds"] <= time.perf_counter() - started
+    assert (row["prompt_tokens"], row["cached_tokens"], row["new_tokens"], ids, text) == (30, 16, 3, [], "Hi")
