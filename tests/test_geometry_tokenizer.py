@@ -76,6 +76,31 @@ def test_without_the_default_models_gguf_a_byte_level_tokenizer_serves(cache, mo
     assert ChatTokenizer.from_dir(tokenizer_dir("qwen3-30b-geometry")).vocab_size == 256
 
 
+def test_gpt_oss_geometries_get_o200k_harmony(cache):
+    """gpt-oss's geometries carry gpt-oss's vocabulary, built from openai-harmony's o200k_base:
+    it encodes text as harmony's own encoder does (source, other scripts, runs of spaces and
+    digits), its formatting tokens sit at harmony's ids, so the HTTP API speaks harmony to it."""
+    from frontend.http.harmony import encoding as harmony
+
+    if not harmony.available():
+        pytest.skip("no o200k_base.tiktoken: python scripts/fetch_o200k.py")
+    path = tokenizer_dir("gpt-oss-120b-geometry")
+    assert path.name == "o200k_harmony" and tokenizer_dir("gpt-oss-20b-geometry") == path
+    tok = ChatTokenizer.from_dir(path)
+    assert tok.vocab_size == GEOMETRIES["gpt-oss-120b-geometry"]["vocab_size"] and harmony.speaks_harmony(tok)
+    source = "".join(p.read_text() for p in sorted((REPO / "worker").glob("**/*.py")))[:60_000]
+    texts = [source[i:i + 2000] for i in range(0, len(source), 2000)]
+    texts += ["héllo wörld 😀 日本語のテキスト\n\n\t 12345678 don't WE'LL", " " * 300 + "x", "a" * 500, "\r\n\r\n"]
+    for text in texts:
+        assert tok.encode(text) == harmony.encoding().encode(text, disallowed_special=()), text[:80]
+    assert tok.decode([200006, 200012, 201087], skip_special_tokens=False) == "<|start|><|call|><|reserved_201087|>"
+
+
+def test_without_the_o200k_file_gpt_oss_geometries_get_another_tokenizer(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "nowhere"))
+    assert tokenizer_dir("gpt-oss-120b-geometry").name in ("smollm2", "bytes")
+
+
 def test_a_checkpoint_keeps_its_own_tokenizer(tmp_path):
     assert tokenizer_dir(str(tmp_path)) == tmp_path
 

@@ -1,7 +1,6 @@
-"""What the harmony tests serve: o200k_harmony as a ``tokenizer.json`` (from the
-``o200k_base.tiktoken`` that scripts/fetch_o200k.py puts in place; its ids decode exactly, but
-without merges a word that is not one token encodes as bytes: the served path only decodes), and
-a tiny gpt-oss of that vocabulary whose greedy reply is a chain of tokens fixed in its weights.
+"""What the harmony tests serve: o200k_harmony as a ``tokenizer.json`` (the gpt-oss geometries'
+tokenizer, from the ``o200k_base.tiktoken`` that scripts/fetch_o200k.py puts in place), and a
+tiny gpt-oss of that vocabulary whose greedy reply is a chain of tokens fixed in its weights.
 
 The chained model: attention and experts write nothing (their output projections are zero), so
 the last layer sees only the current token's embedding; chain token i embeds as the unit vector
@@ -9,46 +8,22 @@ i, and the unembedding row of token i+1 reads it. Greedy decoding then walks the
 prompt that ends in its first token, through the whole serving path."""
 from __future__ import annotations
 
-import base64
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.fake_scheduler import _bytes_to_unicode
 from tests.tiny_gpt_oss import FULL, SLIDING, write_tiny_gpt_oss
 
 VOCAB = 201088  # o200k_harmony's size, its reserved ids included
-FIRST_SPECIAL = 199998
-NAMED = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
-         200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>"}
-O200K_PATTERN = "|".join([
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
 
 
-@lru_cache(maxsize=1)
 def harmony_tokenizer_json() -> str:
-    """o200k_harmony for ``tokenizers`` (once per test session)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """o200k_harmony for ``tokenizers``: the gpt-oss geometries' tokenizer (written once)."""
+    from worker.geometry_tokenizer import o200k_harmony_dir
 
-    from frontend.http.harmony.encoding import VOCAB_FILE, encodings_dir
-
-    ranks = {base64.b64decode(token): int(rank) for token, rank in
-             (line.split(b" ") for line in (encodings_dir() / VOCAB_FILE).read_bytes().splitlines())}
-    chars = _bytes_to_unicode()
-    text = lambda b: "".join(chars[x] for x in b)  # noqa: E731
-    tokenizer = Tokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()}, merges=[], ignore_merges=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(NAMED.get(i, f"<|reserved_{i}|>"), special=True)
-                                  for i in range(FIRST_SPECIAL, VOCAB)])  # in id order: they get these ids
-    return tokenizer.to_str()
+    return (o200k_harmony_dir() / "tokenizer.json").read_text()
 
 
 def write_chained_gpt_oss(path: Path, chain: list[int], hidden: int = 32) -> None:
