@@ -77,6 +77,7 @@ def start_server(command: list[str], log: Path, timeout_s: float, http: bool = F
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
     deadline = time.monotonic() + timeout_s
+    wanted, found = ("frontend", "http") if http else ("frontend",), {}
     while True:
         try:
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
@@ -86,10 +87,11 @@ def start_server(command: list[str], log: Path, timeout_s: float, http: bool = F
         if line is None:
             raise RuntimeError(f"the server exited with code {proc.wait()} before it was ready; "
                                f"last lines of {log}:\n{_tail(log)}")
-        if line.startswith("frontend endpoint "):
-            endpoint = line.split()[-1]
-        if line.startswith("frontend endpoint " if not http else "http endpoint "):
-            return Server(proc, endpoint, log, line.split()[-1] if http else None)
+        name, _, rest = line.partition(" endpoint ")
+        if rest and name in wanted:
+            found[name] = rest.strip()
+        if len(found) == len(wanted):
+            return Server(proc, found["frontend"], log, found.get("http"))
 
 
 def stop_server(server: Server, timeout_s: float = 60.0) -> int:

@@ -148,7 +148,7 @@ class HttpTurns:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 text.append(delta.content or "")
             usage = chunk.usage or usage
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # a reply with no visible text: its TTFT is the whole turn
         details = usage.prompt_tokens_details
         row = dict(seconds=seconds, ttft_s=ttft if ttft is not None else seconds, prompt_tokens=usage.prompt_tokens,
                    cached_tokens=details.cached_tokens if details is not None else 0,

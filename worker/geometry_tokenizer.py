@@ -138,8 +138,8 @@ def _write_o200k_harmony(out: Path) -> None:
              (line.split() for line in o200k_file().read_bytes().splitlines() if line)}
     chars = _byte_level_chars()
     text = lambda b: "".join(chars[x] for x in b)  # noqa: E731
-    merges = [tuple(map(text, _last_merge(ranks, token, rank))) for token, rank in sorted(ranks.items(),
-              key=lambda kv: kv[1]) if len(token) > 1]
+    by_rank = sorted(ranks.items(), key=lambda kv: kv[1])  # a merge's priority is its token's rank
+    merges = [tuple(map(text, _last_merge(ranks, token, rank))) for token, rank in by_rank if len(token) > 1]
     tok = Tokenizer(models.BPE(vocab={text(t): r for t, r in ranks.items()}, merges=merges, ignore_merges=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -35,10 +35,10 @@ STATS = (
     Stat("frontend_errors", True, "Error replies sent", (("", "frontend_errors_total"),)),
     Stat("client_disconnects", True, "ZMQ clients found gone",
          (("", "frontend_client_disconnects_total"),)),
-    Stat("prompt_tokens_reused", True, "Chat prompt tokens the frontend took from kept pieces instead of "
-         "tokenizing them again (an agent's history)", (("", "frontend_prompt_tokens_reused"),)),
-    Stat("prompt_pieces_kept_tokens", False, "Tokens of the chat-prompt pieces the frontend keeps",
-         (("", "frontend_prompt_pieces_kept_tokens"),)),
+    Stat("prompt_tokens_reused", True, "Chat prompt tokens the frontend took from kept pieces or harmony "
+         "messages instead of tokenizing them again (an agent's history)", (("", "frontend_prompt_tokens_reused"),)),
+    Stat("prompt_pieces_kept_tokens", False, "Tokens of the chat-prompt pieces and harmony messages the "
+         "frontend keeps", (("", "frontend_prompt_pieces_kept_tokens"),)),
     Stat("requests_running", False, "Requests running", (("", "requests_running"),)),
     Stat("requests_waiting", False, "Requests waiting", (("", "requests_waiting"),)),
     Stat("kv_usage_ratio", False, "Share of KV pages in use", (("gpu", "kv_usage"),

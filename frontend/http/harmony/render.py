@@ -154,8 +154,8 @@ def render_for_completion(messages: list[HarmonyMessage], kept: KeptIds | None =
 
 def has_function_tools(messages: list[HarmonyMessage]) -> bool:
     """Whether a developer message declares function tools (harmony's ``functions`` namespace)."""
-    return any(isinstance(c, DeveloperContent) and c.tools and c.tools.get("functions") is not None
-               and bool(c.tools["functions"].tools) for m in messages for c in m.content)
+    return any(isinstance(c, DeveloperContent) and bool(getattr((c.tools or {}).get("functions"), "tools", None))
+               for m in messages for c in m.content)
 
 
 def kept_for_completion(messages: list[HarmonyMessage]) -> list[HarmonyMessage]:
