@@ -7,7 +7,8 @@ unmasked when there is one: the dense ceiling), and optionally the torch referen
 the pages, expand GQA heads, SDPA with a bottom-right causal mask); as TFLOP/s and the ratio to the
 bound FLOPs / 7.86e14 (the measured bf16 matmul ceiling).
 
-    python scripts/bench_prefill_attention.py [--quick] [--sweep] [--splits auto 1 4] [--reference] [--json F]
+    python scripts/bench_prefill_attention.py [--quick] [--sweep] [--splits auto 1 4] [--reference] [--kv-bucket N]
+        [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16,
 pages of 16 tokens in shuffled order, one sequence per step. The default grid is chunks of
@@ -121,6 +122,40 @@ class Case:
             return None
         return dict(row, first_ms=first * 1e3)
 
+    def cudnn_padded(self, step: int) -> list[dict]:
+        """cuDNN over the prefix alone (no mask), at its own length and padded to the next multiple of
+        ``step`` keys with a stride-0 ``-inf`` bias on the pad (a plan per bucket instead of per
+        length, if cuDNN takes the bias at little cost). The padded row's "first ms" builds its plan; the
+        line after the rows gives its first call at a length 16 shorter (a reused plan is fast) and the
+        largest difference of its output and log-sum-exp from the exact call's."""
+        real, pad = self.prefix, -(-self.prefix // step) * step
+        keys = [c[0][self.batch.page_table[0].long()].flatten(0, 1) for c in (self.pool.k, self.pool.v)]
+        keys = [F.pad(k, (0, 0, 0, 0, 0, max(pad - k.shape[0], 0)))[:pad].transpose(0, 1)[None] for k in keys]  # as gathered
+        q, scale = self.q.transpose(0, 1)[None], HEAD_DIM ** -0.5
+        attention = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+        def exact():
+            return attention(q, keys[0][:, :, :real], keys[1][:, :, :real], None, True, 0.0, False, False, scale=scale)[:2]
+
+        def padded(n: int = real):
+            bias = torch.zeros(pad, dtype=q.dtype, device=q.device).masked_fill_(
+                torch.arange(pad, device=q.device) >= n, float("-inf"))
+            bias = bias.view(1, 1, 1, pad).expand(1, HEADS, self.tokens, pad)
+            return attention(q, *keys, bias, True, 0.0, False, False, scale=scale)[:2]
+
+        try:
+            first, again = first_call(padded), first_call(lambda: padded(real - 16))
+            (o1, l1), (o2, l2) = exact(), padded()
+            err = max((o1.float() - o2.float()).abs().max().item(), (l1.float() - l2.float()).abs().max().item())
+            flops = 4 * HEADS * HEAD_DIM * self.tokens * real
+            rows = [self.row("cudnn prefix only, exact length", timed(exact), flops),
+                    dict(self.row(f"cudnn prefix padded to {pad}, -inf bias", timed(padded), flops), first_ms=first * 1e3)]
+        except RuntimeError as e:
+            print(f"  cudnn padded: {str(e)[:160]}")
+            return []
+        print(f"  padded, first call at {real - 16} keys: {again * 1e3:.1f} ms; largest difference {err:.3g}")
+        return rows
+
     def sdpa_flash(self) -> dict | None:
         """Causal over the chunk without a prefix; else every key, contiguous, no mask (its own FLOPs)."""
         seq_len = self.prefix + self.tokens
@@ -148,13 +183,16 @@ class Case:
             return None
 
 
-def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], splits: list[int | None], reference: bool):
+def run_case(tokens: int, prefix: int, tiles: list[PrefillTile], splits: list[int | None], reference: bool,
+             kv_bucket: int = 0):
     case = Case(tokens, prefix)
     for tile in tiles:
         for s in splits:
             yield case.triton(tile, s)
     if prefix > 0:
         yield case.cudnn()
+    if prefix > 0 and kv_bucket:
+        yield from case.cudnn_padded(kv_bucket)
     if prefix == 0:  # the path the "triton" backend takes without a prefix
         k = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         yield case.row("sdpa causal (backend path)",
@@ -188,6 +226,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every tile of SWEEP, not just the table's")
     ap.add_argument("--splits", nargs="+", default=["auto"], help="split-KV counts to time: auto and/or ints")
     ap.add_argument("--reference", action="store_true", help="also time the torch reference backend")
+    ap.add_argument("--kv-bucket", type=int, default=0, metavar="N",
+                    help="also cuDNN over the prefix padded to a multiple of N keys with a stride-0 -inf bias")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     chunks = args.chunks or (QUICK_CHUNKS if args.quick else CHUNKS)
@@ -201,7 +241,7 @@ def main() -> None:
     rows = []
     for prefix in prefixes:
         for tokens in chunks:
-            for r in filter(None, run_case(tokens, prefix, tiles, splits, args.reference)):
+            for r in filter(None, run_case(tokens, prefix, tiles, splits, args.reference, args.kv_bucket)):
                 rows.append(r)
                 first = f"{r['first_ms']:>8.1f}" if "first_ms" in r else ""
                 print(f"{r['tokens']:>6} {r['prefix']:>6} {r['method']:<40} {r['ms']:>8.2f} {r['tflops']:>8.1f} "
