@@ -87,9 +87,15 @@ class Case:
         self.batch = build_batch([SequenceChunk([0] * tokens, prefix, pages)], PAGE, self.pool.k.device)
         self.q = torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
 
+    def gathered(self, n: int) -> list[torch.Tensor]:
+        """K and V of the row's first ``n`` keys, contiguous ``[n, kv_heads, D]`` as the cuDNN path
+        gathers them, zeros past the pages' keys."""
+        keys = [c[0][self.batch.page_table[0].long()].flatten(0, 1) for c in (self.pool.k, self.pool.v)]
+        return [F.pad(k, (0, 0, 0, 0, 0, max(n - k.shape[0], 0)))[:n] for k in keys]
+
     def row(self, method: str, seconds: float, flops: float | None = None) -> dict:
         flops = flops or attention_flops(self.tokens, self.prefix)
-        bound = attention_flops(self.tokens, self.prefix) / FLOPS_PER_S
+        bound = flops / FLOPS_PER_S
         return dict(tokens=self.tokens, prefix=self.prefix, method=method, ms=seconds * 1e3,
                     tflops=flops / seconds / 1e12, ratio=flops / seconds / FLOPS_PER_S, bound_ms=bound * 1e3)
 
@@ -109,9 +115,7 @@ class Case:
 
     def cudnn(self) -> dict | None:
         """The backend's cuDNN path as the engine calls it (the chunk's own K/V from the pool)."""
-        page_ids = self.batch.page_table[0].long()
-        k_new, v_new = (c[0][page_ids].flatten(0, 1)[self.prefix:self.prefix + self.tokens].contiguous()
-                        for c in (self.pool.k, self.pool.v))
+        k_new, v_new = (k[self.prefix:].contiguous() for k in self.gathered(self.prefix + self.tokens))
         run = lambda: cached_prefix_attention(self.q, k_new, v_new, self.pool.k[0], self.pool.v[0],  # noqa: E731
                                               self.batch.page_table, [self.tokens], [self.prefix], HEAD_DIM ** -0.5)
         try:
@@ -129,22 +133,24 @@ class Case:
         line after the rows gives its first call at a length 16 shorter (a reused plan is fast) and the
         largest difference of its output and log-sum-exp from the exact call's."""
         real, pad = self.prefix, -(-self.prefix // step) * step
-        keys = [c[0][self.batch.page_table[0].long()].flatten(0, 1) for c in (self.pool.k, self.pool.v)]
-        keys = [F.pad(k, (0, 0, 0, 0, 0, max(pad - k.shape[0], 0)))[:pad].transpose(0, 1)[None] for k in keys]  # as gathered
+        keys = [k.transpose(0, 1)[None] for k in self.gathered(pad)]
         q, scale = self.q.transpose(0, 1)[None], HEAD_DIM ** -0.5
         attention = torch.ops.aten._scaled_dot_product_cudnn_attention
 
         def exact():
             return attention(q, keys[0][:, :, :real], keys[1][:, :, :real], None, True, 0.0, False, False, scale=scale)[:2]
 
-        def padded(n: int = real):
-            bias = torch.zeros(pad, dtype=q.dtype, device=q.device).masked_fill_(
-                torch.arange(pad, device=q.device) >= n, float("-inf"))
-            bias = bias.view(1, 1, 1, pad).expand(1, HEADS, self.tokens, pad)
+        def pad_bias(n: int) -> torch.Tensor:  # 0 on the first n keys, -inf after, for every head and query
+            bias = torch.zeros(pad, dtype=q.dtype, device=q.device)
+            bias[n:] = float("-inf")
+            return bias.view(1, 1, 1, pad).expand(1, HEADS, self.tokens, pad)
+
+        def padded(bias: torch.Tensor = pad_bias(real)):
             return attention(q, *keys, bias, True, 0.0, False, False, scale=scale)[:2]
 
         try:
-            first, again = first_call(padded), first_call(lambda: padded(real - 16))
+            shorter = pad_bias(real - 16)
+            first, again = first_call(padded), first_call(lambda: padded(shorter))
             (o1, l1), (o2, l2) = exact(), padded()
             err = max((o1.float() - o2.float()).abs().max().item(), (l1.float() - l2.float()).abs().max().item())
             flops = 4 * HEADS * HEAD_DIM * self.tokens * real
@@ -159,8 +165,7 @@ class Case:
     def sdpa_flash(self) -> dict | None:
         """Causal over the chunk without a prefix; else every key, contiguous, no mask (its own FLOPs)."""
         seq_len = self.prefix + self.tokens
-        keys = [c[0][self.batch.page_table[0].long()].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
-                for c in (self.pool.k, self.pool.v)]
+        keys = [k.transpose(0, 1)[None] for k in self.gathered(seq_len)]
         q = self.q.transpose(0, 1)[None]
         causal = self.prefix == 0
         flops = None if causal else 4 * HEADS * HEAD_DIM * self.tokens * seq_len
