@@ -15,8 +15,10 @@ most 1/8 more rows) with zero queries and, for the causal part, zero keys and va
 chunk's: top-left causal, query i sees keys 0..i only, so the real rows' results are exact and the
 padded rows are dropped. cuDNN builds a plan per shape (about 50 ms on an H200, and 2.1 s for a
 process's first call: ``scripts/bench_prefill_attention.py``, "first ms"), so the query lengths a
-prefill can reach are few and planned before serving (``warm_plans``). The prefix length is not
-bucketed: padding keys would change the softmax without a mask, so a new prefix length still
+prefill can reach are few and planned before serving (``warm_plans``). The prefix length is
+bucketed only with ``KEY_BUCKET_BITS`` (off until measured on a GPU): the gathered keys past the
+prefix are zeroed and masked by a stride-0 ``-inf`` bias (torch keys cuDNN's plan by the bias's
+shape and strides, not its values), so a bucket plans once; otherwise each new prefix length
 plans once.
 
 The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
