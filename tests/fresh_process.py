@@ -17,6 +17,6 @@ def run_fresh(target: str, timeout: float = 300) -> None:
     with its output, fails the caller."""
     module, function = target.split(":")
     proc = subprocess.run([sys.executable, "-c", f"import {module}; {module}.{function}()"], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{target} failed in a fresh process:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -73,14 +73,20 @@ def no_syncs(pm: PageManager):
             torch.cuda.set_sync_debug_mode(0)
 
 
+def wait_for_copies(r: Request) -> None:
+    """What the engine does before launching ``r``: its pages may be restored ones, or ones that a
+    write-back on the copy stream still reads, so nothing writes them before that copy is done."""
+    if r.kv_ready is not None:
+        r.kv_ready.synchronize()
+
+
 def turn(pm: PageManager, r: Request, live: list[Request], abort_at: int | None = None) -> bool:
     """Admit, check the cached KV, 'prefill', release (all of the prompt, or the first ``abort_at``)."""
     with no_syncs(pm):
         admitted = pm.admit(r)
     if not admitted:
         return False
-    if r.kv_ready is not None:  # what the engine does before launching r: its pages are being copied
-        r.kv_ready.synchronize()
+    wait_for_copies(r)
     live.append(r)
     pm.check(live)
     assert_prefix_kv(pm.pool, r)
@@ -189,9 +195,14 @@ def test_random_sessions_keep_both_tiers_consistent(mode, method, kernels, monke
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode,method", [("writeback", "kernel"), ("writethrough", "kernel"), ("writeback", "memcpy")])
 def test_random_sessions_on_cuda_without_syncs(mode, method, monkeypatch):
-    """The same on a GPU: copy stream, mapped host pool, and no host wait in admit or release."""
+    """The same on a GPU: copy stream, mapped host pool, and no host wait in admit or release. Every
+    copy first stalls its stream (about 0.1 ms), so a write that does not wait for a copy it must
+    wait for lands first and fails the contents check every time, not only under a busy GPU."""
     monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)
-    random_sessions(manager(24, 20, mode, method, device="cuda"), random.Random(f"{mode}{method}"))
+    pm = manager(24, 20, mode, method, device="cuda")
+    launch = pm.tier._launch
+    monkeypatch.setattr(pm.tier, "_launch", lambda *a: (torch.cuda._sleep(200_000), launch(*a)))
+    random_sessions(pm, random.Random(f"{mode}{method}"))
 
 
 def random_sessions(pm: PageManager, rng: random.Random) -> None:
@@ -207,6 +218,7 @@ def random_sessions(pm: PageManager, rng: random.Random) -> None:
             with no_syncs(pm):
                 admitted = pm.admit(held)
             if admitted:
+                wait_for_copies(held)  # it wrote at once: under a busy GPU it raced the write-backs
                 live.append(held)
                 pm.check(live)
                 write_kv(pm.pool, held, len(held.prompt))
