@@ -116,49 +116,6 @@ def test_warm_plans_runs_every_reachable_bucket_over_the_pool(monkeypatch):
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
-def test_bucketed_prefix_is_exact_under_poisoned_pad(monkeypatch):
-    """Prefixes gathered to key buckets: the pad's keys (the row's own later slots, the scratch page
-    where the bucket runs past the table) hold NaN, and the result still equals the paged twin's."""
-    monkeypatch.setattr(cudnn_prefill, "KEY_BUCKET_BITS", 1)
-    gen = torch.Generator().manual_seed(11)
-    rows, page = [(17, 1), (9, 5), (6, 2)], 4
-    q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, 4, 2, 16, page, rows,
-                                                                             torch.float32, "cpu")
-    want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, 0.25)
-    table = table[:, :-1]  # no spare page: row 0's bucket (32 keys, 8 pages) runs past its 5
-    assert cudnn_prefill.key_bucket(17) == 32 and table.shape[1] * page < 32
-    for cache in (k_cache, v_cache):
-        cache[0] = float("nan")
-        for b, (p, n) in enumerate(rows):
-            last = table[b, (p + n - 1) // page]
-            cache[last, (p + n - 1) % page + 1:] = float("nan")
-    out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, 0.25)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-
-
-def test_a_key_bucket_shares_one_shape_and_warm_up_reaches_every_pair(monkeypatch):
-    """Two prefixes of a bucket call the attention with the same key count and a bias (one plan);
-    ``plan_shapes`` covers the (query bucket, key bucket) of every row the path can take."""
-    monkeypatch.setattr(cudnn_prefill, "KEY_BUCKET_BITS", 2)
-    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 9)
-    seen = []
-    real = cudnn_prefill.dense_attention
-    monkeypatch.setattr(cudnn_prefill, "dense_attention", lambda q, k, v, causal, scale, bias=None:
-                        seen.append((k.shape[2], causal, bias is not None)) or real(q, k, v, causal, scale, bias))
-    gen = torch.Generator().manual_seed(2)
-    for prefix in (97, 110):
-        q, k, v, k_cache, v_cache, table, _, q_lens, prefixes = composed_case(gen, 4, 2, 16, 4, [(prefix, 6)],
-                                                                              torch.float32, "cpu")
-        cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, 0.25)
-    assert [s for s in seen if not s[1]] == [(112, False, True)] * 2
-    room, warmed = 300, set()
-    for n, prefix in cudnn_prefill.plan_shapes(64, room):
-        warmed.add((n, cudnn_prefill.key_bucket(prefix)))
-    reached = {(cudnn_prefill.query_bucket(n), cudnn_prefill.key_bucket(p)) for n in range(1, 65)
-               for p in range(1, room - n + 1) if n * p >= cudnn_prefill.MIN_PREFIX_WORK}
-    assert reached == warmed
-
-
 def test_host_checks_raise():
     gen = torch.Generator().manual_seed(0)
     q, k, v, k_cache, v_cache, table, _, q_lens, prefixes = composed_case(gen, 4, 2, 8, 4, [(5, 3), (2, 2)],
@@ -232,26 +189,22 @@ GPU_CASES = [  # heads, kv_heads, D, page, rows: GQA 1/4/8, ragged, prefixes and
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("key_bits", [None, 3], ids=["exact", "bucketed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"gqa{c[0] // c[1]}-d{c[2]}")
-def test_composition_matches_paged_twin_on_gpu(case, dtype, key_bits, monkeypatch):
+def test_composition_matches_paged_twin_on_gpu(case, dtype):
     """cuDNN's kernels and the merge kernel against the paged twin, with no sync inside the call
-    (trial 0 builds cuDNN's plans and compiles the merge); bucketed, under a -inf bias with NaN in
-    the scratch page that pads buckets past a table."""
-    monkeypatch.setattr(cudnn_prefill, "KEY_BUCKET_BITS", key_bits)
+    (trial 0 builds cuDNN's plans and compiles the merge)."""
     heads, kv_heads, D, page, rows = case
     gen = torch.Generator().manual_seed(heads + D)
     for trial in range(2):
         q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
                                                                                  dtype, "cuda")
-        want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)
-        k_cache[0], v_cache[0] = float("nan"), float("nan")
         torch.cuda.set_sync_debug_mode("error" if trial else "default")
         try:
             out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, D ** -0.5)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)
         assert torch.isfinite(out).all()
         assert rel_err(out, want) < 1e-2
 

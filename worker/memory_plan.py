@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from worker.attention import cudnn_prefill
 from worker.config import ModelConfig
 from worker.runner_config import ExpertOptions, RunnerConfig
 
@@ -145,8 +144,7 @@ def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attent
     ``context`` keys."""
     per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
     logits = tokens * model.vocab_size
-    keys = cudnn_prefill.key_bucket(context)  # a prefix's bucket past it: zeroed keys under the mask
-    gathered = 2 * keys * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
+    gathered = 2 * context * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
     mask = 3 * tokens * context if torch_attention else 0
     return 4 * (tokens * per_token + logits) + gathered + mask + ACTIVATION_SLACK
 

@@ -15,11 +15,9 @@ most 1/8 more rows) with zero queries and, for the causal part, zero keys and va
 chunk's: top-left causal, query i sees keys 0..i only, so the real rows' results are exact and the
 padded rows are dropped. cuDNN builds a plan per shape (about 50 ms on an H200, and 2.1 s for a
 process's first call: ``scripts/bench_prefill_attention.py``, "first ms"), so the query lengths a
-prefill can reach are few and planned before serving (``warm_plans``). The prefix length is
-bucketed only with ``KEY_BUCKET_BITS`` (off until measured on a GPU): the gathered keys past the
-prefix are zeroed and masked by a stride-0 ``-inf`` bias (torch keys cuDNN's plan by the bias's
-shape and strides, not its values), so a bucket plans once; otherwise each new prefix length
-plans once.
+prefill can reach are few and planned before serving (``warm_plans``). The prefix length is not
+bucketed: padded keys need a mask, and under an attention bias cuDNN runs about half again as
+slow (measured: ``docs/architecture.md``), so a new prefix length still plans once.
 
 The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
 for a 2k chunk over 128k keys); the merge reads both parts once. Lengths come from the host, page
@@ -50,9 +48,6 @@ MERGE_ROWS = 32
 HEAD_DIMS = (64, 128)
 BUCKET_BITS = 3  # 2^3 query buckets an octave: padding costs at most 1/8 of a row's attention
 MIN_BUCKET = 16
-# Prefix lengths padded to 2^KEY_BUCKET_BITS buckets an octave (zero keys under a -inf bias), so that
-# cuDNN plans once a bucket and warm-up can plan every one; None: the exact length, a plan per length.
-KEY_BUCKET_BITS: int | None = None
 
 
 def usable(q: torch.Tensor, q_lens: list[int], prefixes: list[int]) -> bool:
@@ -70,16 +65,7 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def query_bucket(n: int) -> int:
     """The query length a row of ``n`` is padded to: a multiple of 2^(m-3) for ``n`` in [2^m, 2^(m+1)),
     at least ``MIN_BUCKET`` (so 2,064 -> 2,304, 2,048 -> 2,048, 4,000 -> 4,096)."""
-    return _bucket(n, BUCKET_BITS)
-
-
-def key_bucket(prefix: int) -> int:
-    """The number of keys a cached prefix of ``prefix`` tokens is gathered to (``KEY_BUCKET_BITS``)."""
-    return prefix if KEY_BUCKET_BITS is None else _bucket(prefix, KEY_BUCKET_BITS)
-
-
-def _bucket(n: int, bits: int) -> int:
-    step = max(1 << max(n.bit_length() - 1 - bits, 0), MIN_BUCKET)
+    step = max(1 << max(n.bit_length() - 1 - BUCKET_BITS, 0), MIN_BUCKET)
     return -(-n // step) * step
 
 
@@ -101,6 +87,7 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     row b's ``prefixes[b]`` cached tokens in ``k/v_cache [pages, page, kv_heads, D]`` through
     ``page_table [B, max_pages]``; query i of row b sees the prefix and chunk keys 0..i."""
     _check(q, k, v, k_cache, page_table, q_lens, prefixes)
+    num_pages, page = k_cache.shape[:2]
     out, start = torch.empty_like(q), 0
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
         q_b, k_b, v_b = (_padded_rows(x[start:start + n], query_bucket(n)) for x in (q, k, v))
@@ -108,75 +95,42 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         if prefix == 0:
             out[start:start + n] = o2[0, :, :n].transpose(0, 1)
         else:
-            o1, lse1 = _prefix_attention(q_b, k_cache, v_cache, page_table[b], prefix, scale)
+            pages = page_table[b, :-(-prefix // page)].clamp(0, num_pages - 1)
+            k_p, v_p = (c.index_select(0, pages).flatten(0, 1)[:prefix].transpose(0, 1)[None]
+                        for c in (k_cache, v_cache))
+            o1, lse1 = dense_attention(q_b, k_p, v_p, False, scale)
             merge_pair(o1[0, :, :n].transpose(0, 1), lse1[0, :, :n, 0].t(), o2[0, :, :n].transpose(0, 1),
                        lse2[0, :, :n, 0].t(), out[start:start + n])
         start += n
     return out
 
 
-def _prefix_attention(q_b: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
-                      prefix: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q_b [1, heads, bucket, D]`` over the first ``prefix`` keys of the pages ``pages [max_pages]``,
-    gathered to ``key_bucket(prefix)`` keys: the keys past the prefix (the chunk's own, another
-    request's, or the scratch page's where the table ends) are zeroed and masked by a stride-0
-    ``-inf`` bias, so the result is the exact prefix's and every length of a bucket shares a plan."""
-    num_pages, page = k_cache.shape[:2]
-    keys = key_bucket(prefix)
-    ids = pages[:-(-keys // page)].clamp(0, num_pages - 1)
-    if ids.shape[0] * page < keys:  # the bucket runs past the table: the scratch page, zeroed below
-        ids = F.pad(ids, (0, -(-keys // page) - ids.shape[0]))
-    k_p, v_p = (c.index_select(0, ids).flatten(0, 1)[:keys] for c in (k_cache, v_cache))
-    if KEY_BUCKET_BITS is None:
-        return dense_attention(q_b, k_p.transpose(0, 1)[None], v_p.transpose(0, 1)[None], False, scale)
-    k_p[prefix:], v_p[prefix:] = 0, 0  # finite under the mask: 0 x NaN would be NaN
-    bias = q_b.new_zeros(keys)  # a bias on every bucketed call, so a bucket's lengths share one plan
-    bias[prefix:] = float("-inf")
-    bias = bias.view(1, 1, 1, keys).expand(1, q_b.shape[1], q_b.shape[2], keys)
-    return dense_attention(q_b, k_p.transpose(0, 1)[None], v_p.transpose(0, 1)[None], False, scale, bias)
-
-
 def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: int, max_context: int,
                scale: float) -> int:
-    """Run the path once for every plan a prefill can reach (``plan_shapes``), over a prefix of the
-    pool's pages (read only), so that cuDNN has planned each before serving. Returns how many ran."""
+    """Run the path once for every query bucket a prefill can reach (``query_buckets``), over a
+    prefix of the pool's pages (read only), so that cuDNN has planned each bucket before serving.
+    Returns how many buckets it ran."""
     num_pages, page, kv_heads, D = k_cache.shape
-    shapes = plan_shapes(max_q, min(max_context, (num_pages - 1) * page))  # page 0 is the scratch page
-    for n, prefix in shapes:
+    room = (num_pages - 1) * page  # page 0 is the scratch page
+    buckets = [n for n in query_buckets(max_q, min(max_context, room)) if -(-MIN_PREFIX_WORK // n) + n <= room]
+    for n in buckets:
+        prefix = -(-MIN_PREFIX_WORK // n) | 1  # a length the path takes, and no multiple of 16
         q = k_cache.new_zeros(n, heads, D)
         k = k_cache.new_zeros(n, kv_heads, D)
         table = torch.arange(1, -(-(prefix + n) // page) + 1, dtype=torch.int32, device=k_cache.device)[None]
         cached_prefix_attention(q, k, k, k_cache, v_cache, table, [n], [prefix], scale)
-    return len(shapes)
+    return len(buckets)
 
 
-def plan_shapes(max_q: int, room: int) -> list[tuple[int, int]]:
-    """(query bucket, prefix) pairs, one for each plan that rows of at most ``max_q`` queries over
-    prefixes with ``q_len + prefix <= room`` can take: with exact prefix lengths one a query bucket
-    (its causal part; the prefix part plans at each new length), with ``KEY_BUCKET_BITS`` one for
-    every key bucket a row of that query bucket reaches as well."""
-    buckets, shapes = query_buckets(max_q, room), []
-    for shortest, n in zip([1] + [b + 1 for b in buckets], buckets):
-        prefix = -(-MIN_PREFIX_WORK // n)  # the shortest prefix the path takes
-        if KEY_BUCKET_BITS is None:
-            shapes += [(n, prefix | 1)] if (prefix | 1) + n <= room else []  # no multiple of 16
-            continue
-        while prefix + shortest <= room:  # a row of this bucket can have a prefix in prefix's bucket
-            shapes.append((n, prefix))
-            prefix = key_bucket(prefix) + 1
-    return shapes
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [1, heads, n, D]`` over ``k, v [1, kv_heads, S, D]`` (any strides, last one 1): the output
     ``[1, heads, n, D]`` and the natural-log log-sum-exp ``[1, heads, n, 1]`` (float32). Causal: top-left
-    aligned; ``bias [1, heads, n, S]`` is added to the scores. CUDA runs cuDNN's fused kernel; elsewhere
-    the eager softmax (the twin)."""
+    aligned. CUDA runs cuDNN's fused kernel; elsewhere the eager softmax (the twin)."""
     if q.is_cuda:
-        compile_watch.WATCH.note_plan("cuDNN attention", (*q.shape[1:3], k.shape[2], causal, bias is not None))
+        compile_watch.WATCH.note_plan("cuDNN attention", (*q.shape[1:3], k.shape[2], causal))
         try:
-            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False,
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                          scale=scale)[:2]
         except RuntimeError as e:  # raised on the host while cuDNN builds its plan, before any launch
             raise CudnnRefused(f"cuDNN attention refused {tuple(q.shape)} over {k.shape[2]} keys: "
@@ -185,8 +139,6 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     group = q.shape[1] // k.shape[1]
     keys, values = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
     scores = q.float() @ keys.transpose(-1, -2) * scale
-    if bias is not None:
-        scores = scores + bias.float()
     if causal:
         n, S = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(n, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
