@@ -16,7 +16,7 @@ def run_fresh(target: str, timeout: float = 300) -> None:
     """Call ``module:function`` (no arguments) in a new interpreter at the repository root; its failure,
     with its output, fails the caller."""
     module, function = target.split(":")
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the caller's packages too
     proc = subprocess.run([sys.executable, "-c", f"import {module}; {module}.{function}()"], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True,
-                          timeout=timeout)
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{target} failed in a fresh process:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
