@@ -201,7 +201,12 @@ def test_random_sessions_on_cuda_without_syncs(mode, method, monkeypatch):
     monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)
     pm = manager(24, 20, mode, method, device="cuda")
     launch = pm.tier._launch
-    monkeypatch.setattr(pm.tier, "_launch", lambda *a: (torch.cuda._sleep(200_000), launch(*a)))
+
+    def stalled(kind: str, src: list[int], dst: list[int]) -> None:
+        torch.cuda._sleep(200_000)  # GPU cycles on the copy stream (the caller's), before the copy
+        launch(kind, src, dst)
+
+    monkeypatch.setattr(pm.tier, "_launch", stalled)
     random_sessions(pm, random.Random(f"{mode}{method}"))
 
 
