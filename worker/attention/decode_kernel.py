@@ -178,9 +178,14 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
-    m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
-                            table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G,
-                            HEAD_DIM, BLOCK_N, IEEE, True)
+    if (last >= first) & (last < end):  # only the new token's split selects it into its blocks
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True)
+    else:
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 

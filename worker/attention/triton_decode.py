@@ -29,12 +29,18 @@ from worker.models.rotary import RopeInputs
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
-TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs several times over
+# about two programs an SM of an H100's or H200's 132: long splits, few partials to merge. Measured
+# against 512, 1024 and 2048 (scripts/bench_decode_attention.py --sweep, H100, 2026-12-06): at batch
+# 1 over 131k tokens 110.7 us a layer against 113.4 / 121.5 / 131.0, over 32k 35.9 against 39.0 /
+# 39.3 / 39.1; batch 8 over 8k 62.6 against 65.7 / 70.4 / 70.4 (128 and 384 were slower still)
+TARGET_PROGRAMS = 256
 REDUCE_CHUNK = 128  # splits merged per step of the reduce loop: a 128k-token row takes 2-4 steps
 REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHUNK x this, in float32)
 # the partial kernel with RoPE inside: with 4, 246 registers a thread and a slower step (H200);
 # SLUICE_ROPE_WARPS=N times another count in a whole step (bench_decode.py), unset in serving
 ROPE_WARPS = int(os.environ.get("SLUICE_ROPE_WARPS", "8"))
+PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
+PARTIAL_STAGES = None  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
 _LOG2E = 1.4426950408889634
 
 
@@ -99,7 +105,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, split_tokens, splits, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, num_warps=4 if rope is None else ROPE_WARPS, **pdl_args(q))
+                  HAS_SINK=sinks is not None, num_warps=PARTIAL_WARPS if rope is None else ROPE_WARPS, **pdl_args(q))
+    if PARTIAL_STAGES is not None:
+        consts["num_stages"] = PARTIAL_STAGES
     if rope is None:
         partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
     else:

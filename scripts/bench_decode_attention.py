@@ -1,0 +1,155 @@
+"""Decode attention of one new token a row over long paged contexts: the split-KV partial kernel and
+its merge (``worker.attention.triton_decode``), as a decode step launches them, RoPE inside by
+default, timed per layer from a CUDA graph of several layers (so that launch gaps do not count and
+each layer's keys come from HBM, not L2); as GB/s and the ratio to the bound K/V bytes / 4.3e12.
+
+    python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
+        [--no-rope] [--sweep] [--json F]
+
+Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, pages
+of 16 tokens in shuffled order, every row of the batch at the same length. ``--sweep`` also times
+other tiles (the partial kernel's tokens a step, programs the split plan aims at, warps and
+pipeline stages; the merge's columns a program) at each shape; the served ones are the first row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import NamedTuple
+
+import torch
+
+from worker.attention import triton_decode
+from worker.attention.triton_decode import paged_decode_attention
+from worker.models.rotary import KVWrite, RopeInputs, Rotary
+
+HBM_BYTES_PER_S = 4.3e12
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
+GRAPH_BYTES = 2e9  # each replay reads at least this many distinct K/V bytes: far past L2
+
+
+class Tile(NamedTuple):
+    block_n: int
+    target_programs: int
+    warps: int
+    stages: int | None  # None: Triton's default
+    reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
+
+
+SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS
+SERVED = Tile(triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
+SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
+         Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None)]
+
+
+def tile_name(tile: Tile, rope: bool) -> str:
+    served = SERVED_WARPS[0] if rope else SERVED_WARPS[1]
+    return (f"n{tile.block_n} p{tile.target_programs} w{tile.warps or served} "
+            f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}")
+
+
+def use_tile(tile: Tile) -> None:
+    """The module's tile constants set to ``tile`` (read at each launch)."""
+    triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS = tile.block_n, tile.target_programs
+    triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
+    triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS = (tile.warps,) * 2 if tile.warps else SERVED_WARPS
+
+
+class Layer:
+    """One layer's caches with ``batch`` rows of ``context`` tokens each, pages shuffled, and the
+    decode step's q, k, v."""
+
+    def __init__(self, batch: int, context: int, gen: torch.Generator):
+        pages_a_row = -(-context // PAGE)
+        num_pages = batch * pages_a_row + 1
+        shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
+        self.k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        self.v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        perm = torch.randperm(num_pages - 1, generator=gen)[:batch * pages_a_row] + 1
+        self.table = perm.view(batch, pages_a_row).to(torch.int32).cuda()
+        self.lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        self.k = torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        self.v = torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        last = self.lens.long() - 1
+        self.slot = self.table.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE
+        self.positions = last
+
+    def run(self, rotary: Rotary, rope: bool) -> torch.Tensor:
+        if not rope:
+            return paged_decode_attention(self.q, self.k_cache, self.v_cache, self.table, self.lens, HEAD_DIM ** -0.5)
+        write = KVWrite(self.v, self.k_cache.view(-1, KV_HEADS, HEAD_DIM), self.v_cache.view(-1, KV_HEADS, HEAD_DIM),
+                        self.slot)
+        inputs = RopeInputs(self.positions, rotary, None, None, 1e-6, write)
+        return paged_decode_attention(self.q, self.k_cache, self.v_cache, self.table, self.lens, HEAD_DIM ** -0.5,
+                                      rope=inputs, k=self.k)
+
+
+def time_layers(layers: list[Layer], rotary: Rotary, rope: bool, reps: int = 10) -> float:
+    """Seconds a layer from a CUDA graph of one decode attention per layer, replayed ``reps`` times."""
+    for layer in layers:  # compiles outside the capture
+        layer.run(rotary, rope)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in layers:
+            layer.run(rotary, rope)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps / len(layers)
+
+
+def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool) -> list[dict]:
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+    count = max(2, min(48, int(-(-GRAPH_BYTES // kv_bytes))))
+    gen = torch.Generator().manual_seed(0)
+    layers = [Layer(batch, context, gen) for _ in range(count)]
+    rotary = Rotary(HEAD_DIM, 1e6, context + 1, torch.device("cuda"))
+    rows = []
+    for tile in tiles:
+        use_tile(tile)
+        try:
+            splits, _ = triton_decode.split_plan(batch, KV_HEADS, layers[0].table.shape[1] * PAGE)
+            seconds = time_layers(layers, rotary, rope)
+        except Exception as e:  # a tile Triton cannot build on this GPU
+            print(f"  {tile_name(tile, rope)}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        finally:
+            use_tile(SERVED)
+        bound = kv_bytes / HBM_BYTES_PER_S
+        rows.append(dict(batch=batch, context=context, tile=tile_name(tile, rope), us=seconds * 1e6,
+                         bound_us=bound * 1e6, gbps=kv_bytes / seconds / 1e9, ratio=bound / seconds, splits=splits))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--no-rope", action="store_true", help="the kernel without RoPE inside (its own launch before)")
+    p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
+    p.add_argument("--json")
+    args = p.parse_args()
+    tiles = [SERVED] + (SWEEP if args.sweep else [])
+    print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
+          f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, stages, merge columns")
+    print(f"{'batch':>5} {'context':>8} {'tile':>22} {'splits':>6} {'us':>8} {'bound us':>8} {'GB/s':>7} {'ratio':>6}")
+    rows = []
+    for batch in args.batch:
+        for context in args.contexts:
+            for row in bench_shape(batch, context, tiles, not args.no_rope):
+                rows.append(row)
+                print(f"{row['batch']:>5} {row['context']:>8} {row['tile']:>22} {row['splits']:>6} {row['us']:>8.1f} "
+                      f"{row['bound_us']:>8.1f} {row['gbps']:>7.0f} {row['ratio']:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
