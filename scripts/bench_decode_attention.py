@@ -4,7 +4,7 @@ default, timed per layer from a CUDA graph of several layers (so that launch gap
 each layer's keys come from HBM, not L2); as GB/s and the ratio to the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--no-rope] [--sweep] [--json F]
+        [--table-tokens N] [--no-rope] [--sweep] [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, pages
 of 16 tokens in shuffled order, every row of the batch at the same length. ``--sweep`` also times
@@ -57,10 +57,11 @@ def use_tile(tile: Tile) -> None:
 
 class Layer:
     """One layer's caches with ``batch`` rows of ``context`` tokens each, pages shuffled, and the
-    decode step's q, k, v."""
+    decode step's q, k, v; the page table ``table_tokens`` wide (at least the context's pages: a
+    decode graph's table spans its longest row, and the split plan comes from that width)."""
 
-    def __init__(self, batch: int, context: int, gen: torch.Generator):
-        pages_a_row = -(-context // PAGE)
+    def __init__(self, batch: int, context: int, gen: torch.Generator, table_tokens: int = 0):
+        pages_a_row = -(-max(context, table_tokens) // PAGE)
         num_pages = batch * pages_a_row + 1
         shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
         self.k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
@@ -104,11 +105,11 @@ def time_layers(layers: list[Layer], rotary: Rotary, rope: bool, reps: int = 10)
     return start.elapsed_time(end) / 1e3 / reps / len(layers)
 
 
-def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool) -> list[dict]:
+def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0) -> list[dict]:
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
     count = max(2, min(48, int(-(-GRAPH_BYTES // kv_bytes))))
     gen = torch.Generator().manual_seed(0)
-    layers = [Layer(batch, context, gen) for _ in range(count)]
+    layers = [Layer(batch, context, gen, table_tokens) for _ in range(count)]
     rotary = Rotary(HEAD_DIM, 1e6, context + 1, torch.device("cuda"))
     rows = []
     for tile in tiles:
@@ -131,6 +132,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--table-tokens", type=int, default=0, metavar="N",
+                   help="page tables this many tokens wide, as a decode graph captured for N-token rows has")
     p.add_argument("--no-rope", action="store_true", help="the kernel without RoPE inside (its own launch before)")
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
     p.add_argument("--json")
@@ -142,7 +145,7 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         for context in args.contexts:
-            for row in bench_shape(batch, context, tiles, not args.no_rope):
+            for row in bench_shape(batch, context, tiles, not args.no_rope, args.table_tokens):
                 rows.append(row)
                 print(f"{row['batch']:>5} {row['context']:>8} {row['tile']:>22} {row['splits']:>6} {row['us']:>8.1f} "
                       f"{row['bound_us']:>8.1f} {row['gbps']:>7.0f} {row['ratio']:>6.3f}")

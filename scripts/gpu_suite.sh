@@ -23,6 +23,8 @@ while [ "$row" -lt "$runs" ]; do
   n=$(( row + 1 )); need=$([ -e "$state.warm" ] && echo "${SUITE_WARM_S:-240}" || echo "${SUITE_COLD_S:-450}")
   if [ "$(left)" -lt "$need" ]; then echo "suite: $row of $runs in a row; run $n needs ~$need s, $(left) s left"; exit 0; fi
   t0=$(date +%s)
+  # expert stores outlive a killed worker (its session never removes them): say how full /dev/shm is
+  echo "suite run $n: /dev/shm $(df -h --output=used,size /dev/shm | tail -1 | xargs) used before it"
   SLUICE_TEST_LOG=$out/suite$n.times SLUICE_FLA_DUMP=$state.fla/suite$n timeout $(( $(left) - 10 )) \
     python -m pytest -m cuda -n 6 --dist loadfile -q -p no:cacheprovider tests/ > "$state.log" 2>&1
   rc=$?

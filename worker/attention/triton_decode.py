@@ -29,11 +29,14 @@ from worker.models.rotary import RopeInputs
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
-# about two programs an SM of an H100's or H200's 132: long splits, few partials to merge. Measured
-# against 512, 1024 and 2048 (scripts/bench_decode_attention.py --sweep, H100, 2026-12-06): at batch
-# 1 over 131k tokens 110.7 us a layer against 113.4 / 121.5 / 131.0, over 32k 35.9 against 39.0 /
-# 39.3 / 39.1; batch 8 over 8k 62.6 against 65.7 / 70.4 / 70.4 (128 and 384 were slower still)
-TARGET_PROGRAMS = 256
+# enough programs to fill an H200's 132 SMs several times over. Fewer, longer splits measured faster
+# where the table is as wide as the row (scripts/bench_decode_attention.py --sweep, H100: 256 at
+# batch 1 over 131k 107-111 us a layer against 113-122 for 1024), but the plan comes from the
+# table's width, and a decode graph's table spans its longest row: with 256, a 4k row in a 140k-wide
+# table would take 2 splits a KV head (8 programs). A served nvfp4 session with 256 decoded short
+# contexts at 6.5 ms a token against 4.7 with 1024 (another H100, not the same machine): kept at
+# 1024 until a split's length follows the row's own length on the device.
+TARGET_PROGRAMS = 1024
 REDUCE_CHUNK = 128  # splits merged per step of the reduce loop: a 128k-token row takes 2-4 steps
 REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHUNK x this, in float32)
 # the partial kernel with RoPE inside: with 4, 246 registers a thread and a slower step (H200);
