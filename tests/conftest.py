@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -9,25 +10,42 @@ import torch
 # directory: the xdist workers of one GPU run, and the runs after it on that machine, tune each shape
 # once instead of once per process.
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+
+def _test_shm_folder() -> Path:
+    """Expert stores outlive their process on purpose (a restart maps them again), so the ones a test
+    run creates go to a folder of the run's own under the shm dir (xdist's workers inherit their
+    controller's, and share its stores as before), removed when the run ends (``pytest_unconfigure``);
+    a run killed before that (a time limit) leaves its folder, which the next run removes once the
+    process that made it is gone."""
+    inherited = Path(os.environ.get("SLUICE_SHM_DIR", "/dev/shm"))
+    if inherited.name.startswith("sluice-tests-"):
+        return inherited
+    for stale in inherited.glob("sluice-tests-*"):
+        pid = stale.name.removeprefix("sluice-tests-")
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    folder = inherited / f"sluice-tests-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+TEST_SHM = _test_shm_folder()
+os.environ["SLUICE_SHM_DIR"] = str(TEST_SHM)  # read when moe_offload.expert_store is first imported, after this
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU-only machines. Set before anything imports
     # triton: the interpreter must be chosen when triton's own jit helpers are first defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def remove_expert_stores_made_by_tests():
-    """Expert stores outlive their process on purpose (a restart maps them again); the ones the
-    tests create would pile up in /dev/shm, so the session removes those it added."""
-    from moe_offload.expert_store import SHM_DIR, remove_segment
-
-    before = set(SHM_DIR.glob("sluice-experts-*"))
-    yield
-    for path in set(SHM_DIR.glob("sluice-experts-*")) - before:
-        try:
-            remove_segment(path.name)
-        except FileNotFoundError:  # a test removed it itself meanwhile
-            pass
 
 
 def pytest_configure(config):
@@ -45,6 +63,11 @@ def pytest_configure(config):
         from worker.linear_attention.fla_tuning import prepare
 
         prepare(torch.cuda.get_device_name())
+
+
+def pytest_unconfigure(config):
+    if TEST_SHM.name == f"sluice-tests-{os.getpid()}":  # the run's own process, after its workers
+        shutil.rmtree(TEST_SHM, ignore_errors=True)  # mappings live on until their processes exit
 
 
 def pytest_sessionfinish(session, exitstatus):
