@@ -1,7 +1,8 @@
 """Decode attention of one new token a row over long paged contexts: the split-KV partial kernel and
 its merge (``worker.attention.triton_decode``), as a decode step launches them, RoPE inside by
-default, timed per layer from a CUDA graph of several layers (so that launch gaps do not count and
-each layer's keys come from HBM, not L2); as GB/s and the ratio to the bound K/V bytes / 4.3e12.
+default, timed per layer from a CUDA graph of several layers (``bench_linear.graph_time_us``:
+launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s and the ratio to
+the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
         [--table-tokens N] [--no-rope] [--sweep] [--json F]
@@ -13,15 +14,19 @@ pipeline stages; the merge's columns a program) at each shape; the served ones a
 """
 from __future__ import annotations
 
-import argparse
-import json
+import functools
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from worker.attention import triton_decode
-from worker.attention.triton_decode import paged_decode_attention
-from worker.models.rotary import KVWrite, RopeInputs, Rotary
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.attention import triton_decode  # noqa: E402
+from worker.attention.triton_decode import paged_decode_attention  # noqa: E402
+from worker.models.rotary import KVWrite, RopeInputs, Rotary  # noqa: E402
+from bench_linear import graph_time_us  # noqa: E402  (beside this script)
+from report_table import bench_parser, print_table, write_json  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
@@ -86,25 +91,6 @@ class Layer:
                                       rope=inputs, k=self.k)
 
 
-def time_layers(layers: list[Layer], rotary: Rotary, rope: bool, reps: int = 10) -> float:
-    """Seconds a layer from a CUDA graph of one decode attention per layer, replayed ``reps`` times."""
-    for layer in layers:  # compiles outside the capture
-        layer.run(rotary, rope)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in layers:
-            layer.run(rotary, rope)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps / len(layers)
-
-
 def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0) -> list[dict]:
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
     count = max(2, min(48, int(-(-GRAPH_BYTES // kv_bytes))))
@@ -116,7 +102,7 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
         use_tile(tile)
         try:
             splits, _ = triton_decode.split_plan(batch, KV_HEADS, layers[0].table.shape[1] * PAGE)
-            seconds = time_layers(layers, rotary, rope)
+            seconds = graph_time_us([functools.partial(layer.run, rotary, rope) for layer in layers]) / 1e6
         except Exception as e:  # a tile Triton cannot build on this GPU
             print(f"  {tile_name(tile, rope)}: {type(e).__name__}: {str(e)[:100]}")
             continue
@@ -128,30 +114,31 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
     return rows
 
 
+COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("tile", "tile", ">22"),
+           ("splits", "splits", ">6"), ("us", "us", ">8.1f"), ("bound us", "bound_us", ">8.1f"),
+           ("GB/s", "gbps", ">7.0f"), ("ratio", "ratio", ">6.3f")]
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--table-tokens", type=int, default=0, metavar="N",
                    help="page tables this many tokens wide, as a decode graph captured for N-token rows has")
     p.add_argument("--no-rope", action="store_true", help="the kernel without RoPE inside (its own launch before)")
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
-    p.add_argument("--json")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
-          f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, stages, merge columns")
-    print(f"{'batch':>5} {'context':>8} {'tile':>22} {'splits':>6} {'us':>8} {'bound us':>8} {'GB/s':>7} {'ratio':>6}")
+          f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
+          f"stages, merge columns")
     rows = []
     for batch in args.batch:
-        for context in args.contexts:
-            for row in bench_shape(batch, context, tiles, not args.no_rope, args.table_tokens):
-                rows.append(row)
-                print(f"{row['batch']:>5} {row['context']:>8} {row['tile']:>22} {row['splits']:>6} {row['us']:>8.1f} "
-                      f"{row['bound_us']:>8.1f} {row['gbps']:>7.0f} {row['ratio']:>6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        for context in args.contexts:  # a table a shape, printed as it ends
+            shape_rows = bench_shape(batch, context, tiles, not args.no_rope, args.table_tokens)
+            print_table(COLUMNS, shape_rows, gap=bool(rows))
+            rows += shape_rows
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

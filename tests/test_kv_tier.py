@@ -196,8 +196,9 @@ def test_random_sessions_keep_both_tiers_consistent(mode, method, kernels, monke
 @pytest.mark.parametrize("mode,method", [("writeback", "kernel"), ("writethrough", "kernel"), ("writeback", "memcpy")])
 def test_random_sessions_on_cuda_without_syncs(mode, method, monkeypatch):
     """The same on a GPU: copy stream, mapped host pool, and no host wait in admit or release. Every
-    copy first stalls its stream (about 0.1 ms), so a write that does not wait for a copy it must
-    wait for lands first and fails the contents check every time, not only under a busy GPU."""
+    copy first stalls its stream (about 0.1 ms), so that a write that does not wait for a copy it must
+    wait for lands first and fails the contents check without needing a busy GPU (not yet shown by a
+    run with the wait removed)."""
     monkeypatch.setattr(page_copy, "PLAN_CAPACITY", 8)
     pm = manager(24, 20, mode, method, device="cuda")
     launch = pm.tier._launch

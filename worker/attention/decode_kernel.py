@@ -173,12 +173,13 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                        HEAD_DIM, HAS_NORM)
     v_new = tl.load(v_new_ptr + b * v_stride_b + kv_head * v_stride_h + d)[None, :]
     last = seq_len - 1
-    if (seq_len > 0) & (last // split_tokens == split):  # the new token is this split's: into its slot
+    mine = (seq_len > 0) & (last // split_tokens == split)  # the new token is this split's
+    if mine:  # into its slot
         slot = tl.minimum(tl.maximum(tl.load(loc_ptr + b).to(tl.int64), 0), num_pages * PAGE - 1)
         row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
-    if (last >= first) & (last < end):  # only the new token's split selects it into its blocks
+    if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True)
