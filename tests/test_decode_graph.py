@@ -20,8 +20,9 @@ from scheduler.engine import Engine, EngineConfig  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from tests.tiny_models import write_tiny  # noqa: E402
 from worker.attention import create_backend  # noqa: E402
-from worker.attention.triton_decode import (BLOCK_N, REDUCE_CHUNK, paged_decode_attention,  # noqa: E402
-                                            paged_decode_attention_eager, split_plan)
+from worker.attention.triton_decode import (BLOCK_N, REDUCE_CHUNK, SPLIT_MIN_TOKENS,  # noqa: E402
+                                            paged_decode_attention, paged_decode_attention_eager, row_splits,
+                                            split_plan)
 from worker.batch import SequenceChunk, build_batch  # noqa: E402
 from worker.cuda_graph import BUCKETS, DecodeGraphs, decode_buckets  # noqa: E402
 from worker.expert_placement import ExpertOptions  # noqa: E402
@@ -84,8 +85,9 @@ def test_rows_of_one_split_and_of_two_agree_with_the_twin():
     the rows just past the boundary take the merge."""
     gen = torch.Generator().manual_seed(9)
     B, heads, kv_heads, D, page, max_pages, num_pages = 6, 4, 2, 16, 4, 48, 60
-    splits, split_tokens = split_plan(B, kv_heads, max_pages * page, num_splits=3)
-    lens = [split_tokens - 1, split_tokens, split_tokens + 1, 2 * split_tokens, 0, 1]
+    splits, min_split = split_plan(B, kv_heads, max_pages * page, num_splits=3)
+    lens = [BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 2 * BLOCK_N + 1, 0, 1]
+    assert [row_splits(n, splits, min_split)[2] for n in lens] == [1, 1, 2, 3, 0, 1]
     q, k, v, table, lens = decode_case(gen, B, heads, kv_heads, D, page, max_pages, num_pages, lens=lens)
     out = paged_decode_attention(q, k, v, table, lens, D ** -0.5, num_splits=3, backend="triton")
     torch.testing.assert_close(out, paged_decode_attention_eager(q, k, v, table, lens, D ** -0.5), rtol=1e-4, atol=1e-5)
@@ -100,9 +102,9 @@ def test_rows_of_hundreds_of_splits_merge_across_reduce_steps(winner):
     gen = torch.Generator().manual_seed(11)
     B, heads, kv_heads, D, page = 4, 4, 2, 16, 64
     num_splits = 2 * REDUCE_CHUNK + 9
-    splits, split_tokens = split_plan(B, kv_heads, num_splits * page, num_splits=num_splits)
-    assert (splits, split_tokens) == (num_splits, page)
+    splits, min_split = split_plan(B, kv_heads, num_splits * page, num_splits=num_splits)
     lens = [REDUCE_CHUNK * page + 5, num_splits * page, 2 * page + 1, REDUCE_CHUNK * page]
+    assert splits == num_splits and {row_splits(n, splits, min_split)[1] for n in lens} == {page}
     q, k, v, table, lens = decode_case(gen, B, heads, kv_heads, D, page, num_splits, num_splits + 2, lens=lens)
     table = torch.arange(num_splits).repeat(B, 1)  # split s is page s: the winning key lies in a known split
     at = 3 if winner == "first" else int(lens[0]) - 2
@@ -130,10 +132,25 @@ def test_kernel_clamps_device_data():
 
 def test_split_plan_covers_the_table():
     for batch, kv_heads, max_tokens in [(1, 4, 40960), (64, 4, 40960), (1, 1, 1), (3, 2, 100), (8, 8, 65536)]:
-        splits, split_tokens = split_plan(batch, kv_heads, max_tokens)
-        assert split_tokens % BLOCK_N == 0 and splits >= 1
-        assert (splits - 1) * split_tokens < max_tokens <= splits * split_tokens
+        splits, min_split = split_plan(batch, kv_heads, max_tokens)
+        assert splits >= 1 and min_split == SPLIT_MIN_TOKENS
+        assert row_splits(max_tokens, splits, min_split)[2] <= splits  # the table's widest row fits the grid
     assert split_plan(1, 4, 40960)[0] > split_plan(64, 4, 40960)[0] >= 1  # small batches split more
+
+
+def test_each_row_cuts_its_own_length():
+    """Every row's splits cover its keys (the window's alone where one is set) in multiples of
+    BLOCK_N, within the grid; a short row in a wide table (a decode graph's) still takes many."""
+    for splits, min_split in [(256, SPLIT_MIN_TOKENS), (3, BLOCK_N), (1, SPLIT_MIN_TOKENS), (64, SPLIT_MIN_TOKENS)]:
+        for seq_len in [0, 1, 63, 64, 65, 255, 256, 257, 4096, 4097, 40000, 131072, 140000]:
+            for window in (0, 128, 5000):
+                lo, split_len, active = row_splits(seq_len, splits, min_split, window)
+                span = seq_len - lo
+                assert lo == (max(seq_len - window, 0) if window else 0)
+                assert split_len % BLOCK_N == 0 and 0 <= active <= splits
+                assert (active - 1) * split_len < span <= active * split_len or span == active == 0
+    wide = split_plan(1, 4, 140000)
+    assert row_splits(4096, *wide)[2] == 4096 // SPLIT_MIN_TOKENS and row_splits(140000, *wide)[2] > wide[0] * 3 // 4
 
 
 def test_host_checks_raise():

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from moe_offload.kernels.triton_support import BACKEND_ENV  # noqa: E402
 from tests.test_decode_graph import decode_case  # noqa: E402
 from tests.test_sink_attention import sinks_for  # noqa: E402
-from worker.attention.triton_decode import paged_decode_attention, split_plan  # noqa: E402
+from worker.attention.triton_decode import paged_decode_attention, row_splits, split_plan  # noqa: E402
 from worker.models.rotary import KVWrite, RopeInputs, Rotary  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -103,8 +103,10 @@ def test_the_new_token_in_each_split_and_block():
     """The new token at the first and last position of a split and of a block (the first block is
     read before the wait and patched, later ones as they are loaded)."""
     config = (6, 4, 2, 16, 4, 48, True, 0, False)
-    _, split_tokens = split_plan(6, 2, 48 * 4, num_splits=3)
-    lens = [1, split_tokens, split_tokens + 1, 65, 64, 2 * split_tokens + 1]
+    splits, min_split = split_plan(6, 2, 48 * 4, num_splits=3)
+    lens = [1, 64, 65, 128, 129, 192]
+    cuts = [row_splits(n, splits, min_split) for n in lens]
+    assert [(n - 1) % split_len for n, (_, split_len, _) in zip(lens, cuts)] == [0, 63, 0, 63, 0, 63]
     check_against_twin(config, torch.Generator().manual_seed(3), torch.float32, "cpu", 1e-4, 3, lens)
 
 

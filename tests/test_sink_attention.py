@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from tests.test_prefill_attention import PrefillTile, prefill_case, rel_err  # noqa: E402
 from worker.attention.torch_backend import attend_eager  # noqa: E402
 from worker.attention.triton_decode import (BLOCK_N, REDUCE_CHUNK, paged_decode_attention,  # noqa: E402
-                                            paged_decode_attention_eager)
+                                            paged_decode_attention_eager, row_splits, split_plan)
 from worker.attention.triton_prefill import (paged_prefill_attention, paged_prefill_attention_eager,  # noqa: E402
                                              prefill_block_table, tile_for)
 
@@ -120,17 +120,27 @@ def check_prefill(config, dtype, device, splits, rows, unseen_value=None):
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_kernel_matches_twin(config, splits):
-    """Rows shorter than, at, and past the window; with 3 splits, splits wholly before it."""
+    """Rows shorter than, at, and past the window; with 3 splits, rows past it split over it alone."""
     check_decode(config, torch.float32, "cpu", splits, [1, 5, 8, 9, 70, 200])
 
 
 @interpreted
 def test_decode_of_hundreds_of_splits_keeps_the_sink():
-    """The merge takes several steps of REDUCE_CHUNK splits (splits before a window store empty
-    partials); the sink joins the denominator once, after the last step."""
+    """The merge takes several steps of REDUCE_CHUNK splits; the sink joins the denominator once,
+    after the last step."""
     long = 2 * REDUCE_CHUNK * BLOCK_N + 1  # splits are BLOCK_N tokens at least: 2 steps and a split
     check_decode(CONFIGS[1], torch.float32, "cpu", 2 * REDUCE_CHUNK + 3, [1, long, 700])
     check_decode((4, 2, 16, 16, 0), torch.float32, "cpu", 2 * REDUCE_CHUNK + 3, [300, long + 2 * BLOCK_N])
+
+
+@interpreted
+def test_decode_windows_of_several_splits():
+    """A window longer than a split: each row past it cuts the window alone into splits (of
+    BLOCK_N tokens or more, at most 3), from the window's first key on; shorter rows their own length."""
+    splits, min_split = split_plan(2, 2, 704, num_splits=3)
+    lens = [1, 150, 200, 201, 700]
+    assert [row_splits(n, splits, min_split, 200)[::2] for n in lens] == [(0, 1), (0, 3), (0, 2), (1, 2), (500, 2)]
+    check_decode((4, 2, 16, 16, 200), torch.float32, "cpu", 3, lens)
 
 
 @interpreted

@@ -11,20 +11,33 @@ from worker.models.rope_tiles import rope_rows, rope_tables
 
 
 @triton.jit
-def _split_range(lens_ptr, max_tokens, split_tokens, window):
-    """Program (b, kv_head, split): those, row b's length (clamped to the table), where the split
-    starts, and the tokens ``[first, end)`` that it attends (``first`` past ``end`` when the split
-    lies past the row or before its window)."""
+def _row_splits(seq_len, window, splits, min_split, BLOCK_N: tl.constexpr):
+    """Row b's split plan from its own length (``triton_decode.row_splits`` is the host's copy): its
+    keys ``[lo, seq_len)`` (the last ``window`` where one is set) cut into ``active`` splits of
+    ``split_len`` tokens, as many as ``splits`` allows without going under ``min_split``, each a
+    multiple of BLOCK_N; an empty row has none."""
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
+    span = seq_len - lo
+    want = tl.minimum(tl.maximum((span + min_split - 1) // min_split, 1), splits)
+    split_len = tl.maximum((span + want - 1) // want + BLOCK_N - 1, BLOCK_N) // BLOCK_N * BLOCK_N
+    return lo, split_len, (span + split_len - 1) // split_len
+
+
+@triton.jit
+def _split_range(lens_ptr, max_tokens, splits, min_split, window, BLOCK_N: tl.constexpr):
+    """Program (b, kv_head, split): those, row b's length (clamped to the table), how many splits the
+    row has, and the tokens ``[start, end)`` of this one (``start`` past ``end`` for a split past
+    the row's)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
-    start = split * split_tokens
-    end = tl.minimum(start + split_tokens, seq_len)
-    first = start
-    if window > 0:  # keys before the window: a split wholly before it stores an empty partial
-        first = tl.maximum(start, seq_len - window)
-    return b, kv_head, split, seq_len, start, first, end
+    lo, split_len, active = _row_splits(seq_len, window, splits, min_split, BLOCK_N)
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return b, kv_head, split, seq_len, active, start, end
 
 
 @triton.jit
@@ -94,12 +107,12 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 
 
 @triton.jit
-def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
+def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
     """A row of one split (every row of a short context) stores its output, normalised, and the
     merge skips it; otherwise the split stores its partial for the merge."""
-    if seq_len <= split_tokens:
+    if active <= 1:
         if HAS_SINK:  # the sink's mass joins the denominator, rescaled to the larger maximum
             sink = tl.load(sink_ptr + head, mask=g_live, other=0.0) * 1.4426950408889634
             top = tl.maximum(m, sink)
@@ -110,7 +123,7 @@ def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len
                  out.to(out_ptr.dtype.element_ty), mask=(g_live & (split + 0 * g == 0))[:, None] & d_live[None, :])
     else:
         part = (b * HEADS + head) * splits + split
-        keep = g_live & (start + 0 * g < seq_len)  # a vector compare: the interpreter rejects a broadcast scalar mask
+        keep = g_live & (split + 0 * g < active)  # a vector compare: the interpreter rejects a broadcast scalar mask
         tl.store(m_ptr + part, m, mask=keep)
         tl.store(l_ptr + part, l, mask=keep)
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
@@ -118,36 +131,37 @@ def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len
 
 # what follows the batch (the page table's width, the split plan, pointers into the batch's packed
 # index buffer) is not specialised: an eager step at a new width compiles nothing
-@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "split_tokens", "splits"],
+@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "splits", "min_split"],
             do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
                           out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
                           stride_head, table_stride_b,
-                          num_pages, max_tokens, split_tokens, splits, qk_scale, window,
+                          num_pages, max_tokens, splits, min_split, qk_scale, window,
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # see triton_support.pdl_args
-    b, kv_head, split, seq_len, start, first, end = _split_range(lens_ptr, max_tokens, split_tokens, window)
-    if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
+    b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
+                                                                  BLOCK_N)
+    if (split > 0) & (split >= active):  # past the row's splits (the grid is the longest row's): nothing to store
         return
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
+    m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
                             num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
                             BLOCK_N, IEEE, False)
-    _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
+    _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
 
 # as decode_partial_kernel's, and the new token's slot and position (views into the packed index buffer)
-@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "split_tokens", "splits"],
+@triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "splits", "min_split"],
             do_not_specialize_on_alignment=["table_ptr", "lens_ptr", "loc_ptr", "pos_ptr"])
 def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
                                out_ptr, out_stride_b, out_stride_h, q_stride_b, q_stride_h, stride_page, stride_tok,
                                stride_head, table_stride_b,
-                               num_pages, max_tokens, split_tokens, splits, qk_scale, window,
+                               num_pages, max_tokens, splits, min_split, qk_scale, window,
                                k_new_ptr, v_new_ptr, k_stride_b, k_stride_h, v_stride_b, v_stride_h, loc_ptr,
                                pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, max_positions, eps,
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -162,8 +176,9 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower than with two
     launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``)."""
     pdl_wait(PDL)  # see triton_support.pdl_args
-    b, kv_head, split, seq_len, start, first, end = _split_range(lens_ptr, max_tokens, split_tokens, window)
-    if (split > 0) & (start >= seq_len):  # past the row (a graph's grid spans its longest): nothing to store
+    b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
+                                                                  BLOCK_N)
+    if (split > 0) & (split >= active):  # past the row's splits (the grid is the longest row's): nothing to store
         return
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, HEAD_DIM)
     cos, sin = rope_tables(cos_ptr, sin_ptr, pos_ptr, b, max_positions, d, q_ptr.dtype.element_ty, HEAD_DIM)
@@ -173,29 +188,30 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                        HEAD_DIM, HAS_NORM)
     v_new = tl.load(v_new_ptr + b * v_stride_b + kv_head * v_stride_h + d)[None, :]
     last = seq_len - 1
-    mine = (seq_len > 0) & (last // split_tokens == split)  # the new token is this split's
+    mine = (seq_len > 0) & (last >= start) & (last < end)  # the new token is this split's
     if mine:  # into its slot
         slot = tl.minimum(tl.maximum(tl.load(loc_ptr + b).to(tl.int64), 0), num_pages * PAGE - 1)
         row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
     if mine:  # and only its split selects it into its blocks; the others run the plain loop
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True)
     else:
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False)
-    _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, start, seq_len, split_tokens, splits, sink_ptr,
+    _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 
 
-@triton.jit(do_not_specialize=["max_tokens", "split_tokens", "splits"], do_not_specialize_on_alignment=["lens_ptr"])
+@triton.jit(do_not_specialize=["max_tokens", "splits", "min_split", "window"],
+            do_not_specialize_on_alignment=["lens_ptr"])
 def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out_stride_b, out_stride_h,
-                         max_tokens, split_tokens, splits, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         max_tokens, splits, min_split, window, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SINK: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of row b's head h, merged in one
     pass over CHUNK splits a step (an online softmax over the splits' maxima): a 128k-token row's
     hundreds of splits take a few steps, each a latency, where a step of 16 took dozens."""
@@ -203,7 +219,7 @@ def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
-    active = (seq_len + split_tokens - 1) // split_tokens  # the splits that stored a partial
+    _, _, active = _row_splits(seq_len, window, splits, min_split, BLOCK_N)  # the splits that stored a partial
     if active <= 1:  # the one split wrote the output itself
         return
     base = (b * HEADS + h) * splits

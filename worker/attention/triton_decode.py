@@ -4,12 +4,16 @@ Grid ``(B, kv_heads, splits)``: a program holds the query heads of one KV head (
 split's tokens in blocks of BLOCK_N with an online softmax in float32; a second launch ``(B, heads,
 column blocks)`` merges the splits, REDUCE_CHUNK a step; a row whose tokens fit one split (every row
 of a short context) is written, normalised, by that split's program, and the merge skips it. The
-grid comes from shapes only (the page table's width), the loop bounds from ``seq_lens`` on the
-device, so one launch serves any lengths and is capturable in a CUDA graph:
+grid comes from shapes only (the page table's width: ``splits`` is what its longest row may use),
+and each row cuts its own length on the device (``row_splits``): into as many of the grid's splits
+as it can without one going under ``min_split`` tokens, so a short row in a wide table (a decode
+graph's spans its longest row) still spreads over many programs. One launch serves any lengths
+and is capturable in a CUDA graph:
 
 ```
- tokens of row b | split 0: t0 .. t0+S-1 | split 1 | ... | split n-1 |   (S = split_tokens)
-                 |<------------ seq_len[b] ------------>|  splits past seq_len store nothing
+ tokens of row b | split 0: lo .. lo+S-1 | split 1 | ... | split a-1 |  (S = split_len, a = active,
+                 |<------------ seq_len[b] - lo ---------->|             lo = 0 or the window's start)
+ programs (b, *, split >= a) return at once
 ```
 
 Device data is never trusted for addressing: ``seq_len`` is clamped to ``[0, max_pages * page]``
@@ -48,13 +52,25 @@ _LOG2E = 1.4426950408889634
 
 
 def split_plan(batch: int, kv_heads: int, max_tokens: int, num_splits: int | None = None) -> tuple[int, int]:
-    """``(splits, split_tokens)`` from shapes: long page tables split until the grid has about
-    TARGET_PROGRAMS programs, never into splits shorter than SPLIT_MIN_TOKENS."""
-    if num_splits is None:
-        num_splits = min(-(-max_tokens // SPLIT_MIN_TOKENS), -(-TARGET_PROGRAMS // max(batch * kv_heads, 1)))
-    per_split = -(-max_tokens // max(num_splits, 1))
-    split_tokens = -(-per_split // BLOCK_N) * BLOCK_N
-    return -(-max_tokens // split_tokens), split_tokens
+    """``(splits, min_split)`` from shapes: the grid's splits a row, enough for the grid to have
+    about TARGET_PROGRAMS programs where the table's rows fill it, and the fewest tokens a split of
+    a row takes (SPLIT_MIN_TOKENS). A forced ``num_splits`` (tests, tuning) splits down to BLOCK_N."""
+    if num_splits is not None:
+        return max(num_splits, 1), BLOCK_N
+    splits = min(-(-max_tokens // SPLIT_MIN_TOKENS), -(-TARGET_PROGRAMS // max(batch * kv_heads, 1)))
+    return max(splits, 1), SPLIT_MIN_TOKENS
+
+
+def row_splits(seq_len: int, splits: int, min_split: int, window: int = 0) -> tuple[int, int, int]:
+    """``(lo, split_len, active)``: how the kernels cut a row of ``seq_len`` tokens (its keys ``[lo,
+    seq_len)``, the last ``window`` where one is set) into ``active`` splits of ``split_len`` tokens,
+    a multiple of BLOCK_N (``decode_kernel._row_splits``; the host's copy, for tests and plans)."""
+    lo = max(seq_len - window, 0) if window > 0 else 0
+    span = seq_len - lo
+    want = min(max(-(-span // min_split), 1), splits)
+    split_len = max(-(-span // want), 1)
+    split_len = -(-split_len // BLOCK_N) * BLOCK_N
+    return lo, split_len, -(-span // split_len)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -67,7 +83,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns ``[B, heads, D]`` in q's dtype. CUDA tensors run the kernel, others the eager twin
     (``backend`` forces one, see ``moe_offload.kernels.triton_support``). gpt-oss: ``sinks
     [heads]`` float32 logits join each head's denominator; ``window`` > 0 keeps the last ``window``
-    tokens only (the splits before them store an empty partial).
+    tokens only (the row's splits cover those alone).
 
     With ``rope``, ``q`` and ``k [B, kv_heads, D]`` are the projection's, not yet rotated, and the
     row's new token (its last) is not yet in the caches: the kernel rotates them and stores the new
@@ -93,7 +109,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
-    splits, split_tokens = split_plan(B, kv_heads, max_tokens, num_splits)
+    splits, min_split = split_plan(B, kv_heads, max_tokens, num_splits)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
@@ -105,7 +121,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     sink_ptr = sinks if sinks is not None else m  # unused without HAS_SINK
     args = (q, k_cache, v_cache, page_table, seq_lens, sink_ptr, m, denom, acc, out, out.stride(0), out.stride(1),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-            num_pages, max_tokens, split_tokens, splits, scale * _LOG2E, window)
+            num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
                   HAS_SINK=sinks is not None, num_warps=PARTIAL_WARPS if rope is None else ROPE_WARPS, **pdl_args(q))
@@ -116,9 +132,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     else:
         rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
-        m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, split_tokens, splits,
+        m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, splits, min_split, window,
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
-        HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
+        BLOCK_N=BLOCK_N, HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
     return out
 
 
