@@ -44,7 +44,7 @@ def warm_up(engine: Engine) -> float:
     start = time.perf_counter()
     runner = engine.runner
     graphs = _warm_runner(runner)
-    buckets = runner.warm_attention_plans()
+    shapes = runner.warm_attention_plans()
     _warm_kv_tier(engine)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # start-up, not a step: wait so the time is true
@@ -53,7 +53,7 @@ def warm_up(engine: Engine) -> float:
     seconds = time.perf_counter() - start
     compile_watch.arm()  # from here a compilation or a new plan is a slow step: count and log it
     log.info("warm-up: prefill chunks, decode, sampling and page copies compiled, %d decode graphs "
-             "captured, %d long-prefix attention buckets planned, in %.1f s", graphs, buckets, seconds)
+             "captured, %d long-prefix attention shapes planned, in %.1f s", graphs, shapes, seconds)
     return seconds
 
 

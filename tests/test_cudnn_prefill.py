@@ -1,7 +1,8 @@
 """The cuDNN prefill path (``worker.attention.cudnn_prefill``): the composition (gather the prefix's
-pages, two dense attentions with their log-sum-exp, merge) against the paged twin, on the CPU with
-the eager softmax in cuDNN's place and on a GPU with cuDNN itself; the merge kernel against its twin;
-the host checks; which batches take the path; and the "triton" backend through it on a tiny model."""
+pages, dense attentions over its pieces and a causal part, each with its log-sum-exp, merge) against
+the paged twin, on the CPU with the eager softmax in cuDNN's place and on a GPU with cuDNN itself;
+the merge kernel against its twin; the host checks; that warm-up plans every shape a later prefix
+launches; which batches take the path; and the "triton" backend through it on a tiny model."""
 from __future__ import annotations
 
 import os
@@ -37,9 +38,13 @@ CPU_CASES = [  # heads, kv_heads, D, page, rows (prefix, q_len): GQA 1/4/8, pref
 ]
 
 
+@pytest.mark.parametrize("block", [4096, 4, 8], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"gqa{c[0] // c[1]}")
-def test_composition_matches_paged_twin_on_cpu(case, dtype):
+def test_composition_matches_paged_twin_on_cpu(case, dtype, block, monkeypatch):
+    """Prefix blocks of 4096 (no pieces: one causal part), 4 and 8 keys (one to four pieces and a
+    remainder, merged in pairs or stacked)."""
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", block)
     heads, kv_heads, D, page, rows = case
     gen = torch.Generator().manual_seed(heads * D)
     q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
@@ -98,22 +103,70 @@ def test_query_buckets_are_few_and_pad_at_most_an_eighth():
     assert query_buckets(2048, 1 << 15) == [2048]  # 2k x 32k is the least work the path takes
 
 
-def test_warm_plans_runs_every_reachable_bucket_over_the_pool(monkeypatch):
-    """Warm-up runs the composition once per bucket, causal and over a prefix the path would take,
-    reading the pool's pages only (the pool is unchanged)."""
-    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 10)
+def test_prefix_pieces_are_the_binary_digits_of_its_blocks():
+    from worker.attention.cudnn_prefill import piece_lengths, prefix_pieces
+
+    assert prefix_pieces(131072) == [(0, 131072)]
+    assert prefix_pieces(100003) == [(0, 65536), (65536, 32768)]  # and 1,699 keys for the causal part
+    assert prefix_pieces(4095) == [] and prefix_pieces(12288) == [(0, 8192), (8192, 4096)]
+    assert piece_lengths(140000) == [4096, 8192, 16384, 32768, 65536, 131072] and piece_lengths(4095) == []
+    for prefix in range(0, 300000, 997):
+        pieces = prefix_pieces(prefix)
+        assert all(length in piece_lengths(prefix) for _, length in pieces)
+        assert [first for first, _ in pieces] == [sum(x for _, x in pieces[:i]) for i in range(len(pieces))]
+        assert 0 <= prefix - sum(length for _, length in pieces) < cudnn_prefill.PREFIX_BLOCK
+
+
+def _recording(monkeypatch) -> list[tuple]:
+    """Every dense attention's shapes and strides from now on (what cuDNN keys its plans by)."""
     seen = []
     real = cudnn_prefill.dense_attention
-    monkeypatch.setattr(cudnn_prefill, "dense_attention",
-                        lambda q, k, v, causal, scale: seen.append((q.shape[2], k.shape[2], causal)) or
-                        real(q, k, v, causal, scale))
+
+    def record(q, k, v, causal, scale):
+        seen.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), causal))
+        return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(cudnn_prefill, "dense_attention", record)
+    return seen
+
+
+def test_warm_plans_runs_every_piece_and_causal_bucket_over_the_pool(monkeypatch):
+    """Warm-up runs each query bucket over each piece length and each causal bucket once, reading
+    the pool's pages only (the pool is unchanged)."""
+    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 10)
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", 8)
+    seen = _recording(monkeypatch)
     k_cache, v_cache = torch.randn(2, 40, 4, 2, 16).unbind(0)  # 40 pages of 4 tokens, page 0 the scratch
     before = (k_cache.clone(), v_cache.clone())
     ran = cudnn_prefill.warm_plans(8, k_cache, v_cache, 64, 10_000, 0.25)
-    assert ran == len(cudnn_prefill.query_buckets(64, 39 * 4)) == 4
-    assert [n for n, _, causal in seen if causal] == [16, 32, 48, 64]
-    assert [(n, keys) for n, keys, causal in seen if not causal] == [(16, 65), (32, 33), (48, 23), (64, 17)]
+    assert cudnn_prefill.query_buckets(64, 39 * 4) == [16, 32, 48, 64]
+    assert ran == 4 * 5 + 5 == len(seen)
+    assert [(q[2], k[2]) for q, _, k, _, _, causal in seen if not causal] == [
+        (n, keys) for n in (16, 32, 48, 64) for keys in (8, 16, 32, 64, 128)]
+    assert [q[2] for q, _, k, _, _, causal in seen if causal] == [16, 32, 48, 64, 80]  # up to 64 rows after 7 keys
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_every_shape_a_prefill_launches_was_planned_by_the_warm_up(monkeypatch, block):
+    """After warm-up, chunks of any length over any prefix the path takes (within the pool and
+    ``max_q``) launch only shapes and strides that warm-up ran: no plan is built while serving."""
+    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 9)
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", block)
+    seen = _recording(monkeypatch)
+    heads, kv_heads, D, page, max_q = 4, 2, 8, 4, 40
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(2, 64, page, kv_heads, D, generator=gen).unbind(0)
+    cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, 10_000, 0.5)
+    planned = set(seen)
+    for prefix, n in [(13, 40), (100, 7), (127, 33), (64, 9), (201, 3), (222, 30)]:
+        assert n * prefix >= cudnn_prefill.MIN_PREFIX_WORK
+        table = torch.randperm(63, generator=gen)[None, :-(-(prefix + n) // page)].int() + 1
+        q = torch.randn(n, heads, D, generator=gen)
+        k, v = torch.randn(2, n, kv_heads, D, generator=gen).unbind(0)
+        seen.clear()
+        cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, table, [n], [prefix], 0.5)
+        assert seen and set(seen) <= planned, (prefix, n, set(seen) - planned)
 
 
 def test_host_checks_raise():

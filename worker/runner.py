@@ -144,7 +144,7 @@ class ModelRunner:
         self.experts.reset_stats()
 
     def warm_attention_plans(self) -> int:
-        """Plan the long-prefix attention for every query bucket a prefill chunk can reach (the
+        """Plan the long-prefix attention for every shape a prefill chunk can launch (the
         scheduler's warm-up); returns how many. gpt-oss's layers never take that path."""
         cfg = self.model_config
         if cfg.attention_sinks:

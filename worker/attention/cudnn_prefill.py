@@ -1,26 +1,28 @@
 """Prefill over a long cached prefix through cuDNN's fused attention (torch's
 ``_scaled_dot_product_cudnn_attention``: FlashAttention-3's techniques, TMA and warp specialisation,
-on sm90), which reads contiguous keys only; the pages are gathered first. Per row b of the batch:
+on sm90), which reads contiguous keys only; the pages are gathered first. cuDNN builds a plan per
+shape (about 50 ms on an H100 or H200, 0.7-2.1 s for a process's first call), so every shape the
+path launches comes from a small set that the warm-up plans (``warm_plans``). Per row b:
 
 ```
- keys [0, prefix)        gathered from the pages (one index_select each for K and V)
-                          -> cuDNN, no mask, with log-sum-exp           -> o1, lse1
- keys of the chunk        the new k, v (contiguous already)
-                          -> cuDNN, causal (top-left: q and k are the chunk), with lse -> o2, lse2
- out                      merge of the two by log-sum-exp (one Triton launch)
+ prefix [0, P)      gathered from the pages (one index_select each for K and V)
+   pieces           the binary digits of P // PREFIX_BLOCK blocks, largest first (100,003 keys:
+                    65,536 + 32,768), each cuDNN unmasked with its log-sum-exp  -> o_j, lse_j
+   remainder R      the last P mod PREFIX_BLOCK keys (1,699), ahead of the chunk's own keys
+ causal part        queries [R zero rows, chunk, zero rows] over keys [remainder, chunk, zeros],
+                    cuDNN top-left causal, both padded to one bucket (query_bucket(R + n))
+                    -> the chunk's rows o_c, lse_c
+ out                merge of the parts by log-sum-exp (one Triton launch)
 ```
 
-Each row's query length is padded up to a bucket (``query_bucket``: eight steps an octave, at
-most 1/8 more rows) with zero queries and, for the causal part, zero keys and values after the
-chunk's: top-left causal, query i sees keys 0..i only, so the real rows' results are exact and the
-padded rows are dropped. cuDNN builds a plan per shape (about 50 ms on an H200, and 2.1 s for a
-process's first call: ``scripts/bench_prefill_attention.py``, "first ms"), so the query lengths a
-prefill can reach are few and planned before serving (``warm_plans``). The prefix length is not
-bucketed: padded keys need a mask, and under an attention bias cuDNN runs about half again as
-slow (measured: ``docs/architecture.md``), so a new prefix length still plans once.
+Top-left causal: query R + i sees keys 0..R + i, the remainder and chunk keys 0..i, and never a
+padded key; the zero query rows' results are dropped. A new prefix length so meets planned shapes
+only: a piece's is (query bucket, PREFIX_BLOCK x 2^k), the causal part's its bucket, whatever P.
+Padded keys could not shorten this (they change the softmax without a mask, and under an attention
+bias cuDNN runs about half again as slow: ``docs/architecture.md``).
 
 The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
-for a 2k chunk over 128k keys); the merge reads both parts once. Lengths come from the host, page
+for a 2k chunk over 128k keys); the merge reads every part once. Lengths come from the host, page
 ids are clamped on the device before the gather, nothing is read back. cuDNN takes GQA natively
 (query heads a multiple of KV heads). CPU tensors take the same path with an eager softmax in
 place of cuDNN (the twin of the composition); the paged Triton kernel
@@ -35,19 +37,24 @@ import torch.nn.functional as F
 
 from worker import compile_watch
 from moe_offload.kernels.triton_support import next_pow2, use_triton
+from worker.attention.split_kv import merge_splits
 
 # Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
-# this many query-key pairs (a 2k chunk over 32k keys). cuDNN builds an execution plan for each new
-# shape, 48-170 ms on an H200 and every chunk's prefix is a new length, so the path must save that
-# over a model's layers: 2k over 32k saves about 1.2 ms a layer (x 48), 1k over 32k 0.65 ms, 1k
-# over 8k none (scripts/bench_prefill_attention.py, "first ms" is the plan). torch's
-# TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (one variable-length plan) measured slower (2k over 128k:
-# 0.749 of the ceiling against 0.855) and disagreed with the paged twin on a GQA-8 case.
+# this many query-key pairs (a 2k chunk over 32k keys): 2k over 32k saves about 1.2 ms a layer
+# against the paged kernel, 1k over 32k 0.65 ms, 1k over 8k nothing (H200,
+# scripts/bench_prefill_attention.py). torch's TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (one
+# variable-length plan) measured slower (2k over 128k: 0.749 of the ceiling against 0.855) and
+# disagreed with the paged twin on a GQA-8 case.
 MIN_PREFIX_WORK = 1 << 26
+# A prefix's pieces are this many keys times a power of two. Smaller: a shorter remainder in the
+# causal part, more piece lengths to plan. On an H100, a 2k chunk over 128k keys in 4k-key calls
+# took 1.06x the time of one call, in 8k-key calls 1.03x; an 8k chunk 1.01x.
+PREFIX_BLOCK = 4096
 MERGE_ROWS = 32
 HEAD_DIMS = (64, 128)
 BUCKET_BITS = 3  # 2^3 query buckets an octave: padding costs at most 1/8 of a row's attention
 MIN_BUCKET = 16
+_LOG2E = 1.4426950408889634
 
 
 def usable(q: torch.Tensor, q_lens: list[int], prefixes: list[int]) -> bool:
@@ -80,6 +87,22 @@ def query_buckets(max_q: int, max_context: int) -> list[int]:
     return buckets
 
 
+def prefix_pieces(prefix: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the prefix's pieces that cuDNN takes unmasked: one a binary digit of
+    ``prefix // PREFIX_BLOCK`` blocks, largest first; the rest of the prefix joins the causal part."""
+    pieces, start, blocks = [], 0, prefix // PREFIX_BLOCK
+    for bit in reversed(range(blocks.bit_length())):
+        if blocks >> bit & 1:
+            pieces.append((start, PREFIX_BLOCK << bit))
+            start += PREFIX_BLOCK << bit
+    return pieces
+
+
+def piece_lengths(max_prefix: int) -> list[int]:
+    """Every piece length a prefix of at most ``max_prefix`` keys can have."""
+    return [PREFIX_BLOCK << i for i in range(max(max_prefix // PREFIX_BLOCK, 0).bit_length())]
+
+
 def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, page_table: torch.Tensor, q_lens: list[int],
                             prefixes: list[int], scale: float) -> torch.Tensor:
@@ -87,39 +110,90 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     row b's ``prefixes[b]`` cached tokens in ``k/v_cache [pages, page, kv_heads, D]`` through
     ``page_table [B, max_pages]``; query i of row b sees the prefix and chunk keys 0..i."""
     _check(q, k, v, k_cache, page_table, q_lens, prefixes)
-    num_pages, page = k_cache.shape[:2]
     out, start = torch.empty_like(q), 0
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
-        q_b, k_b, v_b = (_padded_rows(x[start:start + n], query_bucket(n)) for x in (q, k, v))
-        o2, lse2 = dense_attention(q_b, k_b, v_b, True, scale)
-        if prefix == 0:
-            out[start:start + n] = o2[0, :, :n].transpose(0, 1)
-        else:
-            pages = page_table[b, :-(-prefix // page)].clamp(0, num_pages - 1)
-            k_p, v_p = (c.index_select(0, pages).flatten(0, 1)[:prefix].transpose(0, 1)[None]
-                        for c in (k_cache, v_cache))
-            o1, lse1 = dense_attention(q_b, k_p, v_p, False, scale)
-            merge_pair(o1[0, :, :n].transpose(0, 1), lse1[0, :, :n, 0].t(), o2[0, :, :n].transpose(0, 1),
-                       lse2[0, :, :n, 0].t(), out[start:start + n])
+        rows = slice(start, start + n)
+        k_p, v_p = _gathered(k_cache, v_cache, page_table[b], prefix)
+        pieces = prefix_pieces(prefix)
+        done = sum(length for _, length in pieces)
+        parts = [_causal_part(q[rows], k[rows], v[rows], k_p[done:prefix], v_p[done:prefix], scale)]
+        if pieces:
+            q_b = _padded_rows(q[rows], query_bucket(n))
+            parts += [_piece(q_b, k_p, v_p, first, length, n, scale) for first, length in pieces]
+        _merge(parts, out[rows])
         start += n
     return out
 
 
 def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: int, max_context: int,
                scale: float) -> int:
-    """Run the path once for every query bucket a prefill can reach (``query_buckets``), over a
-    prefix of the pool's pages (read only), so that cuDNN has planned each bucket before serving.
-    Returns how many buckets it ran."""
+    """Plan every shape the path can launch before serving: each query bucket (``query_buckets``)
+    over each piece length, and each causal bucket up to ``max_q`` rows after a remainder, over
+    keys gathered from the pool's pages (read only). Returns how many shapes it ran."""
     num_pages, page, kv_heads, D = k_cache.shape
     room = (num_pages - 1) * page  # page 0 is the scratch page
-    buckets = [n for n in query_buckets(max_q, min(max_context, room)) if -(-MIN_PREFIX_WORK // n) + n <= room]
+    top = min(max_context, room)
+    lengths = piece_lengths(top)
+    causal = [n for n in query_buckets(max_q + PREFIX_BLOCK - 1, top) if n <= room]
+    pages = torch.arange(1, num_pages, dtype=torch.int32, device=k_cache.device)
+    k_p, v_p = _gathered(k_cache, v_cache, pages, max(lengths + causal, default=0))
+    buckets = query_buckets(max_q, top)
     for n in buckets:
-        prefix = -(-MIN_PREFIX_WORK // n) | 1  # a length the path takes, and no multiple of 16
-        q = k_cache.new_zeros(n, heads, D)
-        k = k_cache.new_zeros(n, kv_heads, D)
-        table = torch.arange(1, -(-(prefix + n) // page) + 1, dtype=torch.int32, device=k_cache.device)[None]
-        cached_prefix_attention(q, k, k, k_cache, v_cache, table, [n], [prefix], scale)
-    return len(buckets)
+        q_b = k_cache.new_zeros(n, heads, D).transpose(0, 1)[None]
+        for length in lengths:
+            _piece(q_b, k_p, v_p, 0, length, n, scale)
+    one = k_cache.new_zeros(1, heads, D)
+    for n in causal:  # one query after n - 1 remainder keys: the bucket of n
+        _causal_part(one, k_p[:1], v_p[:1], k_p[:n - 1], v_p[:n - 1], scale)
+    return len(buckets) * len(lengths) + len(causal)
+
+
+def _gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,
+              prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``prefix`` tokens' keys and values of a row (at least; whole pages) as ``[S,
+    kv_heads, D]``, contiguous; its page ids clamped into the pool first."""
+    num_pages, page = k_cache.shape[:2]
+    pages = table_row[:-(-prefix // page)].clamp(0, num_pages - 1)
+    return tuple(c.index_select(0, pages).flatten(0, 1) for c in (k_cache, v_cache))
+
+
+def _piece(q_b: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, first: int, length: int, n: int,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bucketed queries ``q_b`` over gathered keys ``[first, first + length)``, unmasked: the
+    first ``n`` rows' output ``[n, heads, D]`` and lse ``[n, heads]``. The keys' view has the same
+    strides for every prefix (cuDNN keys its plans by strides too)."""
+    kv_heads, D = k_p.shape[1:]
+    size, strides = (1, kv_heads, length, D), (length * kv_heads * D, D, kv_heads * D, 1)
+    keys, values = (x.as_strided(size, strides, x.storage_offset() + first * kv_heads * D) for x in (k_p, v_p))
+    o, lse = dense_attention(q_b, keys, values, False, scale)
+    return o[0, :, :n].transpose(0, 1), lse[0, :, :n, 0].t()
+
+
+def _causal_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rest: torch.Tensor, v_rest: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's queries ``q [n, heads, D]`` over the prefix's last keys ``k/v_rest [R, kv_heads,
+    D]`` and its own ``k, v`` causally: one top-left causal call over ``query_bucket(R + n)`` rows
+    and keys, the queries after R zero rows. The chunk's output ``[n, heads, D]`` and lse ``[n, heads]``."""
+    R, n = k_rest.shape[0], q.shape[0]
+    rows = query_bucket(R + n)
+    q_pad = q.new_zeros(rows, *q.shape[1:])
+    q_pad[R:R + n] = q
+    kv = [torch.cat([rest, new, new.new_zeros(rows - R - n, *new.shape[1:])]) for rest, new in ((k_rest, k), (v_rest, v))]
+    o, lse = dense_attention(q_pad.transpose(0, 1)[None], *(x.transpose(0, 1)[None] for x in kv), True, scale)
+    return o[0, :, R:R + n].transpose(0, 1), lse[0, :, R:R + n, 0].t()
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+    """``out`` from normalised parts ``(o [n, heads, D], natural-log lse [n, heads])``: one part
+    copied, two by ``merge_pair``, more stacked for ``split_kv.merge_splits`` (base-2 lse)."""
+    if len(parts) == 1:
+        out.copy_(parts[0][0])
+    elif len(parts) == 2:
+        merge_pair(*parts[0], *parts[1], out)
+    else:
+        part_o = torch.stack([o for o, _ in parts])
+        part_lse = torch.stack([lse for _, lse in parts]).mul_(_LOG2E)
+        merge_splits(part_o, part_lse, out)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -79,7 +79,7 @@ class TritonAttention:
                                        self.scale, blocks=plan.blocks)
 
     def warm_plans(self, heads: int, max_q: int, max_context: int) -> int:
-        """Plan cuDNN's attention for every query bucket the long-prefix path can take (warm-up);
+        """Plan cuDNN's attention for every shape the long-prefix path can launch (warm-up);
         returns how many. A refusal here sends every prefill to the paged kernel, as in serving."""
         k_cache, v_cache = self.pool.k[0], self.pool.v[0]
         if not (self.cudnn and cudnn_prefill.supported(k_cache.device, k_cache.dtype, k_cache.shape[-1])):

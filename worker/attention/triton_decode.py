@@ -33,21 +33,19 @@ from worker.models.rotary import RopeInputs
 
 BLOCK_N = 64  # tokens per inner step; splits are multiples of it
 SPLIT_MIN_TOKENS = 256  # a split shorter than this costs more to merge than it saves
-# enough programs to fill an H200's 132 SMs several times over. Fewer, longer splits measured faster
-# where the table is as wide as the row (scripts/bench_decode_attention.py --sweep, H100: 256 at
-# batch 1 over 131k 107-111 us a layer against 113-122 for 1024), but the plan comes from the
-# table's width, and a decode graph's table spans its longest row: with 256, a 4k row in a 140k-wide
-# table would take 2 splits a KV head (8 programs). A served nvfp4 session with 256 decoded short
-# contexts at 6.5 ms a token against 4.7 with 1024 (another H100, not the same machine): kept at
-# 1024 until a split's length follows the row's own length on the device.
-TARGET_PROGRAMS = 1024
+# programs the split plan aims at where the table's rows fill it. Since each row cuts its own length
+# on the device, fewer and longer splits measured faster in the served case too (graph tables 140k
+# wide; scripts/bench_decode_attention.py --sweep --table-tokens 140000, H100, us a layer, 1024 ->
+# 256 with 4 pipeline stages): batch 1 over 131k 118.0 -> 106.1, over 32k 36.8 -> 35.0, over 4k
+# 16.0 -> 15.8; batch 8 over 32k 231.2 -> 205.9, over 4k 39.7 -> 36.8, over 131k 759.3 -> 791.9.
+TARGET_PROGRAMS = 256
 REDUCE_CHUNK = 128  # splits merged per step of the reduce loop: a 128k-token row takes 2-4 steps
 REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHUNK x this, in float32)
 # the partial kernel with RoPE inside: with 4, 246 registers a thread and a slower step (H200);
 # SLUICE_ROPE_WARPS=N times another count in a whole step (bench_decode.py), unset in serving
 ROPE_WARPS = int(os.environ.get("SLUICE_ROPE_WARPS", "8"))
 PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
-PARTIAL_STAGES = None  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
+PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
 _LOG2E = 1.4426950408889634
 
 
