@@ -147,6 +147,19 @@ def test_warm_plans_runs_every_piece_and_causal_bucket_over_the_pool(monkeypatch
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
 
 
+def test_warm_plans_compiles_both_merges(monkeypatch):
+    """A prefix of two pieces and a remainder merges three parts (``merge_splits``), of one piece
+    two (``merge_pair``): warm-up runs both kernels once, so serving compiles neither."""
+    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 10)
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", 8)
+    merged = []
+    monkeypatch.setattr(cudnn_prefill, "merge_pair", lambda *a: merged.append(2))
+    monkeypatch.setattr(cudnn_prefill, "merge_splits", lambda o, lse, out: merged.append(o.shape[0]))
+    k_cache, v_cache = torch.randn(2, 40, 4, 2, 16).unbind(0)
+    cudnn_prefill.warm_plans(8, k_cache, v_cache, 64, 10_000, 0.25)
+    assert merged == [2, 3]
+
+
 @pytest.mark.parametrize("block", [8, 16])
 def test_every_shape_a_prefill_launches_was_planned_by_the_warm_up(monkeypatch, block):
     """After warm-up, chunks of any length over any prefix the path takes (within the pool and

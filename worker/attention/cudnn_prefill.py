@@ -144,7 +144,10 @@ def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: 
             _piece(q_b, k_p, v_p, 0, length, n, scale)
     one = k_cache.new_zeros(1, heads, D)
     for n in causal:  # one query after n - 1 remainder keys: the bucket of n
-        _causal_part(one, k_p[:1], v_p[:1], k_p[:n - 1], v_p[:n - 1], scale)
+        part = _causal_part(one, k_p[:1], v_p[:1], k_p[:n - 1], v_p[:n - 1], scale)
+    if causal:  # the merges' kernels, of two parts and of more
+        _merge([part] * 2, one.clone())
+        _merge([part] * 3, one.clone())
     return len(buckets) * len(lengths) + len(causal)
 
 
