@@ -57,6 +57,27 @@ def test_composition_matches_paged_twin_on_cpu(case, dtype, block, monkeypatch):
         assert rel_err(out, want) < 1e-2
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_composition_through_the_merge_kernels_interpreted(dtype, monkeypatch):
+    """The merges as Triton runs them (interpreted): rows of one part, two (``merge_pair``) and up
+    to four stacked in the prefix's dtype (``merge_splits``), against the paged twin."""
+    from moe_offload.kernels.triton_support import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", 4)
+    heads, kv_heads, D, page, rows = 8, 2, 16, 4, [(30, 5), (2, 3), (4, 6), (13, 4)]  # 4, 1, 2 and 3 parts
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
+                                                                             dtype, "cpu")
+    out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, D ** -0.5)
+    want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(out, want) < 1e-2
+
+
 def test_dense_attention_twin_returns_the_log_sum_exp():
     """The CPU twin's lse is log sum_j exp(s_ij) of the visible keys (top-left causal)."""
     gen = torch.Generator().manual_seed(2)

@@ -139,14 +139,14 @@ def window_pool_tokens(model: ModelConfig, config: RunnerConfig, on_gpu: bool) -
 
 def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool) -> int:
     """A generous estimate of a prefill chunk's transient memory: per-token activations, the
-    logits, one layer's K and V of ``context`` keys gathered from the pages and its parts' outputs,
-    each twice (the cuDNN prefill path; the paged kernel reads the pages in place), and with the
-    torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA makes of it, for
-    ``tokens`` attending over up to ``context`` keys."""
+    logits, one layer's K and V of ``context`` keys gathered from the pages, its parts' outputs
+    stacked and the one being computed (the cuDNN prefill path; the paged kernel reads the pages in
+    place), and with the torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA
+    makes of it, for ``tokens`` attending over up to ``context`` keys."""
     per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
     logits = tokens * model.vocab_size
     gathered = 2 * context * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
-    parts = 2 * (len(piece_lengths(context)) + 1) * tokens * model.num_heads * model.head_dim * 2
+    parts = (len(piece_lengths(context)) + 2) * tokens * model.num_heads * model.head_dim * 2
     mask = 3 * tokens * context if torch_attention else 0
     return 4 * (tokens * per_token + logits) + gathered + parts + mask + ACTIVATION_SLACK
 

@@ -31,6 +31,8 @@ place of cuDNN (the twin of the composition); the paged Triton kernel
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +118,10 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         k_p, v_p = _gathered(k_cache, v_cache, page_table[b], prefix)
         pieces = prefix_pieces(prefix)
         done = sum(length for _, length in pieces)
-        parts = [_causal_part(q[rows], k[rows], v[rows], k_p[done:prefix], v_p[done:prefix], scale)]
-        if pieces:
-            q_b = _padded_rows(q[rows], query_bucket(n))
-            parts += [_piece(q_b, k_p, v_p, first, length, n, scale) for first, length in pieces]
-        _merge(parts, out[rows])
+        causal = _causal_part(q[rows], k[rows], v[rows], k_p[done:prefix], v_p[done:prefix], scale)
+        q_b = _padded_rows(q[rows], query_bucket(n)) if pieces else None
+        _merge(causal, (_piece(q_b, k_p, v_p, first, length, n, scale) for first, length in pieces), len(pieces),
+               out[rows])
         start += n
     return out
 
@@ -146,8 +147,8 @@ def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: 
     for n in causal:  # one query after n - 1 remainder keys: the bucket of n
         part = _causal_part(one, k_p[:1], v_p[:1], k_p[:n - 1], v_p[:n - 1], scale)
     if causal:  # the merges' kernels, of two parts and of more
-        _merge([part] * 2, one.clone())
-        _merge([part] * 3, one.clone())
+        _merge(part, iter([part]), 1, one.clone())
+        _merge(part, iter([part] * 2), 2, one.clone())
     return len(buckets) * len(lengths) + len(causal)
 
 
@@ -186,16 +187,23 @@ def _causal_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rest: torc
     return o[0, :, R:R + n].transpose(0, 1), lse[0, :, R:R + n, 0].t()
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
-    """``out`` from normalised parts ``(o [n, heads, D], natural-log lse [n, heads])``: one part
-    copied, two by ``merge_pair``, more stacked for ``split_kv.merge_splits`` (base-2 lse)."""
-    if len(parts) == 1:
-        out.copy_(parts[0][0])
-    elif len(parts) == 2:
-        merge_pair(*parts[0], *parts[1], out)
+def _merge(first: tuple[torch.Tensor, torch.Tensor], rest: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,
+           out: torch.Tensor) -> None:
+    """``out`` from normalised parts ``(o [n, heads, D], natural-log lse [n, heads])``: ``first`` and
+    the ``count`` parts that ``rest`` computes one at a time. One part is copied, two merged by
+    ``merge_pair``; more are stacked as they come (each part's own output is freed before the next
+    is computed) for ``split_kv.merge_splits`` (base-2 lse)."""
+    if count == 0:
+        out.copy_(first[0])
+    elif count == 1:
+        merge_pair(*first, *next(rest), out)
     else:
-        part_o = torch.stack([o for o, _ in parts])
-        part_lse = torch.stack([lse for _, lse in parts]).mul_(_LOG2E)
+        n, heads, D = out.shape
+        part_o = out.new_empty(count + 1, n, heads, D)
+        part_lse = torch.empty(count + 1, n, heads, dtype=torch.float32, device=out.device)
+        for j, (o, lse) in enumerate(itertools.chain([first], rest)):
+            part_o[j].copy_(o)
+            torch.mul(lse, _LOG2E, out=part_lse[j])
         merge_splits(part_o, part_lse, out)
 
 
