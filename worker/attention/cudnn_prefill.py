@@ -182,7 +182,8 @@ def _causal_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rest: torc
     rows = query_bucket(R + n)
     q_pad = q.new_zeros(rows, *q.shape[1:])
     q_pad[R:R + n] = q
-    kv = [torch.cat([rest, new, new.new_zeros(rows - R - n, *new.shape[1:])]) for rest, new in ((k_rest, k), (v_rest, v))]
+    kv = [torch.cat([rest, new, new.new_zeros(rows - R - n, *new.shape[1:])])
+          for rest, new in ((k_rest, k), (v_rest, v))]
     o, lse = dense_attention(q_pad.transpose(0, 1)[None], *(x.transpose(0, 1)[None] for x in kv), True, scale)
     return o[0, :, R:R + n].transpose(0, 1), lse[0, :, R:R + n, 0].t()
 
