@@ -175,3 +175,15 @@ def runner_reserves_its_plan() -> None:
     assert r.plan.expert_slots > 0 and r.plan.kv_bytes > 0, r.plan
     free = r.memory.free()
     assert abs(free - left) < 64 * 2**20, f"free {free} bytes, the plan left {left}"  # the cache and the pool took it
+
+
+def test_activations_count_the_cudnn_paths_parts_where_a_layer_can_take_it():
+    """A prefill over 128k keys may merge up to seven parts (six pieces and the causal one): their
+    outputs stacked and the one being computed count, for head dims cuDNN fuses and no sinks."""
+    tokens, context = 8192, 131072
+    part = tokens * CFG.num_heads * CFG.head_dim * 2
+    assert activation_bytes(CFG, tokens, context, False) - activation_bytes(CFG, tokens, 4095, False) == (
+        (6 + 2) * part - 2 * part + 2 * (context - 4095) * CFG.num_kv_heads * CFG.head_dim * 2)
+    for other in (replace(CFG, head_dim=256), replace(CFG, attention_sinks=True)):
+        parts_free = activation_bytes(other, tokens, context, False) - activation_bytes(other, tokens, 4095, False)
+        assert parts_free == 2 * (context - 4095) * other.num_kv_heads * other.head_dim * 2  # the gather only

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from worker.attention.cudnn_prefill import piece_lengths
+from worker.attention.cudnn_prefill import HEAD_DIMS, piece_lengths
 from worker.config import ModelConfig
 from worker.runner_config import ExpertOptions, RunnerConfig
 
@@ -146,7 +146,8 @@ def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attent
     per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
     logits = tokens * model.vocab_size
     gathered = 2 * context * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
-    parts = (len(piece_lengths(context)) + 2) * tokens * model.num_heads * model.head_dim * 2
+    cudnn = model.head_dim in HEAD_DIMS and not model.attention_sinks  # the layers that may take it
+    parts = (len(piece_lengths(context)) + 2) * tokens * model.num_heads * model.head_dim * 2 if cudnn else 0
     mask = 3 * tokens * context if torch_attention else 0
     return 4 * (tokens * per_token + logits) + gathered + parts + mask + ACTIVATION_SLACK
 
