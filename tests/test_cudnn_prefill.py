@@ -6,6 +6,7 @@ launches; which batches take the path; and the "triton" backend through it on a 
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -73,6 +74,25 @@ def test_composition_through_the_merge_kernels_interpreted(dtype, monkeypatch):
     monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", 4)
     rows = [(30, 5), (2, 3), (4, 6), (13, 4)]  # 4, 1, 2 and 3 parts
     assert_composition_matches_paged_twin(torch.Generator().manual_seed(11), 8, 2, 16, 4, rows, dtype)
+
+
+def test_the_stacked_merge_frees_each_part_before_the_next_is_computed():
+    """Beside the stack, one part's output at a time (what the memory plan counts)."""
+    refs, alive = [], []
+
+    def part():
+        o = torch.randn(3, 2, 4)
+        refs.append(weakref.ref(o))
+        return o, torch.randn(3, 2)
+
+    def parts():
+        for _ in range(4):
+            alive.append(sum(r() is not None for r in refs))
+            yield part()
+
+    out = torch.empty(3, 2, 4)
+    cudnn_prefill._merge(parts(), 4, out)
+    assert alive == [0, 0, 0, 0] and torch.isfinite(out).all()
 
 
 def test_dense_attention_twin_returns_the_log_sum_exp():

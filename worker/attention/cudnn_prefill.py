@@ -31,7 +31,6 @@ place of cuDNN (the twin of the composition); the paged Triton kernel
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -116,11 +115,7 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
         rows = slice(start, start + n)
         k_p, v_p = _gathered(k_cache, v_cache, page_table[b], prefix)
-        pieces = prefix_pieces(prefix)
-        done = sum(length for _, length in pieces)
-        causal = _causal_part(q[rows], k[rows], v[rows], k_p[done:prefix], v_p[done:prefix], scale)
-        q_b = _padded_rows(q[rows], query_bucket(n)) if pieces else None
-        _merge(causal, (_piece(q_b, k_p, v_p, first, length, n, scale) for first, length in pieces), len(pieces),
+        _merge(_row_parts(q[rows], k[rows], v[rows], k_p, v_p, prefix, scale), len(prefix_pieces(prefix)) + 1,
                out[rows])
         start += n
     return out
@@ -147,8 +142,8 @@ def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: 
     for n in causal:  # one query after n - 1 remainder keys: the bucket of n
         part = _causal_part(one, k_p[:1], v_p[:1], k_p[:n - 1], v_p[:n - 1], scale)
     if causal:  # the merges' kernels, of two parts and of more
-        _merge(part, iter([part]), 1, one.clone())
-        _merge(part, iter([part] * 2), 2, one.clone())
+        _merge(iter([part] * 2), 2, one.clone())
+        _merge(iter([part] * 3), 3, one.clone())
     return len(buckets) * len(lengths) + len(causal)
 
 
@@ -188,23 +183,35 @@ def _causal_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rest: torc
     return o[0, :, R:R + n].transpose(0, 1), lse[0, :, R:R + n, 0].t()
 
 
-def _merge(first: tuple[torch.Tensor, torch.Tensor], rest: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,
-           out: torch.Tensor) -> None:
-    """``out`` from normalised parts ``(o [n, heads, D], natural-log lse [n, heads])``: ``first`` and
-    the ``count`` parts that ``rest`` computes one at a time. One part is copied, two merged by
-    ``merge_pair``; more are stacked as they come (each part's own output is freed before the next
-    is computed) for ``split_kv.merge_splits`` (base-2 lse)."""
-    if count == 0:
-        out.copy_(first[0])
-    elif count == 1:
-        merge_pair(*first, *next(rest), out)
+def _row_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor,
+               prefix: int, scale: float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A row's parts, each computed when the merge asks for it: the causal part (the prefix's
+    rest and the chunk), then one a piece of the prefix (``prefix_pieces``)."""
+    pieces = prefix_pieces(prefix)
+    done = sum(length for _, length in pieces)
+    yield _causal_part(q, k, v, k_p[done:prefix], v_p[done:prefix], scale)
+    q_b = _padded_rows(q, query_bucket(q.shape[0])) if pieces else None
+    for first, length in pieces:
+        yield _piece(q_b, k_p, v_p, first, length, q.shape[0], scale)
+
+
+def _merge(parts: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int, out: torch.Tensor) -> None:
+    """``out`` from ``count`` normalised parts ``(o [n, heads, D], natural-log lse [n, heads])``:
+    one is copied, two merged by ``merge_pair``; more are stacked as ``parts`` yields them (a part's
+    own output is freed before the next is computed) for ``split_kv.merge_splits`` (base-2 lse)."""
+    if count == 1:
+        out.copy_(next(parts)[0])
+    elif count == 2:
+        merge_pair(*next(parts), *next(parts), out)
     else:
         n, heads, D = out.shape
-        part_o = out.new_empty(count + 1, n, heads, D)
-        part_lse = torch.empty(count + 1, n, heads, dtype=torch.float32, device=out.device)
-        for j, (o, lse) in enumerate(itertools.chain([first], rest)):
+        part_o = out.new_empty(count, n, heads, D)
+        part_lse = torch.empty(count, n, heads, dtype=torch.float32, device=out.device)
+        for j in range(count):  # not enumerate: its reused result tuple would keep the last part alive
+            o, lse = next(parts)
             part_o[j].copy_(o)
             torch.mul(lse, _LOG2E, out=part_lse[j])
+            del o, lse
         merge_splits(part_o, part_lse, out)
 
 
