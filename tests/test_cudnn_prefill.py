@@ -267,6 +267,52 @@ def test_triton_backend_through_the_composition_matches_torch(tmp_path, monkeypa
     assert calls == [[10, 71, 0], [72, 3, 50]]  # decided once per batch with a cached prefix, not per layer
 
 
+@pytest.mark.parametrize("kernels", ["eager", pytest.param("triton", marks=interpreted)])
+def test_rows_below_the_warmed_buckets_take_the_paged_kernel_beside_the_composition(tmp_path, monkeypatch, kernels):
+    """After a warm-up whose least query bucket is 32, a row of fewer queries in a batch on the cuDNN
+    path goes to the paged kernel (as a batch of its own rows) and the rest to the composition;
+    the logits are the torch backend's."""
+    from worker.attention import triton_backend
+
+    monkeypatch.setenv("SLUICE_KERNELS", kernels)
+    monkeypatch.setattr(triton_backend.TritonAttention, "min_rows", 32)
+    monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: True)
+    skipped, paged = [], []
+    real_cudnn, real_paged = cudnn_prefill.cached_prefix_attention, triton_backend.paged_prefill_attention
+
+    def cudnn(*args, skip=()):
+        skipped.append(list(skip))
+        return real_cudnn(*args, skip=skip)
+
+    def paged_kernel(q, k_cache, v_cache, table, seq_lens, q_lens, scale, **kw):
+        paged.append(list(q_lens))
+        return real_paged(q, k_cache, v_cache, table, seq_lens, q_lens, scale, **kw)
+
+    monkeypatch.setattr(cudnn_prefill, "cached_prefix_attention", cudnn)
+    monkeypatch.setattr(triton_backend, "paged_prefill_attention", paged_kernel)
+    assert_backends_agree(tmp_path)
+    # rows (40, 1, 3) over prefixes (10, 71, 0), then (1, 66, 1) over (72, 3, 50); two layers each
+    assert skipped == [[1, 2]] * 2 + [[0, 2]] * 2
+    assert paged == [[1, 3]] * 2 + [[1, 1]] * 2
+
+
+def test_the_backends_warm_up_sets_the_least_rows_it_planned(monkeypatch):
+    from types import SimpleNamespace
+
+    from worker.attention.triton_backend import TritonAttention
+
+    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 10)
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", 8)
+    monkeypatch.setattr(cudnn_prefill, "supported", lambda device, dtype, head_dim: True)
+    k_cache, v_cache = torch.randn(2, 40, 4, 2, 16).unbind(0)
+    backend = TritonAttention(SimpleNamespace(k=[k_cache], v=[v_cache]), 0.25)
+    assert backend.min_rows == 0  # before: every row of a batch on the path takes it
+    assert backend.warm_plans(8, 64, 10_000) == 4 * 5 + 5
+    assert backend.min_rows == 16 == cudnn_prefill.warm_buckets(k_cache, 64, 10_000)[0]
+    monkeypatch.setattr(cudnn_prefill, "MIN_PREFIX_WORK", 1 << 12)  # 4096 / 156 keys: 27 rows at least
+    assert backend.warm_plans(8, 64, 10_000) == 3 * 5 + 4 and backend.min_rows == 32
+
+
 def test_a_refusal_by_cudnn_falls_back_to_the_paged_kernel_for_good(tmp_path, monkeypatch, caplog):
     """cuDNN refusing a call (as it does on the host when it cannot build a plan) is logged once;
     that batch and every later one take the paged kernel, with the same logits."""

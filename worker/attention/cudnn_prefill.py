@@ -31,7 +31,7 @@ place of cuDNN (the twin of the composition); the paged Triton kernel
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -106,14 +106,18 @@ def piece_lengths(max_prefix: int) -> list[int]:
 
 def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, page_table: torch.Tensor, q_lens: list[int],
-                            prefixes: list[int], scale: float) -> torch.Tensor:
+                            prefixes: list[int], scale: float, skip: Collection[int] = ()) -> torch.Tensor:
     """``q [T, heads, D]`` packed by row (``q_lens``), the chunk's own ``k, v [T, kv_heads, D]``,
     row b's ``prefixes[b]`` cached tokens in ``k/v_cache [pages, page, kv_heads, D]`` through
-    ``page_table [B, max_pages]``; query i of row b sees the prefix and chunk keys 0..i."""
+    ``page_table [B, max_pages]``; query i of row b sees the prefix and chunk keys 0..i. The rows
+    in ``skip`` are left unwritten (the caller's to fill)."""
     _check(q, k, v, k_cache, page_table, q_lens, prefixes)
     out, start = torch.empty_like(q), 0
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
         rows = slice(start, start + n)
+        if b in skip:
+            start += n
+            continue
         k_p, v_p = _gathered(k_cache, v_cache, page_table[b], prefix)
         _merge(_row_parts(q[rows], k[rows], v[rows], k_p, v_p, prefix, scale), len(prefix_pieces(prefix)) + 1,
                out[rows])
@@ -130,10 +134,10 @@ def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: 
     room = (num_pages - 1) * page  # page 0 is the scratch page
     top = min(max_context, room)
     lengths = piece_lengths(top)
+    buckets = warm_buckets(k_cache, max_q, max_context)
     causal = [n for n in query_buckets(max_q + PREFIX_BLOCK - 1, top) if n <= room]
     pages = torch.arange(1, num_pages, dtype=torch.int32, device=k_cache.device)
     k_p, v_p = _gathered(k_cache, v_cache, pages, max(lengths + causal, default=0))
-    buckets = query_buckets(max_q, top)
     for n in buckets:
         q_b = k_cache.new_zeros(n, heads, D).transpose(0, 1)[None]
         for length in lengths:
@@ -145,6 +149,13 @@ def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: 
         _merge(iter([part] * 2), 2, one.clone())
         _merge(iter([part] * 3), 3, one.clone())
     return len(buckets) * len(lengths) + len(causal)
+
+
+def warm_buckets(k_cache: torch.Tensor, max_q: int, max_context: int) -> list[int]:
+    """The query buckets ``warm_plans`` plans over this pool: a row's own prefix work reaching the
+    threshold takes one of them."""
+    num_pages, page = k_cache.shape[:2]
+    return query_buckets(max_q, min(max_context, (num_pages - 1) * page))
 
 
 def _gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,

@@ -2,7 +2,9 @@
 
     decode batch (one new token per row)   paged_decode_attention   (worker.attention.triton_decode)
     rows with a cached prefix, enough work  cached_prefix_attention  (worker.attention.cudnn_prefill):
-                                            the prefix's pages gathered, cuDNN's fused kernel, merged
+                                            the prefix's pages gathered, cuDNN's fused kernel, merged;
+                                            a row of fewer queries than the warm-up planned for takes
+                                            the paged kernel beside it
     rows with a cached prefix, otherwise    paged_prefill_attention  (worker.attention.triton_prefill)
     rows without one                        SDPA's fused causal kernel over the new K/V, which are
                                             contiguous already (flash attention on a GPU)
@@ -30,17 +32,32 @@ log = logging.getLogger("sluice.worker")
 ROPE_INSIDE_ENV = "SLUICE_ROPE_INSIDE"
 
 
+class SmallRows(NamedTuple):
+    """The rows of a cuDNN batch with fewer queries than the warm-up planned: the paged kernel's."""
+
+    rows: list[int]  # their places in the batch
+    q_lens: list[int]
+    tokens: torch.Tensor  # int64, their queries' places in the packed q
+    table_rows: torch.Tensor  # int64, ``rows`` on the device (page table and lengths)
+    blocks: PrefillBlocks
+
+
 class PrefillPlan(NamedTuple):
     """How a prefill batch with a cached prefix attends, decided at its first layer."""
 
     batch: ForwardBatch
     prefixes: list[int]  # cached tokens per row, from the host
     blocks: PrefillBlocks | None  # the paged kernel's block list; None: the cuDNN path
+    small: SmallRows | None = None  # on the cuDNN path, the rows it leaves to the paged kernel
 
 
 @register("triton")
 class TritonAttention:
     """The paths of the table above, chosen from host-known lengths only, once per batch."""
+
+    # the fewest queries a row takes to the cuDNN path: from the warm-up on, the least it planned
+    # (a row of fewer in a batch with a larger one would plan cuDNN's shapes while serving)
+    min_rows = 0
 
     def __init__(self, pool: KVPool, scale: float):
         self.pool = pool
@@ -70,8 +87,7 @@ class TritonAttention:
         plan = self._prefill_plan(batch, q, k_cache)
         if plan.blocks is None:
             try:
-                return cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table,
-                                                             batch.q_lens, plan.prefixes, self.scale)
+                return self._cudnn_prefill(plan, q, k, v, k_cache, v_cache)
             except cudnn_prefill.CudnnRefused as e:
                 self._refused(e)
                 plan = self._plan = plan._replace(blocks=_block_table(batch, q, k_cache, plan.prefixes))
@@ -85,10 +101,26 @@ class TritonAttention:
         if not (self.cudnn and cudnn_prefill.supported(k_cache.device, k_cache.dtype, k_cache.shape[-1])):
             return 0
         try:
-            return cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, max_context, self.scale)
+            shapes = cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, max_context, self.scale)
         except cudnn_prefill.CudnnRefused as e:
             self._refused(e)
             return 0
+        self.min_rows = min(cudnn_prefill.warm_buckets(k_cache, max_q, max_context), default=0)
+        return shapes
+
+    def _cudnn_prefill(self, plan: PrefillPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The cuDNN path's rows, then the paged kernel's (``plan.small``) into the same output."""
+        batch, small = plan.batch, plan.small
+        out = cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table, batch.q_lens,
+                                                    plan.prefixes, self.scale, skip=small.rows if small else ())
+        if small is not None:
+            rows = small.table_rows
+            part = paged_prefill_attention(q.index_select(0, small.tokens), k_cache, v_cache,
+                                           batch.page_table.index_select(0, rows), batch.seq_lens.index_select(0, rows),
+                                           small.q_lens, self.scale, blocks=small.blocks)
+            out.index_copy_(0, small.tokens, part)
+        return out
 
     def _refused(self, e: cudnn_prefill.CudnnRefused) -> None:
         self.cudnn = False
@@ -99,13 +131,37 @@ class TritonAttention:
         if self._plan is None or self._plan.batch is not batch or (not cudnn and self._plan.blocks is None):
             prefixes = [s - n for s, n in zip(batch.seq_lens_host, batch.q_lens)]
             cudnn = cudnn and self.cudnn and cudnn_prefill.usable(q, batch.q_lens, prefixes)
-            self._plan = PrefillPlan(batch, prefixes, None if cudnn else _block_table(batch, q, k_cache, prefixes))
+            small = [b for b, n in enumerate(batch.q_lens) if cudnn_prefill.query_bucket(n) < self.min_rows]
+            if not cudnn or len(small) == len(prefixes):
+                self._plan = PrefillPlan(batch, prefixes, _block_table(batch, q, k_cache, prefixes))
+            else:
+                self._plan = PrefillPlan(batch, prefixes, None, _small_rows(batch, q, k_cache, prefixes, small))
         return self._plan
 
 
-def _block_table(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, prefixes: list[int]) -> PrefillBlocks:
+def _block_table(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, prefixes: list[int],
+                 q_lens: list[int] | None = None) -> PrefillBlocks:
     group = q.shape[1] // k_cache.shape[2]
-    return prefill_block_table(batch.q_lens, group, q.device, tile_for(q.dtype, q.shape[2]), prefixes)
+    return prefill_block_table(q_lens or batch.q_lens, group, q.device, tile_for(q.dtype, q.shape[2]), prefixes)
+
+
+def _small_rows(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, prefixes: list[int],
+                rows: list[int]) -> SmallRows | None:
+    """``rows`` of the batch as a batch of their own for the paged kernel (None if there are none):
+    their queries' places and row numbers copied to the device once, their block list."""
+    if not rows:
+        return None
+    starts = [sum(batch.q_lens[:b]) for b in rows]
+    q_lens = [batch.q_lens[b] for b in rows]
+    tokens = [t for start, n in zip(starts, q_lens) for t in range(start, start + n)]
+    blocks = _block_table(batch, q, k_cache, [prefixes[b] for b in rows], q_lens)
+    return SmallRows(rows, q_lens, _on_device(tokens, q.device), _on_device(rows, q.device), blocks)
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on ``device``: one pinned, non-blocking copy on CUDA."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int],
