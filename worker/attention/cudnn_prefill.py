@@ -119,7 +119,8 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
             start += n
             continue
         k_p, v_p = _gathered(k_cache, v_cache, page_table[b], prefix)
-        _merge(_row_parts(q[rows], k[rows], v[rows], k_p, v_p, prefix, scale), len(prefix_pieces(prefix)) + 1,
+        pieces = prefix_pieces(prefix)
+        _merge(_row_parts(q[rows], k[rows], v[rows], k_p[:prefix], v_p[:prefix], pieces, scale), len(pieces) + 1,
                out[rows])
         start += n
     return out
@@ -161,8 +162,10 @@ def warm_buckets(k_cache: torch.Tensor, max_q: int, max_context: int) -> list[in
 def _gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,
               prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``prefix`` tokens' keys and values of a row (at least; whole pages) as ``[S,
-    kv_heads, D]``, contiguous; its page ids clamped into the pool first."""
-    num_pages, page = k_cache.shape[:2]
+    kv_heads, D]``, contiguous; its page ids clamped into the pool first. No prefix: no launch."""
+    num_pages, page, kv_heads, D = k_cache.shape
+    if prefix == 0:
+        return k_cache.new_empty(0, kv_heads, D), v_cache.new_empty(0, kv_heads, D)
     pages = table_row[:-(-prefix // page)].clamp(0, num_pages - 1)
     return tuple(c.index_select(0, pages).flatten(0, 1) for c in (k_cache, v_cache))
 
@@ -195,12 +198,12 @@ def _causal_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rest: torc
 
 
 def _row_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor,
-               prefix: int, scale: float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+               pieces: list[tuple[int, int]], scale: float) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """A row's parts, each computed when the merge asks for it: the causal part (the prefix's
-    rest and the chunk), then one a piece of the prefix (``prefix_pieces``)."""
-    pieces = prefix_pieces(prefix)
+    rest and the chunk), then one for each of the prefix's ``pieces``; ``k_p, v_p`` are the
+    prefix's keys and values, gathered."""
     done = sum(length for _, length in pieces)
-    yield _causal_part(q, k, v, k_p[done:prefix], v_p[done:prefix], scale)
+    yield _causal_part(q, k, v, k_p[done:], v_p[done:], scale)
     q_b = _padded_rows(q, query_bucket(q.shape[0])) if pieces else None
     for first, length in pieces:
         yield _piece(q_b, k_p, v_p, first, length, q.shape[0], scale)

@@ -24,7 +24,7 @@ import worker.attention.cudnn_prefill as cudnn_prefill
 from worker.attention.registry import register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
-from worker.batch import ForwardBatch
+from worker.batch import ForwardBatch, to_device
 from worker.kv.gpu_pool import KVPool
 from worker.models.rotary import RopeInputs
 
@@ -155,13 +155,7 @@ def _small_rows(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, pre
     q_lens = [batch.q_lens[b] for b in rows]
     tokens = [t for start, n in zip(starts, q_lens) for t in range(start, start + n)]
     blocks = _block_table(batch, q, k_cache, [prefixes[b] for b in rows], q_lens)
-    return SmallRows(rows, q_lens, _on_device(tokens, q.device), _on_device(rows, q.device), blocks)
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host integers as an int64 tensor on ``device``: one pinned, non-blocking copy on CUDA."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return SmallRows(rows, q_lens, *to_device([tokens, rows], q.device), blocks)
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int],
