@@ -16,6 +16,12 @@ Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the len
 steps that often, as other sessions' turns would: "tok/s" then includes those prefills, "decode
 tok/s" and the ratio leave out the steps that ran one, timed apart).
 ``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
+"non-expert ms" is a step's GPU time outside the routed experts' kernels (``EXPERT_GEMM_MODULES``):
+attention, projections, norms, router, lookups, lm_head, sampling. A layer's misses are known only
+after its router, so they cannot cross PCIe beside that work; an offloaded row without guesses
+gets "ceiling", the ratio its step could reach at most with the misses at 55 GB/s after the
+non-expert work of the same command's resident row (run ``--fractions 1.0 0.25 --pdl off`` for it:
+under PDL an early-started kernel's wait counts as its own time).
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on; ``wide`` is on
 with the guess gathered by ``gather_missing``'s wide grid instead of its few programs; a number N is
 on with ``--expert-prefetch-cap N``, at most N guessed experts a layer): "guessed" is
@@ -36,8 +42,11 @@ its experts). ``--device cpu`` runs the same steps on the host (the tests'; time
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -105,9 +114,53 @@ def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
         count_us[0] += 1
         count_us[1] += e.device_time
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return dict(kernels=len(kernels) / steps, busy_ms=busy_us([(e.time_range.start, e.time_range.end)
-                                                               for e in kernels]) / 1e3 / steps,
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
+    return dict(kernels=len(kernels) / steps, busy_ms=busy_us([span[1:] for span in spans]) / 1e3 / steps,
+                non_expert_ms=non_expert_us(spans) / 1e3 / steps,
                 top_kernels=[[name, n / steps, us / steps] for name, (n, us) in ranked])
+
+
+# The modules of the kernels that compute routed experts (their GEMMs, sums and activations'
+# quantization): the only part of a decode step that a layer's misses can cross PCIe beside, since
+# the misses are known after the layer's router, which waits for its attention and projections.
+EXPERT_GEMM_MODULES = ("grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_w4", "grouped_gemm_w4_tiles",
+                       "grouped_gemm_decode", "grouped_gemm_decode_fp8", "grouped_gemm_w4_decode", "decode_tiles",
+                       "quant_fp8")
+
+
+@functools.cache
+def expert_gemm_kernels() -> frozenset[str]:
+    """The names (as the profiler shows them) of the Triton kernels in ``EXPERT_GEMM_MODULES``: each
+    ``triton.runtime`` wrapper (jit, interpreted, autotuned) unwrapped to its function."""
+    names = set()
+    for module in EXPERT_GEMM_MODULES:
+        for value in vars(importlib.import_module(f"moe_offload.kernels.{module}")).values():
+            wrapped = type(value).__module__.startswith("triton.runtime")
+            while type(value).__module__.startswith("triton.runtime"):
+                value = value.fn
+            if wrapped:
+                names.add(value.__name__)
+    return frozenset(names)
+
+
+def non_expert_us(kernels: list[tuple[str, float, float]]) -> float:
+    """GPU-busy time of every kernel ``(name, start, end)`` but the experts' GEMMs: the union of
+    their intervals (exact with ``--pdl off``; under PDL a kernel's early start counts too)."""
+    experts = expert_gemm_kernels()
+    return busy_us([(start, end) for name, start, end in kernels if name not in experts])
+
+
+def decode_ceilings(rows: list[dict]) -> None:
+    """Each offloaded row without guesses gets ``ceiling``: the most of its misses' PCIe bound a step
+    could reach with its misses crossing at 55 GB/s while only experts compute, i.e. one after the
+    non-expert work of the same command's resident row (same experts, batch and PDL):
+    ``step_pcie / (step_pcie + non_expert)``. Other rows get nan."""
+    work = {(r["gpus"], r["experts"], r["batch"], r["pdl"]): r["non_expert_ms"] / 1e3 for r in rows
+            if r["fraction"] >= 1.0}
+    for r in rows:
+        serial = work.get((r["gpus"], r["experts"], r["batch"], r["pdl"]))
+        offloaded = r["fraction"] < 1.0 and r["prefetch"] == "off" and r["step_pcie"] > 0
+        r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded and serial is not None else math.nan
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -353,7 +406,8 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("MB/expert", "expert_mb", ">9.2f"), ("experts/layer", "experts_per_layer", ">13.1f"),
            ("counted", "distinct", ">10"),
            ("bound tok/s", "bound_tok_s", ">11.1f"), ("bound", "bound", ">5"), ("ratio", "ratio", ">6.3f"),
-           ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f")]
+           ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f"),
+           ("non-expert ms", "non_expert_ms", ">13.2f"), ("ceiling", "ceiling", ">7.3f")]
 
 
 def prefetch_choice(text: str) -> str:
@@ -426,6 +480,7 @@ def main() -> None:
             if args.json:  # after every runner: a run cut short keeps its rows
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     resident_bounds_from_lookups(rows)
+    decode_ceilings(rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"decode, {args.model}, {device}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "

@@ -4,6 +4,7 @@ end on CPU on the toy one (bench_prefill, bench_decode, agent_ab)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -180,6 +181,18 @@ def test_bench_decode_runs_on_the_tiny_hybrid_geometry(tmp_path):
         assert row["dense_bytes"] == bench_decode.dense_bytes(runner)
         assert row["sequence_bytes"] == 2 * bench_decode.sequence_bytes(runner, row["prompt"] + 4 // 2)
         assert row["expert_bytes"] == expert_slot_bytes(runner.model_config, ExpertFormat(torch.float32))
+
+
+def test_bench_decode_gives_an_offloaded_row_the_ceiling_of_its_resident_row(tmp_path):
+    """The resident row's non-expert time reaches the offloaded row's ceiling through the script's
+    own rows (on the CPU there are no kernels: no non-expert time, so the ceiling is 1)."""
+    out = tmp_path / "decode.json"
+    run_script(["scripts/bench_decode.py", "--device", "cpu", "--model", TINY, "--fractions", "1.0", "0.75",
+                "--batch", "2", "--prompt-tokens", "8", "--decode-tokens", "4", "--routing", "synthetic",
+                "--json", str(out)])
+    resident, offloaded = json.loads(out.read_text())
+    assert resident["fraction"] == 1.0 and resident["non_expert_ms"] == 0 and math.isnan(resident["ceiling"])
+    assert offloaded["step_pcie"] > 0 and offloaded["ceiling"] == 1.0
 
 
 @pytest.mark.slow
