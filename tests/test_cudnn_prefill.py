@@ -31,6 +31,22 @@ def composed_case(gen, heads, kv_heads, D, page, rows, dtype, device):
     return q, *new, k_cache, v_cache, table, lens, q_lens, prefixes
 
 
+def as_runs(k_cache, v_cache, table, rows, page):
+    """The same keys and values with each row's pages moved into one ascending run (row 0's from
+    page 1 on, then row 1's, ...), as the pool hands a single session its pages: the caches, the
+    table and each row's ``prefix_run``."""
+    k_runs, v_runs, runs_table = k_cache.clone(), v_cache.clone(), table.clone()
+    first = 1
+    for b, (prefix, n) in enumerate(rows):
+        need = -(-(prefix + n) // page)
+        moved = torch.arange(first, first + need, device=table.device)
+        k_runs[moved], v_runs[moved] = k_cache[table[b, :need]], v_cache[table[b, :need]]
+        runs_table[b, :need] = moved
+        first += need
+    runs = [cudnn_prefill.prefix_run(row.tolist(), p, k_cache.shape[0], page) for row, (p, _) in zip(runs_table, rows)]
+    return k_runs, v_runs, runs_table, runs
+
+
 CPU_CASES = [  # heads, kv_heads, D, page, rows (prefix, q_len): GQA 1/4/8, prefixes off the page, ragged
     (4, 4, 16, 4, [(9, 5), (0, 3), (30, 1)]),
     (8, 2, 32, 4, [(13, 17), (1, 2)]),
@@ -236,6 +252,53 @@ def test_host_checks_raise():
         merge_pair(q, q[..., 0], q, q[..., 0], q[:, :1])
 
 
+def test_a_prefix_run_is_its_first_page_when_its_pages_ascend_inside_the_pool():
+    assert cudnn_prefill.prefix_run([5, 6, 7, 2], 9, 10, 4) == 5  # 3 pages hold 9 tokens; the 4th is the chunk's
+    assert cudnn_prefill.prefix_run([5, 6, 7], 12, 10, 4) == 5 and cudnn_prefill.prefix_run([7, 8, 9], 12, 10, 4) == 7
+    assert cudnn_prefill.prefix_run([5, 7, 8], 9, 10, 4) == -1  # a gap
+    assert cudnn_prefill.prefix_run([5, 4, 7], 9, 10, 4) == -1  # the ends agree, the middle does not
+    assert cudnn_prefill.prefix_run([0, 1, 2], 9, 10, 4) == -1  # the scratch page
+    assert cudnn_prefill.prefix_run([8, 9, 10], 9, 10, 4) == -1  # past the pool
+    assert cudnn_prefill.prefix_run([3, 4], 9, 10, 4) == -1  # a table shorter than the prefix
+    assert cudnn_prefill.prefix_run([3, 4], 0, 10, 4) == -1  # no prefix
+
+
+@pytest.mark.parametrize("block", [4096, 4], ids=lambda b: f"block{b}")
+def test_a_prefix_in_one_run_of_pages_is_read_where_it_lies(block, monkeypatch):
+    """Rows whose pages are one run take no gather and give the gathered rows' output exactly (the
+    same keys at the same strides); a row without a run (-1) is gathered beside them."""
+    monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", block)
+    gen = torch.Generator().manual_seed(11)
+    rows = [(70, 33), (0, 9), (13, 17)]
+    q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, 8, 2, 16, 4, rows,
+                                                                             torch.float32, "cpu")
+    k_runs, v_runs, runs_table, runs = as_runs(k_cache, v_cache, table, rows, 4)
+    assert runs == [1, -1, 30]  # rows 0 and 1 hold pages 1..26 and 27..29 (103 and 9 tokens); row 1 no prefix
+    gathered = cached_prefix_attention(q, k, v, k_runs, v_runs, runs_table, q_lens, prefixes, 0.25)
+    gathers, real = [], cudnn_prefill._gathered
+    monkeypatch.setattr(cudnn_prefill, "_gathered", lambda *a: gathers.append(a[3]) or real(*a))
+    in_place = cached_prefix_attention(q, k, v, k_runs, v_runs, runs_table, q_lens, prefixes, 0.25,
+                                       runs=[1, -1, -1])
+    assert gathers == [0, 13]  # row 0 read in place; rows 1 and 2 through the gather (row 1's is empty)
+    assert torch.equal(in_place, gathered)
+    want = paged_prefill_attention_eager(q, k_runs, v_runs, runs_table, lens, q_lens, 0.25)
+    assert rel_err(cached_prefix_attention(q, k, v, k_runs, v_runs, runs_table, q_lens, prefixes, 0.25, runs=runs),
+                   want) < 1e-5
+
+
+def test_runs_are_checked_against_the_pool_on_the_host():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, k_cache, v_cache, table, _, q_lens, prefixes = composed_case(gen, 4, 2, 8, 4, [(5, 3), (2, 2)],
+                                                                          torch.float32, "cpu")
+    with pytest.raises(ValueError, match="runs"):  # past the pool's last page
+        cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, 1.0, runs=[k_cache.shape[0], -1])
+    with pytest.raises(ValueError, match="runs"):  # one a row
+        cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, 1.0, runs=[1])
+    with pytest.raises(ValueError, match="runs"):  # a pool that is not contiguous
+        cached_prefix_attention(q, k, v, k_cache, v_cache.transpose(2, 3).contiguous().transpose(2, 3), table,
+                                q_lens, prefixes, 1.0, runs=[1, -1])
+
+
 def test_page_ids_past_the_pool_are_clamped_not_read():
     """A garbage page id in the table (device data) reads a page of the pool, never outside it."""
     gen = torch.Generator().manual_seed(1)
@@ -277,12 +340,13 @@ def test_rows_below_the_warmed_buckets_take_the_paged_kernel_beside_the_composit
     monkeypatch.setenv("SLUICE_KERNELS", kernels)
     monkeypatch.setattr(triton_backend.TritonAttention, "min_rows", 32)
     monkeypatch.setattr(cudnn_prefill, "usable", lambda q, q_lens, prefixes: True)
-    skipped, paged = [], []
+    skipped, paged, ran = [], [], []
     real_cudnn, real_paged = cudnn_prefill.cached_prefix_attention, triton_backend.paged_prefill_attention
 
-    def cudnn(*args, skip=()):
+    def cudnn(*args, skip=(), runs=()):
         skipped.append(list(skip))
-        return real_cudnn(*args, skip=skip)
+        ran.append(list(runs))
+        return real_cudnn(*args, skip=skip, runs=runs)
 
     def paged_kernel(q, k_cache, v_cache, table, seq_lens, q_lens, scale, **kw):
         paged.append(list(q_lens))
@@ -294,6 +358,8 @@ def test_rows_below_the_warmed_buckets_take_the_paged_kernel_beside_the_composit
     # rows (40, 1, 3) over prefixes (10, 71, 0), then (1, 66, 1) over (72, 3, 50); two layers each
     assert skipped == [[1, 2]] * 2 + [[0, 2]] * 2
     assert paged == [[1, 3]] * 2 + [[1, 1]] * 2
+    # each sequence's 25 pages are one run (1.., 26.., 51..): every prefix is read in place
+    assert ran == [[26, 1, -1]] * 2 + [[1, 51, 26]] * 2
 
 
 def test_the_backends_warm_up_sets_the_least_rows_it_planned(monkeypatch):
@@ -339,19 +405,24 @@ GPU_CASES = [  # heads, kv_heads, D, page, rows: GQA 1/4/8, ragged, prefixes and
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("pages", ["permuted", "runs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"gqa{c[0] // c[1]}-d{c[2]}")
-def test_composition_matches_paged_twin_on_gpu(case, dtype):
+def test_composition_matches_paged_twin_on_gpu(case, dtype, pages):
     """cuDNN's kernels and the merge kernel against the paged twin, with no sync inside the call
-    (trial 0 builds cuDNN's plans and compiles the merge)."""
+    (trial 0 builds cuDNN's plans and compiles the merge): prefixes gathered from permuted pages,
+    and read in place from runs of pages (views into the pool at a page's offset)."""
     heads, kv_heads, D, page, rows = case
     gen = torch.Generator().manual_seed(heads + D)
     for trial in range(2):
         q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
                                                                                  dtype, "cuda")
+        runs = []
+        if pages == "runs":
+            k_cache, v_cache, table, runs = as_runs(k_cache, v_cache, table, rows, page)
         torch.cuda.set_sync_debug_mode("error" if trial else "default")
         try:
-            out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, D ** -0.5)
+            out = cached_prefix_attention(q, k, v, k_cache, v_cache, table, q_lens, prefixes, D ** -0.5, runs=runs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)

@@ -218,3 +218,27 @@ def test_seeded_sampling_is_reproducible_across_batches(model_dir):
     other_seed = run(make_engine(model_dir), [req("a", p[0], sampling=SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=99))])["a"][0]
     assert alone == batched
     assert alone != other_seed
+
+
+def test_a_single_sessions_turns_find_their_prefix_in_one_run_of_pages(model_dir, monkeypatch):
+    """An agent session alone on the engine: each turn's prompt chunk finds its cached prefix in one
+    ascending run of pages, so the long-prefix path reads it where it lies (``cudnn_prefill.prefix_run``,
+    ``ForwardBatch.page_table_host``) rather than gathering it."""
+    import worker.runner
+    from worker.attention.cudnn_prefill import prefix_run
+
+    engine = make_engine(model_dir, kv_tokens=4096, max_prefill_tokens=64)
+    pool, real, runs = engine.runner.kv_pool, worker.runner.build_batch, []
+
+    def spy(chunks, page_size, *args, **kw):
+        batch = real(chunks, page_size, *args, **kw)
+        runs.extend(prefix_run(row, s - n, pool.num_pages, page_size)
+                    for row, s, n in zip(batch.page_table_host, batch.seq_lens_host, batch.q_lens) if n > 1 and s > n)
+        return batch
+
+    monkeypatch.setattr(worker.runner, "build_batch", spy)
+    context = prompts(1, seed=2, lo=30, hi=31)[0]
+    for turn in range(8):
+        out = run(engine, [req(f"turn{turn}", context, max_tokens=9)])[f"turn{turn}"][0]
+        context += out + prompts(1, seed=10 + turn, lo=37, hi=38)[0]
+    assert len(runs) >= 7 and runs.count(1) == len(runs)  # every chunk over a prefix: pages 1.. in a run

@@ -78,6 +78,8 @@ class ForwardBatch:
     # host copies of the lengths for per-sequence prefill loops (no device reads); decode needs none
     q_lens: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
+    # the page table's rows on the host (a prefix in one run of pages is read in place: cudnn_prefill)
+    page_table_host: list[list[int]] = field(default_factory=list)
     # hybrid models: each sequence's state slot [B], where each sequence's tokens start [B + 1], and
     # the slots that start from nothing (None: none)
     state_slots: torch.Tensor | None = None
@@ -130,11 +132,13 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     slots, cu, fresh = packed[7 + len(windows):10 + len(windows)] if states else (None, None, None)
     batch = ForwardBatch(ids_t, pos_t, loc_t, last_t, table_t.view(len(chunks), max_pages), lens_t,
                          T, is_decode=T == len(chunks), pipelined=pipeline_from is not None and T >= pipeline_from,
-                         q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens, state_slots=slots,
+                         q_lens=[len(c.token_ids) for c in chunks], seq_lens_host=lens, page_table_host=table,
+                         state_slots=slots,
                          cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None,
                          state_split=_state_split(packed[len(packed) - len(split):], split_host) if split else None)
     if windows:
-        batch.window = replace(batch, out_loc=packed[7], page_table=packed[8].view(len(chunks), max_pages))
+        batch.window = replace(batch, out_loc=packed[7], page_table=packed[8].view(len(chunks), max_pages),
+                               page_table_host=[])  # the window pool's pages are not ``table``'s
     return batch
 
 

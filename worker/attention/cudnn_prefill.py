@@ -5,7 +5,9 @@ shape (about 50 ms on an H100 or H200, 0.7-2.1 s for a process's first call), so
 path launches comes from a small set that the warm-up plans (``warm_plans``). Per row b:
 
 ```
- prefix [0, P)      gathered from the pages (one index_select each for K and V)
+ prefix [0, P)      read where it lies when its pages are one ascending run of the pool (a single
+                    session's are: the pool hands pages out lowest first), else gathered from the
+                    pages (one index_select each for K and V)
    pieces           the binary digits of P // PREFIX_BLOCK blocks, largest first (100,003 keys:
                     65,536 + 32,768), each cuDNN unmasked with its log-sum-exp  -> o_j, lse_j
    remainder R      the last P mod PREFIX_BLOCK keys (1,699), ahead of the chunk's own keys
@@ -22,7 +24,9 @@ Padded keys could not shorten this (they change the softmax without a mask, and 
 bias cuDNN runs about half again as slow: ``docs/architecture.md``).
 
 The gather costs one pass over the prefix's K/V at HBM speed (about 3% of the attention it feeds
-for a 2k chunk over 128k keys); the merge reads every part once. Lengths come from the host, page
+for a 2k chunk over 128k keys); a prefix in one run of pages (``prefix_run``, from the host's page
+table) skips it: the pool's pages, flattened, have the gathered keys' strides. The merge reads every
+part once. Lengths and runs come from the host (a run is checked against the pool there), page
 ids are clamped on the device before the gather, nothing is read back. cuDNN takes GQA natively
 (query heads a multiple of KV heads). CPU tensors take the same path with an eager softmax in
 place of cuDNN (the twin of the composition); the paged Triton kernel
@@ -31,7 +35,7 @@ place of cuDNN (the twin of the composition); the paged Triton kernel
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +103,17 @@ def prefix_pieces(prefix: int) -> list[tuple[int, int]]:
     return pieces
 
 
+def prefix_run(pages: list[int], prefix: int, num_pages: int, page: int) -> int:
+    """The first page of a row's ``prefix`` tokens when their pages (``pages``, the host's table row)
+    are one ascending run inside the pool, past its scratch page 0: the keys can then be read where
+    they lie. Else -1 (gather them)."""
+    n = -(-prefix // page)
+    first = pages[0] if n and len(pages) >= n else -1
+    if first < 1 or first + n > num_pages or pages[n - 1] != first + n - 1:
+        return -1
+    return first if pages[:n] == list(range(first, first + n)) else -1
+
+
 def piece_lengths(max_prefix: int) -> list[int]:
     """Every piece length a prefix of at most ``max_prefix`` keys can have."""
     return [PREFIX_BLOCK << i for i in range(max(max_prefix // PREFIX_BLOCK, 0).bit_length())]
@@ -106,19 +121,23 @@ def piece_lengths(max_prefix: int) -> list[int]:
 
 def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, page_table: torch.Tensor, q_lens: list[int],
-                            prefixes: list[int], scale: float, skip: Collection[int] = ()) -> torch.Tensor:
+                            prefixes: list[int], scale: float, skip: Collection[int] = (),
+                            runs: Sequence[int] = ()) -> torch.Tensor:
     """``q [T, heads, D]`` packed by row (``q_lens``), the chunk's own ``k, v [T, kv_heads, D]``,
     row b's ``prefixes[b]`` cached tokens in ``k/v_cache [pages, page, kv_heads, D]`` through
     ``page_table [B, max_pages]``; query i of row b sees the prefix and chunk keys 0..i. The rows
-    in ``skip`` are left unwritten (the caller's to fill)."""
-    _check(q, k, v, k_cache, page_table, q_lens, prefixes)
+    in ``skip`` are left unwritten (the caller's to fill). ``runs[b]`` (``prefix_run``; none: -1
+    each) is the first page of row b's prefix where its pages are one run: read in place."""
+    _check(q, k, v, (k_cache, v_cache), page_table, q_lens, prefixes, runs)
     out, start = torch.empty_like(q), 0
     for b, (n, prefix) in enumerate(zip(q_lens, prefixes)):
         rows = slice(start, start + n)
         if b in skip:
             start += n
             continue
-        k_p, v_p = _gathered(k_cache, v_cache, page_table[b], prefix)
+        run = runs[b] if runs else -1
+        k_p, v_p = _in_place(k_cache, v_cache, run, prefix) if run > 0 else _gathered(k_cache, v_cache,
+                                                                                       page_table[b], prefix)
         pieces = prefix_pieces(prefix)
         _merge(_row_parts(q[rows], k[rows], v[rows], k_p[:prefix], v_p[:prefix], pieces, scale), len(pieces) + 1,
                out[rows])
@@ -137,8 +156,7 @@ def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: 
     lengths = piece_lengths(top)
     buckets = warm_buckets(k_cache, max_q, max_context)
     causal = [n for n in query_buckets(max_q + PREFIX_BLOCK - 1, top) if n <= room]
-    pages = torch.arange(1, num_pages, dtype=torch.int32, device=k_cache.device)
-    k_p, v_p = _gathered(k_cache, v_cache, pages, max(lengths + causal, default=0))
+    k_p, v_p = _in_place(k_cache, v_cache, 1, max(lengths + causal, default=0))  # pages 1.., as a run
     for n in buckets:
         q_b = k_cache.new_zeros(n, heads, D).transpose(0, 1)[None]
         for length in lengths:
@@ -168,6 +186,14 @@ def _gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Ten
         return k_cache.new_empty(0, kv_heads, D), v_cache.new_empty(0, kv_heads, D)
     pages = table_row[:-(-prefix // page)].clamp(0, num_pages - 1)
     return tuple(c.index_select(0, pages).flatten(0, 1) for c in (k_cache, v_cache))
+
+
+def _in_place(k_cache: torch.Tensor, v_cache: torch.Tensor, first: int,
+              prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``prefix`` keys and values from page ``first`` on, where they lie, as ``[prefix, kv_heads,
+    D]`` views with the gathered tensors' strides (the caches are contiguous: ``_check``)."""
+    start = first * k_cache.shape[1]
+    return tuple(c.flatten(0, 1)[start:start + prefix] for c in (k_cache, v_cache))
 
 
 def _piece(q_b: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, first: int, length: int, n: int,
@@ -292,10 +318,11 @@ def merge_pair_eager(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse
     return w[0] * o1.float() + w[1] * o2.float()
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
-           q_lens: list[int], prefixes: list[int]) -> None:
-    """Host lengths against shapes: the gather slices the page table by them."""
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
+           page_table: torch.Tensor, q_lens: list[int], prefixes: list[int], runs: Sequence[int] = ()) -> None:
+    """Host lengths against shapes: the gather slices the page table by them, a run the pool."""
     T, heads, D = q.shape
+    k_cache = caches[0]
     if any(x.dtype != q.dtype or x.stride(-1) != 1 for x in (q, k, v, k_cache)):
         raise ValueError("q, k, v and the caches must share a dtype and be contiguous in their last dimension")
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
@@ -309,6 +336,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     max_tokens = page_table.shape[1] * k_cache.shape[1]
     if any(n < 1 or p < 0 or p + n > max_tokens for n, p in zip(q_lens, prefixes)):
         raise ValueError(f"every row needs 1 <= q_len and prefix + q_len <= {max_tokens}; got {q_lens}, {prefixes}")
+    num_pages, page = k_cache.shape[:2]
+    if runs and (len(runs) != len(prefixes) or not all(c.is_contiguous() for c in caches) or
+                 any(r > 0 and r * page + p > num_pages * page for r, p in zip(runs, prefixes))):
+        raise ValueError(f"runs {list(runs)} of prefixes {prefixes} must be one a row inside a contiguous pool "
+                         f"of {num_pages} pages")
 
 
 @functools.cache

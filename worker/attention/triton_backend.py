@@ -49,6 +49,7 @@ class PrefillPlan(NamedTuple):
     prefixes: list[int]  # cached tokens per row, from the host
     blocks: PrefillBlocks | None  # the paged kernel's block list; None: the cuDNN path
     small: SmallRows | None = None  # on the cuDNN path, the rows it leaves to the paged kernel
+    runs: list[int] = []  # on the cuDNN path, each row's first prefix page if its pages are one run, else -1
 
 
 @register("triton")
@@ -113,7 +114,8 @@ class TritonAttention:
         """The cuDNN path's rows, then the paged kernel's (``plan.small``) into the same output."""
         batch, small = plan.batch, plan.small
         out = cudnn_prefill.cached_prefix_attention(q, k, v, k_cache, v_cache, batch.page_table, batch.q_lens,
-                                                    plan.prefixes, self.scale, skip=small.rows if small else ())
+                                                    plan.prefixes, self.scale, skip=small.rows if small else (),
+                                                    runs=plan.runs)
         if small is not None:
             rows = small.table_rows
             part = paged_prefill_attention(q.index_select(0, small.tokens), k_cache, v_cache,
@@ -135,7 +137,8 @@ class TritonAttention:
             if not cudnn or len(small) == len(prefixes):
                 self._plan = PrefillPlan(batch, prefixes, _block_table(batch, q, k_cache, prefixes))
             else:
-                self._plan = PrefillPlan(batch, prefixes, None, _small_rows(batch, q, k_cache, prefixes, small))
+                self._plan = PrefillPlan(batch, prefixes, None, _small_rows(batch, q, k_cache, prefixes, small),
+                                         _prefix_runs(batch, k_cache, prefixes))
         return self._plan
 
 
@@ -143,6 +146,13 @@ def _block_table(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, pr
                  q_lens: list[int] | None = None) -> PrefillBlocks:
     group = q.shape[1] // k_cache.shape[2]
     return prefill_block_table(q_lens or batch.q_lens, group, q.device, tile_for(q.dtype, q.shape[2]), prefixes)
+
+
+def _prefix_runs(batch: ForwardBatch, k_cache: torch.Tensor, prefixes: list[int]) -> list[int]:
+    """Each row's ``cudnn_prefill.prefix_run`` from the host's page table (none without it)."""
+    num_pages, page = k_cache.shape[:2]
+    return [cudnn_prefill.prefix_run(row, prefix, num_pages, page)
+            for row, prefix in zip(batch.page_table_host, prefixes)]
 
 
 def _small_rows(batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, prefixes: list[int],
