@@ -109,9 +109,7 @@ def prefix_run(pages: list[int], prefix: int, num_pages: int, page: int) -> int:
     they lie. Else -1 (gather them)."""
     n = -(-prefix // page)
     first = pages[0] if n and len(pages) >= n else -1
-    if first < 1 or first + n > num_pages or pages[n - 1] != first + n - 1:
-        return -1
-    return first if pages[:n] == list(range(first, first + n)) else -1
+    return first if 1 <= first <= num_pages - n and pages[:n] == list(range(first, first + n)) else -1
 
 
 def piece_lengths(max_prefix: int) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -49,7 +50,7 @@ class PrefillPlan(NamedTuple):
     prefixes: list[int]  # cached tokens per row, from the host
     blocks: PrefillBlocks | None  # the paged kernel's block list; None: the cuDNN path
     small: SmallRows | None = None  # on the cuDNN path, the rows it leaves to the paged kernel
-    runs: list[int] = []  # on the cuDNN path, each row's first prefix page if its pages are one run, else -1
+    runs: Sequence[int] = ()  # on the cuDNN path, each row's first prefix page if its pages are one run, else -1
 
 
 @register("triton")
