@@ -106,22 +106,8 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
     batch of ``pipeline_from`` tokens or more is ``pipelined`` (None: none is). With
     ``window_pool_pages`` (the window pool's size) the batch carries the sliding layers' tables
     (``window``: their keys per query)."""
-    ids, pos, loc, last, table, lens, src = [], [], [], [], [], [], []
-    for b, c in enumerate(chunks):
-        n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
-        if n == 0 or len(c.pages) * page_size < seq_len:
-            raise ValueError(f"sequence {b}: {n} new tokens, {seq_len} in all, {len(c.pages)} pages")
-        start = len(ids)
-        ids += c.token_ids
-        src += [c.buffer_slot] * n
-        pos += range(c.prefix_len, seq_len)
-        loc += [c.pages[p // page_size] * page_size + p % page_size for p in range(c.prefix_len, seq_len)]
-        last.append(start + n - 1)
-        table.append(c.pages[:-(-seq_len // page_size)])
-        lens.append(seq_len)
-    T = len(ids)
-    max_pages = max(len(row) for row in table)  # only the pages that hold this step's tokens
-    table = [row + [0] * (max_pages - len(row)) for row in table]
+    ids, pos, loc, last, table, lens, src = _row_lists(chunks, page_size)
+    T, max_pages = len(ids), len(table[0])
     states = _state_lists(chunks)
     split, split_host = _split_lists(chunks) if any(c.state_snapshot for c in chunks) else ([], None)
     windows = window_lists(chunks, page_size, max_pages, window_pool_pages, window) if window_pool_pages else []
@@ -136,10 +122,30 @@ def build_batch(chunks: list[SequenceChunk], page_size: int, device: torch.devic
                          state_slots=slots,
                          cu_seqlens=cu, fresh_slots=fresh if fresh is not None and fresh.numel() else None,
                          state_split=_state_split(packed[len(packed) - len(split):], split_host) if split else None)
-    if windows:
+    if windows:  # the window pool's pages: not ``table``'s
         batch.window = replace(batch, out_loc=packed[7], page_table=packed[8].view(len(chunks), max_pages),
-                               page_table_host=[])  # the window pool's pages are not ``table``'s
+                               page_table_host=[])
     return batch
+
+
+def _row_lists(chunks: list[SequenceChunk], page_size: int) -> tuple[list, ...]:
+    """A batch's host lists: new tokens' ids, positions, KV slots; each row's last token; the page
+    table (the pages that hold this step's tokens, padded with page 0); lengths; buffer slots."""
+    ids, pos, loc, last, table, lens, src = [], [], [], [], [], [], []
+    for b, c in enumerate(chunks):
+        n, seq_len = len(c.token_ids), c.prefix_len + len(c.token_ids)
+        if n == 0 or len(c.pages) * page_size < seq_len:
+            raise ValueError(f"sequence {b}: {n} new tokens, {seq_len} in all, {len(c.pages)} pages")
+        start = len(ids)
+        ids += c.token_ids
+        src += [c.buffer_slot] * n
+        pos += range(c.prefix_len, seq_len)
+        loc += [c.pages[p // page_size] * page_size + p % page_size for p in range(c.prefix_len, seq_len)]
+        last.append(start + n - 1)
+        table.append(c.pages[:-(-seq_len // page_size)])
+        lens.append(seq_len)
+    max_pages = max(len(row) for row in table)
+    return ids, pos, loc, last, [row + [0] * (max_pages - len(row)) for row in table], lens, src
 
 
 def window_lists(chunks: list[SequenceChunk], page_size: int, width: int, pool_pages: int,
@@ -190,7 +196,8 @@ def _split_lists(chunks: list[SequenceChunk]) -> tuple[list[list[int]], tuple[in
             cut, slot = c.state_snapshot
             if not 0 < cut < n or c.state_slot < 0 or slot < 0 or slot in {x.state_slot for x in chunks}:
                 raise ValueError(f"sequence {b}: a state snapshot after {cut} of its {n} new tokens into slot "
-                                 f"{slot}: it must fall inside the chunk, from its own slot into one no sequence runs in")
+                                 f"{slot}: it must fall inside the chunk, from its own slot into one no sequence "
+                                 f"runs in")
             tails.append((start + cut, n - cut, c.state_slot))
             copies.append((c.state_slot, slot))
         heads.append((start, cut, c.state_slot))
