@@ -3,6 +3,7 @@ of the host RAM, made once. On CPU, from given numbers (qwen3-30b-geometry on a 
 and from a tiny runner that allocates what its plan says."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -24,6 +25,7 @@ TOTAL = CFG.num_layers * CFG.num_experts
 SLOT = 3 * CFG.hidden_size * CFG.expert_intermediate_size * 2  # one bf16 expert
 KV_TOKEN = 2 * CFG.num_layers * CFG.kv_size * 2  # bf16 K and V of a token, every layer
 PAGE = RunnerConfig.page_size
+ROWS = RunnerConfig.state_slots  # the sequences running at once: a chunk's logits rows at most
 QUARTER = ExpertOptions(cache_fraction=0.25, dummy_weights=True)
 
 
@@ -47,7 +49,7 @@ def test_cache_auto_kv_pool_and_prefill_chunk_fit_under_the_limit(card, limit): 
     # the chunk's activations reuse the blocks torch holds unused first, then reserve more
     peak = card.reserved + max(p.activation_bytes - memory.reusable(), 0)
     assert peak <= limit * GIB
-    reserve = activation_bytes(CFG, AUTO_PREFILL_RESERVE, CFG.max_context, False)
+    reserve = activation_bytes(CFG, AUTO_PREFILL_RESERVE, CFG.max_context, False, ROWS)
     assert p.expert_bytes == p.expert_slots * SLOT > (limit - 3 - 6) * GIB - reserve  # the cache takes most
     assert p.kv_pages * PAGE >= options.kv_reserve_tokens  # the KV pool its floor
     assert p.prefill_tokens >= AUTO_PREFILL_RESERVE  # the KV pool left the chunk the activations the cache left it
@@ -69,7 +71,7 @@ def test_the_parts_add_up_to_what_was_free(config, free_gib):
     p = plan(gpu(free_gib, reusable=GIB // 2), **config)
     assert p.expert_bytes == p.expert_slots * SLOT and p.kv_bytes == p.kv_pages * PAGE * KV_TOKEN
     assert p.activation_bytes == activation_bytes(CFG, p.prefill_tokens, min(CFG.max_context, (p.kv_pages - 1) * PAGE),
-                                                  False)
+                                                  False, ROWS)
     if "max_prefill_tokens" not in config:  # a chunk given by hand may not fit: the user's call
         assert p.expert_bytes + p.kv_bytes + p.activation_bytes <= free_gib * GIB + GIB // 2
     assert p.host_kv_bytes == (3 * GIB if "kv_host_size" in config else 100 * GIB)  # default: 25% of 400 GiB
@@ -83,7 +85,8 @@ def test_each_option_changes_what_it_should():
     assert kv.prefill_tokens > base.prefill_tokens  # a smaller pool leaves the chunk more
     chunk = plan(max_prefill_tokens=4096)
     assert chunk.prefill_tokens == 4096 and chunk.expert_slots == base.expert_slots
-    assert chunk.kv_pages > base.kv_pages  # the pool keeps back a 4096-token chunk's activations, not 8192's
+    tight, tight_chunk = plan(gpu(free_gib=24)), plan(gpu(free_gib=24), max_prefill_tokens=4096)
+    assert tight_chunk.kv_pages > tight.kv_pages  # a pool bound by the activations keeps back 4096 tokens', not 8192's
     bigger = plan(experts=replace(QUARTER, cache_fraction=0.5))
     assert bigger.expert_slots == TOTAL // 2 and bigger.kv_pages < base.kv_pages
     host = plan(kv_host_size=2.5)
@@ -101,7 +104,7 @@ def test_cpu_plan_and_its_refusals():
     cpu = PlanInputs(None, 0, 400 * GIB, SLOT, KV_TOKEN, torch_attention=True)
     p = plan(cpu)
     assert (p.kv_pages, p.prefill_tokens, p.host_kv_bytes) == (1 + CPU_KV_TOKENS // PAGE, CPU_PREFILL_TOKENS, 0)
-    assert p.activation_bytes > activation_bytes(CFG, CPU_PREFILL_TOKENS, CPU_KV_TOKENS, False)  # the torch mask
+    assert p.activation_bytes > activation_bytes(CFG, CPU_PREFILL_TOKENS, CPU_KV_TOKENS, False, ROWS)  # the torch mask
     with pytest.raises(ValueError, match="--moe-cache-auto sizes the cache from free GPU memory"):
         plan(cpu, experts=ExpertOptions(cache_auto=True, dummy_weights=True))
     with pytest.raises(ValueError, match="needs at least one layer's 128"):
@@ -182,8 +185,63 @@ def test_activations_count_the_cudnn_paths_parts_where_a_layer_can_take_it():
     outputs stacked and the one being computed count, for head dims cuDNN fuses and no sinks."""
     tokens, context = 8192, 131072
     part = tokens * CFG.num_heads * CFG.head_dim * 2
-    assert activation_bytes(CFG, tokens, context, False) - activation_bytes(CFG, tokens, 4095, False) == (
+    assert activation_bytes(CFG, tokens, context, False, ROWS) - activation_bytes(CFG, tokens, 4095, False, ROWS) == (
         (6 + 2) * part - 2 * part + 2 * (context - 4095) * CFG.num_kv_heads * CFG.head_dim * 2)
     for other in (replace(CFG, head_dim=256), replace(CFG, attention_sinks=True)):
-        parts_free = activation_bytes(other, tokens, context, False) - activation_bytes(other, tokens, 4095, False)
+        parts_free = activation_bytes(other, tokens, context, False, ROWS) - activation_bytes(other, tokens, 4095, False, ROWS)
         assert parts_free == 2 * (context - 4095) * other.num_kv_heads * other.head_dim * 2  # the gather only
+
+
+def test_a_chunks_logits_are_its_rows_not_its_tokens():
+    """The lm_head runs on each sequence's last token only: a chunk of 8k tokens holds at most its
+    running sequences' logits (float32, 4 copies for the sampler), not 8k rows of them."""
+    logits_row = 4 * 4 * CFG.vocab_size
+    one, many = (activation_bytes(CFG, 8192, 4095, False, rows) for rows in (1, 64))
+    assert many - one == 63 * logits_row
+    assert activation_bytes(CFG, 16, 4095, False, 64) - activation_bytes(CFG, 16, 4095, False, 16) == 0  # rows <= tokens
+
+
+# a geometry of each family, its experts in a format whose store fills fast
+PEAK_MODELS = [("qwen3-30b-geometry", "fp8"), ("qwen3.5-35b-a3b-geometry", "fp8"), ("gpt-oss-20b-geometry", "mxfp4")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", PEAK_MODELS, ids=lambda m: m[0])
+def test_two_full_chunks_fit_under_the_limit_beside_the_decode_graphs(model, monkeypatch):
+    """What the plan keeps back for a prefill chunk's activations (``activation_bytes``) holds them:
+    a runner sized from a 24 GiB limit (expert cache auto, KV pool auto) captures its decode graphs
+    and prefills a prompt of two of its chunks, the second over the first, with torch's peak under
+    the limit. In a fresh process that reads the card's free memory as the whole card (as
+    ``test_device_memory``'s small-limit test does)."""
+    monkeypatch.setenv("SLUICE_PEAK_MODEL", ":".join(model))
+    run_fresh("tests.test_memory_plan:full_chunks_under_the_limit", timeout=600)
+
+
+def full_chunks_under_the_limit() -> None:
+    import torch
+
+    from scheduler.generate import generate
+    from scheduler.messages.to_scheduler import SamplingParams
+
+    model, experts = os.environ["SLUICE_PEAK_MODEL"].split(":")
+    limit, total = 24, torch.cuda.mem_get_info()[1]
+    torch.cuda.mem_get_info = lambda device=None: (total, total)  # this process only
+    runner = ModelRunner(RunnerConfig(model, device="cuda", gpu_memory_limit=limit,
+                                      experts=ExpertOptions(cache_auto=True, dummy_weights=True, expert_dtype=experts,
+                                                            kv_reserve_tokens=16384)))
+    try:
+        if runner.graphs is not None:
+            runner.graphs.capture_all()
+        tokens = runner.plan.prefill_tokens
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        generate(runner, [10 + (7 * i) % 1000 for i in range(2 * tokens)], SamplingParams(), 2)
+        torch.cuda.synchronize()
+        peak, reserved = torch.cuda.max_memory_allocated() - held, torch.cuda.max_memory_reserved()
+        print(f"{model} {experts}: two {tokens}-token chunks peaked {peak / GIB:.2f} GiB past the "
+              f"{held / GIB:.2f} held; the plan kept back {runner.plan.activation_bytes / GIB:.2f}; "
+              f"reserved at most {reserved / GIB:.2f} of {limit}")
+        assert reserved <= limit * GIB
+    finally:
+        remove_segment(runner.experts.store.name)

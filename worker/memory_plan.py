@@ -91,7 +91,7 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     """Split ``inputs``' memory for ``model`` under ``config``'s options; ValueError when the options
     cannot fit (an expert cache smaller than one layer's experts)."""
     reserve = activation_bytes(model, config.max_prefill_tokens or AUTO_PREFILL_RESERVE, model.max_context,
-                               inputs.torch_attention)
+                               inputs.torch_attention, config.state_slots)
     window_pages = 1 + window_pool_tokens(model, config, inputs.gpu_free is not None) // config.page_size
     window = window_pages * config.page_size * inputs.window_token_bytes if inputs.window_token_bytes else 0
     slots = _checked_slots(inputs, model, config.experts, reserve + window)
@@ -101,7 +101,7 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     context = min(model.max_context, (pages - 1) * config.page_size)
     tokens = _prefill_tokens(inputs, model, config, cache + kv + window, context)
     plan = MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
-                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention),
+                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention, config.state_slots),
                       window_pages=window_pages if window else 0, window_bytes=window)
     _check_fits(plan, model)
     return plan
@@ -137,14 +137,15 @@ def window_pool_tokens(model: ModelConfig, config: RunnerConfig, on_gpu: bool) -
     return (rings + config.state_slots + -(-chunk // config.page_size)) * config.page_size
 
 
-def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool) -> int:
+def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool, rows: int) -> int:
     """A generous estimate of a prefill chunk's transient memory: per-token activations, the
-    logits, one layer's K and V of ``context`` keys gathered from the pages, its parts' outputs
-    stacked and the one being computed (the cuDNN prefill path; the paged kernel reads the pages in
-    place), and with the torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA
-    makes of it, for ``tokens`` attending over up to ``context`` keys."""
+    logits of its ``rows`` sequences at most (the lm_head runs on each row's last token only), one
+    layer's K and V of ``context`` keys gathered from the pages, its parts' outputs stacked and the
+    one being computed (the cuDNN prefill path; the paged kernel reads the pages in place), and with
+    the torch reference attention its [q, k] boolean mask plus the bf16 bias SDPA makes of it, for
+    ``tokens`` attending over up to ``context`` keys."""
     per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
-    logits = tokens * model.vocab_size
+    logits = 4 * min(tokens, rows) * model.vocab_size  # float32, and the sampler's copies of them
     gathered = 2 * context * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
     cudnn = model.head_dim in HEAD_DIMS and not model.attention_sinks  # the layers that may take it
     parts = (len(piece_lengths(context)) + 2) * tokens * model.num_heads * model.head_dim * 2 if cudnn else 0
@@ -204,7 +205,8 @@ def _prefill_tokens(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig
         return CPU_PREFILL_TOKENS
     left = inputs.gpu_free - planned + inputs.gpu_reusable
     sizes = range(AUTO_PREFILL_MAX, AUTO_PREFILL_STEP - 1, -AUTO_PREFILL_STEP)
-    return next((t for t in sizes if activation_bytes(model, t, context, inputs.torch_attention) <= left),
+    return next((t for t in sizes if activation_bytes(model, t, context, inputs.torch_attention, config.state_slots)
+                 <= left),
                 AUTO_PREFILL_STEP)
 
 

@@ -78,8 +78,9 @@ class RunnerConfig:
     routing: RoutingOptions = RoutingOptions()
     kv_host_size: float | None = None  # memory plan: host KV tier GiB; None = 25% of available RAM (GPU), 0 (CPU)
     gpus: int = 1  # expert-parallel ranks (worker.distributed.parallel_runner.start_runner)
-    # hybrid models: sequences that hold a recurrent state at once (the scheduler's --max-running), and
-    # the prefix cache's state snapshots on the GPU (0: twice the running slots, within 10% of free memory)
+    # sequences running at once (the scheduler's --max-running): hybrid models' recurrent-state slots, and
+    # the memory plan's logits rows of a prefill chunk; the prefix cache's state snapshots on the GPU
+    # (0: twice the running slots, within 10% of free memory)
     state_slots: int = 64
     state_snapshots: int = 0
     expert_placement: str = "round-robin"  # EXPERT_PLACEMENTS: which rank runs which expert
