@@ -228,7 +228,7 @@ def full_chunks_under_the_limit() -> None:
     torch.cuda.mem_get_info = lambda device=None: (total, total)  # this process only
     runner = ModelRunner(RunnerConfig(model, device="cuda", gpu_memory_limit=limit,
                                       experts=ExpertOptions(cache_auto=True, dummy_weights=True, expert_dtype=experts,
-                                                            kv_reserve_tokens=16384)))
+                                                            kv_reserve_tokens=32768)))
     try:
         if runner.graphs is not None:
             runner.graphs.capture_all()
