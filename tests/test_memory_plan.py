@@ -4,7 +4,10 @@ and from a tiny runner that allocates what its plan says."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -245,3 +248,22 @@ def full_chunks_under_the_limit() -> None:
         assert reserved <= limit * GIB
     finally:
         remove_segment(runner.experts.store.name)
+
+
+def test_the_plan_script_prints_the_plan_a_runner_would_make():
+    """``scripts/memory_plan.py`` parses the scheduler's own options (``--max-running`` reaching the
+    plan as the logits' rows) and prints ``plan_memory``'s table for the free memory given."""
+    import torch
+
+    from worker.runner import expert_format, plan_inputs
+
+    args = ["--gpu-free", "29.13", "--model", MODEL, "--dummy-weights", "--moe-cache-auto", "--kv-reserve-tokens",
+            "140000", "--expert-dtype", "nvfp4", "--max-running", "8"]
+    out = subprocess.run([sys.executable, "scripts/memory_plan.py", *args], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    config = RunnerConfig(MODEL, state_slots=8, experts=ExpertOptions(cache_auto=True, dummy_weights=True,
+                                                                      kv_reserve_tokens=140000, expert_dtype="nvfp4"))
+    fmt, cuda = expert_format(CFG, config, torch.bfloat16), torch.device("cuda")
+    want = plan_memory(plan_inputs(CFG, config, fmt, torch.bfloat16, cuda, int(29.13 * GIB), 0), CFG, config)
+    assert f"{want.expert_slots} of {TOTAL} nvfp4 experts" in out and "--max-running 8" in out
+    assert f"{want.prefill_tokens} tokens (activations)" in out

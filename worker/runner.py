@@ -57,6 +57,31 @@ def attention_backend(config: RunnerConfig, device: torch.device) -> str:
     return config.attention
 
 
+def expert_format(cfg: ModelConfig, config: RunnerConfig, dtype: torch.dtype) -> ExpertFormat:
+    """``--expert-dtype``, resolved once against the checkpoint's format: the loader, the store and
+    the cache all hold the experts in it (dummy weights are drawn as float experts, whatever the
+    directory holds)."""
+    dummy = config.experts.dummy_weights
+    stored = ExpertFormat(dtype) if dummy else checkpoint_expert_format(config.model_dir)
+    fmt = resolve_expert_format(config.experts.expert_dtype, stored, dtype)
+    if cfg.expert_bias and fmt.family == "fp8":  # no fp8 kernel takes biases
+        raise CheckpointError(f"{config.model_dir}: fp8 experts with biases (gpt-oss) are not supported; "
+                              f"use --expert-dtype bf16 or the checkpoint's own format")
+    check_fits(cfg, fmt)
+    return fmt
+
+
+def plan_inputs(cfg: ModelConfig, config: RunnerConfig, fmt: ExpertFormat, dtype: torch.dtype, device: torch.device,
+                gpu_free: int | None, gpu_reusable: int) -> PlanInputs:
+    """What the memory plan splits and the units it splits it in, for ``cfg`` under ``config`` with
+    experts in ``fmt``: ``gpu_free`` is the GPU memory free once the weights are loaded (None: no GPU)."""
+    return PlanInputs(gpu_free=gpu_free, gpu_reusable=gpu_reusable, host_available=host_available_bytes(),
+                      slot_bytes=expert_slot_bytes(cfg, fmt),
+                      kv_token_bytes=2 * (cfg.num_kv_layers - window_layers(cfg)) * cfg.kv_size * dtype.itemsize,
+                      torch_attention=attention_backend(config, device) == "torch",
+                      window_token_bytes=2 * window_layers(cfg) * cfg.kv_size * dtype.itemsize)
+
+
 class ForwardOutput(NamedTuple):
     logits: torch.Tensor  # [B, V] float32, each sequence's last token
     next_tokens: torch.Tensor  # [B] int64, on the device
@@ -191,17 +216,7 @@ class ModelRunner:
                       cfg.head_dim, self.dtype, self.device)
 
     def _expert_format(self) -> ExpertFormat:
-        """``--expert-dtype``, resolved once against the checkpoint's format: the loader, the store
-        and the cache all hold the experts in it (dummy weights are drawn as float experts,
-        whatever the directory holds)."""
-        dummy = self.config.experts.dummy_weights
-        stored = ExpertFormat(self.dtype) if dummy else checkpoint_expert_format(self.config.model_dir)
-        fmt = resolve_expert_format(self.config.experts.expert_dtype, stored, self.dtype)
-        if self.model_config.expert_bias and fmt.family == "fp8":  # no fp8 kernel takes biases
-            raise CheckpointError(f"{self.config.model_dir}: fp8 experts with biases (gpt-oss) are not supported; "
-                                  f"use --expert-dtype bf16 or the checkpoint's own format")
-        check_fits(self.model_config, fmt)
-        return fmt
+        return expert_format(self.model_config, self.config, self.dtype)
 
     def _load_weights(self) -> ModelWeights:
         c, cfg = self.config, self.model_config
@@ -226,14 +241,8 @@ class ModelRunner:
     def _plan(self) -> MemoryPlan:
         """The memory plan, from the memory free now that the weights are loaded (logged once)."""
         cfg, on_gpu = self.model_config, self.device.type == "cuda"
-        inputs = PlanInputs(
-            gpu_free=self.memory.free() if on_gpu else None,
-            gpu_reusable=self.memory.reusable() if on_gpu else 0,
-            host_available=host_available_bytes(),
-            slot_bytes=expert_slot_bytes(cfg, self.expert_format),
-            kv_token_bytes=2 * (cfg.num_kv_layers - window_layers(cfg)) * cfg.kv_size * self.dtype.itemsize,
-            torch_attention=attention_backend(self.config, self.device) == "torch",
-            window_token_bytes=2 * window_layers(cfg) * cfg.kv_size * self.dtype.itemsize)
+        inputs = plan_inputs(cfg, self.config, self.expert_format, self.dtype, self.device,
+                             self.memory.free() if on_gpu else None, self.memory.reusable() if on_gpu else 0)
         plan = plan_memory(inputs, cfg, self.config)
         if self.state_pool is not None:
             pool = self.state_pool
