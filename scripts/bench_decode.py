@@ -135,11 +135,11 @@ def expert_gemm_kernels() -> frozenset[str]:
     names = set()
     for module in EXPERT_GEMM_MODULES:
         for value in vars(importlib.import_module(f"moe_offload.kernels.{module}")).values():
-            wrapped = type(value).__module__.startswith("triton.runtime")
-            while type(value).__module__.startswith("triton.runtime"):
-                value = value.fn
-            if wrapped:
-                names.add(value.__name__)
+            fn = value
+            while type(fn).__module__.startswith("triton.runtime"):
+                fn = fn.fn
+            if fn is not value:
+                names.add(fn.__name__)
     return frozenset(names)
 
 
