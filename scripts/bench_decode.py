@@ -16,12 +16,13 @@ Each ``--lent-slots`` rule gets its own rows (the prompts' prefill wipes the len
 steps that often, as other sessions' turns would: "tok/s" then includes those prefills, "decode
 tok/s" and the ratio leave out the steps that ran one, timed apart).
 ``--top-kernels N`` lists the N kernels that take the most GPU time in a decode step.
-"non-expert ms" is a step's GPU time outside the routed experts' kernels (``EXPERT_GEMM_MODULES``):
-attention, projections, norms, router, lookups, lm_head, sampling. A layer's misses are known only
+"non-expert ms" is a step's GPU time outside the routed experts' kernels and the gather of their
+misses (``EXPERT_GEMM_MODULES``; a fill in the GEMM gathers the misses' scales first, bytes the
+PCIe bound counts): attention, projections, norms, router, lookups, lm_head, sampling. A layer's misses are known only
 after its router, so they cannot cross PCIe beside that work; an offloaded row without guesses
-gets "ceiling", the ratio its step could reach at most with the misses at 55 GB/s after the
-non-expert work of the same command's resident row (run ``--fractions 1.0 0.25 --pdl off`` for it:
-under PDL an early-started kernel's wait counts as its own time).
+gets "ceiling", the ratio its step could reach at most with the misses at 55 GB/s after its own
+non-expert work, the misses' lookups included (run it ``--pdl off``: under PDL an early-started
+kernel's wait counts as its own time).
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on; ``wide`` is on
 with the guess gathered by ``gather_missing``'s wide grid instead of its few programs; a number N is
 on with ``--expert-prefetch-cap N``, at most N guessed experts a layer): "guessed" is
@@ -125,7 +126,7 @@ def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
 # the misses are known after the layer's router, which waits for its attention and projections.
 EXPERT_GEMM_MODULES = ("grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_w4", "grouped_gemm_w4_tiles",
                        "grouped_gemm_decode", "grouped_gemm_decode_fp8", "grouped_gemm_w4_decode", "decode_tiles",
-                       "quant_fp8")
+                       "quant_fp8", "gather_missing")
 
 
 @functools.cache
@@ -153,14 +154,12 @@ def non_expert_us(kernels: list[tuple[str, float, float]]) -> float:
 def decode_ceilings(rows: list[dict]) -> None:
     """Each offloaded row without guesses gets ``ceiling``: the most of its misses' PCIe bound a step
     could reach with its misses crossing at 55 GB/s while only experts compute, i.e. one after the
-    non-expert work of the same command's resident row (same experts, batch and PDL):
+    row's own non-expert work (the lookups that find the misses are part of it):
     ``step_pcie / (step_pcie + non_expert)``. Other rows get nan."""
-    work = {(r["gpus"], r["experts"], r["batch"], r["pdl"]): r["non_expert_ms"] / 1e3 for r in rows
-            if r["fraction"] >= 1.0}
     for r in rows:
-        serial = work.get((r["gpus"], r["experts"], r["batch"], r["pdl"]))
         offloaded = r["fraction"] < 1.0 and r["prefetch"] == "off" and r["step_pcie"] > 0
-        r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded and serial is not None else math.nan
+        serial = r["non_expert_ms"] / 1e3
+        r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded else math.nan
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
