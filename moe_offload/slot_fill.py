@@ -15,6 +15,9 @@ from moe_offload.kernels.lookup_admit import CopyPlan
 # programs). 32: one 9.4 MB miss in 186 us (50.6 GB/s) against the wide grid's 218 (43.3), 2-8
 # misses alike (H200, bench_expert_fill.py); scripts/bench_decode.py --gather-programs sets it to compare
 MISS_PROGRAMS = PROGRAMS
+# gather_missing's width for the misses' scale rows that a fill in the GEMM gathers first (0: the
+# wide grid); scripts/bench_decode.py --scale-programs sets it to compare
+SCALE_PROGRAMS = 0
 
 
 class SlotFill(NamedTuple):
@@ -41,12 +44,12 @@ class SlotFill(NamedTuple):
     def gather_scales(self, slot_scales: tuple[torch.Tensor, ...], backend: str | None = None) -> None:
         """Copy only the planned experts' scale banks into ``slot_scales`` (the slots' banks in
         ``ExpertScales.tensors()`` order), for a GEMM that copies their weights in itself: a few
-        hundred kilobytes an expert at most, one ``gather_missing`` launch."""
+        hundred kilobytes an expert at most, one ``gather_missing`` launch (``SCALE_PROGRAMS``)."""
         host = self.host_scales.tensors() if self.host_scales is not None else ()
         if len(host) != len(slot_scales) or len(host) < 2:
             raise ValueError(f"the host has {len(host)} scale banks, the slots {len(slot_scales)}")
         gather_missing(*self.plan, host[0], host[1], slot_scales[0], slot_scales[1], backend,
-                       host_scales=host[2:], slot_scales=slot_scales[2:])
+                       host_scales=host[2:], slot_scales=slot_scales[2:], programs=SCALE_PROGRAMS)
 
     def check_quantized(self, w13: torch.Tensor, w2: torch.Tensor, kind: str) -> None:
         """Before a quantized GEMM fills these slots: the host banks match the pools ``w13``, ``w2``

@@ -270,7 +270,7 @@ def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, len
                                        cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
                                        routing=RoutingOptions(args.routing), experts=experts, gpus=gpus,
                                        state_slots=max(args.batch) + 1, state_snapshots=1))
-    slot_fill.MISS_PROGRAMS = args.gather_programs
+    slot_fill.MISS_PROGRAMS, slot_fill.SCALE_PROGRAMS = args.gather_programs, args.scale_programs
     if prefetch == "wide" and getattr(runner.experts, "prefetch", None) is not None:
         runner.experts.prefetch.programs = 0  # the guess's gather on gather_missing's wide grid, as before 2026-12-04
     return runner
@@ -436,6 +436,8 @@ def parse_args() -> argparse.Namespace:
                    help="cross-layer prefetch (wide: gathered on the wide grid; N: at most N guessed experts a layer)")
     p.add_argument("--gather-programs", type=int, default=slot_fill.MISS_PROGRAMS, metavar="N",
                    help="programs of the gather of a step's own misses (0: gather_missing's wide grid)")
+    p.add_argument("--scale-programs", type=int, default=slot_fill.SCALE_PROGRAMS, metavar="N",
+                   help="programs of the gather of the misses' scales before a fill in the GEMM (0: the wide grid)")
     p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,
                    help="how decode copies cache misses in (gemm: the GEMM reads and stores them as it computes; "
                         "gather: a copy launch first); several: one row each (resident rows run once)")
@@ -483,7 +485,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"decode, {args.model}, {device}, "
           f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
-          f"routing {args.routing}, misses gathered by {args.gather_programs or 'the wide grid of'} programs")
+          f"routing {args.routing}, misses gathered by {args.gather_programs or 'the wide grid of'} programs, "
+          f"their scales by {args.scale_programs or 'the wide grid of'} programs")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
                                guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
     if args.top_kernels:

@@ -443,3 +443,42 @@ def test_merge_pair_kernel_matches_twin_on_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.float(), merge_pair_eager(o1, lse1, o2, lse2), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pages", ["permuted", "runs"])
+def test_rows_below_the_warmed_buckets_beside_the_composition_on_gpu(pages):
+    """The "triton" backend's cuDNN path with rows below its least planned bucket (``SmallRows``:
+    one query, seven) beside rows it takes (2,048 and 300 queries): both parts land in one output,
+    equal to the paged twin over every row, with no sync from the batch's plan to the output
+    (trial 0 builds cuDNN's plans and compiles the kernels)."""
+    from types import SimpleNamespace
+
+    from worker.attention.triton_backend import TritonAttention
+    from worker.batch import ForwardBatch
+
+    heads, kv_heads, D, page = 32, 4, 128, 16
+    rows = [(40001, 2048), (5000, 1), (130, 7), (20003, 300)]
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(2):
+        q, k, v, k_cache, v_cache, table, lens, q_lens, prefixes = composed_case(gen, heads, kv_heads, D, page, rows,
+                                                                                 torch.bfloat16, "cuda")
+        if pages == "runs":
+            k_cache, v_cache, table, _ = as_runs(k_cache, v_cache, table, rows, page)
+        backend = TritonAttention(SimpleNamespace(k=[k_cache], v=[v_cache]), D ** -0.5)
+        backend.min_rows = 32
+        unused = torch.zeros(len(q), dtype=torch.int64, device="cuda")
+        batch = ForwardBatch(unused, unused, unused, unused, table, lens, len(q), False, q_lens=q_lens,
+                             seq_lens_host=lens.tolist(), page_table_host=table.tolist())
+        torch.cuda.set_sync_debug_mode("error" if trial else "default")
+        try:
+            out = backend.forward(0, q, k, v, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert backend._plan.blocks is None and backend._plan.small.rows == [1, 2]
+        if pages == "runs":  # read in place
+            assert min(backend._plan.runs) > 0
+        want = paged_prefill_attention_eager(q, k_cache, v_cache, table, lens, q_lens, D ** -0.5)
+        assert torch.isfinite(out).all()
+        for b, (start, n) in enumerate(zip([0, 2048, 2049, 2056], q_lens)):
+            assert rel_err(out[start:start + n], want[start:start + n]) < 1e-2, f"row {b}"
