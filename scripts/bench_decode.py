@@ -22,7 +22,9 @@ PCIe bound counts): attention, projections, norms, router, lookups, lm_head, sam
 after its router, so they cannot cross PCIe beside that work; an offloaded row without guesses
 gets "ceiling", the ratio its step could reach at most with the misses at 55 GB/s after its own
 non-expert work, the misses' lookups included (run it ``--pdl off``: under PDL an early-started
-kernel's wait counts as its own time).
+kernel's wait counts as its own time); "at peak" is the same with that work at the HBM bound of its
+bytes (the dense weights and the sequences' KV and state at 4.3 TB/s, no gap between launches):
+what no kernel work could raise without guesses.
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on; ``wide`` is on
 with the guess gathered by ``gather_missing``'s wide grid instead of its few programs; a number N is
 on with ``--expert-prefetch-cap N``, at most N guessed experts a layer): "guessed" is
@@ -155,11 +157,14 @@ def decode_ceilings(rows: list[dict]) -> None:
     """Each offloaded row without guesses gets ``ceiling``: the most of its misses' PCIe bound a step
     could reach with its misses crossing at 55 GB/s while only experts compute, i.e. one after the
     row's own non-expert work (the lookups that find the misses are part of it):
-    ``step_pcie / (step_pcie + non_expert)``. Other rows get nan."""
+    ``step_pcie / (step_pcie + non_expert)``; and ``peak_ceiling``, the same with that work at the
+    HBM bound of its bytes (dense weights, the sequences' KV and state). Other rows get nan."""
     for r in rows:
         offloaded = r["fraction"] < 1.0 and r["prefetch"] == "off" and r["step_pcie"] > 0
         serial = r["non_expert_ms"] / 1e3
+        at_peak = (r["dense_bytes"] + r["sequence_bytes"]) / HBM_BYTES_PER_S
         r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded else math.nan
+        r["peak_ceiling"] = r["step_pcie"] / (r["step_pcie"] + at_peak) if offloaded else math.nan
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -406,7 +411,8 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("counted", "distinct", ">10"),
            ("bound tok/s", "bound_tok_s", ">11.1f"), ("bound", "bound", ">5"), ("ratio", "ratio", ">6.3f"),
            ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f"),
-           ("non-expert ms", "non_expert_ms", ">13.2f"), ("ceiling", "ceiling", ">7.3f")]
+           ("non-expert ms", "non_expert_ms", ">13.2f"), ("ceiling", "ceiling", ">7.3f"),
+           ("at peak", "peak_ceiling", ">7.3f")]
 
 
 def prefetch_choice(text: str) -> str:
