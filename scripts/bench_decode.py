@@ -23,8 +23,9 @@ after its router, so they cannot cross PCIe beside that work; an offloaded row w
 gets "ceiling", the ratio its step could reach at most with the misses at 55 GB/s after its own
 non-expert work, the misses' lookups included (run it ``--pdl off``: under PDL an early-started
 kernel's wait counts as its own time); "at peak" is the same with that work at the HBM bound of its
-bytes (the dense weights and the sequences' KV and state at 4.3 TB/s, no gap between launches):
-what no kernel work could raise without guesses.
+bytes (the dense weights but the shared experts', which can run beside the misses, and the
+sequences' KV and state at 4.3 TB/s, no gap between launches): what no kernel work could raise
+without guesses.
 Each ``--prefetch`` setting gets its own rows (cross-layer expert prefetch off / on; ``wide`` is on
 with the guess gathered by ``gather_missing``'s wide grid instead of its few programs; a number N is
 on with ``--expert-prefetch-cap N``, at most N guessed experts a layer): "guessed" is
@@ -139,8 +140,8 @@ def expert_gemm_kernels() -> frozenset[str]:
     for module in EXPERT_GEMM_MODULES:
         for value in vars(importlib.import_module(f"moe_offload.kernels.{module}")).values():
             fn = value
-            while type(fn).__module__.startswith("triton.runtime"):
-                fn = fn.fn
+            while type(fn).__module__.startswith("triton.runtime") and hasattr(fn, "fn"):  # not the interpreter's
+                fn = fn.fn  # builder, which a kernel run interpreted leaves in its module
             if fn is not value:
                 names.add(fn.__name__)
     return frozenset(names)
@@ -158,11 +159,12 @@ def decode_ceilings(rows: list[dict]) -> None:
     could reach with its misses crossing at 55 GB/s while only experts compute, i.e. one after the
     row's own non-expert work (the lookups that find the misses are part of it):
     ``step_pcie / (step_pcie + non_expert)``; and ``peak_ceiling``, the same with that work at the
-    HBM bound of its bytes (dense weights, the sequences' KV and state). Other rows get nan."""
+    HBM bound of its bytes (dense weights but a shared expert's, which may run beside the misses,
+    and the sequences' KV and state). Other rows get nan."""
     for r in rows:
         offloaded = r["fraction"] < 1.0 and r["prefetch"] == "off" and r["step_pcie"] > 0
         serial = r["non_expert_ms"] / 1e3
-        at_peak = (r["dense_bytes"] + r["sequence_bytes"]) / HBM_BYTES_PER_S
+        at_peak = (r["dense_bytes"] - r["shared_bytes"] + r["sequence_bytes"]) / HBM_BYTES_PER_S
         r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded else math.nan
         r["peak_ceiling"] = r["step_pcie"] / (r["step_pcie"] + at_peak) if offloaded else math.nan
 
@@ -339,7 +341,8 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
                 prefetch_bytes_per_token=r["prefetch_bytes"] / max(r["tokens"], 1),
                 bound_tok_s=batch / bound, bound="pcie" if step_pcie > step_hbm else "hbm",
                 ratio=decode_tok_s / (batch / bound), experts_per_layer=distinct / cfg.num_layers,
-                distinct=counted, dense_bytes=dense, sequence_bytes=batch * per_sequence,
+                distinct=counted, dense_bytes=dense, shared_bytes=shared_expert_bytes(runner),
+                sequence_bytes=batch * per_sequence,
                 expert_bytes=one_expert, expert_mb=one_expert / 1e6, layers=cfg.num_layers, step_pcie=step_pcie,
                 **profiled)
 
@@ -358,6 +361,12 @@ def dense_bytes(runner) -> int:
     its linear attention's and its shared expert's weights in dataclasses of their own)."""
     w = runner.weights
     return sum(tensor_bytes(lw) for lw in w.layers) + w.lm_head.numel() * w.lm_head.element_size()
+
+
+def shared_expert_bytes(runner) -> int:
+    """Bytes of the shared experts' weights (hybrid models): they take the routed experts' input,
+    not their output, so they can compute while the misses cross."""
+    return sum(tensor_bytes(lw.shared) for lw in runner.weights.layers if getattr(lw, "shared", None) is not None)
 
 
 def tensor_bytes(weights) -> int:
