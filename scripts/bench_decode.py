@@ -323,12 +323,7 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     tok_s = r["tokens"] / r["seconds"]
     # with prefills between: the steps that ran one (a decode row may share it) timed apart
     decode_tok_s = (r["steps"] - r["prefill_steps"]) * batch / (r["seconds"] - r["prefill_s"])
-    distinct = r["lookups"] / max(r["steps"], 1)  # experts looked up per step
-    counted = "looked up"
-    if fraction >= 1.0:  # no lookups when resident
-        counted, distinct = "assumed", cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)
-        if args.routing == "synthetic":
-            counted, distinct = "modelled", cfg.num_layers * synthetic_distinct(cfg, batch, r["steps"])
+    counted, distinct = distinct_experts(cfg, args.routing, batch, fraction, r)
     moved = r["bytes_h2d"] + r["prefetch_bytes"]  # misses and guesses alike cross PCIe
     step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
     step_hbm = (dense + batch * per_sequence + distinct * one_expert) / HBM_BYTES_PER_S
@@ -345,6 +340,16 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
                 sequence_bytes=batch * per_sequence,
                 expert_bytes=one_expert, expert_mb=one_expert / 1e6, layers=cfg.num_layers, step_pcie=step_pcie,
                 **profiled)
+
+
+def distinct_experts(cfg, routing: str, batch: int, fraction: float, run: dict) -> tuple[str, float]:
+    """How a step's distinct experts were counted, and how many: looked up behind a cache; resident
+    runs look nothing up, so assumed all different, or modelled under synthetic routing."""
+    if fraction < 1.0:
+        return "looked up", run["lookups"] / max(run["steps"], 1)
+    if routing == "synthetic":
+        return "modelled", cfg.num_layers * synthetic_distinct(cfg, batch, run["steps"])
+    return "assumed", cfg.num_layers * min(cfg.num_experts, batch * cfg.top_k)
 
 
 def synthetic_distinct(cfg, batch: int, steps: int) -> float:
@@ -430,6 +435,19 @@ def prefetch_choice(text: str) -> str:
     return text
 
 
+def add_miss_args(p: argparse.ArgumentParser) -> None:
+    """How misses and guesses reach their slots."""
+    p.add_argument("--prefetch", nargs="+", default=["off"], type=prefetch_choice, metavar="off|on|wide|N",
+                   help="cross-layer prefetch (wide: gathered on the wide grid; N: at most N guessed experts a layer)")
+    p.add_argument("--gather-programs", type=int, default=slot_fill.MISS_PROGRAMS, metavar="N",
+                   help="programs of the gather of a step's own misses (0: gather_missing's wide grid)")
+    p.add_argument("--scale-programs", type=int, default=slot_fill.SCALE_PROGRAMS, metavar="N",
+                   help="programs of the gather of the misses' scales before a fill in the GEMM (0: the wide grid)")
+    p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,
+                   help="how decode copies cache misses in (gemm: the GEMM reads and stores them as it computes; "
+                        "gather: a copy launch first); several: one row each (resident rows run once)")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-geometry")
@@ -447,15 +465,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--routing", default=RoutingOptions.routing, help="model, synthetic (dummy weights) or replay:FILE")
     p.add_argument("--lent-slots", nargs="+", default=[ExpertOptions.lent_slots], choices=LENT_SLOT_RULES,
                    help="what decode does with the prefill pipeline's lent slots; several: one row each")
-    p.add_argument("--prefetch", nargs="+", default=["off"], type=prefetch_choice, metavar="off|on|wide|N",
-                   help="cross-layer prefetch (wide: gathered on the wide grid; N: at most N guessed experts a layer)")
-    p.add_argument("--gather-programs", type=int, default=slot_fill.MISS_PROGRAMS, metavar="N",
-                   help="programs of the gather of a step's own misses (0: gather_missing's wide grid)")
-    p.add_argument("--scale-programs", type=int, default=slot_fill.SCALE_PROGRAMS, metavar="N",
-                   help="programs of the gather of the misses' scales before a fill in the GEMM (0: the wide grid)")
-    p.add_argument("--fill", nargs="+", default=[ExpertOptions.fill], choices=FILL_MODES,
-                   help="how decode copies cache misses in (gemm: the GEMM reads and stores them as it computes; "
-                        "gather: a copy launch first); several: one row each (resident rows run once)")
+    add_miss_args(p)
     p.add_argument("--gpus", type=int, nargs="+", default=[1],
                    help="GPU counts to compare by expert parallelism, e.g. 1 2 (the cache fraction is per GPU)")
     p.add_argument("--prefill-every", type=int, default=0, metavar="STEPS",
