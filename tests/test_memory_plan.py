@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_offload.expert_store import list_segments, remove_segment
+from moe_offload.expert_store import remove_segment
+from moe_offload.store_layout import ExpertGeometry, StoreIdentity
 from tests.test_device_memory import CUDA, card  # noqa: F401 (fixture)
 from worker.config import ModelConfig
 from worker.device_memory import GIB, DeviceMemory
@@ -227,7 +228,6 @@ def full_chunks_under_the_limit() -> None:
     from scheduler.messages.to_scheduler import SamplingParams
 
     model, experts = os.environ["SLUICE_PEAK_MODEL"].split(":")
-    before = {s.name for s in list_segments()}
     limit, total = 24, torch.cuda.mem_get_info()[1]
     torch.cuda.mem_get_info = lambda device=None: (total, total)  # this process only
     runner = ModelRunner(RunnerConfig(model, device="cuda", gpu_memory_limit=limit,
@@ -247,9 +247,10 @@ def full_chunks_under_the_limit() -> None:
               f"{held / GIB:.2f} held; the plan kept back {runner.plan.activation_bytes / GIB:.2f}; "
               f"reserved at most {reserved / GIB:.2f} of {limit}")
         assert reserved <= limit * GIB
-    finally:  # a fully resident runner keeps no store, but its fill made a segment
-        for name in {s.name for s in list_segments()} - before:
-            remove_segment(name)
+    finally:  # by its identity: a fully resident runner keeps no store, but its fill made the segment
+        cfg = runner.model_config
+        geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        remove_segment(StoreIdentity.dummy(geometry, runner.config.experts.seed, runner.expert_format).name)
 
 
 def test_the_plan_script_prints_the_plan_a_runner_would_make():

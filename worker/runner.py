@@ -107,7 +107,7 @@ class ModelRunner:
         config.routing.check(config.experts.dummy_weights)  # before loading anything
         self.model_config = cfg = ModelConfig.from_dir(config.model_dir)
         self._check_model(cfg)
-        self.expert_format = self._expert_format()
+        self.expert_format = expert_format(cfg, config, self.dtype)
         self.weights = self._load_weights()
         store = open_store(cfg, config.model_dir, config.experts, self.expert_format, self.device)
         self.state_pool = self._state_pool()
@@ -214,9 +214,6 @@ class ModelRunner:
         cfg = self.model_config
         return KVPool(window_layers(cfg), self.plan.window_pages, self.config.page_size, cfg.num_kv_heads,
                       cfg.head_dim, self.dtype, self.device)
-
-    def _expert_format(self) -> ExpertFormat:
-        return expert_format(self.model_config, self.config, self.dtype)
 
     def _load_weights(self) -> ModelWeights:
         c, cfg = self.config, self.model_config
