@@ -160,13 +160,17 @@ def decode_ceilings(rows: list[dict]) -> None:
     row's own non-expert work (the lookups that find the misses are part of it):
     ``step_pcie / (step_pcie + non_expert)``; and ``peak_ceiling``, the same with that work at the
     HBM bound of its bytes (dense weights but a shared expert's, which may run beside the misses,
-    and the sequences' KV and state). Other rows get nan."""
+    and the sequences' KV and state); and ``miss_gbps``, the misses' bytes over the rest of the
+    step's GPU time (the experts' kernels, hits' GEMMs included): the rate the misses crossed at
+    if the experts did nothing else, which the bound counts as 55 GB/s. Other rows get nan."""
     for r in rows:
         offloaded = r["fraction"] < 1.0 and r["prefetch"] == "off" and r["step_pcie"] > 0
         serial = r["non_expert_ms"] / 1e3
         at_peak = (r["dense_bytes"] - r["shared_bytes"] + r["sequence_bytes"]) / HBM_BYTES_PER_S
+        expert_s = (r["busy_ms"] - r["non_expert_ms"]) / 1e3
         r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded else math.nan
         r["peak_ceiling"] = r["step_pcie"] / (r["step_pcie"] + at_peak) if offloaded else math.nan
+        r["miss_gbps"] = r["step_pcie"] * PCIE_BYTES_PER_S / expert_s / 1e9 if offloaded and expert_s > 0 else math.nan
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -426,7 +430,7 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("bound tok/s", "bound_tok_s", ">11.1f"), ("bound", "bound", ">5"), ("ratio", "ratio", ">6.3f"),
            ("kernels/step", "kernels", ">12.0f"), ("GPU ms/step", "busy_ms", ">11.2f"),
            ("non-expert ms", "non_expert_ms", ">13.2f"), ("ceiling", "ceiling", ">7.3f"),
-           ("at peak", "peak_ceiling", ">7.3f")]
+           ("at peak", "peak_ceiling", ">7.3f"), ("miss GB/s", "miss_gbps", ">9.1f")]
 
 
 def prefetch_choice(text: str) -> str:
