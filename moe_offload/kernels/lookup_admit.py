@@ -291,16 +291,12 @@ def _kernel():
         # Where a block is smaller than the CTA, threads hold replicas of one element; every
         # read-then-write of one address is split by a barrier so that no replica reads a value
         # its owner already replaced. Counters and the step are read up front for the same reason.
-        # What the kernel itself writes it keeps in registers rather than reading it back: each
-        # global read after a barrier is a round trip that the layer's router waits for.
         step = tl.load(step_ptr)
         fields = tl.arange(0, 8)
         stat_ptrs = stats_ptr + layer * NUM_STATS + fields
         stats = tl.load(stat_ptrs, mask=fields < NUM_STATS)
-        experts = tl.arange(0, BLOCK_E)
-        gid = layer * num_experts + experts
-        resident = tl.load(slot_for_id_ptr + gid, mask=experts < num_experts, other=-1)  # beside the routing
         # 1. dedupe: how many pairs route to each expert of this layer, by comparing chunks against all E
+        experts = tl.arange(0, BLOCK_E)
         pairs = tl.zeros([BLOCK_E], dtype=tl.int32)
         first = tl.full([BLOCK_E], num_routed, dtype=tl.int32)  # ahead: each expert's first place in ids
         for start in range(0, num_routed, BLOCK_N):
@@ -311,15 +307,15 @@ def _kernel():
             if AHEAD:
                 first = tl.minimum(first, tl.min(tl.where(match, offs[:, None], num_routed), axis=0))
         present = (pairs > 0) & (experts < num_experts)
-        cur = tl.where(present, resident, -1)
+        gid = layer * num_experts + experts
+        cur = tl.load(slot_for_id_ptr + gid, mask=present, other=-1)
         hit = present & (cur >= 0)
         miss = present & (cur < 0)
         num_miss = tl.sum(miss.to(tl.int32), axis=0)
 
-        # 2. the hits' last use (for the counters) and score (for their credit, in 6), then mark
-        #    them used by this launch: last_use == step, no victims
+        # 2. mark the hits: last_use == step makes them used by this launch, no victims (their
+        #    credit comes with the admissions', in 6)
         old_last = tl.load(last_use_ptr + cur, mask=hit, other=0)
-        hit_score = tl.load(score_ptr + cur, mask=hit, other=0)
         tl.debug_barrier()
         tl.store(last_use_ptr + cur, step, mask=hit)
         tl.debug_barrier()
@@ -341,57 +337,58 @@ def _kernel():
         if AHEAD:  # a prediction never takes a slot in use: what does not fit is not prefetched
             num_admit = tl.minimum(tl.minimum(num_miss, tl.sum((cls < 3).to(tl.int32), axis=0)), max_admit)
 
-        # 4. plan, per expert: row j of the plan admits the j-th miss in expert order (ahead: in the
-        #    order of their first places in ids) into the j-th lowest key; padding rows -1
-        row = tl.full([BLOCK_E], -1, dtype=tl.int32)
-        dst = tl.full([BLOCK_E], -1, dtype=tl.int32)
+        # 4. plan: sources are the first num_admit misses in expert order (ahead: in the order of
+        #    their first places in ids), victims the num_admit lowest keys in key order; padding rows -1
         if AHEAD:
             todo = miss
-        else:
-            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-        for j in range(0, num_admit):
-            if AHEAD:
+            for j in range(0, num_admit):
                 place = tl.min(tl.where(todo, first, num_routed), axis=0)
                 pick = todo & (first == place)
+                tl.store(plan_src_ptr + j, tl.sum(tl.where(pick, gid, 0), axis=0))
                 todo = todo & ~pick
-            else:
-                pick = miss & (rank == j)
-            low = tl.min(keys, axis=0)
-            row = tl.where(pick, j, row)
-            dst = tl.where(pick, (slot_start + (low & ((1 << 20) - 1))).to(tl.int32), dst)
-            keys = tl.where(keys == low, 0x7FFFFFFFFFFFFFFF, keys)
-        admit = row >= 0
-        tl.store(plan_src_ptr + row, gid, mask=admit)
-        tl.store(plan_dst_ptr + row, dst, mask=admit)
+        else:
+            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            tl.store(plan_src_ptr + rank, gid, mask=miss & (rank < num_admit))
         rows = tl.arange(0, BLOCK_P)
         pad = (rows >= num_admit) & (rows < plan_cap)
         tl.store(plan_src_ptr + rows, -1, mask=pad)
         tl.store(plan_dst_ptr + rows, -1, mask=pad)
+        for j in range(0, num_admit):
+            low = tl.min(keys, axis=0)
+            tl.store(plan_dst_ptr + j, (slot_start + (low & ((1 << 20) - 1))).to(tl.int32))
+            keys = tl.where(keys == low, 0x7FFFFFFFFFFFFFFF, keys)
+        tl.debug_barrier()
 
         # 5. admit: the victim's old id leaves, the new one moves in with a fresh score
+        admit = rows < num_admit
+        src = tl.load(plan_src_ptr + rows, mask=admit, other=0)
+        dst = tl.load(plan_dst_ptr + rows, mask=admit, other=0)
         old = tl.load(id_of_slot_ptr + dst, mask=admit, other=-1)
         evicted = admit & (old >= 0)
         tl.debug_barrier()
         tl.store(slot_for_id_ptr + old, -1, mask=evicted)
-        tl.store(slot_for_id_ptr + gid, dst, mask=admit)
-        tl.store(id_of_slot_ptr + dst, gid, mask=admit)
+        tl.store(slot_for_id_ptr + src, dst, mask=admit)
+        tl.store(id_of_slot_ptr + dst, src, mask=admit)
+        tl.store(score_ptr + dst, 0, mask=admit)  # ahead: stays 0 (module docstring)
         tl.store(last_use_ptr + dst, step, mask=admit)
-        now = tl.where(hit, cur, dst)  # each expert's slot after the launch (-1: not resident)
+        tl.debug_barrier()
 
-        # 6. credit the hits and the admissions, whose score starts at 0 (an ahead launch's stays 0:
-        #    the real lookup credits them)
-        if AHEAD:
-            tl.store(score_ptr + dst, 0, mask=admit)
-        else:
+        # 6. credit the hits and the admissions (an ahead launch's: the real lookup credits them)
+        if not AHEAD:
+            now = tl.load(slot_for_id_ptr + gid, mask=present, other=-1)
+            live = present & (now >= 0)
+            old_score = tl.load(score_ptr + now, mask=live, other=0)
+            tl.debug_barrier()
             bonus = credit + pair_credit * (tl.minimum(pairs, max_pairs) - 1)
-            start_score = tl.where(hit, hit_score, 0)
-            tl.store(score_ptr + now, tl.minimum(tl.maximum(start_score, step) + bonus, step + cap), mask=now >= 0)
+            tl.store(score_ptr + now, tl.minimum(tl.maximum(old_score, step) + bonus, step + cap), mask=live)
+            tl.debug_barrier()
 
-        # 7. routing -> slots
+        # 7. routing -> slots, read back from the updated table
         for start in range(0, num_routed, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             ids = tl.load(ids_ptr + offs, mask=offs < num_routed, other=-1)
-            slot = tl.max(tl.where(ids[:, None] == experts[None, :], now[None, :], -1), axis=1)
+            ok = (ids >= 0) & (ids < num_experts)
+            slot = tl.load(slot_for_id_ptr + layer * num_experts + ids, mask=ok, other=-1)
             tl.store(slots_ptr + offs, slot.to(tl.int64), mask=offs < num_routed)
 
         # 8. counters
