@@ -3,7 +3,8 @@
 # after run on this machine until RUNS have passed in a row (a failure ends the call, exit 1, and the
 # next call starts the row over), within $SUITE_BUDGET seconds (default 560: a lent GPU's call); a
 # run that would not fit ends the call (exit 0): the machine's first run needs $SUITE_COLD_S (default
-# 450: it compiles and tunes), a later one $SUITE_WARM_S (240). A run the budget cuts off neither
+# 450: it compiles and tunes), a later one $SUITE_WARM_S if set, else 1.2x the longest warm run
+# this machine has finished (its seconds kept in $SUITE_STATE.warm), else 240. A run the budget cuts off neither
 # passes nor fails: the row stays as it was (exit 0). The row is counted in $SUITE_STATE (default
 # .gpu_cache/suite_row, git-ignored) with a hash of the tree's Python files, so the next call on the
 # same warm machine continues it while the code is the same, and starts over where it is not. Each
@@ -16,11 +17,17 @@ out=${OUT:-/tmp/sluice-gpu}; mkdir -p "$out"
 state=${SUITE_STATE:-.gpu_cache/suite_row}; mkdir -p "$(dirname "$state")"
 budget=${SUITE_BUDGET:-560}; start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }
+# seconds the next run may take: a cold machine's first run, else a warm one's (the longest seen, with room)
+run_needs() {
+  if [ ! -e "$state.warm" ]; then echo "${SUITE_COLD_S:-450}"; return; fi
+  local longest; longest=$(sort -n "$state.warm" | tail -1)
+  echo "${SUITE_WARM_S:-$([ -n "$longest" ] && echo $(( longest * 6 / 5 )) || echo 240)}"
+}
 export PYTHONUNBUFFERED=1
 tree=$(find frontend scheduler worker moe_offload tests -name '*.py' | sort | xargs cat | md5sum | cut -c1-12)
 row=0; read -r kept_row kept_tree 2>/dev/null < "$state" && [ "$kept_tree" = "$tree" ] && row=$kept_row
 while [ "$row" -lt "$runs" ]; do
-  n=$(( row + 1 )); need=$([ -e "$state.warm" ] && echo "${SUITE_WARM_S:-240}" || echo "${SUITE_COLD_S:-450}")
+  n=$(( row + 1 )); need=$(run_needs)
   if [ "$(left)" -lt "$need" ]; then echo "suite: $row of $runs in a row; run $n needs ~$need s, $(left) s left"; exit 0; fi
   t0=$(date +%s)
   # expert stores outlive a killed worker (its session never removes them): say how full /dev/shm is
@@ -30,8 +37,12 @@ while [ "$row" -lt "$runs" ]; do
   rc=$?
   tail -30 "$state.log" > "$out/suite$n.tail"
   echo "suite run $n: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$state.log")"
-  if [ $rc = 124 ]; then echo "suite: run $n cut off by the budget, not counted; $row of $runs in a row"; exit 0; fi
-  touch "$state.warm"  # this machine's Triton and fla caches are filled
+  if [ $rc = 124 ]; then  # not counted; on a warm machine its seconds are the least such a run takes
+    [ -e "$state.warm" ] && echo $(( $(date +%s) - t0 )) >> "$state.warm"
+    echo "suite: run $n cut off by the budget, not counted; $row of $runs in a row"; exit 0
+  fi
+  # this machine's Triton and fla caches are filled; a warm run's seconds size the next one
+  if [ -e "$state.warm" ]; then echo $(( $(date +%s) - t0 )) >> "$state.warm"; else touch "$state.warm"; fi
   [ $rc = 0 ] && row=$n || row=0
   echo "$row $tree" > "$state"
   if [ $rc != 0 ]; then grep -E "^(FAILED|ERROR)|crashed" "$state.log" | head -20; exit 1; fi

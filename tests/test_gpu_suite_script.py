@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE = """#!/usr/bin/env bash
 echo "$@" >> "$FAKE_DIR/calls"
 [ -e "$FAKE_DIR/fail" ] && { echo "FAILED tests/test_x.py::test_y"; echo "1 failed"; exit 1; }
+[ -e "$FAKE_DIR/sleep" ] && sleep "$(cat "$FAKE_DIR/sleep")"
 [ -e "$FAKE_DIR/cut" ] && { echo "...."; exit 124; }  # as timeout reports a run it killed
 echo "3 passed"
 """
@@ -78,3 +79,13 @@ def test_the_first_run_on_a_machine_needs_the_cold_time_and_later_ones_the_warm(
     later = run(tmp_path, 3, budget=200, SUITE_WARM_S="250")
     assert "run 2 needs ~250 s" in later.stdout and later.returncode == 0  # warm now, and 250 > 200
     assert len(calls(tmp_path)) == 1
+
+
+def test_a_warm_run_needs_a_fifth_more_than_the_longest_warm_run_the_machine_finished(tmp_path):
+    assert "run 1: rc=0" in run(tmp_path, 1).stdout  # cold: marks the machine warm, records nothing
+    (tmp_path / "sleep").write_text("5")
+    assert "run 2: rc=0" in run(tmp_path, 2, budget=300).stdout  # warm: 5 s recorded
+    (tmp_path / "sleep").unlink()
+    short = run(tmp_path, 3, budget=5)
+    assert "run 3 needs ~6 s," in short.stdout and len(calls(tmp_path)) == 2
+    assert "run 3 needs ~4 s" in run(tmp_path, 3, budget=3, SUITE_WARM_S="4").stdout  # the variable still wins
