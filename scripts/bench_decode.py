@@ -161,13 +161,14 @@ def decode_ceilings(rows: list[dict]) -> None:
     ``step_pcie / (step_pcie + non_expert)``; and ``peak_ceiling``, the same with that work at the
     HBM bound of its bytes (dense weights but a shared expert's, which may run beside the misses,
     and the sequences' KV and state); and ``miss_gbps``, the misses' bytes over the rest of the
-    step's GPU time (the experts' kernels, hits' GEMMs included): the rate the misses crossed at
-    if the experts did nothing else, which the bound counts as 55 GB/s. Other rows get nan."""
+    timed step (its seconds less the non-expert work; the profiler's busy time runs longer than a
+    timed step): the rate the misses crossed at if the experts did nothing else, which the bound
+    counts as 55 GB/s. Other rows get nan."""
     for r in rows:
         offloaded = r["fraction"] < 1.0 and r["prefetch"] == "off" and r["step_pcie"] > 0
         serial = r["non_expert_ms"] / 1e3
         at_peak = (r["dense_bytes"] - r["shared_bytes"] + r["sequence_bytes"]) / HBM_BYTES_PER_S
-        expert_s = (r["busy_ms"] - r["non_expert_ms"]) / 1e3
+        expert_s = r["batch"] / r["decode_tok_s"] - serial if r["decode_tok_s"] > 0 else 0.0
         r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded else math.nan
         r["peak_ceiling"] = r["step_pcie"] / (r["step_pcie"] + at_peak) if offloaded else math.nan
         r["miss_gbps"] = r["step_pcie"] * PCIE_BYTES_PER_S / expert_s / 1e9 if offloaded and expert_s > 0 else math.nan

@@ -128,7 +128,7 @@ def test_an_offloaded_row_without_guesses_gets_the_ceiling_of_its_own_non_expert
     with guesses (they use the link during that work), gets nan."""
     def r(fraction, prefetch="off", step_pcie=0.0, non_expert_ms=0.0):
         return dict(fraction=fraction, prefetch=prefetch, step_pcie=step_pcie, non_expert_ms=non_expert_ms,
-                    dense_bytes=2.25e9, shared_bytes=0.25e9, sequence_bytes=0.15e9, busy_ms=10.0)
+                    dense_bytes=2.25e9, shared_bytes=0.25e9, sequence_bytes=0.15e9, batch=1, decode_tok_s=100.0)
 
     resident, offloaded = r(1.0, non_expert_ms=1.29), r(0.25, step_pcie=5.29e-3, non_expert_ms=1.41)
     guessing = r(0.25, prefetch="on", step_pcie=6e-3, non_expert_ms=1.4)
@@ -136,6 +136,6 @@ def test_an_offloaded_row_without_guesses_gets_the_ceiling_of_its_own_non_expert
     assert offloaded["ceiling"] == pytest.approx(5.29 / (5.29 + 1.41))
     # at peak: the 2.15 GB of dense weights (the shared expert's left out) and KV at 4.3 TB/s, 0.5 ms
     assert offloaded["peak_ceiling"] == pytest.approx(5.29 / (5.29 + 0.5))
-    # the misses' 290.95 MB (5.29 ms at 55 GB/s) over the 10 - 1.41 ms of expert kernels
+    # the misses' 290.95 MB (5.29 ms at 55 GB/s) over the timed 10 ms step less its 1.41 ms of non-expert work
     assert offloaded["miss_gbps"] == pytest.approx(5.29e-3 * 55e9 / 8.59e-3 / 1e9)
     assert all(math.isnan(x[key]) for x in (resident, guessing) for key in ("ceiling", "peak_ceiling", "miss_gbps"))
