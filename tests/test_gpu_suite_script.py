@@ -4,6 +4,7 @@ whose "suite" passes or fails as told (no GPU, no pytest)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -87,5 +88,5 @@ def test_a_warm_run_needs_a_fifth_more_than_the_longest_warm_run_the_machine_fin
     assert "run 2: rc=0" in run(tmp_path, 2, budget=300).stdout  # warm: 5 s recorded
     (tmp_path / "sleep").unlink()
     short = run(tmp_path, 3, budget=5)
-    assert "run 3 needs ~6 s," in short.stdout and len(calls(tmp_path)) == 2
+    assert re.search(r"run 3 needs ~[67] s,", short.stdout) and len(calls(tmp_path)) == 2  # 5 s, or 6 on a slow host
     assert "run 3 needs ~4 s" in run(tmp_path, 3, budget=3, SUITE_WARM_S="4").stdout  # the variable still wins
