@@ -43,11 +43,10 @@ def test_4bit_dummy_store_is_random_codes_under_a_drawn_scale(fmt, tmp_path):
     matrix's own codes, the values' spread about the float draw's 0.02, the scales of one draw."""
     from moe_offload.formats import dequantize_w13
     from moe_offload.store_fill import open_dummy_experts
-    from moe_offload.store_layout import ExpertGeometry
     from worker.config import ModelConfig
+    from worker.expert_placement import expert_geometry
 
-    cfg = ModelConfig.from_dir("small-geometry")
-    geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+    geometry = expert_geometry(ModelConfig.from_dir("small-geometry"))
     for name in ("0", "1", "other"):
         (tmp_path / name).mkdir()
     one, two = (open_dummy_experts(geometry, 3, fmt, tmp_path / name).host_banks() for name in ("0", "1"))

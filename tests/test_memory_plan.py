@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from moe_offload.expert_store import remove_segment
-from moe_offload.store_layout import ExpertGeometry, StoreIdentity
+from moe_offload.store_layout import StoreIdentity
 from tests.test_device_memory import CUDA, card  # noqa: F401 (fixture)
 from worker.config import ModelConfig
 from worker.device_memory import GIB, DeviceMemory
+from worker.expert_placement import expert_geometry
 from worker.memory_plan import (AUTO_PREFILL_RESERVE, CPU_KV_TOKENS, CPU_PREFILL_TOKENS, PlanInputs,
                                 activation_bytes, expert_slots, plan_memory)
 from worker.runner import ModelRunner
@@ -248,8 +249,7 @@ def full_chunks_under_the_limit() -> None:
               f"reserved at most {reserved / GIB:.2f} of {limit}")
         assert reserved <= limit * GIB
     finally:  # by its identity: a fully resident runner keeps no store, but its fill made the segment
-        cfg = runner.model_config
-        geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+        geometry = expert_geometry(runner.model_config)
         remove_segment(StoreIdentity.dummy(geometry, runner.config.experts.seed, runner.expert_format).name)
 
 

@@ -24,6 +24,11 @@ log = logging.getLogger("sluice.worker")
 __all__ = ["ExpertOptions", "expert_slot_bytes", "open_store", "place_experts"]
 
 
+def expert_geometry(cfg: ModelConfig) -> ExpertGeometry:
+    """The shape of ``cfg``'s routed experts, as the expert store lays them out."""
+    return ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+
+
 def expert_slot_bytes(cfg: ModelConfig, fmt: ExpertFormat) -> int:
     """Bytes of one expert in ``fmt``: what a cache slot holds (the memory plan's unit)."""
     hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
@@ -36,7 +41,7 @@ def open_store(cfg: ModelConfig, model_dir: str, options: ExpertOptions, fmt: Ex
     fill) and registered with CUDA; None when the experts are loaded with the weights."""
     if not options.uses_store:
         return None
-    geometry = ExpertGeometry(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size)
+    geometry = expert_geometry(cfg)
     if options.dummy_weights:
         store = open_dummy_experts(geometry, options.seed, fmt)
     else:
