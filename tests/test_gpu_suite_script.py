@@ -90,3 +90,11 @@ def test_a_warm_run_needs_a_fifth_more_than_the_longest_warm_run_the_machine_fin
     short = run(tmp_path, 3, budget=5)
     assert re.search(r"run 3 needs ~[67] s,", short.stdout) and len(calls(tmp_path)) == 2  # 5 s, or 6 on a slow host
     assert "run 3 needs ~4 s" in run(tmp_path, 3, budget=3, SUITE_WARM_S="4").stdout  # the variable still wins
+
+
+def test_a_warm_run_cut_off_by_the_budget_counts_its_seconds_as_the_least_a_run_takes(tmp_path):
+    assert "run 1: rc=0" in run(tmp_path, 1).stdout  # cold
+    (tmp_path / "sleep").write_text("3")
+    assert "run 2 cut off" in run(tmp_path, 3, budget=300, cut=True).stdout  # 3 s recorded
+    (tmp_path / "sleep").unlink()
+    assert re.search(r"run 2 needs ~[34] s,", run(tmp_path, 3, budget=2).stdout)  # 3 or 4 s, times 1.2
