@@ -276,10 +276,10 @@ def test_a_prefix_in_one_run_of_pages_is_read_where_it_lies(block, monkeypatch):
     assert runs == [1, -1, 30]  # rows 0 and 1 hold pages 1..26 and 27..29 (103 and 9 tokens); row 1 no prefix
     gathered = cached_prefix_attention(q, k, v, k_runs, v_runs, runs_table, q_lens, prefixes, 0.25)
     gathers, real = [], cudnn_prefill._gathered
-    monkeypatch.setattr(cudnn_prefill, "_gathered", lambda *a: gathers.append(a[3]) or real(*a))
+    monkeypatch.setattr(cudnn_prefill, "_gathered", lambda *a: gathers.append(a[2]) or real(*a))
     in_place = cached_prefix_attention(q, k, v, k_runs, v_runs, runs_table, q_lens, prefixes, 0.25,
                                        runs=[1, -1, -1])
-    assert gathers == [0, 13]  # row 0 read in place; rows 1 and 2 through the gather (row 1's is empty)
+    assert gathers == [0, 0, 13, 13]  # row 0 read in place; rows 1 and 2 through the gather (K, V; row 1's empty)
     assert torch.equal(in_place, gathered)
     want = paged_prefill_attention_eager(q, k_runs, v_runs, runs_table, lens, q_lens, 0.25)
     assert rel_err(cached_prefix_attention(q, k, v, k_runs, v_runs, runs_table, q_lens, prefixes, 0.25, runs=runs),
@@ -371,7 +371,7 @@ def test_the_backends_warm_up_sets_the_least_rows_it_planned(monkeypatch):
     monkeypatch.setattr(cudnn_prefill, "PREFIX_BLOCK", 8)
     monkeypatch.setattr(cudnn_prefill, "supported", lambda device, dtype, head_dim: True)
     k_cache, v_cache = torch.randn(2, 40, 4, 2, 16).unbind(0)
-    backend = TritonAttention(SimpleNamespace(k=[k_cache], v=[v_cache]), 0.25)
+    backend = TritonAttention(SimpleNamespace(k=[k_cache], v=[v_cache], dtype=k_cache.dtype), 0.25)
     assert backend.min_rows == 0  # before: every row of a batch on the path takes it
     assert backend.warm_plans(8, 64, 10_000) == 4 * 5 + 5
     assert backend.min_rows == 16 == cudnn_prefill.warm_buckets(k_cache, 64, 10_000)[0]

@@ -12,7 +12,8 @@ from dataclasses import fields, is_dataclass
 
 from moe_offload.choices import EXPERT_DTYPES, FILL_MODES, INVALIDATE_MODES, LENT_SLOT_RULES, POLICIES, STAGE_MODES
 from worker.routing_options import RoutingOptions
-from worker.runner_config import ATTENTION_BACKENDS, DTYPES, EXPERT_PLACEMENTS, ExpertOptions, RunnerConfig
+from worker.runner_config import (ATTENTION_BACKENDS, DTYPES, EXPERT_PLACEMENTS, KV_CACHE_DTYPES, ExpertOptions,
+                                  RunnerConfig)
 
 R, X = RunnerConfig, ExpertOptions
 
@@ -73,6 +74,11 @@ def _add_memory_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--kv-tokens", type=int, default=R.kv_tokens, metavar="TOKENS",
                    help="KV pool size in tokens; 0: 80%% of the GPU memory the expert cache left, less a prefill "
                         "chunk's activations (16384 on CPU)")
+    g.add_argument("--kv-cache-dtype", default=R.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="what the KV pool and the host KV tier hold: auto, the compute dtype; fp8, float8 e4m3 with "
+                        "no scale (values saturate at +-448), half the bytes a token, so twice the tokens, or a "
+                        "bigger expert cache under --moe-cache-auto, and half the bytes a decode step reads. It "
+                        "changes the numbers: see scripts/quant_quality.py --kv-fp8")
     g.add_argument("--max-prefill-tokens", type=int, default=R.max_prefill_tokens, metavar="TOKENS",
                    help="prompt tokens per prefill chunk; 0: the largest multiple of 1024 up to 32768 whose "
                         "activations fit in what the cache and the KV pool left (2048 on CPU). Under expert offload "

@@ -68,13 +68,15 @@ class MemoryPlan:
     # gpt-oss: the sliding layers' window pool, the scratch page included (0: none)
     window_pages: int = 0
     window_bytes: int = 0
+    kv_cache_dtype: str = "auto"  # RunnerConfig.kv_cache_dtype: what the pools hold
 
     def table(self, total_experts: int, experts: str = "experts") -> str:
         """The plan as the start-up log shows it (``experts``: what the slots hold, e.g. "bf16 experts")."""
         free = "CPU" if self.gpu_free is None else f"{_gib(self.gpu_free).strip()} GPU free"
         rows = [f"memory plan ({free}):",
                 f"  expert cache   {_gib(self.expert_bytes)}  {self.expert_slots} of {total_experts} {experts}",
-                f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens",
+                f"  KV pool        {_gib(self.kv_bytes)}  {self.kv_pages} pages of {self.page_size} tokens"
+                f"{' in float8 e4m3' if self.kv_cache_dtype == 'fp8' else ''}",
                 f"  prefill chunk  {_gib(self.activation_bytes)}  {self.prefill_tokens} tokens (activations)",
                 f"  host KV tier   {_gib(self.host_kv_bytes)}"]
         if self.window_bytes:
@@ -102,7 +104,8 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     tokens = _prefill_tokens(inputs, model, config, cache + kv + window, context)
     plan = MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
                       cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention, config.state_slots),
-                      window_pages=window_pages if window else 0, window_bytes=window)
+                      window_pages=window_pages if window else 0, window_bytes=window,
+                      kv_cache_dtype=config.kv_cache_dtype)
     _check_fits(plan, model)
     return plan
 

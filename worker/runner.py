@@ -18,7 +18,7 @@ from worker.config import ModelConfig
 from worker.cuda_graph import DecodeGraphs, Launched
 from worker.device_memory import DeviceMemory
 from worker.expert_placement import expert_slot_bytes, open_store, place_experts
-from worker.kv.gpu_pool import KVPool
+from worker.kv.gpu_pool import KV_DTYPES, KVPool
 from worker.kv.state_pool import StatePool
 from worker.memory_plan import MemoryPlan, PlanInputs, host_available_bytes, plan_memory
 from worker.models.moe_transformer import MoETransformer
@@ -44,6 +44,11 @@ def torch_dtype(config: RunnerConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[config.dtype]
+
+
+def kv_dtype(config: RunnerConfig, dtype: torch.dtype) -> torch.dtype:
+    """What the KV pools hold: ``--kv-cache-dtype``, or the compute ``dtype``."""
+    return KV_DTYPES[config.kv_cache_dtype] or dtype
 
 
 def window_layers(cfg: ModelConfig) -> int:
@@ -75,11 +80,12 @@ def plan_inputs(cfg: ModelConfig, config: RunnerConfig, fmt: ExpertFormat, dtype
                 gpu_free: int | None, gpu_reusable: int) -> PlanInputs:
     """What the memory plan splits and the units it splits it in, for ``cfg`` under ``config`` with
     experts in ``fmt``: ``gpu_free`` is the GPU memory free once the weights are loaded (None: no GPU)."""
+    kv_bytes = 2 * cfg.kv_size * kv_dtype(config, dtype).itemsize  # K and V of a token in one layer
     return PlanInputs(gpu_free=gpu_free, gpu_reusable=gpu_reusable, host_available=host_available_bytes(),
                       slot_bytes=expert_slot_bytes(cfg, fmt),
-                      kv_token_bytes=2 * (cfg.num_kv_layers - window_layers(cfg)) * cfg.kv_size * dtype.itemsize,
+                      kv_token_bytes=(cfg.num_kv_layers - window_layers(cfg)) * kv_bytes,
                       torch_attention=attention_backend(config, device) == "torch",
-                      window_token_bytes=2 * window_layers(cfg) * cfg.kv_size * dtype.itemsize)
+                      window_token_bytes=window_layers(cfg) * kv_bytes)
 
 
 class ForwardOutput(NamedTuple):
@@ -115,7 +121,7 @@ class ModelRunner:
         self.experts = self._this_rank(place_experts(cfg, config.experts, self.weights.experts, store,
                                                      self.plan.expert_slots, self.device))
         self.kv_pool = KVPool(cfg.num_kv_layers - window_layers(cfg), self.plan.kv_pages, config.page_size,
-                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                              cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, kv_dtype(config, self.dtype))
         self.window_pool = self._window_pool()
         backend = attention_backend(config, self.device)
         attention = create_backend(backend, self.kv_pool, cfg.head_dim ** -0.5)
@@ -213,7 +219,7 @@ class ModelRunner:
             return None
         cfg = self.model_config
         return KVPool(window_layers(cfg), self.plan.window_pages, self.config.page_size, cfg.num_kv_heads,
-                      cfg.head_dim, self.dtype, self.device)
+                      cfg.head_dim, self.dtype, self.device, kv_dtype(self.config, self.dtype))
 
     def _load_weights(self) -> ModelWeights:
         c, cfg = self.config, self.model_config

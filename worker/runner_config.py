@@ -16,6 +16,7 @@ from worker.routing_options import RoutingOptions
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bfloat16 on cuda, float32 on cpu
 ATTENTION_BACKENDS = ("torch", "triton")  # the names worker.attention registers (a test checks)
 EXPERT_PLACEMENTS = ("round-robin", "popularity:FILE")  # worker.distributed.placement
+KV_CACHE_DTYPES = ("auto", "fp8")  # worker.kv.gpu_pool.KV_DTYPES; "auto": the compute dtype
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RunnerConfig:
     dtype: str = "auto"  # DTYPES
     page_size: int = 16
     kv_tokens: int = 0  # memory plan: 0 = from free memory (GPU) or 16384 (CPU)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: what the KV pools (and the host tier) hold
     attention: str = "auto"  # "auto" = the Triton kernels on cuda, the torch reference on cpu
     experts: ExpertOptions = ExpertOptions()
     max_prefill_tokens: int = 0  # memory plan: 0 = the largest chunk that fits (GPU), 2048 (CPU)
@@ -100,5 +102,7 @@ class RunnerConfig:
         if self.gpus > 1 and self.kv_host_size:
             raise ValueError("--kv-host-size needs --gpus 1: the host KV tier moves pages of rank 0's KV pool only, "
                              "and every rank keeps its own")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be at least 1, got {self.page_size}")

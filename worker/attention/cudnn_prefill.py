@@ -133,9 +133,7 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         if b in skip:
             start += n
             continue
-        run = runs[b] if runs else -1
-        k_p, v_p = _in_place(k_cache, v_cache, run, prefix) if run > 0 else _gathered(k_cache, v_cache,
-                                                                                       page_table[b], prefix)
+        k_p, v_p = _prefix_kv(k_cache, v_cache, page_table[b], prefix, runs[b] if runs else -1, q.dtype)
         pieces = prefix_pieces(prefix)
         _merge(_row_parts(q[rows], k[rows], v[rows], k_p[:prefix], v_p[:prefix], pieces, scale), len(pieces) + 1,
                out[rows])
@@ -144,22 +142,24 @@ def cached_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 
 def warm_plans(heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_q: int, max_context: int,
-               scale: float) -> int:
+               scale: float, dtype: torch.dtype | None = None) -> int:
     """Plan every shape the path can launch before serving: each query bucket (``query_buckets``)
     over each piece length, and each causal bucket up to ``max_q`` rows after a remainder, over
-    keys gathered from the pool's pages (read only). Returns how many shapes it ran."""
+    keys gathered from the pool's pages (read only), queries and keys in ``dtype`` (default: the
+    pool's). Returns how many shapes it ran."""
     num_pages, page, kv_heads, D = k_cache.shape
     room = (num_pages - 1) * page  # page 0 is the scratch page
     top = min(max_context, room)
     lengths = piece_lengths(top)
     buckets = warm_buckets(k_cache, max_q, max_context)
     causal = [n for n in query_buckets(max_q + PREFIX_BLOCK - 1, top) if n <= room]
-    k_p, v_p = _in_place(k_cache, v_cache, 1, max(lengths + causal, default=0))  # pages 1.., as a run
+    # pages 1.., as a run (a float8 pool's cast as serving casts them)
+    k_p, v_p = (x.to(dtype or k_cache.dtype) for x in _in_place(k_cache, v_cache, 1, max(lengths + causal, default=0)))
     for n in buckets:
-        q_b = k_cache.new_zeros(n, heads, D).transpose(0, 1)[None]
+        q_b = k_p.new_zeros(n, heads, D).transpose(0, 1)[None]
         for length in lengths:
             _piece(q_b, k_p, v_p, 0, length, n, scale)
-    one = k_cache.new_zeros(1, heads, D)
+    one = k_p.new_zeros(1, heads, D)
     for n in causal:  # one query after n - 1 remainder keys: the bucket of n
         part = _causal_part(one, k_p[:1], v_p[:1], k_p[:n - 1], v_p[:n - 1], scale)
     if causal:  # the merges' kernels, of two parts and of more
@@ -175,15 +175,24 @@ def warm_buckets(k_cache: torch.Tensor, max_q: int, max_context: int) -> list[in
     return query_buckets(max_q, min(max_context, (num_pages - 1) * page))
 
 
-def _gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,
-              prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``prefix`` tokens' keys and values of a row (at least; whole pages) as ``[S,
-    kv_heads, D]``, contiguous; its page ids clamped into the pool first. No prefix: no launch."""
-    num_pages, page, kv_heads, D = k_cache.shape
+def _prefix_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor, prefix: int, run: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's ``prefix`` keys and values in ``dtype``: where they lie when its pages are one run
+    (``run`` > 0) of a pool of that dtype, else gathered; a float8 pool's are cast to ``dtype``, K
+    then V (with the gather, a pass at HBM speed: its float8 copy of K is freed before V's is made)."""
+    if run > 0:
+        return tuple(c.to(dtype) for c in _in_place(k_cache, v_cache, run, prefix))  # .to: no copy in dtype
+    return tuple(_gathered(c, table_row, prefix).to(dtype) for c in (k_cache, v_cache))
+
+
+def _gathered(cache: torch.Tensor, table_row: torch.Tensor, prefix: int) -> torch.Tensor:
+    """The first ``prefix`` tokens of a row in one cache (at least; whole pages) as ``[S, kv_heads,
+    D]``, contiguous; its page ids clamped into the pool first. No prefix: no launch."""
+    num_pages, page, kv_heads, D = cache.shape
     if prefix == 0:
-        return k_cache.new_empty(0, kv_heads, D), v_cache.new_empty(0, kv_heads, D)
+        return cache.new_empty(0, kv_heads, D)
     pages = table_row[:-(-prefix // page)].clamp(0, num_pages - 1)
-    return tuple(c.index_select(0, pages).flatten(0, 1) for c in (k_cache, v_cache))
+    return cache.index_select(0, pages).flatten(0, 1)
 
 
 def _in_place(k_cache: torch.Tensor, v_cache: torch.Tensor, first: int,
@@ -321,8 +330,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple[torc
     """Host lengths against shapes: the gather slices the page table by them, a run the pool."""
     T, heads, D = q.shape
     k_cache = caches[0]
-    if any(x.dtype != q.dtype or x.stride(-1) != 1 for x in (q, k, v, k_cache)):
-        raise ValueError("q, k, v and the caches must share a dtype and be contiguous in their last dimension")
+    if any(x.dtype != q.dtype or x.stride(-1) != 1 for x in (q, k, v)) or k_cache.stride(-1) != 1 \
+            or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or caches[1].dtype != k_cache.dtype:
+        raise ValueError("q, k and v must share a dtype, the caches hold it or float8_e4m3fn, and all must be "
+                         "contiguous in their last dimension")
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"cuDNN's fused attention takes bf16 or fp16; got {q.dtype}")
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or heads % k.shape[1] or k_cache.shape[2] != k.shape[1]:

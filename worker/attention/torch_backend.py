@@ -32,8 +32,8 @@ class TorchAttention:
         if rope is not None:
             q, k = rope.apply(q, k)
         heads = q.shape[1]
-        keys = self._gather(self.pool.k[layer], batch, heads)  # [B, heads, S, D]
-        values = self._gather(self.pool.v[layer], batch, heads)
+        keys = self._gather(self.pool.k[layer], batch, heads).to(q.dtype)  # [B, heads, S, D], as stored
+        values = self._gather(self.pool.v[layer], batch, heads).to(q.dtype)
         if batch.is_decode:
             return self._decode(q, keys, values, batch, sinks, window)
         out = torch.empty_like(q)

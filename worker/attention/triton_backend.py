@@ -26,7 +26,7 @@ from worker.attention.registry import register
 from worker.attention.triton_decode import paged_decode_attention
 from worker.attention.triton_prefill import PrefillBlocks, paged_prefill_attention, prefill_block_table, tile_for
 from worker.batch import ForwardBatch, to_device
-from worker.kv.gpu_pool import KVPool
+from worker.kv.gpu_pool import KVPool, as_stored
 from worker.models.rotary import RopeInputs
 
 log = logging.getLogger("sluice.worker")
@@ -77,6 +77,7 @@ class TritonAttention:
                                           sinks=sinks, window=window, rope=rope, k=k)
         if rope is not None:
             q, k = rope.apply(q, k)
+        k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)  # the keys a later step reads
         if batch.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale,
                                           sinks=sinks, window=window)
@@ -100,10 +101,10 @@ class TritonAttention:
         """Plan cuDNN's attention for every shape the long-prefix path can launch (warm-up);
         returns how many. A refusal here sends every prefill to the paged kernel, as in serving."""
         k_cache, v_cache = self.pool.k[0], self.pool.v[0]
-        if not (self.cudnn and cudnn_prefill.supported(k_cache.device, k_cache.dtype, k_cache.shape[-1])):
+        if not (self.cudnn and cudnn_prefill.supported(k_cache.device, self.pool.dtype, k_cache.shape[-1])):
             return 0
         try:
-            shapes = cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, max_context, self.scale)
+            shapes = cudnn_prefill.warm_plans(heads, k_cache, v_cache, max_q, max_context, self.scale, self.pool.dtype)
         except cudnn_prefill.CudnnRefused as e:
             self._refused(e)
             return 0

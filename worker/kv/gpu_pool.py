@@ -5,10 +5,39 @@
 
 Page 0 is reserved as a scratch page: padded page-table entries point at it, so gathers of padding
 never address outside the pool.
+
+The pool holds the model's dtype, or float8 e4m3 (``--kv-cache-dtype fp8``: half the bytes a
+token). A float8 pool has no scale (1): a write saturates at +-448 and rounds to nearest even
+(``to_kv``, and ``rope_tiles.to_kv`` in the kernels that write), and every read, the new
+tokens' own keys included, sees the rounded values (``as_stored``), so the paths agree.
 """
 from __future__ import annotations
 
 import torch
+
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # --kv-cache-dtype; None: the model's dtype
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a pool of ``dtype`` stores it (the kernels' ``rope_tiles.to_kv``)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What reading ``x`` back from a pool of ``dtype`` gives, in ``x``'s dtype."""
+    return x if dtype == x.dtype else to_kv(x, dtype).to(x.dtype)
+
+
+def write_slots(cache: torch.Tensor, loc: torch.Tensor, x: torch.Tensor) -> None:
+    """``cache[loc] = x`` rounded to the cache's dtype; a float8 cache through a byte view (torch has
+    no CPU ``index_copy_`` for float8)."""
+    x = to_kv(x, cache.dtype)
+    if cache.element_size() == 1:
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.index_copy_(0, loc, x)
 
 
 class PagedPool:
@@ -36,13 +65,17 @@ class PagedPool:
 
 
 class KVPool(PagedPool):
+    """K and V of ``dtype`` (the compute dtype, what attention reads them as), stored in ``kv_dtype``
+    (default: the same)."""
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None):
         if num_pages < 2:
             raise ValueError(f"KV pool needs at least 2 pages (one is scratch), got {num_pages}")
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.k = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.v = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, 0, -1))  # allocate() hands out low pages first
@@ -68,5 +101,5 @@ class KVPool(PagedPool):
         """Write new tokens' K/V ``[T, kv_heads, D]`` to their slots (device index, no host read).
         The model's forward writes them with its RoPE instead (``worker.models.rotary.KVWrite``)."""
         k_slots, v_slots = self.layer_slots(layer)
-        k_slots.index_copy_(0, out_loc, k)
-        v_slots.index_copy_(0, out_loc, v)
+        write_slots(k_slots, out_loc, k)
+        write_slots(v_slots, out_loc, v)

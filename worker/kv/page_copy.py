@@ -74,6 +74,8 @@ def copy_pages(plan: PagePlan, src_k: torch.Tensor, src_v: torch.Tensor, dst_k: 
     """``dst[:, plan.dst[i]] = src[:, plan.src[i]]`` for ``i < count``, K and V, in one launch.
     On CUDA a host pool must be device-addressable (pinned CPU tensors, or device views of them)."""
     _check(plan, src_k, src_v, dst_k, dst_v)
+    if src_k.element_size() == 1:  # float8 pools move as bytes (torch has no CPU index_copy_ for float8)
+        src_k, src_v, dst_k, dst_v = (t.view(torch.uint8) for t in (src_k, src_v, dst_k, dst_v))
     if use_triton(plan.count, backend):
         layers, numel = src_k.shape[0], src_k[0, 0].numel()
         block = min(next_pow2(numel), MAX_BLOCK)

@@ -1,6 +1,7 @@
 """The rotary embedding as Triton pieces, shared by ``qk_rope``'s kernel (``worker.models.rotary``)
 and the decode attention that rotates its own queries and new keys
-(``worker.attention.decode_kernel``), so both read and round as the eager twin does.
+(``worker.attention.decode_kernel``), so both read and round as the eager twin does; with them
+``to_kv``, how both round a new key or value into the pool's dtype.
 
 May import: triton only.
 """
@@ -52,3 +53,12 @@ def rope_rows(src, stride_h, rows, row_ok, cols, w_ptr, cos, sin, eps, DIM: tl.c
         w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
         w_p = tl.load(w_ptr + partner).to(tl.float32)[None, :]
     return norm_rope(x, x_p, w, w_p, cos, sin, (cols < half)[None, :], eps, DIM, HAS_NORM)
+
+
+@triton.jit
+def to_kv(x, dtype: tl.constexpr):
+    """``x`` as the KV pool stores it (``worker.kv.gpu_pool.to_kv``): float8 e4m3 saturates at +-448
+    (scale 1) and rounds to nearest even; any other dtype is a plain cast."""
+    if dtype == tl.float8e4nv:
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+    return x.to(dtype)

@@ -9,7 +9,8 @@ up to the float32 sum order of the norm.
 
 With a ``KVWrite`` the same launch also stores the rotated k and the new v in one layer's KV
 cache at each token's slot (grid ``(T, heads + 2 kv_heads)``: the v programs only copy), which
-saves the pool's two ``index_copy_`` launches per layer.
+saves the pool's two ``index_copy_`` launches per layer; a float8 pool gets them rounded
+(``worker.kv.gpu_pool.to_kv``), while the returned k stays in the input dtype.
 
 Positions and slots are device data, so the kernel clamps them (positions to the table's
 ``[0, max_positions)``, slots to the cache's) instead of trusting them for addressing; the twin
@@ -24,9 +25,10 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
+from worker.kv.gpu_pool import write_slots
 from worker.models.family_config import Yarn
 from worker.models.norm import rms_norm_eager
-from worker.models.rope_tiles import rope_rows, rope_tables
+from worker.models.rope_tiles import rope_rows, rope_tables, to_kv
 
 
 class Rotary:
@@ -150,8 +152,8 @@ def qk_rope_eager(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rot
         q, k = rms_norm_eager(q, q_norm, eps), rms_norm_eager(k, k_norm, eps)
     q, k = rotary(q, positions), rotary(k, positions)
     if write is not None:
-        write.k_cache.index_copy_(0, write.out_loc, k)
-        write.v_cache.index_copy_(0, write.out_loc, write.v)
+        write_slots(write.k_cache, write.out_loc, k)
+        write_slots(write.v_cache, write.out_loc, write.v)
     return q, k
 
 
@@ -198,8 +200,9 @@ def _check_write(write: KVWrite, k: torch.Tensor) -> None:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} must be [slots >= 1, {k.shape[1]}, {k.shape[2]}]")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
-    if k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or {k_cache.device, v_cache.device} != {k.device}:
-        raise ValueError(f"the caches must hold {k.dtype} on {k.device}")
+    if k_cache.dtype not in (k.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype \
+            or {k_cache.device, v_cache.device} != {k.device}:
+        raise ValueError(f"the caches must hold {k.dtype} or float8_e4m3fn, both alike, on {k.device}")
     if out_loc.shape != (k.shape[0],) or out_loc.dtype not in (torch.int32, torch.int64) or out_loc.device != k.device:
         raise ValueError(f"out_loc must be [{k.shape[0]}] int32/int64 on {k.device}; got {tuple(out_loc.shape)}")
 
@@ -229,7 +232,7 @@ def _kernel():
         if h >= HEADS + KV_HEADS:  # a value head: copied into the cache as it is
             kv = h - HEADS - KV_HEADS
             x = tl.load(v_ptr + t * v_stride_t + kv * v_stride_h + cols)
-            tl.store(v_cache_ptr + (slot * KV_HEADS + kv) * DIM + cols, x)
+            tl.store(v_cache_ptr + (slot * KV_HEADS + kv) * DIM + cols, to_kv(x, v_cache_ptr.dtype.element_ty))
         else:
             if h < HEADS:
                 src = q_ptr + t * q_stride_t + h * q_stride_h
@@ -245,6 +248,7 @@ def _kernel():
             tl.store(dst + cols, out)
             if WRITE:
                 if h >= HEADS:
-                    tl.store(k_cache_ptr + (slot * KV_HEADS + h - HEADS) * DIM + cols, out)
+                    tl.store(k_cache_ptr + (slot * KV_HEADS + h - HEADS) * DIM + cols,
+                             to_kv(out, k_cache_ptr.dtype.element_ty))
 
     return qk_rope_kernel
