@@ -70,6 +70,7 @@ from worker.geometry import GEOMETRIES
 from worker.routing_options import RoutingOptions
 from worker.distributed.parallel_runner import start_runner
 from worker.runner import ModelRunner, RunnerConfig
+from worker.runner_config import KV_CACHE_DTYPES
 from scheduler.messages.to_scheduler import SamplingParams
 from report_table import print_table  # beside this script
 
@@ -279,6 +280,7 @@ def runner_for(args: argparse.Namespace, fraction: float, expert_dtype: str, len
     # batch at the longest prompt, and a joining prefill
     kv_tokens = max(16384, max(args.batch) * (max(args.prompt_tokens) + args.decode_tokens) + args.prefill_tokens)
     runner = start_runner(RunnerConfig(args.model, device=args.device, dtype="auto", kv_tokens=kv_tokens,
+                                       kv_cache_dtype=args.kv_cache_dtype,
                                        cuda_graph=not args.no_cuda_graph, gpu_memory_limit=args.gpu_memory_limit,
                                        routing=RoutingOptions(args.routing), experts=experts, gpus=gpus,
                                        state_slots=max(args.batch) + 1, state_snapshots=1))
@@ -395,7 +397,7 @@ def sequence_bytes(runner, context: int) -> int:
     """Bytes a decode step moves for each sequence: its KV of ``context`` tokens, read once in each
     full-attention layer, and its recurrent state (hybrid models), read and written."""
     cfg = runner.model_config
-    kv = cfg.num_kv_layers * 2 * cfg.kv_size * context * runner.dtype.itemsize
+    kv = cfg.num_kv_layers * 2 * cfg.kv_size * context * runner.kv_pool.k.element_size()
     states = getattr(runner, "state_pool", None)
     return kv + (2 * states.slot_bytes if states is not None else 0)
 
@@ -461,6 +463,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[64],
                    help="tokens of each request's prompt; several: rows each (decode over a long context)")
     p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--kv-cache-dtype", default=RunnerConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="what the KV pool holds (fp8: float8 e4m3, half the bytes a step reads)")
     p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one launch at a time)")
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
@@ -514,7 +518,8 @@ def main() -> None:
     decode_ceilings(rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"decode, {args.model}, {device}, "
-          f"{args.decode_tokens} tokens, policy {args.policy}, cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
+          f"{args.decode_tokens} tokens, KV {args.kv_cache_dtype}, policy {args.policy}, "
+          f"cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}, misses gathered by {args.gather_programs or 'the wide grid of'} programs, "
           f"their scales by {args.scale_programs or 'the wide grid of'} programs")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,

@@ -45,7 +45,7 @@ from worker.batch import SequenceChunk
 from worker.expert_placement import ExpertOptions
 from worker.geometry import GEOMETRIES
 from worker.runner import ModelRunner, RunnerConfig
-from worker.runner_config import ATTENTION_BACKENDS
+from worker.runner_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from scheduler.messages.to_scheduler import SamplingParams
 from report_table import print_table  # beside this script
 
@@ -233,7 +233,7 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
     # one sequence: a hybrid model's state pool needs one running slot and one snapshot (the prefix's)
     runner = ModelRunner(RunnerConfig(args.model, device=args.device, dtype="auto",
                                       kv_tokens=args.prefix + longest + 16, max_prefill_tokens=longest,
-                                      experts=experts, attention=args.attention,
+                                      experts=experts, attention=args.attention, kv_cache_dtype=args.kv_cache_dtype,
                                       gpu_memory_limit=args.gpu_memory_limit, state_slots=1, state_snapshots=1))
     experts = runner.experts
     if not isinstance(experts, OffloadedExperts) or experts.pipeline is None:
@@ -287,6 +287,8 @@ def main() -> None:
                    help="CTA counts of the stage-kernel bandwidth table (none: skip it)")
     p.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=EXPERT_DTYPES,
                    help="expert formats to compare, e.g. bf16 fp8 nvfp4 mxfp4 (each its own store and runner)")
+    p.add_argument("--kv-cache-dtype", default=RunnerConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="what the KV pool holds (fp8: float8 e4m3; the cached prefix is cast as it is read)")
     p.add_argument("--gpu-memory-limit", type=float, default=RunnerConfig.gpu_memory_limit, metavar="GiB",
                    help="run as on a card this size")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -310,7 +312,7 @@ STAGE_COLUMNS = [("experts", "experts", ">12"), ("staging one layer from the hos
 def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[dict]) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     sizes = ", ".join(sorted({f"{r['experts']} {r['expert_mb']:.3g} MB" for r in rows if "expert_mb" in r}))
-    print(f"prefill, {args.model}, {device}, attention {args.attention}, experts of {sizes} each, "
+    print(f"prefill, {args.model}, {device}, attention {args.attention}, KV {args.kv_cache_dtype}, experts of {sizes} each, "
           f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
     if stage_rows:
         print_table(STAGE_COLUMNS, stage_rows)

@@ -1,23 +1,19 @@
-"""scripts/quant_quality.py's fp8-KV row: the torch attention reads the pool as if stored in e4m3."""
+"""scripts/quant_quality.py's runners: experts expanded to float32, and the fp8-KV row's pool in
+float8 e4m3 (``--kv-cache-dtype fp8``; its numbers are ``tests/test_kv_fp8.py``'s)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from quant_quality import kv_rounded  # noqa: E402
-from worker.attention.torch_backend import TorchAttention  # noqa: E402
+from quant_quality import runner_for  # noqa: E402
+from tests.tiny_models import write_tiny  # noqa: E402
 
 
-def test_kv_rounded_reads_the_pool_through_e4m3():
-    pool = SimpleNamespace(k=torch.randn(1, 3, 4, 2, 8) * 200, v=None)  # [L, pages, page, kv_heads, D], some past 448
-    runner = SimpleNamespace(model=SimpleNamespace(attention=TorchAttention(pool, 1.0)))
-    batch = SimpleNamespace(page_table=torch.tensor([[2, 1]]))
-    read = kv_rounded(runner, torch.float8_e4m3fn).model.attention._gather(pool.k[0], batch, 4)
-    exact = TorchAttention._gather(pool.k[0], batch, 4)
-    want = TorchAttention._gather(pool.k[0].to(torch.float8_e4m3fn).float(), batch, 4)
-    assert torch.equal(read, want) and not torch.equal(read, exact)
-    assert read.abs().max() <= 448  # torch's cast saturates
+def test_the_fp8_kv_row_runs_a_float8_pool(tmp_path):
+    write_tiny(tmp_path, "qwen3_moe", seed=1)
+    plain, fp8 = runner_for(str(tmp_path), "bf16"), runner_for(str(tmp_path), "bf16", kv_cache_dtype="fp8")
+    assert plain.kv_pool.k.dtype == torch.float32 and fp8.kv_pool.k.dtype == torch.float8_e4m3fn
+    assert fp8.experts.banks.w13.dtype == torch.float32  # expanded, as every row's experts
