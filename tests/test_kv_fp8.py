@@ -9,6 +9,7 @@ so a pool that silently stayed in float32 fails."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from worker.attention.torch_backend import TorchAttention
 from worker.batch import SequenceChunk
 from worker.kv.gpu_pool import KVPool, as_stored, to_kv
 from worker.kv.host_pool import HostKVPool
+from worker.models.rope_tiles import to_kv as to_kv_tile  # imports triton (interpreted on the CPU: conftest)
 from worker.runner import ModelRunner, RunnerConfig
 
 FP8 = torch.float8_e4m3fn
@@ -122,6 +124,41 @@ def test_writes_saturate_and_round_as_the_kernels_do():
     pool.store(0, torch.tensor([5, 2]), x[:4].view(1, 1, 4).expand(2, 1, 4), -x[:4].view(1, 1, 4).expand(2, 1, 4))
     k, v = pool.layer_slots(0)
     assert torch.equal(k[5].float(), to_kv(x[:4], FP8).float()[None]) and torch.equal(v[2].float(), -k[2].float())
+
+
+def cast_cases() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties) and just either side of them,
+    and values from 1e-12 to beyond the range, both signs, zeros and infinities."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = values[~values.isnan()].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    spread = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-12, 3, 4096)
+    special = torch.tensor([float("inf"), -float("inf"), 1000.0, -0.0, 0.0])
+    return torch.cat([values, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), spread, special])
+
+
+@functools.cache
+def cast_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, to_kv_tile(tl.load(x_ptr + i, mask=i < n), out_ptr.dtype.element_ty), mask=i < n)
+
+    return cast
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_cast_rounds_as_torch_does(device, dtype):
+    """``rope_tiles.to_kv`` (the kernels' writes) against ``gpu_pool.to_kv`` (the twins'), bit for bit;
+    interpreted on the CPU, where Triton's own float8 cast would round ties up and lose carries."""
+    x = cast_cases().to(dtype).to(device)
+    out = torch.empty(x.shape, dtype=FP8, device=device)
+    cast_kernel()[(-(-x.numel() // 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out.view(torch.uint8), to_kv(x, FP8).view(torch.uint8))
 
 
 def test_the_cudnn_composition_reads_a_float8_pool_as_the_rounded_one(monkeypatch):

@@ -58,7 +58,16 @@ def rope_rows(src, stride_h, rows, row_ok, cols, w_ptr, cos, sin, eps, DIM: tl.c
 @triton.jit
 def to_kv(x, dtype: tl.constexpr):
     """``x`` as the KV pool stores it (``worker.kv.gpu_pool.to_kv``): float8 e4m3 saturates at +-448
-    (scale 1) and rounds to nearest even; any other dtype is a plain cast."""
+    (scale 1) and rounds to nearest, ties to even; any other dtype is a plain cast. The rounding is
+    done in float32 on e4m3's grid (3 mantissa bits, spacing 2^-9 below 2^-6), so the cast itself is
+    exact: Triton's interpreter rounds a float8 cast half up and can lose the carry into the exponent."""
     if dtype == tl.float8e4nv:
-        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+        bits = tl.clamp(x.to(tl.float32), -448.0, 448.0).to(tl.int32, bitcast=True)
+        biased = tl.maximum((bits >> 23) & 0xFF, 121)  # the exponent + 127, at least e4m3's smallest normal's
+        step = ((biased - 3) << 23).to(tl.float32, bitcast=True)  # e4m3's spacing there
+        y = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True) / step  # |x| in steps: exact, at most 14
+        low = tl.floor(y)
+        odd = low - 2.0 * tl.floor(low * 0.5)
+        near = (low + ((y - low > 0.5) | ((y - low == 0.5) & (odd != 0.0))).to(tl.float32)) * step
+        return tl.where(bits < 0, -near, near).to(dtype)  # the sign as it was (-0.0 too)
     return x.to(dtype)
