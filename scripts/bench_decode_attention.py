@@ -5,16 +5,17 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--table-tokens N] [--no-rope] [--sweep] [--json F]
+        [--kv-cache-dtype auto fp8] [--table-tokens N] [--no-rope] [--sweep] [--json F]
 
-Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, pages
-of 16 tokens in shuffled order, every row of the batch at the same length. ``--sweep`` also times
+Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
+pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in shuffled order, every row of the batch at the same length. ``--sweep`` also times
 other tiles (the partial kernel's tokens a step, programs the split plan aims at, warps and
 pipeline stages; the merge's columns a program) at each shape; the served ones are the first row.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.attention import triton_decode  # noqa: E402
 from worker.attention.triton_decode import paged_decode_attention  # noqa: E402
+from worker.kv.gpu_pool import KV_DTYPES  # noqa: E402
 from worker.models.rotary import KVWrite, RopeInputs, Rotary  # noqa: E402
 from bench_linear import graph_time_us  # noqa: E402  (beside this script)
 from report_table import bench_parser, print_table, write_json  # noqa: E402
@@ -65,12 +67,13 @@ class Layer:
     decode step's q, k, v; the page table ``table_tokens`` wide (at least the context's pages: a
     decode graph's table spans its longest row, and the split plan comes from that width)."""
 
-    def __init__(self, batch: int, context: int, gen: torch.Generator, table_tokens: int = 0):
+    def __init__(self, batch: int, context: int, gen: torch.Generator, table_tokens: int = 0,
+                 kv_dtype: torch.dtype = torch.bfloat16):
         pages_a_row = -(-max(context, table_tokens) // PAGE)
         num_pages = batch * pages_a_row + 1
         shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
-        self.k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        self.v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        self.k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(kv_dtype)
+        self.v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(kv_dtype)
         perm = torch.randperm(num_pages - 1, generator=gen)[:batch * pages_a_row] + 1
         self.table = perm.view(batch, pages_a_row).to(torch.int32).cuda()
         self.lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -91,11 +94,13 @@ class Layer:
                                       rope=inputs, k=self.k)
 
 
-def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0) -> list[dict]:
-    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0,
+                kv: str = "auto") -> list[dict]:
+    kv_dtype = KV_DTYPES[kv] or torch.bfloat16
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize  # K and V
     count = max(2, min(48, int(-(-GRAPH_BYTES // kv_bytes))))
     gen = torch.Generator().manual_seed(0)
-    layers = [Layer(batch, context, gen, table_tokens) for _ in range(count)]
+    layers = [Layer(batch, context, gen, table_tokens, kv_dtype) for _ in range(count)]
     rotary = Rotary(HEAD_DIM, 1e6, context + 1, torch.device("cuda"))
     rows = []
     for tile in tiles:
@@ -109,12 +114,12 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
         finally:
             use_tile(SERVED)
         bound = kv_bytes / HBM_BYTES_PER_S
-        rows.append(dict(batch=batch, context=context, tile=tile_name(tile, rope), us=seconds * 1e6,
+        rows.append(dict(batch=batch, context=context, kv=kv, tile=tile_name(tile, rope), us=seconds * 1e6,
                          bound_us=bound * 1e6, gbps=kv_bytes / seconds / 1e9, ratio=bound / seconds, splits=splits))
     return rows
 
 
-COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("tile", "tile", ">22"),
+COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">22"),
            ("splits", "splits", ">6"), ("us", "us", ">8.1f"), ("bound us", "bound_us", ">8.1f"),
            ("GB/s", "gbps", ">7.0f"), ("ratio", "ratio", ">6.3f")]
 
@@ -125,6 +130,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--table-tokens", type=int, default=0, metavar="N",
                    help="page tables this many tokens wide, as a decode graph captured for N-token rows has")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=list(KV_DTYPES),
+                   help="what the pool holds: auto (bf16) or fp8 (float8 e4m3); several: rows each")
     p.add_argument("--no-rope", action="store_true", help="the kernel without RoPE inside (its own launch before)")
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
     args = p.parse_args()
@@ -133,11 +140,10 @@ def main() -> None:
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")
     rows = []
-    for batch in args.batch:
-        for context in args.contexts:  # a table a shape, printed as it ends
-            shape_rows = bench_shape(batch, context, tiles, not args.no_rope, args.table_tokens)
-            print_table(COLUMNS, shape_rows, gap=bool(rows))
-            rows += shape_rows
+    for batch, context, kv in itertools.product(args.batch, args.contexts, args.kv_cache_dtype):
+        shape_rows = bench_shape(batch, context, tiles, not args.no_rope, args.table_tokens, kv)
+        print_table(COLUMNS, shape_rows, gap=bool(rows))  # a table a shape, printed as it ends
+        rows += shape_rows
     write_json(args.json, rows)
 
 
