@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.decode_tiles import pdl_wait
-from worker.models.rope_tiles import rope_rows, rope_tables
+from worker.models.rope_tiles import rope_rows, rope_tables, to_kv
 
 
 @triton.jit
@@ -51,9 +51,10 @@ def _group(kv_head, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.con
 
 @triton.jit
 def _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages, stride_page,
-              stride_tok, stride_head, PAGE: tl.constexpr):
+              stride_tok, stride_head, PAGE: tl.constexpr, dtype: tl.constexpr):
     """Keys and values ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` through row b's pages (zeros from
-    ``end`` on); page ids are clamped into the pool."""
+    ``end`` on), in ``dtype`` (the query's: a float8 pool's are widened, exactly, before the MMAs;
+    a pool of the query's dtype casts nothing); page ids are clamped into the pool."""
     t_live = t < end
     page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
@@ -61,7 +62,7 @@ def _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stri
     kv_mask = t_live[:, None] & d_live[None, :]
     k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
-                         stride_page, stride_tok, stride_head, PAGE)
+                         stride_page, stride_tok, stride_head, PAGE, q.dtype)
         if NEW:
             new = (t == last)[:, None]
             k, v = tl.where(new, k_new, k), tl.where(new, v_new, v)
@@ -170,11 +171,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
-    the token's slot and attends from registers (the pages hold it only after this launch); a row
-    of length 0 stores nothing. So ``qk_rope``'s launch is gone from a decode step. Launched with 8
-    warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles take it to 246
-    registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower than with two
-    launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``)."""
+    the token's slot and attends from registers, as stored (``to_kv``; the pages hold it only after
+    this launch); a row of length 0 stores nothing. So ``qk_rope``'s launch is gone from a decode
+    step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
+    take it to 246 registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower
+    than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``)."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -187,6 +188,9 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     k_new = rope_rows(k_new_ptr + b * k_stride_b, k_stride_h, kv_head + one, one == 0, d, kw_ptr, cos, sin, eps,
                        HEAD_DIM, HAS_NORM)
     v_new = tl.load(v_new_ptr + b * v_stride_b + kv_head * v_stride_h + d)[None, :]
+    # as the pool stores them (a float8 pool rounds), and attended so: as the twin reads them back
+    k_new = to_kv(k_new, k_ptr.dtype.element_ty)
+    v_new = to_kv(v_new, v_ptr.dtype.element_ty)
     last = seq_len - 1
     mine = (seq_len > 0) & (last >= start) & (last < end)  # the new token is this split's
     if mine:  # into its slot
@@ -194,6 +198,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
+    k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
     if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,

@@ -33,13 +33,14 @@ def key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE:
 
 
 @triton.jit
-def load_rows(ptr, row, d, d_live, EVEN_D: tl.constexpr):
-    """``[N, D]`` at the offsets ``row``."""
+def load_rows(ptr, row, d, d_live, EVEN_D: tl.constexpr, dtype: tl.constexpr):
+    """``[N, D]`` at the offsets ``row``, in ``dtype`` (the query's: a float8 pool's keys and values
+    are widened, exactly, before the MMAs; a pool of the query's dtype casts nothing)."""
     if EVEN_D:
         tile = tl.load(ptr + row[:, None] + d[None, :])
     else:
         tile = tl.load(ptr + row[:, None] + d[None, :], mask=d_live[None, :], other=0.0)
-    return tile
+    return tile.to(dtype)
 
 
 @triton.jit
@@ -69,8 +70,8 @@ def attend(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, stride_page
     for t0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         t = t0 + tl.arange(0, BLOCK_N)
         row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, t, hi, PAGE)
-        k = load_rows(k_ptr, row, d, d_live, EVEN_D)
-        v = load_rows(v_ptr, row, d, d_live, EVEN_D)
+        k = load_rows(k_ptr, row, d, d_live, EVEN_D, q.dtype)
+        v = load_rows(v_ptr, row, d, d_live, EVEN_D, q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
         if MASKED:
             visible = (t[None, :] <= pos[:, None]) & (t < seq_len)[None, :]
@@ -96,13 +97,13 @@ def attend_ahead(acc, l, m, q, k_ptr, v_ptr, table_row, num_pages, kv_off, strid
     if lo < hi:
         r = tl.arange(0, BLOCK_N)
         row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok, lo + r, hi, PAGE)
-        s = mma(q, tl.trans(load_rows(k_ptr, row, d, d_live, EVEN_D)), tl.zeros([q.shape[0], BLOCK_N], tl.float32),
-                IEEE, UPCAST)
+        k = load_rows(k_ptr, row, d, d_live, EVEN_D, q.dtype)
+        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
         for t0 in tl.range(lo, hi, BLOCK_N):
-            v = load_rows(v_ptr, row, d, d_live, EVEN_D)  # this tile's values
+            v = load_rows(v_ptr, row, d, d_live, EVEN_D, q.dtype)  # this tile's values
             row = key_rows(table_row, num_pages, kv_off, stride_page, stride_tok,
                            tl.minimum(t0 + BLOCK_N, hi - BLOCK_N) + r, hi, PAGE)
-            k = load_rows(k_ptr, row, d, d_live, EVEN_D)
+            k = load_rows(k_ptr, row, d, d_live, EVEN_D, q.dtype)
             s_next = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE, UPCAST)
             acc, l, m = softmax_step(acc, l, m, s, v, qk_scale, IEEE, UPCAST)
             s = s_next

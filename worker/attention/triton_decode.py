@@ -76,7 +76,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            backend: str | None = None, sinks: torch.Tensor | None = None,
                            window: int = 0, rope: RopeInputs | None = None, k: torch.Tensor | None = None
                            ) -> torch.Tensor:
-    """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer):
+    """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer, in
+    q's dtype or float8 e4m3, read as stored and widened to q's dtype before the MMAs):
     row b attends to its first ``seq_lens[b]`` tokens through ``page_table [B, max_pages]``.
     Returns ``[B, heads, D]`` in q's dtype. CUDA tensors run the kernel, others the eager twin
     (``backend`` forces one, see ``moe_offload.kernels.triton_support``). gpt-oss: ``sinks
@@ -85,9 +86,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     With ``rope``, ``q`` and ``k [B, kv_heads, D]`` are the projection's, not yet rotated, and the
     row's new token (its last) is not yet in the caches: the kernel rotates them and stores the new
-    key and ``rope.write``'s value at the token's slot (``decode_rope_partial_kernel``; the twin runs
-    ``rope.apply`` first). Where the head dim is not a power of two of at least 16, ``rope.apply``
-    runs first on the GPU too."""
+    key and ``rope.write``'s value at the token's slot, rounded to the pool's dtype, and attends to
+    them as stored (``decode_rope_partial_kernel``; the twin runs ``rope.apply`` first). Where the
+    head dim is not a power of two of at least 16, ``rope.apply`` runs first on the GPU too."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     check_sinks(sinks, q)
     if rope is not None:
@@ -162,8 +163,9 @@ def _check_rope(rope: RopeInputs, q: torch.Tensor, k: torch.Tensor | None, k_cac
 def paged_decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                  sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """The twin: gather every row's pages, mask past ``seq_len`` (and before its window), softmax in
-    float32 with the kernel's clamps (``seq_len`` 0 gives zeros), a sink in each denominator."""
+    """The twin: gather every row's pages (a float8 pool's widened, exactly), mask past ``seq_len``
+    (and before its window), softmax in float32 with the kernel's clamps (``seq_len`` 0 gives
+    zeros), a sink in each denominator."""
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page

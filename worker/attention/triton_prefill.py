@@ -118,13 +118,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             splits: int | None = None, backend: str | None = None,
                             sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """``q [T, heads, D]`` (rows packed in order, ``q_lens`` from the host) over ``k_cache, v_cache
-    [num_pages, page, kv_heads, D]`` (one layer) through ``page_table [B, max_pages]``; query i of
-    row b sits at position ``seq_lens[b] - q_lens[b] + i`` and sees keys up to it. Returns
-    ``[T, heads, D]`` in q's dtype. ``blocks`` (from ``prefill_block_table``) saves rebuilding the
-    block list per layer and carries its tile and split-KV choice; without it ``splits`` (default 1)
-    is used. ``tile`` (default: the blocks', else ``tile_for(q.dtype, D)``) is for tuning. CUDA
-    tensors run the kernel, others the eager twin. gpt-oss: ``sinks [heads]`` (float32 logits in
-    each denominator) and ``window`` (> 0: a query sees the ``window`` keys ending at its own)."""
+    [num_pages, page, kv_heads, D]`` (one layer, in q's dtype or float8 e4m3, whose tiles are
+    widened to q's dtype before the MMAs) through ``page_table [B, max_pages]``; query i of row b
+    sits at position ``seq_lens[b] - q_lens[b] + i`` and sees keys up to it. Returns ``[T, heads,
+    D]`` in q's dtype. ``blocks`` (from ``prefill_block_table``) saves rebuilding the block list
+    per layer and carries its tile and split-KV choice; without it ``splits`` (default 1) is used.
+    ``tile`` (default: the blocks', else ``tile_for(q.dtype, D)``) is for tuning. CUDA tensors run
+    the kernel, others the eager twin. gpt-oss: ``sinks [heads]`` (float32 logits in each
+    denominator) and ``window`` (> 0: a query sees the ``window`` keys ending at its own)."""
     _check(q, k_cache, v_cache, page_table, seq_lens, q_lens)
     check_sinks(sinks, q)
     if not use_triton(q, backend):
@@ -175,9 +176,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
 def paged_prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   page_table: torch.Tensor, seq_lens: torch.Tensor, q_lens: list[int],
                                   scale: float, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """The twin: per row, gather its pages, mask keys past each query's position (and before its
-    window), softmax in float32 with each head's sink in the denominator, with the kernel's clamp
-    of ``seq_lens`` (device arithmetic only, so it never syncs either)."""
+    """The twin: per row, gather its pages (a float8 pool's widened, exactly), mask keys past each
+    query's position (and before its window), softmax in float32 with each head's sink in the
+    denominator, with the kernel's clamp of ``seq_lens`` (device arithmetic only, so it never syncs
+    either)."""
     T, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
     max_tokens = page_table.shape[1] * page
