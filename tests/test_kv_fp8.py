@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from worker.models.rope_tiles import to_kv as to_kv_tile  # imports triton (inte
 from worker.runner import ModelRunner, RunnerConfig
 
 FP8 = torch.float8_e4m3fn
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 GREEDY = SamplingParams()
 
 
@@ -86,6 +88,7 @@ def test_the_torch_attention_reads_a_float8_pool_as_the_rounded_reference(qwen3)
     check_against_rounded(runner(qwen3, "fp8"), qwen3, 1e-6)
 
 
+@interpreted
 def test_the_triton_kernels_read_and_write_a_float8_pool_as_the_reference(qwen3, monkeypatch):
     """Interpreted: ``qk_rope``'s write of the chunks, the paged prefill kernel over the first
     chunk's keys, the decode kernel with RoPE inside (its own write and its attention to the new key)."""
@@ -150,7 +153,7 @@ def cast_kernel():
     return cast
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernels_cast_rounds_as_torch_does(device, dtype):
     """``rope_tiles.to_kv`` (the kernels' writes) against ``gpu_pool.to_kv`` (the twins'), bit for bit;

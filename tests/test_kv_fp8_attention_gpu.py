@@ -50,7 +50,9 @@ def test_decode_reads_fp8_pool_on_gpu(config):
             got = decode(q, k8, v8, table, lens, config, sinks, splits)
             same = decode(q, k16, v16, table, lens, config, sinks, splits)
         assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2
-        assert torch.equal(got, same)
+        # the same up to the compiled kernels' summation order (at head dim 128, 0.04 % of the outputs
+        # a bf16 step apart, H100), where the values as drawn differ by 0.9
+        assert rel_err(got, same) < 1e-4
 
 
 @pytest.mark.parametrize("config", ROPE_CONFIGS, ids=ids)

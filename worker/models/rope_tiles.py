@@ -69,5 +69,6 @@ def to_kv(x, dtype: tl.constexpr):
         low = tl.floor(y)
         odd = low - 2.0 * tl.floor(low * 0.5)
         near = (low + ((y - low > 0.5) | ((y - low == 0.5) & (odd != 0.0))).to(tl.float32)) * step
-        return tl.where(bits < 0, -near, near).to(dtype)  # the sign as it was (-0.0 too)
+        signed = near.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)  # the sign as it was, -0.0 too
+        return signed.to(tl.float32, bitcast=True).to(dtype)
     return x.to(dtype)
