@@ -20,6 +20,7 @@ from scheduler.messages.to_scheduler import SamplingParams
 from tests.parity_helpers import rel_err
 from tests.test_kv_tier import check_restore_parity
 from tests.tiny_gpt_oss import FULL, SLIDING, write_tiny_gpt_oss
+from tests.tiny_hybrid import write_tiny_hybrid
 from tests.tiny_models import write_tiny
 from worker.attention.torch_backend import TorchAttention
 from worker.batch import SequenceChunk
@@ -51,11 +52,13 @@ def session(r: ModelRunner, prompt: list[int], split: int, tokens: list[int]) ->
     """The logits of a prompt in two chunks (the second over the first's cached KV), then of one
     decode step for each of ``tokens`` (the same tokens for every runner compared)."""
     pages = r.kv_pool.allocate(r.kv_pool.pages_for(len(prompt) + len(tokens)))
+    slot = -1 if r.state_pool is None else 0  # a hybrid model's recurrent state
     try:
-        r.forward([SequenceChunk(prompt[:split], 0, pages)], [GREEDY], [0])
-        out = [r.forward([SequenceChunk(prompt[split:], split, pages)], [GREEDY], [0]).logits[0]]
+        r.forward([SequenceChunk(prompt[:split], 0, pages, state_slot=slot)], [GREEDY], [0])
+        out = [r.forward([SequenceChunk(prompt[split:], split, pages, state_slot=slot)], [GREEDY], [0]).logits[0]]
         for i, t in enumerate(tokens):
-            out.append(r.forward([SequenceChunk([t], len(prompt) + i, pages)], [GREEDY], [0]).logits[0])
+            chunk = SequenceChunk([t], len(prompt) + i, pages, state_slot=slot)
+            out.append(r.forward([chunk], [GREEDY], [0]).logits[0])
         return out
     finally:
         r.kv_pool.free(pages)
@@ -100,6 +103,15 @@ def test_gpt_oss_sinks_and_window_pool_in_float8(tmp_path):
     write_tiny_gpt_oss(tmp_path, seed=3, layer_types=(SLIDING, FULL), window=8)
     got = runner(tmp_path, "fp8")
     assert got.window_pool.k.dtype == FP8  # the sliding layers' pool too
+    check_against_rounded(got, tmp_path, 1e-6)
+
+
+def test_a_hybrid_models_attention_layers_in_float8(tmp_path):
+    """Qwen3.5: gated attention layers over a float8 pool beside linear-attention layers (their state
+    stays in the compute dtype)."""
+    write_tiny_hybrid(tmp_path, "qwen3_5_moe", seed=3, layer_types=("linear_attention", "full_attention"))
+    got = runner(tmp_path, "fp8")
+    assert got.state_pool is not None and got.kv_pool.k.dtype == FP8
     check_against_rounded(got, tmp_path, 1e-6)
 
 
