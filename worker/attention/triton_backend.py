@@ -77,10 +77,10 @@ class TritonAttention:
                                           sinks=sinks, window=window, rope=rope, k=k)
         if rope is not None:
             q, k = rope.apply(q, k)
-        k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)  # the keys a later step reads
         if batch.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale,
                                           sinks=sinks, window=window)
+        k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)  # the chunk's own, as later steps read them
         if sinks is not None or window:  # SDPA and cuDNN take no sinks: gpt-oss prefills through the pages
             plan = self._prefill_plan(batch, q, k_cache, cudnn=False)
             return paged_prefill_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, batch.q_lens,
