@@ -15,7 +15,7 @@ import pytest
 from moe_offload import choices
 from scheduler.cli_options import engine_parser, scheduler_config
 from scheduler.config import KV_TIER_COPIES, KV_TIER_MODES, SchedulerConfig
-from worker.runner_config import ATTENTION_BACKENDS, DTYPES, RunnerConfig
+from worker.runner_config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ["server", "scheduler", "model", "memory", "offload", "KV tier"]
@@ -23,6 +23,7 @@ EVERY_OPTION_CHANGED = [
     "--model", "m", "--device", "cpu", "--dtype", "float16", "--page-size", "8", "--attention", "torch",
     "--no-cuda-graph", "--cuda-graph-max-batch", "8", "--dummy-weights", "--seed-weights", "3",
     "--gpu-memory-limit", "20", "--moe-cache-size", "64", "--kv-reserve-tokens", "100", "--kv-tokens", "512",
+    "--kv-cache-dtype", "fp8",
     "--max-prefill-tokens", "256", "--kv-host-size", "2", "--state-snapshots", "5", "--moe-policy", "lru",
     "--no-prefill-pipeline",
     "--prefill-invalidate", "eager", "--prefill-stage", "memcpy", "--expert-dtype", "fp8", "--lent-slots", "reserve",
@@ -74,6 +75,7 @@ def test_every_field_is_set_by_its_option():
 def test_choices_are_the_modules_own_names():
     by_option = {a.option_strings[0]: a.choices for a in engine_parser()._actions if a.choices}
     assert by_option == {"--dtype": DTYPES, "--attention": ["auto", *ATTENTION_BACKENDS],
+                         "--kv-cache-dtype": KV_CACHE_DTYPES,
                          "--moe-policy": choices.POLICIES, "--prefill-invalidate": choices.INVALIDATE_MODES,
                          "--prefill-stage": choices.STAGE_MODES, "--expert-dtype": choices.EXPERT_DTYPES,
                          "--lent-slots": choices.LENT_SLOT_RULES, "--expert-fill": choices.FILL_MODES,
