@@ -43,14 +43,14 @@ class Tile(NamedTuple):
     reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
 
 
-SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS
+SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
 SERVED = Tile(triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
 SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
          Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None)]
 
 
-def tile_name(tile: Tile, rope: bool) -> str:
-    served = SERVED_WARPS[0] if rope else SERVED_WARPS[1]
+def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
+    served = SERVED_WARPS[(2 if kv == "fp8" else 0) if rope else 1]
     return (f"n{tile.block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}")
 
@@ -59,7 +59,8 @@ def use_tile(tile: Tile) -> None:
     """The module's tile constants set to ``tile`` (read at each launch)."""
     triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS = tile.block_n, tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
-    triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS = (tile.warps,) * 2 if tile.warps else SERVED_WARPS
+    warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
+    triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
 
 
 class Layer:
@@ -109,12 +110,12 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
             splits, _ = triton_decode.split_plan(batch, KV_HEADS, layers[0].table.shape[1] * PAGE)
             seconds = graph_time_us([functools.partial(layer.run, rotary, rope) for layer in layers]) / 1e6
         except Exception as e:  # a tile Triton cannot build on this GPU
-            print(f"  {tile_name(tile, rope)}: {type(e).__name__}: {str(e)[:100]}")
+            print(f"  {tile_name(tile, rope, kv)}: {type(e).__name__}: {str(e)[:100]}")
             continue
         finally:
             use_tile(SERVED)
         bound = kv_bytes / HBM_BYTES_PER_S
-        rows.append(dict(batch=batch, context=context, kv=kv, tile=tile_name(tile, rope), us=seconds * 1e6,
+        rows.append(dict(batch=batch, context=context, kv=kv, tile=tile_name(tile, rope, kv), us=seconds * 1e6,
                          bound_us=bound * 1e6, gbps=kv_bytes / seconds / 1e9, ratio=bound / seconds, splits=splits))
     return rows
 

@@ -45,6 +45,11 @@ REDUCE_COLUMNS = 64  # head-dim columns per reduce program (its tile: REDUCE_CHU
 # SLUICE_ROPE_WARPS=N times another count in a whole step (bench_decode.py), unset in serving
 ROPE_WARPS = int(os.environ.get("SLUICE_ROPE_WARPS", "8"))
 PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
+# ... and with RoPE inside over a float8 pool, where 8 warps ran at a third of bf16's bandwidth: us a layer,
+# 8 -> 4 warps, b1 over 131k 162.4 -> 115.9 (bf16 at 8: 106.8), b8 over 32k 307.0 -> 226.8 (bf16: 206.4)
+# (H100, 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype auto fp8 --sweep, and the same
+# shapes' tiles set by hand)
+FP8_ROPE_WARPS = 4
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
 _LOG2E = 1.4426950408889634
 
@@ -123,7 +128,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, num_warps=PARTIAL_WARPS if rope is None else ROPE_WARPS, **pdl_args(q))
+                  HAS_SINK=sinks is not None, num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
         consts["num_stages"] = PARTIAL_STAGES
     if rope is None:
@@ -135,6 +140,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
         BLOCK_N=BLOCK_N, HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
     return out
+
+
+def _warps(rope: RopeInputs | None, k_cache: torch.Tensor) -> int:
+    """The partial kernel's warps: with RoPE inside over a float8 pool, 4 (``FP8_ROPE_WARPS``)."""
+    if rope is None:
+        return PARTIAL_WARPS
+    return FP8_ROPE_WARPS if k_cache.element_size() == 1 else ROPE_WARPS
 
 
 def _rope_args(rope: RopeInputs, k: torch.Tensor) -> tuple:
