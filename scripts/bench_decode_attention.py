@@ -46,7 +46,8 @@ class Tile(NamedTuple):
 SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
 SERVED = Tile(triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
 SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
-         Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None)]
+         Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None),
+         Tile(64, 256, 8, 4), Tile(64, 256, 4, 4), Tile(64, 256, 4, 2), Tile(128, 256, 4, 4)]  # the warps of fp8
 
 
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
