@@ -197,6 +197,17 @@ def test_activations_count_the_cudnn_paths_parts_where_a_layer_can_take_it():
         assert parts_free == 2 * (context - 4095) * other.num_kv_heads * other.head_dim * 2  # the gather only
 
 
+def test_a_float8_pools_cast_prefix_counts_a_quarter_more_gather():
+    """``--kv-cache-dtype fp8``: the cuDNN path casts the prefix as it gathers it, so V's float8 copy
+    sits beside K's and V's bf16 ones; the plan's estimate and its reserve count it."""
+    tokens, context = 8192, 131072
+    gathered = 2 * context * CFG.num_kv_heads * CFG.head_dim * 2
+    fp8 = activation_bytes(CFG, tokens, context, False, ROWS, kv_fp8=True)
+    assert fp8 - activation_bytes(CFG, tokens, context, False, ROWS) == gathered // 4
+    auto, fp8 = (plan(max_prefill_tokens=tokens, kv_tokens=context, kv_cache_dtype=kv) for kv in ("auto", "fp8"))
+    assert fp8.activation_bytes - auto.activation_bytes == gathered // 4
+
+
 def test_a_chunks_logits_are_its_rows_not_its_tokens():
     """The lm_head runs on each sequence's last token only: a chunk of 8k tokens holds at most its
     running sequences' logits (float32, 4 copies for the sampler), not 8k rows of them."""

@@ -93,7 +93,7 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     """Split ``inputs``' memory for ``model`` under ``config``'s options; ValueError when the options
     cannot fit (an expert cache smaller than one layer's experts)."""
     reserve = activation_bytes(model, config.max_prefill_tokens or AUTO_PREFILL_RESERVE, model.max_context,
-                               inputs.torch_attention, config.state_slots)
+                               inputs.torch_attention, config.state_slots, config.kv_cache_dtype == "fp8")
     window_pages = 1 + window_pool_tokens(model, config, inputs.gpu_free is not None) // config.page_size
     window = window_pages * config.page_size * inputs.window_token_bytes if inputs.window_token_bytes else 0
     slots = _checked_slots(inputs, model, config.experts, reserve + window)
@@ -103,7 +103,8 @@ def plan_memory(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig) ->
     context = min(model.max_context, (pages - 1) * config.page_size)
     tokens = _prefill_tokens(inputs, model, config, cache + kv + window, context)
     plan = MemoryPlan(slots, pages, tokens, _host_kv_bytes(inputs, config), config.page_size, inputs.gpu_free,
-                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention, config.state_slots),
+                      cache, kv, activation_bytes(model, tokens, context, inputs.torch_attention, config.state_slots,
+                                                  config.kv_cache_dtype == "fp8"),
                       window_pages=window_pages if window else 0, window_bytes=window,
                       kv_cache_dtype=config.kv_cache_dtype)
     _check_fits(plan, model)
@@ -140,7 +141,8 @@ def window_pool_tokens(model: ModelConfig, config: RunnerConfig, on_gpu: bool) -
     return (rings + config.state_slots + -(-chunk // config.page_size)) * config.page_size
 
 
-def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool, rows: int) -> int:
+def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attention: bool, rows: int,
+                     kv_fp8: bool = False) -> int:
     """A generous estimate of a prefill chunk's transient memory: per-token activations, the
     logits of its ``rows`` sequences at most (the lm_head runs on each row's last token only), one
     layer's K and V of ``context`` keys gathered from the pages, its parts' outputs stacked and the
@@ -150,6 +152,8 @@ def activation_bytes(model: ModelConfig, tokens: int, context: int, torch_attent
     per_token = model.top_k * (3 * model.expert_intermediate_size + 2 * model.hidden_size) + 8 * model.hidden_size
     logits = 4 * min(tokens, rows) * model.vocab_size  # float32, and the sampler's copies of them
     gathered = 2 * context * model.num_kv_heads * model.head_dim * 2  # bf16/fp16 only take that path
+    if kv_fp8:  # a float8 pool's prefix is cast as it is gathered: V's float8 copy beside both bf16 ones
+        gathered += gathered // 4
     cudnn = model.head_dim in HEAD_DIMS and not model.attention_sinks  # the layers that may take it
     parts = (len(piece_lengths(context)) + 2) * tokens * model.num_heads * model.head_dim * 2 if cudnn else 0
     mask = 3 * tokens * context if torch_attention else 0
@@ -208,8 +212,9 @@ def _prefill_tokens(inputs: PlanInputs, model: ModelConfig, config: RunnerConfig
         return CPU_PREFILL_TOKENS
     left = inputs.gpu_free - planned + inputs.gpu_reusable
     sizes = range(AUTO_PREFILL_MAX, AUTO_PREFILL_STEP - 1, -AUTO_PREFILL_STEP)
-    return next((t for t in sizes if activation_bytes(model, t, context, inputs.torch_attention, config.state_slots)
-                 <= left),
+    fp8 = config.kv_cache_dtype == "fp8"
+    return next((t for t in sizes if activation_bytes(model, t, context, inputs.torch_attention, config.state_slots,
+                                                      fp8) <= left),
                 AUTO_PREFILL_STEP)
 
 
