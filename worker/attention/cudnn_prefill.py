@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from worker import compile_watch
 from moe_offload.kernels.triton_support import next_pow2, use_triton
 from worker.attention.split_kv import merge_splits
+from worker.kv.gpu_pool import check_caches
 
 # Rows of a batch take this path when the batch's prefix work (sum of q_len x prefix) is at least
 # this many query-key pairs (a 2k chunk over 32k keys): 2k over 32k saves about 1.2 ms a layer
@@ -330,10 +331,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple[torc
     """Host lengths against shapes: the gather slices the page table by them, a run the pool."""
     T, heads, D = q.shape
     k_cache = caches[0]
-    if any(x.dtype != q.dtype or x.stride(-1) != 1 for x in (q, k, v)) or k_cache.stride(-1) != 1 \
-            or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or caches[1].dtype != k_cache.dtype:
-        raise ValueError("q, k and v must share a dtype, the caches hold it or float8_e4m3fn, and all must be "
-                         "contiguous in their last dimension")
+    if any(x.dtype != q.dtype for x in (k, v)) or any(x.stride(-1) != 1 for x in (q, k, v, k_cache)):
+        raise ValueError("q, k and v must share a dtype, and they and the caches be contiguous in their last dimension")
+    check_caches(*caches, q.dtype)
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"cuDNN's fused attention takes bf16 or fp16; got {q.dtype}")
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or heads % k.shape[1] or k_cache.shape[2] != k.shape[1]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from worker.kv.gpu_pool import check_caches
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-FP8_KV = torch.float8_e4m3fn  # a float8 pool (worker.kv.gpu_pool.KV_DTYPES): read widened to q's dtype
 
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -25,10 +26,8 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if page_table.shape[1] < 1 or k_cache.shape[0] < 1:
         raise ValueError("the page table and the pool need at least one page")
     if q.dtype not in FLOATS:
-        raise ValueError(f"q and the caches must share one of {FLOATS} (or the caches hold {FP8_KV}); got {q.dtype}")
-    if k_cache.dtype not in (q.dtype, FP8_KV) or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"the k/v caches must share q's {q.dtype} or both hold {FP8_KV}; got {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+        raise ValueError(f"q and the caches must share one of {FLOATS} (or the caches hold float8); got {q.dtype}")
+    check_caches(k_cache, v_cache, q.dtype)
     if page_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"page_table and seq_lens must be int32/int64; got {page_table.dtype}, {seq_lens.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or page_table.stride(1) != 1 or seq_lens.stride(0) != 1:

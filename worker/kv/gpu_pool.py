@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # --kv-cache-dtype; None: the model's dtype
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8 = torch.float8_e4m3fn
+KV_DTYPES = {"auto": None, "fp8": FP8}  # --kv-cache-dtype; None: the model's dtype
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (rope_tiles.to_kv has its own literal)
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    """The one rule of what a pool read or written as ``dtype`` may hold: that dtype or float8 e4m3,
+    K and V alike (the kernels' checks and ``qk_rope``'s write call it)."""
+    if k_cache.dtype not in (dtype, FP8) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the k/v caches must share the {dtype} they are read as, or both hold {FP8}; got "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
 
 
 def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a pool of ``dtype`` stores it (the kernels' ``rope_tiles.to_kv``)."""
-    if dtype == torch.float8_e4m3fn:
+    if dtype == FP8:
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
     return x.to(dtype)
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from moe_offload.kernels.triton_support import next_pow2, pdl_args, use_triton
-from worker.kv.gpu_pool import write_slots
+from worker.kv.gpu_pool import check_caches, write_slots
 from worker.models.family_config import Yarn
 from worker.models.norm import rms_norm_eager
 from worker.models.rope_tiles import rope_rows, rope_tables, to_kv
@@ -200,9 +200,9 @@ def _check_write(write: KVWrite, k: torch.Tensor) -> None:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} must be [slots >= 1, {k.shape[1]}, {k.shape[2]}]")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
-    if k_cache.dtype not in (k.dtype, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype \
-            or {k_cache.device, v_cache.device} != {k.device}:
-        raise ValueError(f"the caches must hold {k.dtype} or float8_e4m3fn, both alike, on {k.device}")
+    check_caches(k_cache, v_cache, k.dtype)
+    if {k_cache.device, v_cache.device} != {k.device}:
+        raise ValueError(f"the caches must be on {k.device}")
     if out_loc.shape != (k.shape[0],) or out_loc.dtype not in (torch.int32, torch.int64) or out_loc.device != k.device:
         raise ValueError(f"out_loc must be [{k.shape[0]}] int32/int64 on {k.device}; got {tuple(out_loc.shape)}")
 
