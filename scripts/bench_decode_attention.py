@@ -8,7 +8,8 @@ the bound K/V bytes / 4.3e12.
         [--kv-cache-dtype auto fp8] [--table-tokens N] [--no-rope] [--sweep] [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
-pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in shuffled order, every row of the batch at the same length. ``--sweep`` also times
+pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in
+shuffled order, every row of the batch at the same length. ``--sweep`` also times
 other tiles (the partial kernel's tokens a step, programs the split plan aims at, warps and
 pipeline stages; the merge's columns a program) at each shape; the served ones are the first row.
 """

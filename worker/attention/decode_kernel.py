@@ -175,7 +175,8 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     this launch); a row of length 0 stores nothing. So ``qk_rope``'s launch is gone from a decode
     step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
     take it to 246 registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower
-    than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``)."""
+    than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``); over a float8 pool with 4
+    (``triton_decode.FP8_ROPE_WARPS``), where 8 ran slower still."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
