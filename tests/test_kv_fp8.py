@@ -1,11 +1,13 @@
 """``--kv-cache-dtype fp8``: the KV pools and the host tier in float8 e4m3, scale 1.
 
-The reference is the same runner with a pool of its compute dtype whose every read is rounded
-through e4m3 (``read_through_e4m3``: what a float8 pool holds, without one). Against it: the torch
+Against transformers: a checkpoint it saved (Qwen3-MoE, Mixtral, gpt-oss), its own eager attention
+over K and V rounded through e4m3 (``e4m3_attention``): logits and greedy text. Against the same
+runner with a pool of its compute dtype whose every read is rounded through e4m3
+(``read_through_e4m3``: what a float8 pool holds, without one): the torch
 attention, the Triton kernels (interpreted: chunked prefill over a cached prefix, decode with RoPE
 inside), gpt-oss's sinks and window pool, the cuDNN path's composition over a float8 pool, the
 host tier's page moves, and the memory plan's bytes. Each test also checks that the rounding shows,
-so a pool that silently stayed in float32 fails."""
+so a pool that silently stayed in float32 fails. An unknown ``--kv-cache-dtype`` is refused in one line."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +117,58 @@ def test_a_hybrid_models_attention_layers_in_float8(tmp_path):
     check_against_rounded(got, tmp_path, 1e-6)
 
 
+def e4m3_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own eager attention of ``module``'s family, over K and V (rotated, after the
+    cache) rounded through e4m3 at scale 1: what a float8 pool hands every read."""
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, as_stored(key, FP8), as_stored(value, FP8), attention_mask, **kwargs)
+
+
+WRITERS = {"qwen3_moe": lambda path: write_tiny(path, "qwen3_moe", seed=5, heads=4, kv_heads=2, head_dim=16),
+           "mixtral": lambda path: write_tiny(path, "mixtral", seed=5, heads=4, kv_heads=2, head_dim=16),
+           "gpt_oss": lambda path: write_tiny_gpt_oss(path, seed=3, layer_types=(SLIDING, FULL), window=8)}
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_a_float8_pool_matches_transformers_reading_e4m3(tmp_path, family):
+    """A checkpoint transformers saved, its model run with the attention above (registered with
+    ``AttentionInterface``, with eager attention's mask; no cache: every forward rounds every key;
+    gpt-oss: its sinks and a window of 8 shorter than the prompt): Sluice's logits of a prompt
+    in two chunks and of each greedy step within 1e-4, and the same 12 greedy tokens."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from tests.tiny_hybrid import hf_greedy, hf_logits
+
+    hf = WRITERS[family](tmp_path)
+    AttentionInterface.register("sluice_e4m3", e4m3_attention)
+    AttentionMaskInterface.register("sluice_e4m3", eager_mask)  # the additive mask eager attention takes
+    hf.set_attn_implementation("sluice_e4m3")
+    prompt = ids(19, 7)
+    want = hf_greedy(hf, prompt, 12)
+    got = session(runner(tmp_path, "fp8"), prompt, 9, want[:-1])
+    for step, logits in enumerate(got):
+        assert rel_err(logits, hf_logits(hf, prompt + want[:step])[-1]) < 1e-4, step
+    assert [int(x.argmax()) for x in got] == want
+    hf.set_attn_implementation("eager")  # the unrounded model parts from it: the rounding shows
+    assert rel_err(got[-1], hf_logits(hf, prompt + want[:-1])[-1]) > 1e-3
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "scripts/generate.py", "--kv-cache-dtype", "int8"], capture_output=True,
+                          text=True, cwd=root, timeout=120)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]  # argparse's line after its usage
+    assert "error: argument --kv-cache-dtype: invalid choice: 'int8'" in last and "fp8" in last
+
+
 def test_the_host_tier_moves_float8_pages_bit_for_bit(qwen3):
     """A session's pages pushed out to the host and back, by the kernel's twin and by memcpy, give
     the logits of the same turn never evicted, exactly (``test_kv_tier``'s check on a float8 pool)."""
@@ -165,7 +219,8 @@ def cast_kernel():
     return cast
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreted),
+                                    pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernels_cast_rounds_as_torch_does(device, dtype):
     """``rope_tiles.to_kv`` (the kernels' writes) against ``gpu_pool.to_kv`` (the twins'), bit for bit;
