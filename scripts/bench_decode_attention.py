@@ -5,7 +5,7 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--kv-cache-dtype auto fp8] [--table-tokens N] [--no-rope] [--sweep] [--json F]
+        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
 pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in
@@ -42,6 +42,7 @@ class Tile(NamedTuple):
     warps: int
     stages: int | None  # None: Triton's default
     reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
+    words: bool = triton_decode.FP8_WORDS  # a float8 pool read as words of two values (False: as bytes)
 
 
 SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
@@ -54,13 +55,15 @@ SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None)
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     served = SERVED_WARPS[(2 if kv == "fp8" else 0) if rope else 1]
     return (f"n{tile.block_n} p{tile.target_programs} w{tile.warps or served} "
-            f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}")
+            f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
+            + ("" if tile.words or kv != "fp8" else " bytes"))
 
 
 def use_tile(tile: Tile) -> None:
     """The module's tile constants set to ``tile`` (read at each launch)."""
     triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS = tile.block_n, tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
+    triton_decode.FP8_WORDS = tile.words
     warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
     triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
 
@@ -137,6 +140,8 @@ def main() -> None:
                    help="what the pool holds: auto (bf16) or fp8 (float8 e4m3); several: rows each")
     p.add_argument("--no-rope", action="store_true", help="the kernel without RoPE inside (its own launch before)")
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
+    p.add_argument("--fp8-bytes", action="store_true",
+                   help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
@@ -144,7 +149,9 @@ def main() -> None:
           f"stages, merge columns")
     rows = []
     for batch, context, kv in itertools.product(args.batch, args.contexts, args.kv_cache_dtype):
-        shape_rows = bench_shape(batch, context, tiles, not args.no_rope, args.table_tokens, kv)
+        both = kv == "fp8" and args.fp8_bytes
+        shape_tiles = tiles + ([t._replace(words=False) for t in tiles] if both else [])
+        shape_rows = bench_shape(batch, context, shape_tiles, not args.no_rope, args.table_tokens, kv)
         print_table(COLUMNS, shape_rows, gap=bool(rows))  # a table a shape, printed as it ends
         rows += shape_rows
     write_json(args.json, rows)

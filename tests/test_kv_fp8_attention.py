@@ -1,9 +1,10 @@
 """The paged Triton attention over a float8 e4m3 KV pool (``--kv-cache-dtype fp8``), interpreted on
 the CPU: decode (with and without sinks and a window, split and unsplit rows), decode with RoPE
 inside (its output, and the bytes it stores, against rotating, writing through ``to_kv`` and then
-reading the pool) and prefill (split-KV on and off), each against its eager twin; reading float8
-equals reading its rounded values from a float32 pool, bit for bit; and the pools the host checks
-refuse. The pools hold values float8 cannot represent, some past its 448. (On a GPU in bf16:
+reading the pool), both under 16-bit queries too (which read the pool as words of two values), and
+prefill (split-KV on and off), each against its eager twin; reading float8 equals reading its
+rounded values from a float32 pool, bit for bit; and the pools the host checks refuse. The pools
+hold values float8 cannot represent, some past its 448. (On a GPU in bf16:
 ``test_kv_fp8_attention_gpu.py``.)"""
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():
 from tests.test_decode_rope import CONFIGS as ROPE_CONFIGS, rope_case  # noqa: E402
 from tests.test_prefill_attention import prefill_case, rel_err  # noqa: E402
 from tests.test_sink_attention import SMALL_TILE, sinks_for  # noqa: E402
+from worker.attention import triton_decode  # noqa: E402
 from worker.attention.triton_decode import paged_decode_attention, paged_decode_attention_eager  # noqa: E402
 from worker.attention.triton_prefill import paged_prefill_attention, prefill_block_table, tile_for  # noqa: E402
 from worker.kv.gpu_pool import FP8_MAX, as_stored, to_kv  # noqa: E402
@@ -166,6 +168,46 @@ def test_decode_with_rope_stores_and_attends_what_the_pool_holds(config):
     gen = torch.Generator().manual_seed(sum(config[:6]))
     for splits in (None, 2):
         check_rope(config, gen, torch.float32, "cpu", 1e-5, splits)
+
+
+# ==== float8 words: 16-bit queries ====
+
+WORD_CONFIGS = [(8, 2, 32, 16, 0, False), (8, 2, 64, 4, 8, True)]  # head dims the word path takes
+WORD_ROPE_CONFIGS = [ROPE_CONFIGS[1], (5, 4, 2, 32, 4, 12, True, 7, True)]  # Mixtral-like; norms, window, sinks
+
+
+@contextlib.contextmanager
+def fp8_bytes():
+    """The partial kernels reading a float8 pool as bytes, widened to the query's dtype."""
+    triton_decode.FP8_WORDS = False
+    try:
+        yield
+    finally:
+        triton_decode.FP8_WORDS = True
+
+
+@interpreted
+@pytest.mark.parametrize("config", WORD_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_decode_reads_fp8_pool_as_words_under_16bit_queries(config):
+    """float16 queries (bf16's path, which the interpreter cannot widen float8 to): the pool is read
+    as words of two values, and the result is the twin's and the byte reading's."""
+    gen = torch.Generator().manual_seed(sum(config[:5]))
+    q, k8, v8, _, _, table, lens, sinks = decode_fp8_case(gen, config, LENGTHS, torch.float16)
+    assert triton_decode._reads_words(q, k8) and not triton_decode._reads_words(q.float(), k8)
+    want = decode(q, k8, v8, table, lens, config, sinks, backend="eager")
+    for splits in (None, 1, 3):
+        got = decode(q, k8, v8, table, lens, config, sinks, splits)
+        with fp8_bytes():
+            as_bytes = decode(q, k8, v8, table, lens, config, sinks, splits)
+        assert torch.isfinite(got).all() and rel_err(got, want) < 1e-3 and rel_err(got, as_bytes) < 1e-3
+
+
+@interpreted
+@pytest.mark.parametrize("config", WORD_ROPE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_decode_with_rope_reads_fp8_pool_as_words_under_16bit_queries(config):
+    gen = torch.Generator().manual_seed(sum(config[:6]))
+    for splits in (None, 2):
+        check_rope(config, gen, torch.float16, "cpu", 2e-3, splits)
 
 
 # ==== prefill ====

@@ -108,6 +108,84 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 
 
 @triton.jit
+def _e4m3_words(words):
+    """int16 words, each two float8 e4m3 values (the even-indexed in the low byte), as the even and
+    the odd values widened to float16: exact, and one conversion a pair on sm89+."""
+    even = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    odd = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
+def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """``x [ROWS, 2 * HALF]``'s even and odd columns, in float16."""
+    wide = tl.clamp(x.to(tl.float32), -65504.0, 65504.0)  # float16's largest: a bf16 query past it saturates
+    return tl.split(tl.reshape(wide.to(tl.float16), (ROWS, HALF, 2)))
+
+
+@triton.jit
+def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
+                      num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
+                      BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr):
+    """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
+    dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
+    the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
+    such reaches the MMAs by byte-wide shared-memory loads and a three-step widening to bf16 (sm90);
+    as words it takes ldmatrix and one conversion a pair. ``q``: ``[BLOCK_G, HEAD_DIM]``."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    q0, q1 = _halves(q, BLOCK_G, HALF)
+    if NEW:
+        kn0, kn1 = _halves(k_new, 1, HALF)
+        vn0, vn1 = _halves(v_new, 1, HALF)
+    j = tl.arange(0, HALF)
+    k_words = k_ptr.to(tl.pointer_type(tl.int16))
+    v_words = v_ptr.to(tl.pointer_type(tl.int16))
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    for t0 in range(first, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_live = t < end
+        page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        word = (page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head) // 2
+        k0, k1 = _e4m3_words(tl.load(k_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0))
+        v0, v1 = _e4m3_words(tl.load(v_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0))
+        if NEW:
+            new = (t == last)[:, None]
+            k0, k1 = tl.where(new, kn0, k0), tl.where(new, kn1, k1)
+            v0, v1 = tl.where(new, vn0, v0), tl.where(new, vn1, v1)
+        s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
+        s = tl.where(t_live[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        p = p.to(tl.float16)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
+        m = m_new
+    return m, l, tl.reshape(tl.join(acc0, acc1), (BLOCK_G, HEAD_DIM))
+
+
+@triton.jit
+def _rope_walk_words(q, k_new, v_new, last, mine, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
+                     num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
+                     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_walk_split_words`` with the new token selected in by the split that holds it (``mine``)."""
+    if mine:
+        m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
+                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
+                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, True)
+    else:
+        m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
+                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
+                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, False)
+    return m, l, acc
+
+
+@triton.jit
 def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -140,7 +218,9 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           num_pages, max_tokens, splits, min_split, qk_scale, window,
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
+                          WORDS: tl.constexpr):
+    """WORDS: a float8 pool read as words of two values (``_walk_split_words``; BLOCK_D is HEAD_DIM)."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -149,9 +229,14 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
-                            num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
-                            BLOCK_N, IEEE, False)
+    if WORDS:
+        m, l, acc = _walk_split_words(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, table_stride_b,
+                                      num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G,
+                                      HEAD_DIM, BLOCK_N, False)
+    else:
+        m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
+                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE, False)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -167,7 +252,8 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, max_positions, eps,
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                               HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                               HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+                               WORDS: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -200,7 +286,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
     k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
-    if mine:  # and only its split selects it into its blocks; the others run the plain loop
+    if WORDS:
+        m, l, acc = _rope_walk_words(q, k_new, v_new, last, mine, k_ptr, v_ptr, table_ptr, b, kv_head, start, end,
+                                     table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                     BLOCK_G, HEAD_DIM, BLOCK_N)
+    elif mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True)

@@ -50,6 +50,10 @@ PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
 # (H100, 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype auto fp8 --sweep, and the same
 # shapes' tiles set by hand)
 FP8_ROPE_WARPS = 4
+# a float8 pool read as int16 words of two values, widened to float16 (decode_kernel._walk_split_words),
+# where the head dim allows it and the queries are 16-bit; False: as float8 tiles widened to the query's
+# dtype (scripts/bench_decode_attention.py --fp8-bytes times that too)
+FP8_WORDS = True
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
 _LOG2E = 1.4426950408889634
 
@@ -117,6 +121,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    words = _reads_words(q, k_cache)
     block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
     m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
@@ -128,7 +133,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, num_warps=_warps(rope, k_cache), **pdl_args(q))
+                  HAS_SINK=sinks is not None, WORDS=words, num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
         consts["num_stages"] = PARTIAL_STAGES
     if rope is None:
@@ -140,6 +145,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
         BLOCK_N=BLOCK_N, HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
     return out
+
+
+def _reads_words(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the partial kernel reads the pool as words of two float8 values (``FP8_WORDS``): a
+    float8 pool, 16-bit queries (float32 ones keep float32 sums) and a head dim that is a power of
+    two of at least 32 (each half a dot of 16 or more)."""
+    D = q.shape[-1]
+    return FP8_WORDS and k_cache.element_size() == 1 and q.element_size() == 2 and D >= 32 and D == next_pow2(D)
 
 
 def _warps(rope: RopeInputs | None, k_cache: torch.Tensor) -> int:
