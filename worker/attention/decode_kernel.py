@@ -108,9 +108,15 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 
 
 @triton.jit
-def _e4m3_words(words):
+def _e4m3_words(words, CVT: tl.constexpr):
     """int16 words, each two float8 e4m3 values (the even-indexed in the low byte), as the even and
-    the odd values widened to float16: exact, and one conversion a pair on sm89+."""
+    the odd values widened to float16, exactly. CVT (sm89 and later): one ``cvt.rn.f16x2.e4m3x2`` a
+    word (Triton's casts take a mask, a shift and a repack more a value: 651 instructions a step of
+    the loop against 461, sm90, ``decode_partial_kernel`` at 4 warps); otherwise, and interpreted,
+    Triton's casts."""
+    if CVT:
+        return tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                         "=h,=h,h", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     even = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     odd = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return even, odd
@@ -126,7 +132,8 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 @triton.jit
 def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
-                      BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr):
+                      BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
+                      CVT: tl.constexpr):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -150,8 +157,8 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
         page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         word = (page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head) // 2
-        k0, k1 = _e4m3_words(tl.load(k_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0))
-        v0, v1 = _e4m3_words(tl.load(v_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0))
+        k0, k1 = _e4m3_words(tl.load(k_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0), CVT)
+        v0, v1 = _e4m3_words(tl.load(v_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0), CVT)
         if NEW:
             new = (t == last)[:, None]
             k0, k1 = tl.where(new, kn0, k0), tl.where(new, kn1, k1)
@@ -172,16 +179,16 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
 @triton.jit
 def _rope_walk_words(q, k_new, v_new, last, mine, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                      num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
-                     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CVT: tl.constexpr):
     """``_walk_split_words`` with the new token selected in by the split that holds it (``mine``)."""
     if mine:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, True)
+                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, True, CVT)
     else:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, False)
+                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, False, CVT)
     return m, l, acc
 
 
@@ -219,8 +226,9 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
-                          WORDS: tl.constexpr):
-    """WORDS: a float8 pool read as words of two values (``_walk_split_words``; BLOCK_D is HEAD_DIM)."""
+                          WORDS: tl.constexpr, CVT: tl.constexpr):
+    """WORDS: a float8 pool read as words of two values (``_walk_split_words``; BLOCK_D is HEAD_DIM),
+    widened by ``cvt`` where CVT."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -232,7 +240,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     if WORDS:
         m, l, acc = _walk_split_words(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, table_stride_b,
                                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G,
-                                      HEAD_DIM, BLOCK_N, False)
+                                      HEAD_DIM, BLOCK_N, False, CVT)
     else:
         m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
@@ -253,7 +261,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -289,7 +297,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     if WORDS:
         m, l, acc = _rope_walk_words(q, k_new, v_new, last, mine, k_ptr, v_ptr, table_ptr, b, kv_head, start, end,
                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                     BLOCK_G, HEAD_DIM, BLOCK_N)
+                                     BLOCK_G, HEAD_DIM, BLOCK_N, CVT)
     elif mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,

@@ -133,7 +133,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, WORDS=words, num_warps=_warps(rope, k_cache), **pdl_args(q))
+                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device),
+                  num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
         consts["num_stages"] = PARTIAL_STAGES
     if rope is None:
@@ -153,6 +154,13 @@ def _reads_words(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     two of at least 32 (each half a dot of 16 or more)."""
     D = q.shape[-1]
     return FP8_WORDS and k_cache.element_size() == 1 and q.element_size() == 2 and D >= 32 and D == next_pow2(D)
+
+
+@functools.cache
+def _has_fp8_cvt(device: torch.device) -> bool:
+    """Whether the word reading widens by PTX's ``cvt.rn.f16x2.e4m3x2`` (sm89 and later), not
+    Triton's casts (older GPUs, and the interpreter, which runs no PTX)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _warps(rope: RopeInputs | None, k_cache: torch.Tensor) -> int:
