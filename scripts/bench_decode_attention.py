@@ -37,7 +37,7 @@ GRAPH_BYTES = 2e9  # each replay reads at least this many distinct K/V bytes: fa
 
 
 class Tile(NamedTuple):
-    block_n: int
+    block_n: int  # 0: the served ones (BLOCK_N; FP8_BLOCK_N where a float8 pool is read as words)
     target_programs: int
     warps: int
     stages: int | None  # None: Triton's default
@@ -46,22 +46,26 @@ class Tile(NamedTuple):
 
 
 SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
-SERVED = Tile(triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
+SERVED_BLOCK_N = triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N
+SERVED = Tile(0, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
 SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
          Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None),
-         Tile(64, 256, 8, 4), Tile(64, 256, 4, 4), Tile(64, 256, 4, 2), Tile(128, 256, 4, 4)]  # the warps of fp8
+         Tile(64, 256, 8, 4), Tile(64, 256, 4, 4), Tile(64, 256, 4, 2), Tile(128, 256, 4, 4),  # the warps of fp8
+         Tile(128, 256, 8, 4), Tile(128, 512, 4, 4), Tile(128, 256, 4, 2), Tile(256, 256, 8, 4)]  # fp8's words
 
 
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     served = SERVED_WARPS[(2 if kv == "fp8" else 0) if rope else 1]
-    return (f"n{tile.block_n} p{tile.target_programs} w{tile.warps or served} "
+    block_n = tile.block_n or SERVED_BLOCK_N[kv == "fp8" and tile.words]
+    return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
             + ("" if tile.words or kv != "fp8" else " bytes"))
 
 
 def use_tile(tile: Tile) -> None:
     """The module's tile constants set to ``tile`` (read at each launch)."""
-    triton_decode.BLOCK_N, triton_decode.TARGET_PROGRAMS = tile.block_n, tile.target_programs
+    triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N = (tile.block_n,) * 2 if tile.block_n else SERVED_BLOCK_N
+    triton_decode.TARGET_PROGRAMS = tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
     triton_decode.FP8_WORDS = tile.words
     warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS

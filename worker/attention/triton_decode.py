@@ -54,6 +54,9 @@ FP8_ROPE_WARPS = 4
 # where the head dim allows it and the queries are 16-bit; False: as float8 tiles widened to the query's
 # dtype (scripts/bench_decode_attention.py --fp8-bytes times that too)
 FP8_WORDS = True
+# tokens per inner step of the word reading: b1 over 131k 82.5 us a layer at 64 -> 73.8 at 128 (H100,
+# 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype fp8 --sweep)
+FP8_BLOCK_N = 128
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
 _LOG2E = 1.4426950408889634
 
@@ -122,6 +125,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     if B == 0:
         return out
     words = _reads_words(q, k_cache)
+    block_n = FP8_BLOCK_N if words else BLOCK_N
     block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
     m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
@@ -132,7 +136,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
-                  BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+                  BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
                   HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device),
                   num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
@@ -144,7 +148,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, splits, min_split, window,
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
-        BLOCK_N=BLOCK_N, HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
+        BLOCK_N=block_n, HAS_SINK=sinks is not None, num_warps=8, **pdl_args(q))
     return out
 
 
