@@ -172,7 +172,7 @@ def test_decode_with_rope_stores_and_attends_what_the_pool_holds(config):
 
 # ==== float8 words: 16-bit queries ====
 
-WORD_CONFIGS = [(8, 2, 32, 16, 0, False), (8, 2, 64, 4, 8, True)]  # head dims the word path takes
+WORD_CONFIGS = [(8, 2, 32, 16, 0, False), (8, 2, 64, 4, 8, True), (4, 2, 256, 16, 0, False)]  # the word path
 WORD_ROPE_CONFIGS = [ROPE_CONFIGS[1], (5, 4, 2, 32, 4, 12, True, 7, True)]  # Mixtral-like; norms, window, sinks
 
 

@@ -54,8 +54,9 @@ FP8_ROPE_WARPS = 4
 # where the head dim allows it and the queries are 16-bit; False: as float8 tiles widened to the query's
 # dtype (scripts/bench_decode_attention.py --fp8-bytes times that too)
 FP8_WORDS = True
-# tokens per inner step of the word reading: b1 over 131k 82.5 us a layer at 64 -> 73.8 at 128 (H100,
-# 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype fp8 --sweep)
+# tokens per inner step of the word reading at head dims up to 128: b1 over 131k 82.5 us a layer at 64 ->
+# 73.8 at 128 (H100, 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype fp8 --sweep); a head
+# of 256 keeps BLOCK_N (at 128 its RoPE kernel's stages take 128 KB of shared memory, past an sm89 SM's 100)
 FP8_BLOCK_N = 128
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
 _LOG2E = 1.4426950408889634
@@ -125,7 +126,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     if B == 0:
         return out
     words = _reads_words(q, k_cache)
-    block_n = FP8_BLOCK_N if words else BLOCK_N
+    block_n = FP8_BLOCK_N if words and D <= 128 else BLOCK_N
     block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
     m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
