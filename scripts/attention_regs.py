@@ -4,32 +4,45 @@ GPU, at qwen3-30b's shapes (32 query heads, 4 KV heads, head dim 128, bf16, page
 
     python scripts/attention_regs.py [--rope-warps 4 8]
 
-Needs a CUDA device (the compiler's figures are the ones this card runs).
+Needs a CUDA device (the compiler's figures are the ones this card runs). Without one, ``--arch
+90`` compiles ``decode_partial_kernel`` for that architecture here (Triton's own ptxas and
+nvdisasm, as ``scripts/kernel_sass.py`` does) over a bf16 pool and a float8 one read as bytes and
+as words (``triton_decode.FP8_WORDS``), each at its served tokens a step, and prints what one step of
+its loop issues: instructions, byte-wide shared-memory loads (``LDS.U8``) and ``ldmatrix``es. It
+measures nothing; the benchmarks decide.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
+os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.test_decode_rope import rope_case  # noqa: E402
 from worker.attention import decode_kernel, triton_decode  # noqa: E402
 
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
+# the arguments a launch at these shapes gives 16-byte alignment or a multiple of 16 (the table and
+# lens pointers are not specialised on alignment; the others vary)
+ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "sink_ptr", "m_ptr", "l_ptr", "acc_ptr", "out_ptr", "out_stride_b",
+           "out_stride_h", "q_stride_b", "q_stride_h", "stride_page", "stride_tok", "stride_head")
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rope-warps", type=int, nargs="+", default=[triton_decode.ROPE_WARPS])
-    args = parser.parse_args()
-    config = (1, 32, 4, 128, 16, 64, True, 0, False)  # tests.test_decode_rope's CONFIGS layout
+
+def on_this_gpu(rope_warps: list[int]) -> None:
+    from tests.test_decode_rope import rope_case
+
+    config = (1, HEADS, KV_HEADS, HEAD_DIM, PAGE, 64, True, 0, False)  # tests.test_decode_rope's CONFIGS layout
     q, k, k_cache, v_cache, table, lens, rope = rope_case(torch.Generator().manual_seed(0), config, torch.bfloat16,
                                                           "cuda")
     rotated, _ = rope.apply(q, k)
     triton_decode.paged_decode_attention(rotated, k_cache, v_cache, table, lens, 0.1)
-    for warps in args.rope_warps:
+    for warps in rope_warps:
         triton_decode.ROPE_WARPS = warps
         triton_decode.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1, rope=rope, k=k)
     torch.cuda.synchronize()
@@ -38,6 +51,61 @@ def main() -> None:
             for compiled in cache[0].values():
                 print(f"{name:28s} warps {compiled.metadata.num_warps:2d}  registers {compiled.n_regs:3d}  "
                       f"spills {compiled.n_spills}  shared {compiled.metadata.shared}")
+
+
+def compile_here(arch: int, pool: str, words: bool):
+    """``decode_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` ("bf16" or "fp8e4nv")."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = decode_kernel.decode_partial_kernel
+    consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16, BLOCK_D=HEAD_DIM,
+                  BLOCK_N=triton_decode.FP8_BLOCK_N if words else triton_decode.BLOCK_N, IEEE=False,
+                  HAS_SINK=False, PDL=False, WORDS=words, CVT=words)
+    pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
+                    sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
+    names = fn.arg_names
+    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32") for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in ALIGNED}
+    source = ASTSource(fn, signature, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 64 if arch < 100 else 32),
+                          options=dict(num_warps=triton_decode.PARTIAL_WARPS, num_stages=triton_decode.PARTIAL_STAGES))
+
+
+def loop_step(sass: str) -> list[str]:
+    """The instructions of the kernel's longest loop (from a label to the branch back to it)."""
+    lines = sass.splitlines()
+    labels = {m[1]: i for i, line in enumerate(lines) if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+    loops = [(labels[m[1]], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA\s+`?\(?\.(L_x_\d+)", line)) and labels.get(m[1], i) < i]
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    return [line for line in lines[first:last + 1] if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+
+
+def here(arch: int) -> None:
+    from kernel_sass import disassemble  # beside this script
+
+    for label, pool, words in (("bf16 pool", "bf16", False), ("fp8 bytes", "fp8e4nv", False),
+                               ("fp8 words", "fp8e4nv", True)):
+        usage, sass = disassemble(compile_here(arch, pool, words))
+        step = loop_step(sass)
+        ops = Counter(m[1] for line in step if (m := re.search(r"\b(LDS(?:M)?[.A-Z0-9]*)", line)))
+        regs = re.search(r"REG:(\d+)", usage)[1]
+        print(f"{label:10s} regs {regs:>3}  loop step: instructions {len(step):4d}  "
+              f"LDS.U8 {ops['LDS.U8']:3d}  ldmatrix {sum(n for op, n in ops.items() if op.startswith('LDSM')):3d}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rope-warps", type=int, nargs="+", default=[triton_decode.ROPE_WARPS])
+    parser.add_argument("--arch", type=int, default=0,
+                        help="compile for this compute capability here, without a GPU (e.g. 90)")
+    args = parser.parse_args()
+    if args.arch:
+        here(args.arch)
+    else:
+        on_this_gpu(args.rope_warps)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """scripts/kernel_sass.py compiles the decode and 4-bit kernels for sm90 on a machine without a GPU
-and reads the cubin with Triton's own tools: registers, programs an SM holds, load widths."""
+and reads the cubin with Triton's own tools: registers, programs an SM holds, load widths; and
+scripts/attention_regs.py --arch 90 the decode attention's partial kernel."""
 from __future__ import annotations
 
 import json
@@ -10,16 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from worker.attention import triton_decode
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kernel_sass(*args: str) -> str:
+def kernel_sass(*args: str, script: str = "scripts/kernel_sass.py") -> str:
     """The script's output (skipped where Triton carries no ptxas)."""
     bindir = Path(pytest.importorskip("triton").__file__).parent / "backends" / "nvidia" / "bin"
     if not (bindir / "ptxas").exists():
         pytest.skip("this Triton carries no ptxas")
-    run = subprocess.run([sys.executable, "scripts/kernel_sass.py", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
 
@@ -122,3 +124,16 @@ def test_against_a_sweep_puts_each_timed_tile_beside_its_compiled_counts(tmp_pat
     down = {float(t[0]): float(t[1]) for t in timed[3:]}
     assert down[25.7] > 300 and down[31.6] < 200, out  # the default down issues the most a KB
     assert sum("r(us, warp-instr/KB)" in line for line in lines) == 1, out  # gate_up only: 3 rows
+
+
+def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
+    """Read as bytes, a float8 tile reaches the MMAs by byte-wide shared-memory loads; read as words
+    (``triton_decode.FP8_WORDS``) it takes ldmatrix, as a bf16 pool does, and fewer instructions a
+    key than the byte reading."""
+    rows = {line[:10].strip(): line for line in kernel_sass("--arch", "90", script="scripts/attention_regs.py")
+            .splitlines() if "loop step" in line}
+    assert set(rows) == {"bf16 pool", "fp8 bytes", "fp8 words"}, rows
+    assert field(rows["fp8 bytes"], "LDS.U8") > 0 and field(rows["fp8 words"], "LDS.U8") == 0, rows
+    assert field(rows["fp8 words"], "ldmatrix") > 0 and field(rows["bf16 pool"], "ldmatrix") > 0, rows
+    keys = triton_decode.FP8_BLOCK_N / triton_decode.BLOCK_N  # the word reading's step covers more keys
+    assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows

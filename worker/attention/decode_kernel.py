@@ -66,6 +66,17 @@ def _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stri
 
 
 @triton.jit
+def _softmax_step(s, live, m, l, qk_scale):
+    """The online softmax over one block's scores ``s [G, N]`` (columns ``live``): the new maxima,
+    the factor that rescales what came before, the block's probabilities and the new sums."""
+    s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
     """One block of the online softmax: the running maxima ``m``, sums ``l`` and ``acc`` of the
     group's heads after keys ``k`` and values ``v`` of tokens ``t`` (those before ``end``)."""
@@ -73,11 +84,7 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where((t < end)[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l = _softmax_step(s, t < end, m, l, qk_scale)
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
@@ -164,15 +171,10 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
             k0, k1 = tl.where(new, kn0, k0), tl.where(new, kn1, k1)
             v0, v1 = tl.where(new, vn0, v0), tl.where(new, vn1, v1)
         s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
-        s = tl.where(t_live[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        m, alpha, p, l = _softmax_step(s, t_live, m, l, qk_scale)
         p = p.to(tl.float16)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)
         acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
-        m = m_new
     return m, l, tl.reshape(tl.join(acc0, acc1), (BLOCK_G, HEAD_DIM))
 
 
