@@ -119,8 +119,8 @@ def _e4m3_words(words, CVT: tl.constexpr):
     """int16 words, each two float8 e4m3 values (the even-indexed in the low byte), as the even and
     the odd values widened to float16, exactly. CVT (sm89 and later): one ``cvt.rn.f16x2.e4m3x2`` a
     word (Triton's casts take a mask, a shift and a repack more a value: 651 instructions a step of
-    the loop against 461, sm90, ``decode_partial_kernel`` at 4 warps); otherwise, and interpreted,
-    Triton's casts."""
+    the loop against 461, sm90, ``decode_partial_kernel`` at 4 warps and 64 keys a step; counted as
+    ``scripts/attention_regs.py --arch 90`` counts); otherwise, and interpreted, Triton's casts."""
     if CVT:
         return tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
                                          "=h,=h,h", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
