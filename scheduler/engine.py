@@ -92,8 +92,9 @@ class Engine:
                              generated_tokens=0, cached_prompt_tokens=0, steps=0, requests_failed=0)
         self.started = time.monotonic()
         # wall seconds in step(), and of them waiting for a step's tokens: under overlap scheduling
-        # the rest is host work the GPU runs beside, so a wait near zero says the host bounds the loop
-        self.seconds = dict(engine_step_s=0.0, engine_gpu_wait_s=0.0)
+        # the rest is host work the GPU runs beside, so a wait near zero says the host bounds the loop;
+        # and enqueueing steps that carry a prefill chunk (host work before a turn's first token)
+        self.seconds = dict(engine_step_s=0.0, engine_gpu_wait_s=0.0, engine_prefill_launch_s=0.0)
 
     # ==== requests ====
 
@@ -209,7 +210,10 @@ class Engine:
             return self._launch_after_copies()
         rows = [r.slot if s and r.grammar is not None else -1 for r, s in zip(reqs, samples)]
         mask = TokenMask(self.mask.device_words, rows) if max(rows) >= 0 else None
+        enqueueing = time.perf_counter()
         step = self.runner.launch(chunks, params, steps, self.token_buffer, mask)
+        if any(c.buffer_slot < 0 for c in chunks):  # prompt tokens from the host: a prefill chunk
+            self.seconds["engine_prefill_launch_s"] += time.perf_counter() - enqueueing
         self.pages.launched()
         if self.pages.states is not None:
             self._take_snapshots(reqs, chunks)

@@ -60,6 +60,7 @@ def summarise_build(runs: list[dict], slow_s: float) -> dict:
         compiles_after_warmup=_sum_deltas(runs, "compiles_after_warmup"),
         plans_after_warmup=_sum_deltas(runs, "plans_after_warmup"),
         engine_host_s=_sum_deltas(runs, "engine_host_s"), engine_gpu_wait_s=_sum_deltas(runs, "engine_gpu_wait_s"),
+        engine_prefill_launch_s=_sum_deltas(runs, "engine_prefill_launch_s"),
     )
 
 
@@ -93,6 +94,7 @@ def table(builds: list[dict], summaries: dict[str, dict], slow_s: float) -> str:
                                             f"{_fmt(x.get('plans_after_warmup'))}" for x in s]),
         ("engine s: host / waiting for the GPU", [f"{_fmt(x.get('engine_host_s'), 1)} / "
                                                   f"{_fmt(x.get('engine_gpu_wait_s'), 1)}" for x in s]),
+        ("engine s enqueueing prefill chunks", [_fmt(x.get("engine_prefill_launch_s"), 2) for x in s]),
     ]
     width = max(len(name) for name, _ in rows)
     cols = [max(len(label), *(len(values[i]) for _, values in rows)) for i, label in enumerate(labels)]

@@ -116,13 +116,15 @@ def test_decode_time_per_token_at_the_shortest_and_longest_contexts():
 
 def test_summary_reads_the_engines_host_and_gpu_wait_seconds():
     """Over the measured turns: the engine's host work and its waits for the GPU (deltas of the
-    server's counters), one row of the table."""
-    before = dict(engine_host_s=10.0, engine_gpu_wait_s=4.0)
-    runs = [_run("A", [1.0], before, dict(engine_host_s=13.5, engine_gpu_wait_s=24.0))]
+    server's counters), one row of the table; and of the host work, enqueueing prefill chunks."""
+    before = dict(engine_host_s=10.0, engine_gpu_wait_s=4.0, engine_prefill_launch_s=1.0)
+    runs = [_run("A", [1.0], before, dict(engine_host_s=13.5, engine_gpu_wait_s=24.0, engine_prefill_launch_s=1.75))]
     s = ab_report.summarise_build(runs, slow_s=10.0)
     assert s["engine_host_s"] == pytest.approx(3.5) and s["engine_gpu_wait_s"] == pytest.approx(20.0)
+    assert s["engine_prefill_launch_s"] == pytest.approx(0.75)
     text = ab_report.table([dict(label="A", options=[])], {"A": s}, 10.0)
     assert "engine s: host / waiting for the GPU" in text and "3.5 / 20.0" in text
+    assert "engine s enqueueing prefill chunks" in text and "0.75" in text
 
 
 def test_summary_without_offload_or_host_tier_says_so():

@@ -154,6 +154,10 @@ def test_metrics_parse_and_move_with_the_zmq_stats(server, oai, zmq_client):
     assert stats["engine_host_s"] == stats["engine_step_s"]
     assert after[("sluice_engine_seconds_total", (("kind", "host"),))] > before[
         ("sluice_engine_seconds_total", (("kind", "host"),))]
+    # of it, enqueueing the steps with a prefill chunk (on the CPU the step computes as it enqueues)
+    assert 0 < stats["engine_prefill_launch_s"] < stats["engine_host_s"]
+    assert after[("sluice_engine_prefill_launch_seconds_total", ())] > before[
+        ("sluice_engine_prefill_launch_seconds_total", ())]
 
 
 def test_a_resent_history_is_not_tokenized_again(server, oai, zmq_client):

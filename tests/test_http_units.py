@@ -116,9 +116,11 @@ def test_metrics_expose_the_scheduler_stats_and_latencies():
 
 
 def test_metrics_split_the_engines_step_time_into_host_work_and_waiting_for_the_gpu():
-    got = _samples(Metrics().render({"engine_step_s": 2.0, "engine_host_s": 1.5, "engine_gpu_wait_s": 0.5})[0].decode())
+    stats = {"engine_step_s": 2.0, "engine_host_s": 1.5, "engine_gpu_wait_s": 0.5, "engine_prefill_launch_s": 0.25}
+    got = _samples(Metrics().render(stats)[0].decode())
     assert got[("sluice_engine_seconds_total", (("kind", "host"),))] == 1.5
     assert got[("sluice_engine_seconds_total", (("kind", "gpu_wait"),))] == 0.5
+    assert got[("sluice_engine_prefill_launch_seconds_total", ())] == 0.25
 
 
 def test_metrics_show_a_hybrid_models_state_snapshots():

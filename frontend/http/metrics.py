@@ -59,6 +59,8 @@ STATS = (
     Stat("engine_seconds", True, "Scheduler time in engine steps: host work, and waiting for a step's tokens "
          "(under overlap scheduling, a wait near zero says the host bounds the loop)",
          (("host", "engine_host_s"), ("gpu_wait", "engine_gpu_wait_s")), "kind"),
+    Stat("engine_prefill_launch_seconds", True, "Of the engine's host work, enqueueing steps that carry a "
+         "prefill chunk (before a prompt's first token can come)", (("", "engine_prefill_launch_s"),)),
     Stat("compilations_after_warmup", True, "Kernels compiled and attention plans built while serving, after "
          "the warm-up (each a slow step)", (("triton", "compiles_after_warmup"), ("cudnn_plan", "plans_after_warmup")),
          "kind"),
