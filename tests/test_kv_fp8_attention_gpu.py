@@ -1,10 +1,11 @@
 """The paged Triton attention over a float8 e4m3 KV pool compiled on a GPU in bf16, at Qwen3's
-geometry (32 query / 4 KV heads, head dim 128, pages of 16) and gpt-oss-120b's (64 / 8 of 64, sinks,
-a window of 128), over contexts of a few thousand tokens, each launch under sync debug mode: decode and
-decode with RoPE inside (its output and the bytes it stores), each reading the pool as words of two
-values and as bytes, and prefill, against the eager twins and against the same kernels over a bf16
-pool holding the rounded values. (The CPU tests, interpreted:
-``test_kv_fp8_attention.py``; apart, so that the GPU suite's workers share them.)"""
+geometry (32 query / 4 KV heads, head dim 128, pages of 16), gpt-oss-120b's (64 / 8 of 64, sinks,
+a window of 128) and, for decode, a Qwen3.5 hybrid's full layers' (16 / 2 of 256), over contexts of
+a few thousand tokens, each launch under sync debug mode: decode and decode with RoPE inside (its
+output and the bytes it stores), each reading the pool as words of two values and as bytes, and
+prefill, against the eager twins and against the same kernels over a bf16 pool holding the rounded
+values. (The CPU tests, interpreted: ``test_kv_fp8_attention.py``; apart, so that the GPU suite's
+workers share them.)"""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.cuda
 
 # (heads, kv_heads, head dim, page, window, sinks)
 CONFIGS = [(32, 4, 128, 16, 0, False), (64, 8, 64, 16, 128, True)]
+DECODE_CONFIGS = CONFIGS + [(16, 2, 256, 16, 0, False)]  # and a Qwen3.5 hybrid's full layers' heads
 LENGTHS = [1, 100, 129, 1000, 3000, 4097, 2500, 64]
 ROWS = [(0, 300), (2000, 200), (129, 1), (5, 40), (3000, 1)]
 # B, heads, kv_heads, D, page, max_pages, norms, window, sinks (tests.test_decode_rope.CONFIGS' layout)
@@ -40,7 +42,7 @@ def ids(config) -> str:
     return "-".join(map(str, config))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=ids)
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=ids)
 def test_decode_reads_fp8_pool_on_gpu(config):
     gen = torch.Generator().manual_seed(sum(config[:5]))
     q, k8, v8, k, v, table, lens, sinks = decode_fp8_case(gen, config, LENGTHS, torch.bfloat16, "cuda")
