@@ -7,9 +7,10 @@ GPU, at qwen3-30b's shapes (32 query heads, 4 KV heads, head dim 128, bf16, page
 Needs a CUDA device (the compiler's figures are the ones this card runs). Without one, ``--arch
 90`` compiles ``decode_partial_kernel`` for that architecture here (Triton's own ptxas and
 nvdisasm, as ``scripts/kernel_sass.py`` does) over a bf16 pool and a float8 one read as bytes and
-as words (``triton_decode.FP8_WORDS``), each at its served tokens a step, and prints what one step of
-its loop issues: instructions, byte-wide shared-memory loads (``LDS.U8``) and ``ldmatrix``es. It
-measures nothing; the benchmarks decide.
+as words (``triton_decode.FP8_WORDS``; widened by ``cvt``, and as "fp8 casts" by Triton's casts, as
+on GPUs before sm89), each at its served tokens a step, and prints what one step of its loop
+issues: instructions, byte-wide shared-memory loads (``LDS.U8``) and ``ldmatrix``es. It measures
+nothing; the benchmarks decide.
 """
 from __future__ import annotations
 
@@ -53,16 +54,17 @@ def on_this_gpu(rope_warps: list[int]) -> None:
                       f"spills {compiled.n_spills}  shared {compiled.metadata.shared}")
 
 
-def compile_here(arch: int, pool: str, words: bool):
-    """``decode_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` ("bf16" or "fp8e4nv")."""
+def compile_here(arch: int, pool: str, words: bool, cvt: bool):
+    """``decode_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` ("bf16" or "fp8e4nv"),
+    read as words where ``words`` (widened by ``cvt`` where ``cvt``, else by Triton's casts)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = decode_kernel.decode_partial_kernel
     consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16, BLOCK_D=HEAD_DIM,
-                  BLOCK_N=triton_decode.FP8_BLOCK_N if words else triton_decode.BLOCK_N, IEEE=False,
-                  HAS_SINK=False, PDL=False, WORDS=words, CVT=words)
+                  BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, PDL=False,
+                  WORDS=words, CVT=cvt)
     pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
                     sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
     names = fn.arg_names
@@ -86,9 +88,9 @@ def loop_step(sass: str) -> list[str]:
 def here(arch: int) -> None:
     from kernel_sass import disassemble  # beside this script
 
-    for label, pool, words in (("bf16 pool", "bf16", False), ("fp8 bytes", "fp8e4nv", False),
-                               ("fp8 words", "fp8e4nv", True)):
-        usage, sass = disassemble(compile_here(arch, pool, words))
+    for label, pool, words, cvt in (("bf16 pool", "bf16", False, False), ("fp8 bytes", "fp8e4nv", False, False),
+                                    ("fp8 words", "fp8e4nv", True, True), ("fp8 casts", "fp8e4nv", True, False)):
+        usage, sass = disassemble(compile_here(arch, pool, words, cvt))
         step = loop_step(sass)
         ops = Counter(m[1] for line in step if (m := re.search(r"\b(LDS(?:M)?[.A-Z0-9]*)", line)))
         regs = re.search(r"REG:(\d+)", usage)[1]

@@ -56,7 +56,7 @@ SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None)
 
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     served = SERVED_WARPS[(2 if kv == "fp8" else 0) if rope else 1]
-    block_n = tile.block_n or SERVED_BLOCK_N[kv == "fp8" and tile.words]
+    block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
             + ("" if tile.words or kv != "fp8" else " bytes"))

@@ -95,10 +95,29 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 @triton.jit
 def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
                 num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr):
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
+                WORDS: tl.constexpr, CVT: tl.constexpr):
     """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
     ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
-    pages' (which this launch writes)."""
+    pages' (which this launch writes). WORDS: a float8 pool read as words of two values
+    (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles."""
+    if WORDS:
+        m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
+                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
+                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT)
+    else:
+        m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
+                                      d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW)
+    return m, l, acc
+
+
+@triton.jit
+def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                      NEW: tl.constexpr):
+    """``_walk_split`` over tiles of the pool's dtype, widened to the query's."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -118,9 +137,9 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 def _e4m3_words(words, CVT: tl.constexpr):
     """int16 words, each two float8 e4m3 values (the even-indexed in the low byte), as the even and
     the odd values widened to float16, exactly. CVT (sm89 and later): one ``cvt.rn.f16x2.e4m3x2`` a
-    word (Triton's casts take a mask, a shift and a repack more a value: 651 instructions a step of
-    the loop against 461, sm90, ``decode_partial_kernel`` at 4 warps and 64 keys a step; counted as
-    ``scripts/attention_regs.py --arch 90`` counts); otherwise, and interpreted, Triton's casts."""
+    word (Triton's casts take masks, shifts and repacks more: a step of ``decode_partial_kernel``'s
+    loop, 128 keys, 1,100 instructions against 718 on sm90, ``scripts/attention_regs.py --arch 90``);
+    otherwise, and interpreted, Triton's casts."""
     if CVT:
         return tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
                                          "=h,=h,h", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
@@ -179,22 +198,6 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
 
 
 @triton.jit
-def _rope_walk_words(q, k_new, v_new, last, mine, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
-                     num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
-                     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CVT: tl.constexpr):
-    """``_walk_split_words`` with the new token selected in by the split that holds it (``mine``)."""
-    if mine:
-        m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
-                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, True, CVT)
-    else:
-        m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
-                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, False, CVT)
-    return m, l, acc
-
-
-@triton.jit
 def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -229,8 +232,6 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
                           WORDS: tl.constexpr, CVT: tl.constexpr):
-    """WORDS: a float8 pool read as words of two values (``_walk_split_words``; BLOCK_D is HEAD_DIM),
-    widened by ``cvt`` where CVT."""
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -239,14 +240,9 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    if WORDS:
-        m, l, acc = _walk_split_words(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, table_stride_b,
-                                      num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G,
-                                      HEAD_DIM, BLOCK_N, False, CVT)
-    else:
-        m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
-                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE, False)
+    m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
+                            num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
+                            BLOCK_N, IEEE, False, WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -296,18 +292,14 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
     k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
-    if WORDS:
-        m, l, acc = _rope_walk_words(q, k_new, v_new, last, mine, k_ptr, v_ptr, table_ptr, b, kv_head, start, end,
-                                     table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                     BLOCK_G, HEAD_DIM, BLOCK_N, CVT)
-    elif mine:  # and only its split selects it into its blocks; the others run the plain loop
+    if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
     else:
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 

@@ -126,7 +126,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     if B == 0:
         return out
     words = _reads_words(q, k_cache)
-    block_n = FP8_BLOCK_N if words and D <= 128 else BLOCK_N
+    block_n = keys_a_step(words, D)
     block_d = max(16, next_pow2(D))  # tl.dot needs every dimension >= 16
     m = torch.empty(B, heads, splits, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
@@ -159,6 +159,12 @@ def _reads_words(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     two of at least 32 (each half a dot of 16 or more)."""
     D = q.shape[-1]
     return FP8_WORDS and k_cache.element_size() == 1 and q.element_size() == 2 and D >= 32 and D == next_pow2(D)
+
+
+def keys_a_step(words: bool, head_dim: int) -> int:
+    """The partial kernel's tokens a step (the merge's too): FP8_BLOCK_N where it reads words, up to
+    a head of 128; else BLOCK_N."""
+    return FP8_BLOCK_N if words and head_dim <= 128 else BLOCK_N
 
 
 @functools.cache
