@@ -5,7 +5,8 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--json F]
+        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--no-prefetch] [--table-tokens N] [--no-rope] [--sweep]
+        [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
 pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in
@@ -43,6 +44,7 @@ class Tile(NamedTuple):
     stages: int | None  # None: Triton's default
     reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
     words: bool = triton_decode.FP8_WORDS  # a float8 pool read as words of two values (False: as bytes)
+    prefetch: bool = triton_decode.PREFETCH  # a step's keys and values loaded while the step before computes
 
 
 SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
@@ -59,7 +61,7 @@ def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
-            + ("" if tile.words or kv != "fp8" else " bytes"))
+            + ("" if tile.words or kv != "fp8" else " bytes") + ("" if tile.prefetch else " no-prefetch"))
 
 
 def use_tile(tile: Tile) -> None:
@@ -67,7 +69,7 @@ def use_tile(tile: Tile) -> None:
     triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N = (tile.block_n,) * 2 if tile.block_n else SERVED_BLOCK_N
     triton_decode.TARGET_PROGRAMS = tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
-    triton_decode.FP8_WORDS = tile.words
+    triton_decode.FP8_WORDS, triton_decode.PREFETCH = tile.words, tile.prefetch
     warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
     triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
 
@@ -146,8 +148,11 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
     p.add_argument("--fp8-bytes", action="store_true",
                    help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="also time each tile loading a step's keys and values at that step (not during the one before)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
+    tiles += [t._replace(prefetch=False) for t in tiles] if args.no_prefetch else []
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")

@@ -50,19 +50,59 @@ def _group(kv_head, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.con
 
 
 @triton.jit
-def _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages, stride_page,
-              stride_tok, stride_head, PAGE: tl.constexpr, dtype: tl.constexpr):
-    """Keys and values ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` through row b's pages (zeros from
-    ``end`` on), in ``dtype`` (the query's: a float8 pool's are widened, exactly, before the MMAs;
-    a pool of the query's dtype casts nothing); page ids are clamped into the pool."""
-    t_live = t < end
-    page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
+def _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+             PAGE: tl.constexpr):
+    """The pool offsets of tokens ``t``'s rows of ``kv_head`` through row b's pages (page 0 for
+    tokens from ``end`` on, whose loads are masked); page ids are clamped into the pool."""
+    page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t < end, other=0).to(tl.int64)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-    row = page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
-    kv_mask = t_live[:, None] & d_live[None, :]
-    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return k.to(dtype), v.to(dtype)
+    return page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
+
+
+@triton.jit
+def _load_rows(k_ptr, v_ptr, rows, live, cols, col_live):
+    """Keys and values at ``rows [N]`` (offsets, in the pointers' elements) and ``cols``, zeros
+    where not ``live`` or not ``col_live``."""
+    mask = live[:, None] & col_live[None, :]
+    k = tl.load(k_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _next_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, cols, col_live, table_stride_b, num_pages, stride_page,
+                stride_tok, stride_head, rows_ahead, k_ahead, v_ahead, PAGE: tl.constexpr, WORD: tl.constexpr,
+                PREFETCH: tl.constexpr):
+    """The raw keys and values of tokens ``t``, and what the next step needs. PREFETCH: they are
+    ``k_ahead, v_ahead``, loaded a step earlier, and this step loads the next block's (its rows,
+    ``rows_ahead``, looked up a step earlier still) and looks up the rows of the block after it,
+    so every load is in flight while a step computes; else loaded now. WORD: elements a pool
+    offset counts (2 where the pool is read as int16 words)."""
+    if PREFETCH:
+        k, v = k_ahead, v_ahead
+        k_ahead, v_ahead = _load_rows(k_ptr, v_ptr, rows_ahead // WORD, t + t.shape[0] < end, cols, col_live)
+        rows_ahead = _kv_rows(table_ptr, b, kv_head, t + 2 * t.shape[0], end, table_stride_b, num_pages,
+                              stride_page, stride_tok, stride_head, PAGE)
+    else:
+        rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok,
+                        stride_head, PAGE)
+        k, v = _load_rows(k_ptr, v_ptr, rows // WORD, t < end, cols, col_live)
+    return k, v, rows_ahead, k_ahead, v_ahead
+
+
+@triton.jit
+def _first_blocks(k_ptr, v_ptr, table_ptr, b, kv_head, first, end, cols, col_live, table_stride_b, num_pages,
+                  stride_page, stride_tok, stride_head, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  WORD: tl.constexpr):
+    """``_next_block``'s state before the first step: the second block's rows and the first's keys
+    and values."""
+    t = first + tl.arange(0, BLOCK_N)
+    rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+                    PAGE)
+    k, v = _load_rows(k_ptr, v_ptr, rows // WORD, t < end, cols, col_live)
+    rows = _kv_rows(table_ptr, b, kv_head, t + BLOCK_N, end, table_stride_b, num_pages, stride_page, stride_tok,
+                    stride_head, PAGE)
+    return rows, k, v
 
 
 @triton.jit
@@ -96,7 +136,7 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
                 num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
-                WORDS: tl.constexpr, CVT: tl.constexpr):
+                WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr):
     """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
     ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
     pages' (which this launch writes). WORDS: a float8 pool read as words of two values
@@ -104,11 +144,11 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
     if WORDS:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT)
+                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT, PREFETCH)
     else:
         m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
                                       d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW)
+                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, PREFETCH)
     return m, l, acc
 
 
@@ -116,16 +156,23 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      NEW: tl.constexpr):
-    """``_walk_split`` over tiles of the pool's dtype, widened to the query's."""
+                      NEW: tl.constexpr, PREFETCH: tl.constexpr):
+    """``_walk_split`` over tiles of the pool's dtype, widened to the query's (exactly, from float8)."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    rows, k_ahead, v_ahead = first, first, first  # unused without PREFETCH
+    if PREFETCH:
+        rows, k_ahead, v_ahead = _first_blocks(k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                                               table_stride_b, num_pages, stride_page, stride_tok, stride_head, PAGE,
+                                               BLOCK_N, 1)
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live, table_stride_b, num_pages,
-                         stride_page, stride_tok, stride_head, PAGE, q.dtype)
+        k, v, rows, k_ahead, v_ahead = _next_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live,
+                                                   table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+                                                   rows, k_ahead, v_ahead, PAGE, 1, PREFETCH)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if NEW:
             new = (t == last)[:, None]
             k, v = tl.where(new, k_new, k), tl.where(new, v_new, v)
@@ -159,7 +206,7 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      CVT: tl.constexpr):
+                      CVT: tl.constexpr, PREFETCH: tl.constexpr):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -177,20 +224,24 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     l = tl.zeros([BLOCK_G], tl.float32)
     acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    rows, k_ahead, v_ahead = first, first, first  # unused without PREFETCH
+    if PREFETCH:
+        rows, k_ahead, v_ahead = _first_blocks(k_words, v_words, table_ptr, b, kv_head, first, end, j, j < HALF,
+                                               table_stride_b, num_pages, stride_page, stride_tok, stride_head, PAGE,
+                                               BLOCK_N, 2)
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        t_live = t < end
-        page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t_live, other=0).to(tl.int64)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        word = (page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head) // 2
-        k0, k1 = _e4m3_words(tl.load(k_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0), CVT)
-        v0, v1 = _e4m3_words(tl.load(v_words + word[:, None] + j[None, :], mask=t_live[:, None], other=0), CVT)
+        k, v, rows, k_ahead, v_ahead = _next_block(k_words, v_words, table_ptr, b, kv_head, t, end, j, j < HALF,
+                                                   table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+                                                   rows, k_ahead, v_ahead, PAGE, 2, PREFETCH)
+        k0, k1 = _e4m3_words(k, CVT)
+        v0, v1 = _e4m3_words(v, CVT)
         if NEW:
             new = (t == last)[:, None]
             k0, k1 = tl.where(new, kn0, k0), tl.where(new, kn1, k1)
             v0, v1 = tl.where(new, vn0, v0), tl.where(new, vn1, v1)
         s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
-        m, alpha, p, l = _softmax_step(s, t_live, m, l, qk_scale)
+        m, alpha, p, l = _softmax_step(s, t < end, m, l, qk_scale)
         p = p.to(tl.float16)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)
         acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
@@ -231,7 +282,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
-                          WORDS: tl.constexpr, CVT: tl.constexpr):
+                          WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr):
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -242,7 +293,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
     m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
                             num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
-                            BLOCK_N, IEEE, False, WORDS, CVT)
+                            BLOCK_N, IEEE, False, WORDS, CVT, PREFETCH)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -259,7 +310,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -295,11 +346,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT, PREFETCH)
     else:
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT, PREFETCH)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 

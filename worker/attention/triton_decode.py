@@ -59,6 +59,11 @@ FP8_WORDS = True
 # of 256 keeps BLOCK_N (at 128 its RoPE kernel's stages take 128 KB of shared memory, past an sm89 SM's 100)
 FP8_BLOCK_N = 128
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
+# the partial kernels load a step's keys and values while the step before computes (decode_kernel._next_block):
+# Triton's pipeline of their loop (any PARTIAL_STAGES) keeps one buffer and waits for all its copies at each
+# step's start, so a step's loads never overlapped its predecessor's work (scripts/attention_regs.py --arch 90
+# prints the waits); False: loaded at their step (scripts/bench_decode_attention.py --no-prefetch)
+PREFETCH = True
 _LOG2E = 1.4426950408889634
 
 
@@ -138,7 +143,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device),
+                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device), PREFETCH=PREFETCH,
                   num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
         consts["num_stages"] = PARTIAL_STAGES
