@@ -53,7 +53,8 @@ SERVED = Tile(0, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
 SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
          Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None),
          Tile(64, 256, 8, 4), Tile(64, 256, 4, 4), Tile(64, 256, 4, 2), Tile(128, 256, 4, 4),  # the warps of fp8
-         Tile(128, 256, 8, 4), Tile(128, 512, 4, 4), Tile(128, 256, 4, 2), Tile(256, 256, 8, 4)]  # fp8's words
+         Tile(128, 256, 8, 4), Tile(128, 512, 4, 4), Tile(128, 256, 4, 2), Tile(256, 256, 8, 4),  # fp8's words
+         Tile(128, 512, 8, 4), Tile(128, 128, 8, 4), Tile(128, 128, 4, 4)]  # prefetched, fewer or more programs
 
 
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
