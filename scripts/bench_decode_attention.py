@@ -47,7 +47,8 @@ class Tile(NamedTuple):
     prefetch: bool = triton_decode.PREFETCH  # a step's keys and values loaded while the step before computes
 
 
-SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
+SERVED_WARPS = (triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS,
+                triton_decode.FP8_PREFETCH_ROPE_WARPS)
 SERVED_BLOCK_N = triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N
 SERVED = Tile(0, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
 SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
@@ -58,7 +59,7 @@ SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None)
 
 
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
-    served = SERVED_WARPS[(2 if kv == "fp8" else 0) if rope else 1]
+    served = SERVED_WARPS[((3 if tile.prefetch else 2) if kv == "fp8" else 0) if rope else 1]
     block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
@@ -71,8 +72,9 @@ def use_tile(tile: Tile) -> None:
     triton_decode.TARGET_PROGRAMS = tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
     triton_decode.FP8_WORDS, triton_decode.PREFETCH = tile.words, tile.prefetch
-    warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
-    triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
+    warps = (tile.warps,) * 4 if tile.warps else SERVED_WARPS
+    (triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS,
+     triton_decode.FP8_PREFETCH_ROPE_WARPS) = warps
 
 
 class Layer:

@@ -64,6 +64,9 @@ PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (Non
 # step's start, so a step's loads never overlapped its predecessor's work (scripts/attention_regs.py --arch 90
 # prints the waits); False: loaded at their step (scripts/bench_decode_attention.py --no-prefetch)
 PREFETCH = True
+# ... and with RoPE inside over a float8 pool, prefetching: with 4 the raw tiles held a step ahead spill (255
+# registers, 91 local loads and stores a step of the loop; 8: 198 registers, none), compiled for sm90 on a CPU
+FP8_PREFETCH_ROPE_WARPS = 8
 _LOG2E = 1.4426950408889634
 
 
@@ -180,10 +183,13 @@ def _has_fp8_cvt(device: torch.device) -> bool:
 
 
 def _warps(rope: RopeInputs | None, k_cache: torch.Tensor) -> int:
-    """The partial kernel's warps: with RoPE inside over a float8 pool, 4 (``FP8_ROPE_WARPS``)."""
+    """The partial kernel's warps: with RoPE inside over a float8 pool, ``FP8_ROPE_WARPS``
+    (``FP8_PREFETCH_ROPE_WARPS`` where it prefetches)."""
     if rope is None:
         return PARTIAL_WARPS
-    return FP8_ROPE_WARPS if k_cache.element_size() == 1 else ROPE_WARPS
+    if k_cache.element_size() == 1:
+        return FP8_PREFETCH_ROPE_WARPS if PREFETCH else FP8_ROPE_WARPS
+    return ROPE_WARPS
 
 
 def _rope_args(rope: RopeInputs, k: torch.Tensor) -> tuple:
