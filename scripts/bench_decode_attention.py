@@ -5,7 +5,7 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--no-prefetch] [--table-tokens N] [--no-rope] [--sweep]
+        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--prefetch-ab] [--table-tokens N] [--no-rope] [--sweep]
         [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
@@ -63,7 +63,7 @@ def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
-            + ("" if tile.words or kv != "fp8" else " bytes") + ("" if tile.prefetch else " no-prefetch"))
+            + ("" if tile.words or kv != "fp8" else " bytes") + (" prefetch" if tile.prefetch else " at-step"))
 
 
 def use_tile(tile: Tile) -> None:
@@ -134,7 +134,7 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
     return rows
 
 
-COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">22"),
+COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">30"),
            ("splits", "splits", ">6"), ("us", "us", ">8.1f"), ("bound us", "bound_us", ">8.1f"),
            ("GB/s", "gbps", ">7.0f"), ("ratio", "ratio", ">6.3f")]
 
@@ -151,11 +151,12 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
     p.add_argument("--fp8-bytes", action="store_true",
                    help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="also time each tile loading a step's keys and values at that step (not during the one before)")
+    p.add_argument("--prefetch-ab", action="store_true",
+                   help="also time each tile with the other triton_decode.PREFETCH (a step's keys and values loaded "
+                        "during the step before, or at their step)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
-    tiles += [t._replace(prefetch=False) for t in tiles] if args.no_prefetch else []
+    tiles += [t._replace(prefetch=not t.prefetch) for t in tiles] if args.prefetch_ab else []
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")

@@ -62,7 +62,7 @@ PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (Non
 # the partial kernels load a step's keys and values while the step before computes (decode_kernel._next_block):
 # Triton's pipeline of their loop (any PARTIAL_STAGES) keeps one buffer and waits for all its copies at each
 # step's start, so a step's loads never overlapped its predecessor's work (scripts/attention_regs.py --arch 90
-# prints the waits); False: loaded at their step (scripts/bench_decode_attention.py --no-prefetch)
+# prints the waits); False: loaded at their step (scripts/bench_decode_attention.py --prefetch-ab times both)
 PREFETCH = True
 # ... and with RoPE inside over a float8 pool, prefetching: with 4 the raw tiles held a step ahead spill (255
 # registers, 91 local loads and stores a step of the loop; 8: 198 registers, none), compiled for sm90 on a CPU
