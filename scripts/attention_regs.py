@@ -2,7 +2,7 @@
 GPU, at qwen3-30b's shapes (32 query heads, 4 KV heads, head dim 128, bf16, pages of 16):
 ``decode_partial_kernel`` and ``decode_rope_partial_kernel`` (RoPE inside) at each warp count given.
 
-    python scripts/attention_regs.py [--rope-warps 4 8] [--arch 90] [--no-prefetch]
+    python scripts/attention_regs.py [--rope-warps 4 8] [--arch 90] [--prefetch on|off]
 
 Needs a CUDA device (the compiler's figures are the ones this card runs). Without one, ``--arch
 90`` compiles ``decode_partial_kernel`` for that architecture here (Triton's own ptxas and
@@ -108,10 +108,11 @@ def main() -> None:
     parser.add_argument("--rope-warps", type=int, nargs="+", default=[triton_decode.ROPE_WARPS])
     parser.add_argument("--arch", type=int, default=0,
                         help="compile for this compute capability here, without a GPU (e.g. 90)")
-    parser.add_argument("--no-prefetch", action="store_true",
-                        help="compile the loops that load a step's keys and values at that step (triton_decode.PREFETCH)")
+    parser.add_argument("--prefetch", choices=("on", "off"), default="on" if triton_decode.PREFETCH else "off",
+                        help="compile the loops that load a step's keys and values during the step before (on) or "
+                             "at that step (off); default: triton_decode.PREFETCH")
     args = parser.parse_args()
-    triton_decode.PREFETCH = not args.no_prefetch
+    triton_decode.PREFETCH = args.prefetch == "on"
     if args.arch:
         here(args.arch)
     else:

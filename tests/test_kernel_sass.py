@@ -135,14 +135,14 @@ def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
     """Read as bytes and loaded at its step, a float8 tile reaches the MMAs by byte-wide
     shared-memory loads; read as words (``triton_decode.FP8_WORDS``) it takes ldmatrix, as a bf16
     pool does, and fewer instructions a key than the byte reading."""
-    rows = attention_loops()
+    rows = attention_loops("--prefetch", "on")
     assert set(rows) == {"bf16 pool", "fp8 bytes", "fp8 words", "fp8 casts"}, rows
     # widened by one cvt a word, not Triton's casts (which GPUs before sm89 take)
     assert field(rows["fp8 words"], "instructions") < field(rows["fp8 casts"], "instructions"), rows
     assert field(rows["fp8 words"], "ldmatrix") > 0 and field(rows["bf16 pool"], "ldmatrix") > 0, rows
     keys = triton_decode.FP8_BLOCK_N / triton_decode.BLOCK_N  # the word reading's step covers more keys
     assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows
-    at_step = attention_loops("--no-prefetch")
+    at_step = attention_loops("--prefetch", "off")
     assert field(at_step["fp8 bytes"], "LDS.U8") > 0 and field(at_step["fp8 words"], "LDS.U8") == 0, at_step
 
 
@@ -150,7 +150,7 @@ def test_decode_attention_loads_the_next_step_while_a_step_computes():
     """Triton's pipeline of the partial kernel's loop copies a step's keys and values to shared
     memory and waits for every copy at the step's start, so no load overlaps the step before;
     prefetched (``triton_decode.PREFETCH``), the loop loads to registers and waits for no copy."""
-    for label, line in attention_loops("--no-prefetch").items():
+    for label, line in attention_loops("--prefetch", "off").items():
         assert field(line, "cp.async") > 0 and line.endswith("copies left 0x0"), line
-    for label, line in attention_loops().items():
+    for label, line in attention_loops("--prefetch", "on").items():
         assert field(line, "LDG") > 0 and field(line, "cp.async") == 0 and line.endswith("copies left -"), line
