@@ -5,8 +5,7 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--prefetch-ab] [--table-tokens N] [--no-rope] [--sweep]
-        [--json F]
+        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
 pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in
@@ -44,26 +43,23 @@ class Tile(NamedTuple):
     stages: int | None  # None: Triton's default
     reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
     words: bool = triton_decode.FP8_WORDS  # a float8 pool read as words of two values (False: as bytes)
-    prefetch: bool = triton_decode.PREFETCH  # a step's keys and values loaded while the step before computes
 
 
-SERVED_WARPS = (triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS,
-                triton_decode.FP8_PREFETCH_ROPE_WARPS)
+SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
 SERVED_BLOCK_N = triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N
 SERVED = Tile(0, triton_decode.TARGET_PROGRAMS, 0, triton_decode.PARTIAL_STAGES)
 SWEEP = [Tile(64, 1024, 0, None), Tile(64, 512, 0, None), Tile(64, 128, 0, None), Tile(64, 256, 0, None, 16),
          Tile(128, 256, 0, None), Tile(64, 256, 0, 4), Tile(64, 256, 4, None),
          Tile(64, 256, 8, 4), Tile(64, 256, 4, 4), Tile(64, 256, 4, 2), Tile(128, 256, 4, 4),  # the warps of fp8
-         Tile(128, 256, 8, 4), Tile(128, 512, 4, 4), Tile(128, 256, 4, 2), Tile(256, 256, 8, 4),  # fp8's words
-         Tile(128, 512, 8, 4), Tile(128, 128, 8, 4), Tile(128, 128, 4, 4)]  # prefetched, fewer or more programs
+         Tile(128, 256, 8, 4), Tile(128, 512, 4, 4), Tile(128, 256, 4, 2), Tile(256, 256, 8, 4)]  # fp8's words
 
 
 def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
-    served = SERVED_WARPS[((3 if tile.prefetch else 2) if kv == "fp8" else 0) if rope else 1]
+    served = SERVED_WARPS[(2 if kv == "fp8" else 0) if rope else 1]
     block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
-            + ("" if tile.words or kv != "fp8" else " bytes") + (" prefetch" if tile.prefetch else " at-step"))
+            + ("" if tile.words or kv != "fp8" else " bytes"))
 
 
 def use_tile(tile: Tile) -> None:
@@ -71,10 +67,9 @@ def use_tile(tile: Tile) -> None:
     triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N = (tile.block_n,) * 2 if tile.block_n else SERVED_BLOCK_N
     triton_decode.TARGET_PROGRAMS = tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
-    triton_decode.FP8_WORDS, triton_decode.PREFETCH = tile.words, tile.prefetch
-    warps = (tile.warps,) * 4 if tile.warps else SERVED_WARPS
-    (triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS,
-     triton_decode.FP8_PREFETCH_ROPE_WARPS) = warps
+    triton_decode.FP8_WORDS = tile.words
+    warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
+    triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
 
 
 class Layer:
@@ -134,7 +129,7 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
     return rows
 
 
-COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">30"),
+COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">22"),
            ("splits", "splits", ">6"), ("us", "us", ">8.1f"), ("bound us", "bound_us", ">8.1f"),
            ("GB/s", "gbps", ">7.0f"), ("ratio", "ratio", ">6.3f")]
 
@@ -151,12 +146,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
     p.add_argument("--fp8-bytes", action="store_true",
                    help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
-    p.add_argument("--prefetch-ab", action="store_true",
-                   help="also time each tile with the other triton_decode.PREFETCH (a step's keys and values loaded "
-                        "during the step before, or at their step)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
-    tiles += [t._replace(prefetch=not t.prefetch) for t in tiles] if args.prefetch_ab else []
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")

@@ -126,31 +126,16 @@ def test_against_a_sweep_puts_each_timed_tile_beside_its_compiled_counts(tmp_pat
     assert sum("r(us, warp-instr/KB)" in line for line in lines) == 1, out  # gate_up only: 3 rows
 
 
-def attention_loops(*args: str) -> dict[str, str]:
-    return {line[:10].strip(): line for line in kernel_sass("--arch", "90", *args, script="scripts/attention_regs.py")
-            .splitlines() if "loop step" in line}
-
-
 def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
-    """Read as bytes and loaded at its step, a float8 tile reaches the MMAs by byte-wide
-    shared-memory loads; read as words (``triton_decode.FP8_WORDS``) it takes ldmatrix, as a bf16
-    pool does, and fewer instructions a key than the byte reading."""
-    rows = attention_loops("--prefetch", "on")
+    """Read as bytes, a float8 tile reaches the MMAs by byte-wide shared-memory loads; read as words
+    (``triton_decode.FP8_WORDS``) it takes ldmatrix, as a bf16 pool does, and fewer instructions a
+    key than the byte reading."""
+    rows = {line[:10].strip(): line for line in kernel_sass("--arch", "90", script="scripts/attention_regs.py")
+            .splitlines() if "loop step" in line}
     assert set(rows) == {"bf16 pool", "fp8 bytes", "fp8 words", "fp8 casts"}, rows
+    assert field(rows["fp8 bytes"], "LDS.U8") > 0 and field(rows["fp8 words"], "LDS.U8") == 0, rows
     # widened by one cvt a word, not Triton's casts (which GPUs before sm89 take)
     assert field(rows["fp8 words"], "instructions") < field(rows["fp8 casts"], "instructions"), rows
     assert field(rows["fp8 words"], "ldmatrix") > 0 and field(rows["bf16 pool"], "ldmatrix") > 0, rows
     keys = triton_decode.FP8_BLOCK_N / triton_decode.BLOCK_N  # the word reading's step covers more keys
     assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows
-    at_step = attention_loops("--prefetch", "off")
-    assert field(at_step["fp8 bytes"], "LDS.U8") > 0 and field(at_step["fp8 words"], "LDS.U8") == 0, at_step
-
-
-def test_decode_attention_loads_the_next_step_while_a_step_computes():
-    """Triton's pipeline of the partial kernel's loop copies a step's keys and values to shared
-    memory and waits for every copy at the step's start, so no load overlaps the step before;
-    prefetched (``triton_decode.PREFETCH``), the loop loads to registers and waits for no copy."""
-    for label, line in attention_loops("--prefetch", "off").items():
-        assert field(line, "cp.async") > 0 and line.endswith("copies left 0x0"), line
-    for label, line in attention_loops("--prefetch", "on").items():
-        assert field(line, "LDG") > 0 and field(line, "cp.async") == 0 and line.endswith("copies left -"), line

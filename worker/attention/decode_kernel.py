@@ -70,42 +70,6 @@ def _load_rows(k_ptr, v_ptr, rows, live, cols, col_live):
 
 
 @triton.jit
-def _next_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, cols, col_live, table_stride_b, num_pages, stride_page,
-                stride_tok, stride_head, rows_ahead, k_ahead, v_ahead, PAGE: tl.constexpr, WORD: tl.constexpr,
-                PREFETCH: tl.constexpr):
-    """The raw keys and values of tokens ``t``, and what the next step needs. PREFETCH: they are
-    ``k_ahead, v_ahead``, loaded a step earlier, and this step loads the next block's (its rows,
-    ``rows_ahead``, looked up a step earlier still) and looks up the rows of the block after it,
-    so every load is in flight while a step computes; else loaded now. WORD: elements a pool
-    offset counts (2 where the pool is read as int16 words)."""
-    if PREFETCH:
-        k, v = k_ahead, v_ahead
-        k_ahead, v_ahead = _load_rows(k_ptr, v_ptr, rows_ahead // WORD, t + t.shape[0] < end, cols, col_live)
-        rows_ahead = _kv_rows(table_ptr, b, kv_head, t + 2 * t.shape[0], end, table_stride_b, num_pages,
-                              stride_page, stride_tok, stride_head, PAGE)
-    else:
-        rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok,
-                        stride_head, PAGE)
-        k, v = _load_rows(k_ptr, v_ptr, rows // WORD, t < end, cols, col_live)
-    return k, v, rows_ahead, k_ahead, v_ahead
-
-
-@triton.jit
-def _first_blocks(k_ptr, v_ptr, table_ptr, b, kv_head, first, end, cols, col_live, table_stride_b, num_pages,
-                  stride_page, stride_tok, stride_head, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WORD: tl.constexpr):
-    """``_next_block``'s state before the first step: the second block's rows and the first's keys
-    and values."""
-    t = first + tl.arange(0, BLOCK_N)
-    rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                    PAGE)
-    k, v = _load_rows(k_ptr, v_ptr, rows // WORD, t < end, cols, col_live)
-    rows = _kv_rows(table_ptr, b, kv_head, t + BLOCK_N, end, table_stride_b, num_pages, stride_page, stride_tok,
-                    stride_head, PAGE)
-    return rows, k, v
-
-
-@triton.jit
 def _softmax_step(s, live, m, l, qk_scale):
     """The online softmax over one block's scores ``s [G, N]`` (columns ``live``): the new maxima,
     the factor that rescales what came before, the block's probabilities and the new sums."""
@@ -136,7 +100,7 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
                 num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
-                WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr):
+                WORDS: tl.constexpr, CVT: tl.constexpr):
     """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
     ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
     pages' (which this launch writes). WORDS: a float8 pool read as words of two values
@@ -144,11 +108,11 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
     if WORDS:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT, PREFETCH)
+                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT)
     else:
         m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
                                       d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, PREFETCH)
+                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW)
     return m, l, acc
 
 
@@ -156,22 +120,17 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      NEW: tl.constexpr, PREFETCH: tl.constexpr):
+                      NEW: tl.constexpr):
     """``_walk_split`` over tiles of the pool's dtype, widened to the query's (exactly, from float8)."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    rows, k_ahead, v_ahead = first, first, first  # unused without PREFETCH
-    if PREFETCH:
-        rows, k_ahead, v_ahead = _first_blocks(k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
-                                               table_stride_b, num_pages, stride_page, stride_tok, stride_head, PAGE,
-                                               BLOCK_N, 1)
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        k, v, rows, k_ahead, v_ahead = _next_block(k_ptr, v_ptr, table_ptr, b, kv_head, t, end, d, d_live,
-                                                   table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                                   rows, k_ahead, v_ahead, PAGE, 1, PREFETCH)
+        rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+                        PAGE)
+        k, v = _load_rows(k_ptr, v_ptr, rows, t < end, d, d_live)
         k, v = k.to(q.dtype), v.to(q.dtype)
         if NEW:
             new = (t == last)[:, None]
@@ -206,7 +165,7 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      CVT: tl.constexpr, PREFETCH: tl.constexpr):
+                      CVT: tl.constexpr):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -224,16 +183,11 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     l = tl.zeros([BLOCK_G], tl.float32)
     acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    rows, k_ahead, v_ahead = first, first, first  # unused without PREFETCH
-    if PREFETCH:
-        rows, k_ahead, v_ahead = _first_blocks(k_words, v_words, table_ptr, b, kv_head, first, end, j, j < HALF,
-                                               table_stride_b, num_pages, stride_page, stride_tok, stride_head, PAGE,
-                                               BLOCK_N, 2)
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        k, v, rows, k_ahead, v_ahead = _next_block(k_words, v_words, table_ptr, b, kv_head, t, end, j, j < HALF,
-                                                   table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                                   rows, k_ahead, v_ahead, PAGE, 2, PREFETCH)
+        rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
+                        PAGE)
+        k, v = _load_rows(k_words, v_words, rows // 2, t < end, j, j < HALF)
         k0, k1 = _e4m3_words(k, CVT)
         v0, v1 = _e4m3_words(v, CVT)
         if NEW:
@@ -282,7 +236,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
-                          WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr):
+                          WORDS: tl.constexpr, CVT: tl.constexpr):
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -293,7 +247,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
     m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
                             num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
-                            BLOCK_N, IEEE, False, WORDS, CVT, PREFETCH)
+                            BLOCK_N, IEEE, False, WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -310,7 +264,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr, PREFETCH: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -346,11 +300,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT, PREFETCH)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
     else:
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT, PREFETCH)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 

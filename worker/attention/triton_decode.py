@@ -59,14 +59,6 @@ FP8_WORDS = True
 # of 256 keeps BLOCK_N (at 128 its RoPE kernel's stages take 128 KB of shared memory, past an sm89 SM's 100)
 FP8_BLOCK_N = 128
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
-# the partial kernels load a step's keys and values while the step before computes (decode_kernel._next_block):
-# Triton's pipeline of their loop (any PARTIAL_STAGES) keeps one buffer and waits for all its copies at each
-# step's start, so a step's loads never overlapped its predecessor's work (scripts/attention_regs.py --arch 90
-# prints the waits); False: loaded at their step (scripts/bench_decode_attention.py --prefetch-ab times both)
-PREFETCH = True
-# ... and with RoPE inside over a float8 pool, prefetching: with 4 the raw tiles held a step ahead spill (255
-# registers, 91 local loads and stores a step of the loop; 8: 198 registers, none), compiled for sm90 on a CPU
-FP8_PREFETCH_ROPE_WARPS = 8
 _LOG2E = 1.4426950408889634
 
 
@@ -146,7 +138,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device), PREFETCH=PREFETCH,
+                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device),
                   num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
         consts["num_stages"] = PARTIAL_STAGES
@@ -183,13 +175,10 @@ def _has_fp8_cvt(device: torch.device) -> bool:
 
 
 def _warps(rope: RopeInputs | None, k_cache: torch.Tensor) -> int:
-    """The partial kernel's warps: with RoPE inside over a float8 pool, ``FP8_ROPE_WARPS``
-    (``FP8_PREFETCH_ROPE_WARPS`` where it prefetches)."""
+    """The partial kernel's warps: with RoPE inside over a float8 pool, 4 (``FP8_ROPE_WARPS``)."""
     if rope is None:
         return PARTIAL_WARPS
-    if k_cache.element_size() == 1:
-        return FP8_PREFETCH_ROPE_WARPS if PREFETCH else FP8_ROPE_WARPS
-    return ROPE_WARPS
+    return FP8_ROPE_WARPS if k_cache.element_size() == 1 else ROPE_WARPS
 
 
 def _rope_args(rope: RopeInputs, k: torch.Tensor) -> tuple:
