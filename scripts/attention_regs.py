@@ -2,7 +2,7 @@
 GPU, at qwen3-30b's shapes (32 query heads, 4 KV heads, head dim 128, bf16, pages of 16):
 ``decode_partial_kernel`` and ``decode_rope_partial_kernel`` (RoPE inside) at each warp count given.
 
-    python scripts/attention_regs.py [--rope-warps 4 8] [--arch 90]
+    python scripts/attention_regs.py [--rope-warps 4 8] [--arch 90] [--page-runs]
 
 Needs a CUDA device (the compiler's figures are the ones this card runs). Without one, ``--arch
 90`` compiles ``decode_partial_kernel`` for that architecture here (Triton's own ptxas and
@@ -10,8 +10,10 @@ nvdisasm, as ``scripts/kernel_sass.py`` does) over a bf16 pool and a float8 one 
 as words (``triton_decode.FP8_WORDS``; widened by ``cvt``, and as "fp8 casts" by Triton's casts, as
 on GPUs before sm89), each at its served tokens a step, and prints what one step of its loop
 issues: instructions, byte-wide shared-memory loads (``LDS.U8``), ``ldmatrix``es, global loads to
-registers (``LDG``) and to shared memory (``cp.async``, Triton's pipeline) and the waits for those
-copies (``0x0``: for all of them). It measures nothing; the benchmarks decide.
+registers (``LDG``) and to shared memory (``cp.async``, Triton's pipeline), and the kernel's waits
+for those copies (how many may stay in flight: ``0x0``, none, where the pipeline keeps one buffer;
+``--page-runs`` adds the loop of a split whose pages are one run, ``triton_decode.PAGE_RUNS``). It
+measures nothing; the benchmarks decide.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def compile_here(arch: int, pool: str, words: bool, cvt: bool):
     fn = decode_kernel.decode_partial_kernel
     consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16, BLOCK_D=HEAD_DIM,
                   BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, PDL=False,
-                  WORDS=words, CVT=cvt)
+                  WORDS=words, CVT=cvt, PAGE_RUNS=triton_decode.PAGE_RUNS)
     pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
                     sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
     names = fn.arg_names
@@ -96,11 +98,11 @@ def here(arch: int) -> None:
         ops = Counter(m[1] for line in step if (m := re.search(r"\b(LDS(?:M)?[.A-Z0-9]*)", line)))
         regs = re.search(r"REG:(\d+)", usage)[1]
         copies = sum("LDGSTS" in line for line in step)
-        waits = [m[1] for line in step if (m := re.search(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", line))]
+        waits = sorted(set(re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass)), reverse=True)  # every loop's
         print(f"{label:10s} regs {regs:>3}  loop step: instructions {len(step):4d}  "
               f"LDS.U8 {ops['LDS.U8']:3d}  ldmatrix {sum(n for op, n in ops.items() if op.startswith('LDSM')):3d}  "
               f"LDG {sum(bool(re.search(r'LDG[.]', line)) for line in step):2d}  cp.async {copies:2d}  "
-              f"waits for copies left {','.join(waits) or '-'}")
+              f"kernel waits for copies left {','.join(waits) or '-'}")
 
 
 def main() -> None:
@@ -108,7 +110,10 @@ def main() -> None:
     parser.add_argument("--rope-warps", type=int, nargs="+", default=[triton_decode.ROPE_WARPS])
     parser.add_argument("--arch", type=int, default=0,
                         help="compile for this compute capability here, without a GPU (e.g. 90)")
+    parser.add_argument("--page-runs", action="store_true",
+                        help="compile with triton_decode.PAGE_RUNS: the loop of a split whose pages are one run")
     args = parser.parse_args()
+    triton_decode.PAGE_RUNS = triton_decode.PAGE_RUNS or args.page_runs
     if args.arch:
         here(args.arch)
     else:

@@ -139,3 +139,15 @@ def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
     assert field(rows["fp8 words"], "ldmatrix") > 0 and field(rows["bf16 pool"], "ldmatrix") > 0, rows
     keys = triton_decode.FP8_BLOCK_N / triton_decode.BLOCK_N  # the word reading's step covers more keys
     assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows
+
+
+def test_decode_attention_pipelines_the_loop_of_a_split_whose_pages_are_one_run():
+    """Triton's pipeline of the paged loop keeps one buffer (every wait is for all copies: a key's
+    address needs a page id loaded in the same step); the loop of a split whose pages are one run
+    (``triton_decode.PAGE_RUNS``) loads none and keeps copies in flight."""
+    def loops(*args):
+        return {line[:10].strip(): line.split("copies left ")[1].split(",")
+                for line in kernel_sass("--arch", "90", *args, script="scripts/attention_regs.py").splitlines()
+                if "loop step" in line}
+    assert all(waits == ["0x0"] for waits in loops().values()), loops()
+    assert all(waits[0] != "0x0" for waits in loops("--page-runs").values()), loops("--page-runs")

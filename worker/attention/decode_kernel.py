@@ -51,12 +51,32 @@ def _group(kv_head, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.con
 
 @triton.jit
 def _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-             PAGE: tl.constexpr):
+             run_page, first, PAGE: tl.constexpr, RUN: tl.constexpr):
     """The pool offsets of tokens ``t``'s rows of ``kv_head`` through row b's pages (page 0 for
-    tokens from ``end`` on, whose loads are masked); page ids are clamped into the pool."""
-    page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t < end, other=0).to(tl.int64)
+    tokens from ``end`` on, whose loads are masked); page ids are clamped into the pool. RUN: the
+    split's pages are one ascending run from ``run_page`` (token ``first``'s page, ``_one_run``), so
+    no page id is loaded: Triton pipelines only a loop whose addresses need no load of its own."""
+    if RUN:
+        page = (run_page + (t // PAGE - first // PAGE)).to(tl.int64)
+    else:
+        page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t < end, other=0).to(tl.int64)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
     return page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
+
+
+@triton.jit
+def _one_run(table_ptr, b, first, end, table_stride_b, num_pages, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Whether the pages of tokens ``[first, end)`` are one ascending run of the pool (each page id
+    its predecessor's plus one, all in the pool), and the run's first page id."""
+    p0 = first // PAGE
+    last = (end - 1) // PAGE
+    run_page = tl.load(table_ptr + b * table_stride_b + p0)
+    breaks = ((run_page < 0) | (run_page + (last - p0) >= num_pages)).to(tl.int32)
+    for q0 in range(p0, last + 1, BLOCK_P):
+        q = q0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(table_ptr + b * table_stride_b + q, mask=q <= last, other=0)
+        breaks += tl.sum(((ids != run_page + (q - p0)) & (q <= last)).to(tl.int32), 0)
+    return (end > first) & (breaks == 0), run_page
 
 
 @triton.jit
@@ -100,19 +120,41 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
                 num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
-                WORDS: tl.constexpr, CVT: tl.constexpr):
+                WORDS: tl.constexpr, CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
     """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
     ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
     pages' (which this launch writes). WORDS: a float8 pool read as words of two values
-    (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles."""
+    (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles.
+    PAGE_RUNS: a split whose pages are one ascending run of the pool (``_one_run``) reads them
+    without a page table lookup, in a loop Triton can pipeline."""
+    run, run_page = False, 0
+    if PAGE_RUNS:
+        run, run_page = _one_run(table_ptr, b, first, end, table_stride_b, num_pages, PAGE, 128)
+    if run:
+        m, l, acc = _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, WORDS, CVT, True, run_page)
+    else:
+        m, l, acc = _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
+                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, WORDS, CVT, False, run_page)
+    return m, l, acc
+
+
+@triton.jit
+def _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
+                num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
+                WORDS: tl.constexpr, CVT: tl.constexpr, RUN: tl.constexpr, run_page):
+    """``_walk_split`` over the row's pages (RUN: one run from ``run_page``)."""
     if WORDS:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT)
+                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT, RUN, run_page)
     else:
         m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
                                       d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW)
+                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, RUN, run_page)
     return m, l, acc
 
 
@@ -120,7 +162,7 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      NEW: tl.constexpr):
+                      NEW: tl.constexpr, RUN: tl.constexpr, run_page):
     """``_walk_split`` over tiles of the pool's dtype, widened to the query's (exactly, from float8)."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
@@ -129,7 +171,7 @@ def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                        PAGE)
+                        run_page, first, PAGE, RUN)
         k, v = _load_rows(k_ptr, v_ptr, rows, t < end, d, d_live)
         k, v = k.to(q.dtype), v.to(q.dtype)
         if NEW:
@@ -165,7 +207,7 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      CVT: tl.constexpr):
+                      CVT: tl.constexpr, RUN: tl.constexpr, run_page):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -186,7 +228,7 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                        PAGE)
+                        run_page, first, PAGE, RUN)
         k, v = _load_rows(k_words, v_words, rows // 2, t < end, j, j < HALF)
         k0, k1 = _e4m3_words(k, CVT)
         v0, v1 = _e4m3_words(v, CVT)
@@ -236,7 +278,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
-                          WORDS: tl.constexpr, CVT: tl.constexpr):
+                          WORDS: tl.constexpr, CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -247,7 +289,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
     m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
                             num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
-                            BLOCK_N, IEEE, False, WORDS, CVT)
+                            BLOCK_N, IEEE, False, WORDS, CVT, PAGE_RUNS)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -264,7 +306,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -300,11 +342,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT, PAGE_RUNS)
     else:
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT, PAGE_RUNS)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 
