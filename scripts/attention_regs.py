@@ -93,7 +93,8 @@ def here(arch: int) -> None:
 
     for label, pool, words, cvt in (("bf16 pool", "bf16", False, False), ("fp8 bytes", "fp8e4nv", False, False),
                                     ("fp8 words", "fp8e4nv", True, True), ("fp8 casts", "fp8e4nv", True, False)):
-        usage, sass = disassemble(compile_here(arch, pool, words, cvt))
+        compiled = compile_here(arch, pool, words, cvt)
+        usage, sass = disassemble(compiled)
         step = loop_step(sass)
         ops = Counter(m[1] for line in step if (m := re.search(r"\b(LDS(?:M)?[.A-Z0-9]*)", line)))
         regs = re.search(r"REG:(\d+)", usage)[1]
@@ -102,7 +103,7 @@ def here(arch: int) -> None:
         print(f"{label:10s} regs {regs:>3}  loop step: instructions {len(step):4d}  "
               f"LDS.U8 {ops['LDS.U8']:3d}  ldmatrix {sum(n for op, n in ops.items() if op.startswith('LDSM')):3d}  "
               f"LDG {sum(bool(re.search(r'LDG[.]', line)) for line in step):2d}  cp.async {copies:2d}  "
-              f"kernel waits for copies left {','.join(waits) or '-'}")
+              f"kernel waits for copies left {','.join(waits) or '-'}  shared {compiled.metadata.shared}")
 
 
 def main() -> None:

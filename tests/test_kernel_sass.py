@@ -146,7 +146,7 @@ def test_decode_attention_pipelines_the_loop_of_a_split_whose_pages_are_one_run(
     address needs a page id loaded in the same step); the loop of a split whose pages are one run
     (``triton_decode.PAGE_RUNS``) loads none and keeps copies in flight."""
     def loops(*args):
-        return {line[:10].strip(): line.split("copies left ")[1].split(",")
+        return {line[:10].strip(): line.split("copies left ")[1].split()[0].split(",")
                 for line in kernel_sass("--arch", "90", *args, script="scripts/attention_regs.py").splitlines()
                 if "loop step" in line}
     assert all(waits == ["0x0"] for waits in loops().values()), loops()
