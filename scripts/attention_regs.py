@@ -12,7 +12,7 @@ on GPUs before sm89), each at its served tokens a step, and prints what one step
 issues: instructions, byte-wide shared-memory loads (``LDS.U8``), ``ldmatrix``es, global loads to
 registers (``LDG``) and to shared memory (``cp.async``, Triton's pipeline), and the kernel's waits
 for those copies (how many may stay in flight: ``0x0``, none, where the pipeline keeps one buffer;
-``--page-runs`` adds the loop of a split whose pages are one run, ``triton_decode.PAGE_RUNS``). It
+``--page-runs`` adds the loop over a run of a split's pages, ``triton_decode.PAGE_RUNS``). It
 measures nothing; the benchmarks decide.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=0,
                         help="compile for this compute capability here, without a GPU (e.g. 90)")
     parser.add_argument("--page-runs", action="store_true",
-                        help="compile with triton_decode.PAGE_RUNS: the loop of a split whose pages are one run")
+                        help="compile with triton_decode.PAGE_RUNS: the loop over a run of a split's pages")
     args = parser.parse_args()
     triton_decode.PAGE_RUNS = triton_decode.PAGE_RUNS or args.page_runs
     if args.arch:

@@ -141,9 +141,9 @@ def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
     assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows
 
 
-def test_decode_attention_pipelines_the_loop_of_a_split_whose_pages_are_one_run():
+def test_decode_attention_pipelines_the_loop_over_a_run_of_pages():
     """Triton's pipeline of the paged loop keeps one buffer (every wait is for all copies: a key's
-    address needs a page id loaded in the same step); the loop of a split whose pages are one run
+    address needs a page id loaded in the same step); the loop over a run of a split's pages
     (``triton_decode.PAGE_RUNS``) loads none and keeps copies in flight."""
     def loops(*args):
         return {line[:10].strip(): line.split("copies left ")[1].split()[0].split(",")

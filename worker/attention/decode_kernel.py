@@ -9,6 +9,8 @@ import triton.language as tl
 from moe_offload.kernels.decode_tiles import pdl_wait
 from worker.models.rope_tiles import rope_rows, rope_tables, to_kv
 
+MAX_RUNS = tl.constexpr(4)  # PAGE_RUNS: runs of pages a split reads without its table; a fragmented rest reads it
+
 
 @triton.jit
 def _row_splits(seq_len, window, splits, min_split, BLOCK_N: tl.constexpr):
@@ -54,7 +56,7 @@ def _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_pa
              run_page, first, PAGE: tl.constexpr, RUN: tl.constexpr):
     """The pool offsets of tokens ``t``'s rows of ``kv_head`` through row b's pages (page 0 for
     tokens from ``end`` on, whose loads are masked); page ids are clamped into the pool. RUN: the
-    split's pages are one ascending run from ``run_page`` (token ``first``'s page, ``_one_run``), so
+    tokens' pages are one ascending run from ``run_page`` (token ``first``'s page, ``_run_at``), so
     no page id is loaded: Triton pipelines only a loop whose addresses need no load of its own."""
     if RUN:
         page = (run_page + (t // PAGE - first // PAGE)).to(tl.int64)
@@ -65,18 +67,19 @@ def _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_pa
 
 
 @triton.jit
-def _one_run(table_ptr, b, first, end, table_stride_b, num_pages, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Whether the pages of tokens ``[first, end)`` are one ascending run of the pool (each page id
-    its predecessor's plus one, all in the pool), and the run's first page id."""
-    p0 = first // PAGE
+def _run_at(table_ptr, b, seg, end, table_stride_b, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The ascending run of row b's pages from token ``seg``'s (each page id its predecessor's plus
+    one): its first page id, and the token where it ends (``end`` at the latest, past ``seg``'s page
+    at the earliest, so a walk over runs always moves on)."""
+    p0 = seg // PAGE
     last = (end - 1) // PAGE
     run_page = tl.load(table_ptr + b * table_stride_b + p0)
-    breaks = ((run_page < 0) | (run_page + (last - p0) >= num_pages)).to(tl.int32)
-    for q0 in range(p0, last + 1, BLOCK_P):
+    stop = last + 1
+    for q0 in range(p0 + 1, last + 1, BLOCK_P):
         q = q0 + tl.arange(0, BLOCK_P)
         ids = tl.load(table_ptr + b * table_stride_b + q, mask=q <= last, other=0)
-        breaks += tl.sum(((ids != run_page + (q - p0)) & (q <= last)).to(tl.int32), 0)
-    return (end > first) & (breaks == 0), run_page
+        stop = tl.minimum(stop, tl.min(tl.where((ids != run_page + (q - p0)) & (q <= last), q, last + 1), 0))
+    return run_page, tl.minimum(stop * PAGE, end)
 
 
 @triton.jit
@@ -125,36 +128,17 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
     ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
     pages' (which this launch writes). WORDS: a float8 pool read as words of two values
     (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles.
-    PAGE_RUNS: a split whose pages are one ascending run of the pool (``_one_run``) reads them
-    without a page table lookup, in a loop Triton can pipeline."""
-    run, run_page = False, 0
-    if PAGE_RUNS:
-        run, run_page = _one_run(table_ptr, b, first, end, table_stride_b, num_pages, PAGE, 128)
-    if run:
-        m, l, acc = _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
-                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, WORDS, CVT, True, run_page)
-    else:
-        m, l, acc = _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
-                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, WORDS, CVT, False, run_page)
-    return m, l, acc
-
-
-@triton.jit
-def _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
-                num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
-                WORDS: tl.constexpr, CVT: tl.constexpr, RUN: tl.constexpr, run_page):
-    """``_walk_split`` over the row's pages (RUN: one run from ``run_page``)."""
+    PAGE_RUNS: the split's first MAX_RUNS runs of ascending pages (``_run_at``) are read without
+    the page table, each in a loop Triton pipelines (a loop whose addresses need a load of its own
+    keeps one buffer); what a fragmented table leaves after them, through the table."""
     if WORDS:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT, RUN, run_page)
+                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT, PAGE_RUNS)
     else:
         m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
                                       d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, RUN, run_page)
+                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, PAGE_RUNS)
     return m, l, acc
 
 
@@ -162,12 +146,34 @@ def _walk_pages(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      NEW: tl.constexpr, RUN: tl.constexpr, run_page):
+                      NEW: tl.constexpr, PAGE_RUNS: tl.constexpr):
     """``_walk_split`` over tiles of the pool's dtype, widened to the query's (exactly, from float8)."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    seg = first
+    if PAGE_RUNS:
+        runs = 0
+        while (seg < end) & (runs < MAX_RUNS):
+            run_page, seg_end = _run_at(table_ptr, b, seg, end, table_stride_b, PAGE, 128)
+            m, l, acc = _tile_steps(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, seg, seg_end, d,
+                                    d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
+                                    m, l, acc, PAGE, BLOCK_N, IEEE, NEW, True, run_page)
+            seg = seg_end
+            runs += 1
+    m, l, acc = _tile_steps(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, seg, end, d, d_live,
+                            table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, m, l, acc,
+                            PAGE, BLOCK_N, IEEE, NEW, False, 0)
+    return m, l, acc
+
+
+@triton.jit
+def _tile_steps(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
+                num_pages, stride_page, stride_tok, stride_head, qk_scale, m, l, acc, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr, RUN: tl.constexpr, run_page):
+    """``_walk_split_tiles``'s loop over tokens ``[first, end)`` from the state ``(m, l, acc)``; RUN:
+    their pages are one run from ``run_page``."""
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
@@ -207,7 +213,7 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      CVT: tl.constexpr, RUN: tl.constexpr, run_page):
+                      CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -215,16 +221,41 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     as words it takes ldmatrix and one conversion a pair. ``q``: ``[BLOCK_G, HEAD_DIM]``."""
     HALF: tl.constexpr = HEAD_DIM // 2
     q0, q1 = _halves(q, BLOCK_G, HALF)
+    kn0, kn1, vn0, vn1 = q0, q1, q0, q1  # unread unless NEW
     if NEW:
         kn0, kn1 = _halves(k_new, 1, HALF)
         vn0, vn1 = _halves(v_new, 1, HALF)
-    j = tl.arange(0, HALF)
-    k_words = k_ptr.to(tl.pointer_type(tl.int16))
-    v_words = v_ptr.to(tl.pointer_type(tl.int16))
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    seg = first
+    if PAGE_RUNS:
+        runs = 0
+        while (seg < end) & (runs < MAX_RUNS):
+            run_page, seg_end = _run_at(table_ptr, b, seg, end, table_stride_b, PAGE, 128)
+            m, l, acc0, acc1 = _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv_head,
+                                           seg, seg_end, table_stride_b, num_pages, stride_page, stride_tok,
+                                           stride_head, qk_scale, m, l, acc0, acc1, PAGE, HALF, BLOCK_N, NEW, CVT,
+                                           True, run_page)
+            seg = seg_end
+            runs += 1
+    m, l, acc0, acc1 = _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv_head, seg, end,
+                                   table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
+                                   m, l, acc0, acc1, PAGE, HALF, BLOCK_N, NEW, CVT, False, 0)
+    return m, l, tl.reshape(tl.join(acc0, acc1), (BLOCK_G, HEAD_DIM))
+
+
+@triton.jit
+def _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
+                num_pages, stride_page, stride_tok, stride_head, qk_scale, m, l, acc0, acc1, PAGE: tl.constexpr,
+                HALF: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr, CVT: tl.constexpr,
+                RUN: tl.constexpr, run_page):
+    """``_walk_split_words``'s loop over tokens ``[first, end)`` from the state ``(m, l, acc0,
+    acc1)``; RUN: their pages are one run from ``run_page``."""
+    j = tl.arange(0, HALF)
+    k_words = k_ptr.to(tl.pointer_type(tl.int16))
+    v_words = v_ptr.to(tl.pointer_type(tl.int16))
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
@@ -241,7 +272,7 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
         p = p.to(tl.float16)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)
         acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
-    return m, l, tl.reshape(tl.join(acc0, acc1), (BLOCK_G, HEAD_DIM))
+    return m, l, acc0, acc1
 
 
 @triton.jit

@@ -59,10 +59,10 @@ FP8_WORDS = True
 # of 256 keeps BLOCK_N (at 128 its RoPE kernel's stages take 128 KB of shared memory, past an sm89 SM's 100)
 FP8_BLOCK_N = 128
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
-# a split whose pages are one ascending run of the pool reads them without a page table lookup, in a loop that
-# Triton pipelines PARTIAL_STAGES - 1 deep; with the lookup its pipeline keeps one buffer and waits for all its
-# copies at each step (scripts/attention_regs.py --arch 90 [--page-runs] prints the waits). Not yet timed on a GPU
-# (scripts/bench_decode_attention.py --page-runs-ab --contiguous), so off
+# a split reads its first decode_kernel.MAX_RUNS runs of ascending pages without a page table lookup, each in a
+# loop that Triton pipelines PARTIAL_STAGES - 1 deep; with the lookup its pipeline keeps one buffer and waits for
+# all its copies at each step (scripts/attention_regs.py --arch 90 [--page-runs] prints the waits). Not yet timed
+# on a GPU (scripts/bench_decode_attention.py --page-runs-ab [--contiguous | --run-pages N]), so off
 PAGE_RUNS = False
 _LOG2E = 1.4426950408889634
 
