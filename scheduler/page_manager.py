@@ -37,8 +37,8 @@ class PageManager:
         self.in_flight: set[int] = set()  # GPU pages released since the last launch: the running step may use them
         self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method, self.in_flight) if host else None
         # kv_table_pages / kv_table_breaks: pages of released requests' tables, and where a page is
-        # not its predecessor's plus one (the decode kernel's PAGE_RUNS reads a split without breaks
-        # without its table)
+        # not its predecessor's plus one (the long-prefix path reads a prefix of one run where it lies,
+        # cudnn_prefill.prefix_run, and gathers a broken one)
         self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0, kv_table_pages=0, kv_table_breaks=0)
         self.windows = WindowCache(window_pool, window, prefix_cache) if window_pool is not None else None
         if self.windows is not None and self.radix is not None:

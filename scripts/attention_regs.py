@@ -2,7 +2,7 @@
 GPU, at qwen3-30b's shapes (32 query heads, 4 KV heads, head dim 128, bf16, pages of 16):
 ``decode_partial_kernel`` and ``decode_rope_partial_kernel`` (RoPE inside) at each warp count given.
 
-    python scripts/attention_regs.py [--rope-warps 4 8] [--arch 90] [--page-runs]
+    python scripts/attention_regs.py [--rope-warps 4 8] [--arch 90]
 
 Needs a CUDA device (the compiler's figures are the ones this card runs). Without one, ``--arch
 90`` compiles ``decode_partial_kernel`` for that architecture here (Triton's own ptxas and
@@ -11,9 +11,8 @@ as words (``triton_decode.FP8_WORDS``; widened by ``cvt``, and as "fp8 casts" by
 on GPUs before sm89), each at its served tokens a step, and prints what one step of its loop
 issues: instructions, byte-wide shared-memory loads (``LDS.U8``), ``ldmatrix``es, global loads to
 registers (``LDG``) and to shared memory (``cp.async``, Triton's pipeline), and the kernel's waits
-for those copies (how many may stay in flight: ``0x0``, none, where the pipeline keeps one buffer;
-``--page-runs`` adds the loop over a run of a split's pages, ``triton_decode.PAGE_RUNS``). It
-measures nothing; the benchmarks decide.
+for those copies (how many may stay in flight: ``0x0``, none, where the pipeline keeps one buffer).
+It measures nothing; the benchmarks decide.
 """
 from __future__ import annotations
 
@@ -67,7 +66,7 @@ def compile_here(arch: int, pool: str, words: bool, cvt: bool):
     fn = decode_kernel.decode_partial_kernel
     consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16, BLOCK_D=HEAD_DIM,
                   BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, PDL=False,
-                  WORDS=words, CVT=cvt, PAGE_RUNS=triton_decode.PAGE_RUNS)
+                  WORDS=words, CVT=cvt)
     pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
                     sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
     names = fn.arg_names
@@ -111,10 +110,7 @@ def main() -> None:
     parser.add_argument("--rope-warps", type=int, nargs="+", default=[triton_decode.ROPE_WARPS])
     parser.add_argument("--arch", type=int, default=0,
                         help="compile for this compute capability here, without a GPU (e.g. 90)")
-    parser.add_argument("--page-runs", action="store_true",
-                        help="compile with triton_decode.PAGE_RUNS: the loop over a run of a split's pages")
     args = parser.parse_args()
-    triton_decode.PAGE_RUNS = triton_decode.PAGE_RUNS or args.page_runs
     if args.arch:
         here(args.arch)
     else:

@@ -5,15 +5,11 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep]
-        [--contiguous | --run-pages N] [--page-runs-ab] [--json F]
+        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
 pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in
-shuffled order (``--contiguous``: each row's pages one ascending run, as a lone session's are;
-``--run-pages N``: runs of N ascending pages in shuffled order, as a served session's turns leave
-them; ``--page-runs-ab`` then times each tile with the other ``triton_decode.PAGE_RUNS`` too), every row
-of the batch at the same length. ``--sweep`` also times
+shuffled order, every row of the batch at the same length. ``--sweep`` also times
 other tiles (the partial kernel's tokens a step, programs the split plan aims at, warps and
 pipeline stages; the merge's columns a program) at each shape; the served ones are the first row.
 """
@@ -47,7 +43,6 @@ class Tile(NamedTuple):
     stages: int | None  # None: Triton's default
     reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
     words: bool = triton_decode.FP8_WORDS  # a float8 pool read as words of two values (False: as bytes)
-    page_runs: bool = triton_decode.PAGE_RUNS  # a split whose pages are one run reads them without the table
 
 
 SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
@@ -64,7 +59,7 @@ def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
-            + ("" if tile.words or kv != "fp8" else " bytes") + (" runs" if tile.page_runs else ""))
+            + ("" if tile.words or kv != "fp8" else " bytes"))
 
 
 def use_tile(tile: Tile) -> None:
@@ -72,7 +67,7 @@ def use_tile(tile: Tile) -> None:
     triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N = (tile.block_n,) * 2 if tile.block_n else SERVED_BLOCK_N
     triton_decode.TARGET_PROGRAMS = tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
-    triton_decode.FP8_WORDS, triton_decode.PAGE_RUNS = tile.words, tile.page_runs
+    triton_decode.FP8_WORDS = tile.words
     warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
     triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
 
@@ -83,16 +78,13 @@ class Layer:
     decode graph's table spans its longest row, and the split plan comes from that width)."""
 
     def __init__(self, batch: int, context: int, gen: torch.Generator, table_tokens: int = 0,
-                 kv_dtype: torch.dtype = torch.bfloat16, run_pages: int = 1):
+                 kv_dtype: torch.dtype = torch.bfloat16):
         pages_a_row = -(-max(context, table_tokens) // PAGE)
         num_pages = batch * pages_a_row + 1
         shape = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
         self.k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(kv_dtype)
         self.v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda").to(kv_dtype)
         perm = torch.randperm(num_pages - 1, generator=gen)[:batch * pages_a_row] + 1
-        if run_pages > 1:  # runs of ascending pages (one a row at least as long: a lone session's)
-            runs = torch.arange(1, num_pages).split(run_pages)
-            perm = torch.cat([runs[i] for i in torch.randperm(len(runs), generator=gen).tolist()])
         self.table = perm.view(batch, pages_a_row).to(torch.int32).cuda()
         self.lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         self.q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -113,12 +105,12 @@ class Layer:
 
 
 def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0,
-                kv: str = "auto", run_pages: int = 1) -> list[dict]:
+                kv: str = "auto") -> list[dict]:
     kv_dtype = KV_DTYPES[kv] or torch.bfloat16
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize  # K and V
     count = max(2, min(48, int(-(-GRAPH_BYTES // kv_bytes))))
     gen = torch.Generator().manual_seed(0)
-    layers = [Layer(batch, context, gen, table_tokens, kv_dtype, run_pages) for _ in range(count)]
+    layers = [Layer(batch, context, gen, table_tokens, kv_dtype) for _ in range(count)]
     rotary = Rotary(HEAD_DIM, 1e6, context + 1, torch.device("cuda"))
     rows = []
     for tile in tiles:
@@ -137,7 +129,7 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
     return rows
 
 
-COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">27"),
+COLUMNS = [("batch", "batch", ">5"), ("context", "context", ">8"), ("KV", "kv", ">4"), ("tile", "tile", ">22"),
            ("splits", "splits", ">6"), ("us", "us", ">8.1f"), ("bound us", "bound_us", ">8.1f"),
            ("GB/s", "gbps", ">7.0f"), ("ratio", "ratio", ">6.3f")]
 
@@ -154,15 +146,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
     p.add_argument("--fp8-bytes", action="store_true",
                    help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
-    p.add_argument("--contiguous", action="store_true", help="each row's pages one ascending run of the pool")
-    p.add_argument("--run-pages", type=int, default=1, metavar="N",
-                   help="pages in runs of N ascending ones, the runs shuffled (1: every page shuffled)")
-    p.add_argument("--page-runs-ab", action="store_true",
-                   help="also time each tile with the other triton_decode.PAGE_RUNS (a run's pages read without "
-                        "the table)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
-    tiles += [t._replace(page_runs=not t.page_runs) for t in tiles] if args.page_runs_ab else []
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")
@@ -170,8 +155,7 @@ def main() -> None:
     for batch, context, kv in itertools.product(args.batch, args.contexts, args.kv_cache_dtype):
         both = kv == "fp8" and args.fp8_bytes
         shape_tiles = tiles + ([t._replace(words=False) for t in tiles] if both else [])
-        run_pages = (batch + 1) * max(context, args.table_tokens) if args.contiguous else args.run_pages
-        shape_rows = bench_shape(batch, context, shape_tiles, not args.no_rope, args.table_tokens, kv, run_pages)
+        shape_rows = bench_shape(batch, context, shape_tiles, not args.no_rope, args.table_tokens, kv)
         print_table(COLUMNS, shape_rows, gap=bool(rows))  # a table a shape, printed as it ends
         rows += shape_rows
     write_json(args.json, rows)

@@ -140,14 +140,3 @@ def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
     keys = triton_decode.FP8_BLOCK_N / triton_decode.BLOCK_N  # the word reading's step covers more keys
     assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows
 
-
-def test_decode_attention_pipelines_the_loop_over_a_run_of_pages():
-    """Triton's pipeline of the paged loop keeps one buffer (every wait is for all copies: a key's
-    address needs a page id loaded in the same step); the loop over a run of a split's pages
-    (``triton_decode.PAGE_RUNS``) loads none and keeps copies in flight."""
-    def loops(*args):
-        return {line[:10].strip(): line.split("copies left ")[1].split()[0].split(",")
-                for line in kernel_sass("--arch", "90", *args, script="scripts/attention_regs.py").splitlines()
-                if "loop step" in line}
-    assert all(waits == ["0x0"] for waits in loops().values()), loops()
-    assert all(waits[0] != "0x0" for waits in loops("--page-runs").values()), loops("--page-runs")

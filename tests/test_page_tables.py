@@ -1,6 +1,6 @@
 """How the page tables a session's turns hold are laid out: a lone session's pages form one ascending
-run of the pool turn after turn (the decode kernel's ``PAGE_RUNS`` reads such a split without its
-table), and the page manager counts the breaks of released tables."""
+run of the pool turn after turn (the long-prefix path reads such a prefix where it lies,
+``cudnn_prefill.prefix_run``), and the page manager counts the breaks of released tables."""
 from __future__ import annotations
 
 import torch

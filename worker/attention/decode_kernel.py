@@ -9,8 +9,6 @@ import triton.language as tl
 from moe_offload.kernels.decode_tiles import pdl_wait
 from worker.models.rope_tiles import rope_rows, rope_tables, to_kv
 
-MAX_RUNS = tl.constexpr(4)  # PAGE_RUNS: runs of pages a split reads without its table; a fragmented rest reads it
-
 
 @triton.jit
 def _row_splits(seq_len, window, splits, min_split, BLOCK_N: tl.constexpr):
@@ -53,33 +51,12 @@ def _group(kv_head, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.con
 
 @triton.jit
 def _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-             run_page, first, PAGE: tl.constexpr, RUN: tl.constexpr):
+             PAGE: tl.constexpr):
     """The pool offsets of tokens ``t``'s rows of ``kv_head`` through row b's pages (page 0 for
-    tokens from ``end`` on, whose loads are masked); page ids are clamped into the pool. RUN: the
-    tokens' pages are one ascending run from ``run_page`` (token ``first``'s page, ``_run_at``), so
-    no page id is loaded: Triton pipelines only a loop whose addresses need no load of its own."""
-    if RUN:
-        page = (run_page + (t // PAGE - first // PAGE)).to(tl.int64)
-    else:
-        page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t < end, other=0).to(tl.int64)
+    tokens from ``end`` on, whose loads are masked); page ids are clamped into the pool."""
+    page = tl.load(table_ptr + b * table_stride_b + t // PAGE, mask=t < end, other=0).to(tl.int64)
     page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
     return page * stride_page + (t % PAGE) * stride_tok + kv_head * stride_head
-
-
-@triton.jit
-def _run_at(table_ptr, b, seg, end, table_stride_b, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The ascending run of row b's pages from token ``seg``'s (each page id its predecessor's plus
-    one): its first page id, and the token where it ends (``end`` at the latest, past ``seg``'s page
-    at the earliest, so a walk over runs always moves on)."""
-    p0 = seg // PAGE
-    last = (end - 1) // PAGE
-    run_page = tl.load(table_ptr + b * table_stride_b + p0)
-    stop = last + 1
-    for q0 in range(p0 + 1, last + 1, BLOCK_P):
-        q = q0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(table_ptr + b * table_stride_b + q, mask=q <= last, other=0)
-        stop = tl.minimum(stop, tl.min(tl.where((ids != run_page + (q - p0)) & (q <= last), q, last + 1), 0))
-    return run_page, tl.minimum(stop * PAGE, end)
 
 
 @triton.jit
@@ -123,22 +100,19 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
                 num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
-                WORDS: tl.constexpr, CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
+                WORDS: tl.constexpr, CVT: tl.constexpr):
     """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
     ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
     pages' (which this launch writes). WORDS: a float8 pool read as words of two values
-    (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles.
-    PAGE_RUNS: the split's first MAX_RUNS runs of ascending pages (``_run_at``) are read without
-    the page table, each in a loop Triton pipelines (a loop whose addresses need a load of its own
-    keeps one buffer); what a fragmented table leaves after them, through the table."""
+    (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles."""
     if WORDS:
         m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
                                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT, PAGE_RUNS)
+                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT)
     else:
         m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
                                       d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW, PAGE_RUNS)
+                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW)
     return m, l, acc
 
 
@@ -146,38 +120,16 @@ def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, firs
 def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
                       table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      NEW: tl.constexpr, PAGE_RUNS: tl.constexpr):
+                      NEW: tl.constexpr):
     """``_walk_split`` over tiles of the pool's dtype, widened to the query's (exactly, from float8)."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    seg = first
-    if PAGE_RUNS:
-        runs = 0
-        while (seg < end) & (runs < MAX_RUNS):
-            run_page, seg_end = _run_at(table_ptr, b, seg, end, table_stride_b, PAGE, 128)
-            m, l, acc = _tile_steps(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, seg, seg_end, d,
-                                    d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                    m, l, acc, PAGE, BLOCK_N, IEEE, NEW, True, run_page)
-            seg = seg_end
-            runs += 1
-    m, l, acc = _tile_steps(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, seg, end, d, d_live,
-                            table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, m, l, acc,
-                            PAGE, BLOCK_N, IEEE, NEW, False, 0)
-    return m, l, acc
-
-
-@triton.jit
-def _tile_steps(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
-                num_pages, stride_page, stride_tok, stride_head, qk_scale, m, l, acc, PAGE: tl.constexpr,
-                BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr, RUN: tl.constexpr, run_page):
-    """``_walk_split_tiles``'s loop over tokens ``[first, end)`` from the state ``(m, l, acc)``; RUN:
-    their pages are one run from ``run_page``."""
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                        run_page, first, PAGE, RUN)
+                        PAGE)
         k, v = _load_rows(k_ptr, v_ptr, rows, t < end, d, d_live)
         k, v = k.to(q.dtype), v.to(q.dtype)
         if NEW:
@@ -213,7 +165,7 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
                       num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
                       BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
+                      CVT: tl.constexpr):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -221,45 +173,20 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     as words it takes ldmatrix and one conversion a pair. ``q``: ``[BLOCK_G, HEAD_DIM]``."""
     HALF: tl.constexpr = HEAD_DIM // 2
     q0, q1 = _halves(q, BLOCK_G, HALF)
-    kn0, kn1, vn0, vn1 = q0, q1, q0, q1  # unread unless NEW
     if NEW:
         kn0, kn1 = _halves(k_new, 1, HALF)
         vn0, vn1 = _halves(v_new, 1, HALF)
+    j = tl.arange(0, HALF)
+    k_words = k_ptr.to(tl.pointer_type(tl.int16))
+    v_words = v_ptr.to(tl.pointer_type(tl.int16))
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    seg = first
-    if PAGE_RUNS:
-        runs = 0
-        while (seg < end) & (runs < MAX_RUNS):
-            run_page, seg_end = _run_at(table_ptr, b, seg, end, table_stride_b, PAGE, 128)
-            m, l, acc0, acc1 = _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv_head,
-                                           seg, seg_end, table_stride_b, num_pages, stride_page, stride_tok,
-                                           stride_head, qk_scale, m, l, acc0, acc1, PAGE, HALF, BLOCK_N, NEW, CVT,
-                                           True, run_page)
-            seg = seg_end
-            runs += 1
-    m, l, acc0, acc1 = _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv_head, seg, end,
-                                   table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                   m, l, acc0, acc1, PAGE, HALF, BLOCK_N, NEW, CVT, False, 0)
-    return m, l, tl.reshape(tl.join(acc0, acc1), (BLOCK_G, HEAD_DIM))
-
-
-@triton.jit
-def _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
-                num_pages, stride_page, stride_tok, stride_head, qk_scale, m, l, acc0, acc1, PAGE: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr, CVT: tl.constexpr,
-                RUN: tl.constexpr, run_page):
-    """``_walk_split_words``'s loop over tokens ``[first, end)`` from the state ``(m, l, acc0,
-    acc1)``; RUN: their pages are one run from ``run_page``."""
-    j = tl.arange(0, HALF)
-    k_words = k_ptr.to(tl.pointer_type(tl.int16))
-    v_words = v_ptr.to(tl.pointer_type(tl.int16))
     for t0 in range(first, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         rows = _kv_rows(table_ptr, b, kv_head, t, end, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                        run_page, first, PAGE, RUN)
+                        PAGE)
         k, v = _load_rows(k_words, v_words, rows // 2, t < end, j, j < HALF)
         k0, k1 = _e4m3_words(k, CVT)
         v0, v1 = _e4m3_words(v, CVT)
@@ -272,7 +199,7 @@ def _word_steps(q0, q1, kn0, kn1, vn0, vn1, last, k_ptr, v_ptr, table_ptr, b, kv
         p = p.to(tl.float16)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)
         acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
-    return m, l, acc0, acc1
+    return m, l, tl.reshape(tl.join(acc0, acc1), (BLOCK_G, HEAD_DIM))
 
 
 @triton.jit
@@ -309,7 +236,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                           HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
-                          WORDS: tl.constexpr, CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
+                          WORDS: tl.constexpr, CVT: tl.constexpr):
     pdl_wait(PDL)  # see triton_support.pdl_args
     b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
                                                                   BLOCK_N)
@@ -320,7 +247,7 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
     m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
                             num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
-                            BLOCK_N, IEEE, False, WORDS, CVT, PAGE_RUNS)
+                            BLOCK_N, IEEE, False, WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -337,7 +264,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr, PAGE_RUNS: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -373,11 +300,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     if mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT, PAGE_RUNS)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
     else:
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT, PAGE_RUNS)
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 

@@ -59,11 +59,6 @@ FP8_WORDS = True
 # of 256 keeps BLOCK_N (at 128 its RoPE kernel's stages take 128 KB of shared memory, past an sm89 SM's 100)
 FP8_BLOCK_N = 128
 PARTIAL_STAGES = 4  # software-pipeline stages of the partial kernels' loop (None: Triton's default)
-# a split reads its first decode_kernel.MAX_RUNS runs of ascending pages without a page table lookup, each in a
-# loop that Triton pipelines PARTIAL_STAGES - 1 deep; with the lookup its pipeline keeps one buffer and waits for
-# all its copies at each step (scripts/attention_regs.py --arch 90 [--page-runs] prints the waits). Not yet timed
-# on a GPU (scripts/bench_decode_attention.py --page-runs-ab [--contiguous | --run-pages N]), so off
-PAGE_RUNS = False
 _LOG2E = 1.4426950408889634
 
 
@@ -143,7 +138,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
             num_pages, max_tokens, splits, min_split, scale * _LOG2E, window)
     consts = dict(HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=D, PAGE=page,
                   BLOCK_G=max(16, next_pow2(heads // kv_heads)), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device), PAGE_RUNS=PAGE_RUNS,
+                  HAS_SINK=sinks is not None, WORDS=words, CVT=words and _has_fp8_cvt(q.device),
                   num_warps=_warps(rope, k_cache), **pdl_args(q))
     if PARTIAL_STAGES is not None:
         consts["num_stages"] = PARTIAL_STAGES
