@@ -10,6 +10,7 @@
 # same warm machine continues it while the code is the same, and starts over where it is not. Each
 # run's per-test seconds go to $OUT/suiteN.times (for scripts/gpu_test_seconds.py), its last lines to
 # $OUT/suiteN.tail, and fla's autotune choices to $SUITE_STATE.fla/suiteN/ (scripts/fla_configs.py merge).
+# Before a cold machine's first run every expert store in /dev/shm is removed (scripts/expert_store.py).
 #   bash scripts/gpu_suite.sh [RUNS]        RUNS default 3
 set -uo pipefail
 runs=${1:-3}
@@ -30,6 +31,9 @@ while [ "$row" -lt "$runs" ]; do
   n=$(( row + 1 )); need=$(run_needs)
   if [ "$(left)" -lt "$need" ]; then echo "suite: $row of $runs in a row; run $n needs ~$need s, $(left) s left"; exit 0; fi
   t0=$(date +%s)
+  # a cold machine's stores are other commands' (a served session's): they take host memory the suite's own
+  # stores need (a worker died beside 16 GB of them, H100, 2026-12-07), so they go; a warm one keeps the suite's
+  if [ ! -e "$state.warm" ]; then python scripts/expert_store.py remove --all; fi
   # expert stores outlive a killed worker (its session never removes them): say how full /dev/shm is
   echo "suite run $n: /dev/shm $(df -h --output=used,size /dev/shm | tail -1 | xargs) used before it"
   SLUICE_TEST_LOG=$out/suite$n.times SLUICE_FLA_DUMP=$state.fla/suite$n timeout $(( $(left) - 10 )) \

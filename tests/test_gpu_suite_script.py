@@ -34,8 +34,16 @@ def run(tmp_path: Path, runs: int, budget: int = 3000, fail: bool = False, cut: 
                           text=True)
 
 
-def calls(tmp_path: Path) -> list[str]:
-    return (tmp_path / "calls").read_text().splitlines()
+def calls(tmp_path: Path, what: str = "-m pytest") -> list[str]:
+    """The stand-in's calls: the suite's runs, or (``what="scripts/expert_store.py"``) store removals."""
+    return [line for line in (tmp_path / "calls").read_text().splitlines() if line.startswith(what)]
+
+
+def test_a_cold_machine_removes_the_expert_stores_before_its_first_run_and_a_warm_one_keeps_them(tmp_path):
+    assert "run 1: rc=0" in run(tmp_path, 1).stdout
+    assert calls(tmp_path, "scripts/expert_store.py") == ["scripts/expert_store.py remove --all"]
+    assert "run 2: rc=0" in run(tmp_path, 2).stdout  # warm: the suite's own stores stay
+    assert len(calls(tmp_path, "scripts/expert_store.py")) == 1 and len(calls(tmp_path)) == 2
 
 
 def test_runs_until_the_row_is_done_and_carries_it_to_the_next_call(tmp_path):
