@@ -5,13 +5,17 @@ launch gaps do not count, and each layer's keys come from HBM, not L2); as GB/s 
 the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
-        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--json F]
+        [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--kernels]
+        [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
 pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in
 shuffled order, every row of the batch at the same length. ``--sweep`` also times
 other tiles (the partial kernel's tokens a step, programs the split plan aims at, warps and
 pipeline stages; the merge's columns a program) at each shape; the served ones are the first row.
+``--kernels`` prints each row's kernels (the partial kernel, the merge) and their microseconds a
+layer, profiled from the same graph (under programmatic dependent launch a kernel's time includes
+its wait for the one before).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from worker.attention import triton_decode  # noqa: E402
 from worker.attention.triton_decode import paged_decode_attention  # noqa: E402
 from worker.kv.gpu_pool import KV_DTYPES  # noqa: E402
 from worker.models.rotary import KVWrite, RopeInputs, Rotary  # noqa: E402
-from bench_linear import graph_time_us  # noqa: E402  (beside this script)
+from bench_linear import graph_time_us, kernel_times_us  # noqa: E402  (beside this script)
 from report_table import bench_parser, print_table, write_json  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -105,7 +109,7 @@ class Layer:
 
 
 def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0,
-                kv: str = "auto") -> list[dict]:
+                kv: str = "auto", kernels: bool = False) -> list[dict]:
     kv_dtype = KV_DTYPES[kv] or torch.bfloat16
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize  # K and V
     count = max(2, min(48, int(-(-GRAPH_BYTES // kv_bytes))))
@@ -117,7 +121,9 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
         use_tile(tile)
         try:
             splits, _ = triton_decode.split_plan(batch, KV_HEADS, layers[0].table.shape[1] * PAGE)
-            seconds = graph_time_us([functools.partial(layer.run, rotary, rope) for layer in layers]) / 1e6
+            calls = [functools.partial(layer.run, rotary, rope) for layer in layers]
+            seconds = graph_time_us(calls) / 1e6
+            split = kernel_times_us(calls) if kernels else {}
         except Exception as e:  # a tile Triton cannot build on this GPU
             print(f"  {tile_name(tile, rope, kv)}: {type(e).__name__}: {str(e)[:100]}")
             continue
@@ -125,7 +131,8 @@ def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_t
             use_tile(SERVED)
         bound = kv_bytes / HBM_BYTES_PER_S
         rows.append(dict(batch=batch, context=context, kv=kv, tile=tile_name(tile, rope, kv), us=seconds * 1e6,
-                         bound_us=bound * 1e6, gbps=kv_bytes / seconds / 1e9, ratio=bound / seconds, splits=splits))
+                         bound_us=bound * 1e6, gbps=kv_bytes / seconds / 1e9, ratio=bound / seconds, splits=splits,
+                         kernels=split))
     return rows
 
 
@@ -144,6 +151,8 @@ def main() -> None:
                    help="what the pool holds: auto (bf16) or fp8 (float8 e4m3); several: rows each")
     p.add_argument("--no-rope", action="store_true", help="the kernel without RoPE inside (its own launch before)")
     p.add_argument("--sweep", action="store_true", help="also time the other tiles of SWEEP")
+    p.add_argument("--kernels", action="store_true",
+                   help="also each kernel's microseconds a layer, from the graph replayed under torch.profiler")
     p.add_argument("--fp8-bytes", action="store_true",
                    help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
     args = p.parse_args()
@@ -155,8 +164,10 @@ def main() -> None:
     for batch, context, kv in itertools.product(args.batch, args.contexts, args.kv_cache_dtype):
         both = kv == "fp8" and args.fp8_bytes
         shape_tiles = tiles + ([t._replace(words=False) for t in tiles] if both else [])
-        shape_rows = bench_shape(batch, context, shape_tiles, not args.no_rope, args.table_tokens, kv)
+        shape_rows = bench_shape(batch, context, shape_tiles, not args.no_rope, args.table_tokens, kv, args.kernels)
         print_table(COLUMNS, shape_rows, gap=bool(rows))  # a table a shape, printed as it ends
+        for row in shape_rows if args.kernels else []:
+            print(f"  {row['tile']}: " + ", ".join(f"{name} {us:.1f} us" for name, us in row["kernels"].items()))
         rows += shape_rows
     write_json(args.json, rows)
 

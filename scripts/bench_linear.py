@@ -36,11 +36,11 @@ SWEEP = [gemv.GemvTiles(64, 4)]
 SWEEP += [gemv.GemvTiles(k, w) for k, w in itertools.product((256, 512, 1024, 2048), (4, 8, 16))]
 
 
-def graph_time_us(calls: list, replays: int = 20) -> float:
-    """Per call, from a CUDA graph of ``calls`` replayed ``replays`` times."""
+def capture(calls: list) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` (run once before, outside the capture, so that they compile), replayed once."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        for call in calls:  # warm-up: compile outside the capture
+        for call in calls:
             call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -48,6 +48,30 @@ def graph_time_us(calls: list, replays: int = 20) -> float:
         for call in calls:
             call()
     graph.replay()
+    return graph
+
+
+def kernel_times_us(calls: list, replays: int = 5) -> dict[str, float]:
+    """Each kernel's GPU microseconds per call, from a CUDA graph of ``calls`` replayed under
+    torch.profiler (which sees the kernels inside a graph); under programmatic dependent launch a
+    kernel's time includes its wait for the kernel before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture(calls)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / (replays * len(calls))
+    return times
+
+
+def graph_time_us(calls: list, replays: int = 20) -> float:
+    """Per call, from a CUDA graph of ``calls`` replayed ``replays`` times."""
+    graph = capture(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
