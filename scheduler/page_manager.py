@@ -36,10 +36,7 @@ class PageManager:
         host = HostKVPool.like(pool, host_bytes) if prefix_cache and host_bytes > 0 else None
         self.in_flight: set[int] = set()  # GPU pages released since the last launch: the running step may use them
         self.tier = KVTier(pool, host, self.radix, tier_mode, copy_method, self.in_flight) if host else None
-        # kv_table_pages / kv_table_breaks: pages of released requests' tables, and where a page is
-        # not its predecessor's plus one (the long-prefix path reads a prefix of one run where it lies,
-        # cudnn_prefill.prefix_run, and gathers a broken one)
-        self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0, kv_table_pages=0, kv_table_breaks=0)
+        self.counters = dict(kv_prefix_tokens_gpu=0, kv_prefix_tokens_host=0)
         self.windows = WindowCache(window_pool, window, prefix_cache) if window_pool is not None else None
         if self.windows is not None and self.radix is not None:
             self.radix.on_remove = self.windows.dropped
@@ -129,8 +126,6 @@ class PageManager:
         """Give back ``req``'s pages; the full pages of ``kv_tokens`` (tokens whose KV is written)
         go to the prefix cache, the rest to the free list."""
         self.in_flight.update(req.pages)
-        self.counters["kv_table_pages"] += len(req.pages)
-        self.counters["kv_table_breaks"] += sum(b != a + 1 for a, b in zip(req.pages, req.pages[1:]))
         if self.radix is None:
             self.pool.free(req.own_pages)
             req.pages = []

@@ -123,12 +123,6 @@ def test_metrics_split_the_engines_step_time_into_host_work_and_waiting_for_the_
     assert got[("sluice_engine_prefill_launch_seconds_total", ())] == 0.25
 
 
-def test_metrics_count_the_pages_and_breaks_of_the_page_tables_given_back():
-    got = _samples(Metrics().render({"kv_table_pages": 640, "kv_table_breaks": 3})[0].decode())
-    assert got[("sluice_kv_table_pages_total", (("kind", "pages"),))] == 640
-    assert got[("sluice_kv_table_pages_total", (("kind", "breaks"),))] == 3
-
-
 def test_metrics_show_a_hybrid_models_state_snapshots():
     stats = {"state_prefix_tokens": 96, "state_recomputed_tokens": 4, "state_snapshots_gpu": 3,
              "state_snapshots_host": 1, "state_snapshot_bytes_gpu": 3 << 20, "state_snapshot_bytes_host": 1 << 20}

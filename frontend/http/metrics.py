@@ -43,9 +43,6 @@ STATS = (
     Stat("requests_waiting", False, "Requests waiting", (("", "requests_waiting"),)),
     Stat("kv_usage_ratio", False, "Share of KV pages in use", (("gpu", "kv_usage"),
                                                               ("host", "kv_host_usage")), "tier"),
-    Stat("kv_table_pages", True, "Pages of the KV page tables requests gave back, and the breaks among them "
-         "(a page not its predecessor's plus one: the long-prefix path gathers a broken prefix)",
-         (("pages", "kv_table_pages"), ("breaks", "kv_table_breaks")), "kind"),
     Stat("expert_cache_hit_rate", False, "GPU expert-cache hit rate since start",
          (("", "moe_hit_rate"),)),
     Stat("pcie_bytes", True, "Bytes moved over PCIe", (
