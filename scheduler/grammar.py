@@ -59,6 +59,9 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab: int, eos_ids: Sequence[int]):
         try:
             import llguidance
+            # the mask's torch helpers import torch._dynamo (1.8 s here): imported now, beside the loop
+            # (``scheduler.server`` builds this in a thread), not at the first constrained step
+            import llguidance.torch  # noqa: F401
         except ImportError:
             raise GrammarError("constrained decoding needs the llguidance package (pip install llguidance)") from None
         try:

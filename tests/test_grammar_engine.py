@@ -341,3 +341,29 @@ def test_a_panic_consuming_a_token_or_compiling_fails_that_request_only(runner, 
     with pytest.raises(KeyboardInterrupt):  # only llguidance's failures are caught, not an interrupt
         monkeypatch.setattr(Request, "accept", lambda self, token: (_ for _ in ()).throw(KeyboardInterrupt()))
         run(engine_on(runner, dict(max_running=4)), [constrained("x", grammars, Grammar(lark="start: /[a-z]{3}/"))])
+
+
+def first_mask_imports_nothing() -> None:
+    """In a new interpreter: the first constrained step's compile and fill import no module, so the
+    loop does not stall on an import (llguidance.torch brings torch._dynamo, seconds)."""
+    import sys
+    import tempfile
+
+    import torch
+
+    from scheduler.grammar import HostMask
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_byte_tokenizer(Path(tmp))
+        grammars = Grammars.from_dir(tmp, VOCAB, [EOS_ID])  # what the scheduler builds beside its loop
+    before = set(sys.modules)
+    matcher = grammars.compile(Grammar(lark='start: "yes" | "no"', what="test"))
+    mask = HostMask(1, VOCAB, torch.device("cpu"))
+    assert mask.fill([(matcher, 0)]) == {}
+    assert set(sys.modules) <= before, f"the first mask imported {sorted(set(sys.modules) - before)[:8]}"
+
+
+def test_the_first_constrained_step_imports_nothing():
+    from tests.fresh_process import run_fresh
+
+    run_fresh("tests.test_grammar_engine:first_mask_imports_nothing", timeout=120)
