@@ -191,6 +191,13 @@ def test_py_spy_sees_the_scheduler_loop(server):
     assert "serve_forever" in out.stdout
 
 
+def test_the_scheduler_threads_wait_passively(server):
+    """torch's CPU threads in the served scheduler sleep while they wait for work (OMP_WAIT_POLICY,
+    read by OpenMP when torch loads), so they do not spin against other processes on the cores."""
+    environ = Path(f"/proc/{server.scheduler_pid}/environ").read_bytes().split(b"\0")
+    assert (f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')}").encode() in environ
+
+
 def test_killed_scheduler_fails_waiting_clients_and_frontend_exits_nonzero(model_dir, tmp_path):
     s = start(tmp_path, model_dir)
     with Client(s.endpoint, timeout=WAIT_S) as c:
