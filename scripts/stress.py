@@ -13,15 +13,19 @@ Bounded in time (``--duration``, shared among the attacks). Prints a table of wh
 many error replies came back, how many got no reply, wrong replies (HTTP: a 5xx, an error not in
 its API's shape, a 2xx to a bad request) and crashes (the server stopped answering or the scheduler
 changed pid), then whether every KV page came back. Exits 1 on a crash, a wrong reply or a leak.
+``--busy N`` runs N busy-loop processes beside the server meanwhile, as when CI shares its cores
+(``OMP_WAIT_POLICY=ACTIVE scripts/serve.sh`` serves with spinning threads, as before 2026-12-07).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import reprlib
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -342,11 +346,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the fuzzers")
     p.add_argument("--kill", choices=["scheduler", "frontend"], help="end with kill -9 of this process")
     p.add_argument("--frontend-pid", type=int, help="pid of the frontend, for --kill frontend")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N busy-loop processes on the cores while the attacks run, as when CI shares the machine")
     return p
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[list[subprocess.Popen]]:
+    """``n`` processes that spin on the CPU until the block ends (a host whose cores others use)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield loops
+    finally:
+        for proc in loops:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with busy_loops(args.busy):
+        rows, leak = attack(args)
+    print_table(rows, leak)
+    return 1 if any(r.crashes for r in rows) or leak or any(r.wrong for r in rows) else 0
+
+
+def attack(args: argparse.Namespace) -> tuple[list[Row], int | None]:
+    """Every attack that ``args`` asks for, then the leak check: the rows and the leaked pages."""
     rng = random.Random(args.seed)
     health = Health(args.endpoint)
     zmq_shares = 0 if args.http and args.http_only else len(ATTACKS) + 2  # each load gets two shares
@@ -359,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     leak = None if crashed else leaked_pages(health)
     if args.kill and not crashed:
         rows.append(kill(args.kill, health, args.frontend_pid))
-    print_table(rows, leak)
-    return 1 if crashed or leak or any(r.wrong for r in rows) else 0
+    return rows, leak
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ one request each."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -66,3 +69,13 @@ def test_count_tokens_may_count_a_prompt_past_the_context():
     under = [p for p in seen if isinstance(p.body, dict) and "tools" not in p.body]
     assert {p.path for p in under if not p.bad} == {COUNT} and any(p.bad for p in under)
     assert all(p.bad for p in seen if isinstance(p.body, bytes) and len(p.body) >= OVER)
+
+
+
+def test_busy_loops_spin_while_the_block_runs_and_end_with_it():
+    with stress.busy_loops(2) as loops:
+        time.sleep(0.5)
+        assert [p.poll() for p in loops] == [None, None]
+        # utime, in clock ticks (field 14 of /proc/PID/stat): each has been running, not sleeping
+        assert all(int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[11]) > 0 for p in loops)
+    assert all(p.returncode is not None for p in loops)
