@@ -105,8 +105,8 @@ class SchedulerProcess:
 def _child_env() -> dict[str, str]:
     """The environment of a scheduler-side child: ours, with the source root importable, and torch's
     CPU threads waiting passively unless ``OMP_WAIT_POLICY`` is set: spinning, they spin against any
-    other process on the cores, and a CPU model's request took 1.7 s instead of 0.3-0.4 beside two
-    busy processes on two cores (docs/architecture.md, "Processes")."""
+    other process on the cores: a CPU model's request took 1.7 s beside two busy processes on two
+    cores, 0.3-0.5 s alone (docs/architecture.md, "Processes")."""
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SOURCE_ROOT), env.get("PYTHONPATH")) if p)

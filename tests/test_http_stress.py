@@ -71,7 +71,6 @@ def test_count_tokens_may_count_a_prompt_past_the_context():
     assert all(p.bad for p in seen if isinstance(p.body, bytes) and len(p.body) >= OVER)
 
 
-
 def test_busy_loops_spin_while_the_block_runs_and_end_with_it():
     with stress.busy_loops(2) as loops:
         time.sleep(0.5)
