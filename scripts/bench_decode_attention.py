@@ -104,8 +104,9 @@ class Layer:
         write = KVWrite(self.v, self.k_cache.view(-1, KV_HEADS, HEAD_DIM), self.v_cache.view(-1, KV_HEADS, HEAD_DIM),
                         self.slot)
         inputs = RopeInputs(self.positions, rotary, None, None, 1e-6, write)
+        # the lengths and positions are written once, before the graph: read before the wait, as a model's step does
         return paged_decode_attention(self.q, self.k_cache, self.v_cache, self.table, self.lens, HEAD_DIM ** -0.5,
-                                      rope=inputs, k=self.k)
+                                      rope=inputs, k=self.k, early_index=True)
 
 
 def bench_shape(batch: int, context: int, tiles: list[Tile], rope: bool, table_tokens: int = 0,

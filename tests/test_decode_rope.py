@@ -62,8 +62,10 @@ def twin(q, k, k_cache, v_cache, table, lens, rope, scale, sinks, window):
     return out, k_cache, v_cache
 
 
-def check_against_twin(config, gen, dtype, device, tol, splits=None, lens=None, sync_debug="default"):
-    """The kernel (under ``sync_debug``) against the twins: output and both caches."""
+def check_against_twin(config, gen, dtype, device, tol, splits=None, lens=None, sync_debug="default",
+                       early_index=False):
+    """The kernel (under ``sync_debug``; ``early_index``: its index reads before the PDL wait, as a
+    model's step launches it) against the twins: output and both caches."""
     window, has_sinks = config[7], config[8]
     q, k, k_cache, v_cache, table, lens, rope = rope_case(gen, config, dtype, device, lens)
     sinks = sinks_for(config[1], gen, device) if has_sinks else None
@@ -74,7 +76,7 @@ def check_against_twin(config, gen, dtype, device, tol, splits=None, lens=None, 
         torch.cuda.set_sync_debug_mode(sync_debug)
     try:
         got = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, num_splits=splits, backend="triton",
-                                     sinks=sinks, window=window, rope=rope, k=k)
+                                     sinks=sinks, window=window, rope=rope, k=k, early_index=early_index)
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
@@ -94,7 +96,7 @@ def check_against_twin(config, gen, dtype, device, tol, splits=None, lens=None, 
 def test_kernel_matches_rope_then_attention_twins(config):
     gen = torch.Generator().manual_seed(sum(config[:6]))
     for splits in (None, 1, 2, 3):
-        lens = check_against_twin(config, gen, torch.float32, "cpu", 1e-4, splits)
+        lens = check_against_twin(config, gen, torch.float32, "cpu", 1e-4, splits, early_index=splits in (None, 2))
         assert (lens == 0).any() and (lens == config[4] * config[5]).any()  # empty and full rows covered
 
 
@@ -171,8 +173,9 @@ def test_decode_with_rope_inside_matches_transformers(tmp_path, monkeypatch, fam
                                     (3, 16, 2, 256, 16, 700, True, 0, False)], ids=lambda c: "-".join(map(str, c[:6])))
 def test_kernel_matches_twins_bf16_on_gpu_without_syncs(config):
     gen = torch.Generator().manual_seed(config[0])
-    for trial in range(3):  # trial 0 compiles
-        check_against_twin(config, gen, torch.bfloat16, "cuda", 3e-2, sync_debug="error" if trial else "default")
+    for trial in range(4):  # trials 0 and 2 compile: the index read after the PDL wait, then before it
+        check_against_twin(config, gen, torch.bfloat16, "cuda", 3e-2, sync_debug="error" if trial % 2 else "default",
+                           early_index=trial >= 2)
 
 
 @pytest.mark.cuda

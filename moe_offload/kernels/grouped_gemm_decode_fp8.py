@@ -96,11 +96,33 @@ def _scaled_dot_step(acc, x, w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS: tl.con
                      stride_sr, MODE: tl.constexpr):
     """``acc += x[:, None] * (w x scales)`` for one reduction step over weight rows ``rows`` (the
     tile's first ``row0``), the scales as ``MODE`` says ("n": left to the caller, who scales the sums)."""
-    if MODE == "k":  # the scales meet the activations: one multiply a reduction column
-        x = x * _scale_cols(s_ptr, row0, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr)
-        w = w.to(tl.float32)
+    scales = _step_scales(s_ptr, row0, rows, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+    return _scaled_fma(acc, x, w, scales, MODE)
+
+
+@triton.jit
+def _step_scales(s_ptr, row0, rows, ks, k_len, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, stride_sr,
+                 MODE: tl.constexpr):
+    """A step's scales as ``_scaled_fma`` takes them: the reduction columns' ``[BLOCK_K]`` in mode
+    "k", the weight rows' ``[BLOCK_N]`` in "kn" (the step inside one block); mode "n" reads none."""
+    if MODE == "k":
+        scales = _scale_cols(s_ptr, row0, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr)
+    elif MODE == "kn":
+        scales = _scale_row(s_ptr, rows, tl.min(ks, 0), SCALE_ROWS, SCALE_COLS, stride_sr)
     else:
-        w = _dequant_step(w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
+        scales = 1.0
+    return scales
+
+
+@triton.jit
+def _scaled_fma(acc, x, w, scales, MODE: tl.constexpr):
+    """``acc + x[:, None] * (w x scales)``, the scales from ``_step_scales``: in mode "k" they meet
+    the activations (one multiply a reduction column), in "kn" the weights' columns."""
+    w = w.to(tl.float32)
+    if MODE == "k":
+        x = x * scales
+    elif MODE == "kn":
+        w = w * scales[None, :]
     return acc + x[:, None] * w
 
 
@@ -193,34 +215,60 @@ def _pair_gate_up_fp8_kernel(x_ptr, w13_ptr, s13_ptr, act_ptr, slots_ptr, weight
     store_weighted_row(act_ptr, weights_ptr, pair, inter, cols, col_ok, act)
 
 
+@triton.jit
+def _down_reads(w2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, stride_ws, TOP_K: tl.constexpr,
+                INTER: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """What the per-token down reads of the routing and the weights, as tuples: each pair's slot,
+    whether it is in range, and its combine weight (``routed_pair``), then each step's w2 tile
+    ``[BLOCK_K, BLOCK_N]`` of the pair's slot, in (pair, step) order."""
+    slots, oks, weights, tiles = (), (), (), ()
+    for j in tl.static_range(TOP_K):
+        _, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
+        slots, oks, weights = slots + (slot,), oks + (ok,), weights + (weight,)
+        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            tiles = tiles + (tile_step(w_rows, step * BLOCK_K + tl.arange(0, BLOCK_K), col_ok, INTER, 1, EVEN),)
+    return slots, oks, weights, tiles
+
+
 @triton.jit(do_not_specialize_on_alignment=["weights_ptr", "slots_ptr"])
 def _down_fp8_kernel(act_ptr, w2_ptr, s2_ptr, weights_ptr, slots_ptr, out_ptr, num_slots, hidden, stride_ws,
                      stride_ss, stride_sr, TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                     MODE: tl.constexpr, EVEN: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
+                     MODE: tl.constexpr, EVEN: tl.constexpr, WEIGHTED: tl.constexpr, EARLY: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (t, n): out[t, h] = sum_j (weight_tj * act_tj) . (w2[slot_tj, h] x scale), one float32
     accumulator; a slot outside ``[0, N)`` reads slot 0 and weighs 0 (its act row was never
     written). WEIGHTED: one token's rows, float32, weighted and zeros where unrouted by its gate_up,
     are read as they are (compiled for sm90, 736 instructions a thread where weighing them here
     takes 1,088: each thread converts, weighs and masks its own copy of every act value it
     multiplies, as many as its weights; ``kernel_sass.py --ops``). Per channel the scales differ
-    by slot, so the host gives mode "kn" for it (each weight scaled)."""
-    pdl_wait(PDL)
+    by slot, so the host gives mode "kn" for it (each weight scaled).
+
+    EARLY (the gate_up before it filled no slot): the routing and every w2 tile are read before the
+    wait, while the gate_up still runs; the launch before the gate_up wrote the last of them
+    (``triton_support.pdl_args``). The act rows (the gate_up's) and the scales (small, in L2) after it."""
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
     rows, row0 = tl.where(col_ok, cols, 0), tl.program_id(1) * BLOCK_N
+    if EARLY:
+        early = _down_reads(w2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, stride_ws, TOP_K,
+                            INTER, BLOCK_K, EVEN)
+    pdl_wait(PDL)
+    if not EARLY:
+        early = _down_reads(w2_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, stride_ws, TOP_K,
+                            INTER, BLOCK_K, EVEN)
+    slots, oks, weights, tiles = early
+    STEPS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for j in tl.static_range(TOP_K):
-        pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
-        w_rows = w2_ptr + slot * stride_ws + cols[None, :].to(tl.int64) * INTER
-        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+        for step in tl.static_range(STEPS):
             ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = row_step(act_ptr + pair * INTER, ks, INTER, EVEN).to(tl.float32)
-            w = tile_step(w_rows, ks, col_ok, INTER, 1, EVEN)
+            a = row_step(act_ptr + (token * TOP_K + j) * INTER, ks, INTER, EVEN).to(tl.float32)
             if not WEIGHTED:
-                a = tl.where(ok, a * weight, 0.0)
-            acc = _scaled_dot_step(acc, a, w, s2_ptr + slot * stride_ss, row0, rows, ks, INTER, SCALE_ROWS,
-                                   SCALE_COLS, stride_sr, MODE)
+                a = tl.where(oks[j], a * weights[j], 0.0)
+            acc = _scaled_dot_step(acc, a, tiles[j * STEPS + step], s2_ptr + slots[j] * stride_ss, row0, rows, ks,
+                                   INTER, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     tl.store(out_ptr + token * hidden + cols, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -301,8 +349,8 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
     if fill is not None:
         fill.gather_scales(scales.tensors())
     act, weighted = _gate_up(hidden, weights, slots, w13, w2, scales, cfg, fill)
-    if hidden.shape[0] <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, w2, scales, out, cfg, weighted)
+    if hidden.shape[0] <= DECODE_MAX_TOKENS:  # a fill's gate_up writes w2 rows: the down reads them after it
+        _down_per_token(act, weights, slots, w2, scales, out, cfg, weighted, early=fill is None)
     else:
         _down_per_slot(act, weights, slots, w2, scales, out, cfg)
     return out
@@ -392,7 +440,7 @@ def _block_p(num_pairs: int) -> int:
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,
-                    scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig, weighted: bool) -> None:
+                    scales: ExpertScales, out: torch.Tensor, cfg: DecodeConfig, weighted: bool, early: bool) -> None:
     num_slots, dim, inter = w2.shape
     block, s2 = scales.block, scales.w2
     mode = "k" if scale_mode(block, cfg.down_n) == "k" else "kn"  # per channel: by slot, so by weight
@@ -401,7 +449,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
         act, w2, s2, weights, slots, out, num_slots, dim, w2.stride(0), s2.stride(0), s2.stride(1),
         TOP_K=slots.shape[1], INTER=inter, BLOCK_N=cfg.down_n, **consts,
         EVEN=inter % consts["BLOCK_K"] == 0 and dim % cfg.down_n == 0, WEIGHTED=weighted,
-        num_warps=cfg.down_warps, **pdl_args(act))
+        EARLY=early and bool(cfg.down_early), num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w2: torch.Tensor,

@@ -56,9 +56,11 @@ def pdl_args(tensor: torch.Tensor) -> dict[str, bool]:
     A PDL launch may begin while the kernel before it on the stream still runs. The kernel takes
     the ``PDL`` constexpr and, when set, first calls ``tl.extra.cuda.gdc_wait()`` (it returns once
     the previous kernel has finished and its writes are visible, so every access after it is
-    ordered as without PDL) and then ``gdc_launch_dependents()`` (the next kernel may launch). Only
-    memory no kernel writes, a model's weights, may be read before the wait. What it saves is the
-    launch latency between two kernels of a step."""
+    ordered as without PDL) and then ``gdc_launch_dependents()`` (the next kernel may launch). So
+    when a kernel starts, every kernel two launches before it has finished: before its wait it may
+    read a model's weights (no kernel writes them) and what no launch since the one two before it
+    writes, nothing that the launch just before it may write (``tests/test_pdl.py`` names each such
+    read). What it saves is the launch latency between two kernels of a step, and the first reads."""
     on = tensor.is_cuda and os.environ.get(PDL_ENV, "1") != "0" and _capability(tensor.device) >= 9
     return {"PDL": on, "launch_pdl": on}
 

@@ -225,6 +225,15 @@ def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None] & d_live[None, :])
 
 
+@triton.jit
+def _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window, max_positions, d,
+                 dtype: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the RoPE partial kernel reads of the step's index buffer: ``_split_range``'s program
+    and split, and the row's ``rope_tables`` (its position's cos and sin)."""
+    return (_split_range(lens_ptr, max_tokens, splits, min_split, window, BLOCK_N),
+            rope_tables(cos_ptr, sin_ptr, pos_ptr, tl.program_id(0), max_positions, d, dtype, HEAD_DIM))
+
+
 # what follows the batch (the page table's width, the split plan, pointers into the batch's packed
 # index buffer) is not specialised: an eager step at a new width compiles nothing
 @triton.jit(do_not_specialize=["table_stride_b", "max_tokens", "splits", "min_split"],
@@ -264,7 +273,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr, EARLY: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -273,14 +282,26 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
     take it to 246 registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower
     than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``); over a float8 pool with 4
-    (``triton_decode.FP8_ROPE_WARPS``), where 8 ran slower still."""
+    (``triton_decode.FP8_ROPE_WARPS``), where 8 ran slower still.
+
+    EARLY (the row lengths and positions were written two launches back or more: a model's step
+    copies its index buffer in before its first layer): the split plan and the rotation's tables
+    are read before the PDL wait, beside the projection's tail (``triton_support.pdl_args``); only
+    the projection's q, k and v wait."""
+    d = tl.arange(0, HEAD_DIM)
+    if EARLY:
+        early = _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window,
+                             max_positions, d, q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_N)
     pdl_wait(PDL)  # see triton_support.pdl_args
-    b, kv_head, split, seq_len, active, start, end = _split_range(lens_ptr, max_tokens, splits, min_split, window,
-                                                                  BLOCK_N)
+    if not EARLY:
+        early = _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window,
+                             max_positions, d, q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_N)
+    split_range, tables = early
+    b, kv_head, split, seq_len, active, start, end = split_range
+    cos, sin = tables
     if (split > 0) & (split >= active):  # past the row's splits (the grid is the longest row's): nothing to store
         return
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, HEAD_DIM)
-    cos, sin = rope_tables(cos_ptr, sin_ptr, pos_ptr, b, max_positions, d, q_ptr.dtype.element_ty, HEAD_DIM)
     q = rope_rows(q_ptr + b * q_stride_b, q_stride_h, head, g_live, d, qw_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
     one = tl.arange(0, 1)
     k_new = rope_rows(k_new_ptr + b * k_stride_b, k_stride_h, kv_head + one, one == 0, d, kw_ptr, cos, sin, eps,

@@ -74,7 +74,7 @@ class TritonAttention:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         if batch.is_decode and rope is not None and self.rope_inside:  # qk_rope's work in the attention's launch
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, self.scale,
-                                          sinks=sinks, window=window, rope=rope, k=k)
+                                          sinks=sinks, window=window, rope=rope, k=k, early_index=True)
         if rope is not None:
             q, k = rope.apply(q, k)
         if batch.is_decode:

@@ -87,8 +87,8 @@ def row_splits(seq_len: int, splits: int, min_split: int, window: int = 0) -> tu
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
                            backend: str | None = None, sinks: torch.Tensor | None = None,
-                           window: int = 0, rope: RopeInputs | None = None, k: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           window: int = 0, rope: RopeInputs | None = None, k: torch.Tensor | None = None,
+                           early_index: bool = False) -> torch.Tensor:
     """``q [B, heads, D]`` over ``k_cache, v_cache [num_pages, page, kv_heads, D]`` (one layer, in
     q's dtype or float8 e4m3, read as stored and widened to q's dtype before the MMAs):
     row b attends to its first ``seq_lens[b]`` tokens through ``page_table [B, max_pages]``.
@@ -101,7 +101,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     row's new token (its last) is not yet in the caches: the kernel rotates them and stores the new
     key and ``rope.write``'s value at the token's slot, rounded to the pool's dtype, and attends to
     them as stored (``decode_rope_partial_kernel``; the twin runs ``rope.apply`` first). Where the
-    head dim is not a power of two of at least 16, ``rope.apply`` runs first on the GPU too."""
+    head dim is not a power of two of at least 16, ``rope.apply`` runs first on the GPU too.
+    ``early_index``: ``seq_lens`` and ``rope.positions`` were written before the launch just before
+    this one (a model's step: its index buffer is in before its first layer), so that kernel reads
+    them before its PDL wait."""
     _check(q, k_cache, v_cache, page_table, seq_lens)
     check_sinks(sinks, q)
     if rope is not None:
@@ -111,12 +114,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             rope = None
     if not use_triton(q, backend):
         return paged_decode_attention_eager(q, k_cache, v_cache, page_table, seq_lens, scale, sinks, window)
-    return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, num_splits, sinks, window, rope, k)
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, num_splits, sinks, window, rope, k,
+                   early_index)
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, num_splits: int | None, sinks: torch.Tensor | None, window: int,
-            rope: RopeInputs | None, k: torch.Tensor | None) -> torch.Tensor:
+            rope: RopeInputs | None, k: torch.Tensor | None, early_index: bool = False) -> torch.Tensor:
     """The partial kernel (with RoPE inside where ``rope`` is given) and the merge."""
     B, heads, D = q.shape
     num_pages, page, kv_heads, _ = k_cache.shape
@@ -145,7 +149,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     if rope is None:
         partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
     else:
-        rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None, **consts)
+        rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None,
+                                            EARLY=early_index, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, splits, min_split, window,
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
