@@ -273,7 +273,8 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr, EARLY: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr, EARLY: tl.constexpr,
+                               READ_BACK: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
@@ -287,7 +288,9 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     EARLY (the row lengths and positions were written two launches back or more: a model's step
     copies its index buffer in before its first layer): the split plan and the rotation's tables
     are read before the PDL wait, beside the projection's tail (``triton_support.pdl_args``); only
-    the projection's q, k and v wait."""
+    the projection's q, k and v wait. READ_BACK: the split that stores the new key and value reads
+    them back from their slot after a barrier of its program, so it runs the plain loop, as the
+    other splits do, instead of selecting them into each block from registers."""
     d = tl.arange(0, HEAD_DIM)
     if EARLY:
         early = _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window,
@@ -318,7 +321,12 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
     k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
-    if mine:  # and only its split selects it into its blocks; the others run the plain loop
+    if READ_BACK:  # every split runs the plain loop, the new token's read back from its slot like any other
+        tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
+                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
+    elif mine:  # and only its split selects it into its blocks; the others run the plain loop
         m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)

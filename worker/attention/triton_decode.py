@@ -50,6 +50,10 @@ PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
 # (H100, 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype auto fp8 --sweep, and the same
 # shapes' tiles set by hand)
 FP8_ROPE_WARPS = 4
+# the RoPE kernel's split that stores the new token reads it back from its slot (decode_rope_partial_kernel's
+# READ_BACK) instead of selecting it into its blocks from registers; SLUICE_ROPE_READ_BACK=0/1 times the
+# other in a whole step (bench_decode.py), unset in serving
+ROPE_READ_BACK = os.environ.get("SLUICE_ROPE_READ_BACK", "0") == "1"
 # a float8 pool read as int16 words of two values, widened to float16 (decode_kernel._walk_split_words),
 # where the head dim allows it and the queries are 16-bit; False: as float8 tiles widened to the query's
 # dtype (scripts/bench_decode_attention.py --fp8-bytes times that too)
@@ -150,7 +154,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
     else:
         rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None,
-                                            EARLY=early_index, **consts)
+                                            EARLY=early_index, READ_BACK=ROPE_READ_BACK, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, splits, min_split, window,
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
