@@ -64,6 +64,10 @@ def wait_problem(fn: ast.FunctionDef, helpers: dict[str, ast.FunctionDef] | None
     wait = next((i for i, s in enumerate(body) if is_wait_block(s)), None)
     if wait is None:
         return "takes PDL but never waits"
+    if any(isinstance(n, ast.Return) for s in body[:wait] for n in ast.walk(s)):
+        # a program that ends before its wait lets the next kernel start before the one before it has
+        # finished: the next kernel's early reads (two launches back) would race
+        return "returns before the wait"
     allowed = EARLY_LOADS.get(fn.name, set())
     assigned_to = {}  # each call inside an assignment's value: the names it is assigned to
     for n in (n for s in body[:wait] for n in ast.walk(s) if isinstance(n, ast.Assign)):
@@ -94,7 +98,8 @@ def test_every_pdl_kernel_waits_before_it_touches_memory():
      "        tl.extra.cuda.gdc_wait()\n        tl.extra.cuda.gdc_launch_dependents()\n",
      "tl.store(x, w_all) before the wait"),
     ("def k(x, PDL):\n    pdl_wait(PDL)\n    tl.store(x, 1)\n", None),
-], ids=["load-first", "no-wait", "weights-first", "store-first", "helper-wait"])
+    ("def k(x, PDL):\n    if c:\n        return\n    pdl_wait(PDL)\n", "returns before the wait"),
+], ids=["load-first", "no-wait", "weights-first", "store-first", "helper-wait", "return-first"])
 def test_the_check_finds_early_accesses(source, problem):
     assert wait_problem(ast.parse(source).body[0]) == problem
 
