@@ -278,9 +278,9 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
-    the token's slot and attends from registers, as stored (``to_kv``; the pages hold it only after
-    this launch); a row of length 0 stores nothing. So ``qk_rope``'s launch is gone from a decode
-    step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
+    the token's slot, rounded as the pool holds them (``to_kv``), and attends as stored: read back
+    (READ_BACK) or selected into its blocks from registers; a row of length 0 stores nothing. So
+    ``qk_rope``'s launch is gone from a decode step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
     take it to 246 registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower
     than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``); over a float8 pool with 4
     (``triton_decode.FP8_ROPE_WARPS``), where 8 ran slower still.
