@@ -203,6 +203,17 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
 
 
 @triton.jit
+def _fold_token(q, k, v, m, l, acc, qk_scale):
+    """The online softmax ``(m, l, acc)`` of the group's queries ``q [G, D]`` after one more token,
+    key ``k`` and value ``v`` ``[1, D]``: its score a float32 row sum, no block, no dot."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
+    m_new = tl.maximum(m, s)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new)
+    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+
+
+@triton.jit
 def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -274,13 +285,13 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
                                WORDS: tl.constexpr, CVT: tl.constexpr, EARLY: tl.constexpr,
-                               READ_BACK: tl.constexpr):
+                               NEW_TOKEN: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
-    the token's slot, rounded as the pool holds them (``to_kv``), and attends as stored: read back
-    (READ_BACK) or selected into its blocks from registers; a row of length 0 stores nothing. So
-    ``qk_rope``'s launch is gone from a decode step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
+    the token's slot, rounded as the pool holds them (``to_kv``), and attends to them as stored
+    (NEW_TOKEN below); a row of length 0 stores nothing. So ``qk_rope``'s launch is gone from a
+    decode step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
     take it to 246 registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower
     than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``); over a float8 pool with 4
     (``triton_decode.FP8_ROPE_WARPS``), where 8 ran slower still.
@@ -288,9 +299,12 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     EARLY (the row lengths and positions were written two launches back or more: a model's step
     copies its index buffer in before its first layer): the split plan and the rotation's tables
     are read before the PDL wait, beside the projection's tail (``triton_support.pdl_args``); only
-    the projection's q, k and v wait. READ_BACK: the split that stores the new key and value reads
-    them back from their slot after a barrier of its program, so it runs the plain loop, as the
-    other splits do, instead of selecting them into each block from registers."""
+    the projection's q, k and v wait.
+
+    NEW_TOKEN, how the split that stores the new key and value attends to them: "read_back", from
+    their slot after a barrier of its program, in the plain loop as every other split runs it;
+    "fold", the plain loop over its other tokens, then the new one into the softmax from registers
+    (``_fold_token``); "select", into each block of its own loop from registers."""
     d = tl.arange(0, HEAD_DIM)
     if EARLY:
         early = _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window,
@@ -321,19 +335,27 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
     k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
-    if READ_BACK:  # every split runs the plain loop, the new token's read back from its slot like any other
-        tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
-                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
-    elif mine:  # and only its split selects it into its blocks; the others run the plain loop
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
-                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
+    if NEW_TOKEN == "select":
+        if mine:  # only its split selects it into its blocks; the others run the plain loop
+            m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
+                                    table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                    BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
+        else:
+            m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
+                                    table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
+                                    BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
     else:
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
+        stop = end
+        if NEW_TOKEN == "read_back":
+            tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
+        else:  # "fold": the new token after the loop
+            stop = tl.where(mine, last, end)
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, stop, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
+        if NEW_TOKEN == "fold":
+            if mine:
+                m, l, acc = _fold_token(q, k_new, v_new, m, l, acc, qk_scale)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 
