@@ -112,7 +112,8 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES, weighted: bool = True) -> dict:
                               EVEN=HIDDEN % cfg.pair_k == 0 and INTER % cfg.pair_n == 0), cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel,
                        dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PDL=False,
-                            WEIGHTED=weighted, EARLY=bool(cfg.down_early), **scales, EVEN=INTER % cfg.down_k == 0 and HIDDEN % cfg.down_n == 0),
+                            WEIGHTED=weighted, EARLY=bool(cfg.down_early), **scales,
+                            EVEN=INTER % cfg.down_k == 0 and HIDDEN % cfg.down_n == 0),
                        cfg.down_warps, 3, "w2"),
     }
 
