@@ -12,11 +12,15 @@ on GPUs before sm89), each at its served tokens a step, and prints what one step
 issues: instructions, byte-wide shared-memory loads (``LDS.U8``), ``ldmatrix``es, global loads to
 registers (``LDG``) and to shared memory (``cp.async``, Triton's pipeline), and the kernel's waits
 for those copies (how many may stay in flight: ``0x0``, none, where the pipeline keeps one buffer).
+Then ``decode_rope_partial_kernel`` (qwen3's q/k norms, its index read before the PDL wait) over
+the bf16 pool and the float8 words at their served warps, once for each way its split attends to
+the new token (``triton_decode.NEW_TOKEN_WAYS``): registers, spills and instructions of the kernel.
 It measures nothing; the benchmarks decide.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -77,6 +81,31 @@ def compile_here(arch: int, pool: str, words: bool, cvt: bool):
                           options=dict(num_warps=triton_decode.PARTIAL_WARPS, num_stages=triton_decode.PARTIAL_STAGES))
 
 
+def compile_rope_here(arch: int, pool: str, new_token: str):
+    """``decode_rope_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` (float8 read as
+    words), attending to the new token ``new_token``'s way, at the served warps and stages."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, words = decode_kernel.decode_rope_partial_kernel, pool != "bf16"
+    consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16,
+                  BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, HAS_NORM=True,
+                  PDL=True, WORDS=words, CVT=words, EARLY=True, NEW_TOKEN=new_token)
+    pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
+                    sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32",
+                    k_new_ptr="*bf16", v_new_ptr="*bf16", loc_ptr="*i64", pos_ptr="*i64", cos_ptr="*fp32",
+                    sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+    aligned = (*ALIGNED, "k_new_ptr", "v_new_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "k_stride_b", "v_stride_b")
+    names = fn.arg_names
+    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32") for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
+    source = ASTSource(fn, signature, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
+    warps = triton_decode.FP8_ROPE_WARPS if words else triton_decode.ROPE_WARPS
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=triton_decode.PARTIAL_STAGES))
+
+
 def loop_step(sass: str) -> list[str]:
     """The instructions of the kernel's longest loop (from a label to the branch back to it)."""
     lines = sass.splitlines()
@@ -103,6 +132,12 @@ def here(arch: int) -> None:
               f"LDS.U8 {ops['LDS.U8']:3d}  ldmatrix {sum(n for op, n in ops.items() if op.startswith('LDSM')):3d}  "
               f"LDG {sum(bool(re.search(r'LDG[.]', line)) for line in step):2d}  cp.async {copies:2d}  "
               f"kernel waits for copies left {','.join(waits) or '-'}  shared {compiled.metadata.shared}")
+    for pool, way in itertools.product(("bf16", "fp8e4nv"), triton_decode.NEW_TOKEN_WAYS):
+        usage, sass = disassemble(compile_rope_here(arch, pool, way))
+        regs, stack = re.search(r"REG:(\d+)", usage)[1], re.search(r"STACK:(\d+)", usage)[1]
+        instructions = len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass))
+        print(f"rope {'bf16 pool' if pool == 'bf16' else 'fp8 words'} new token {way:9s} regs {regs:>3}  "
+              f"spills {stack}  instructions {instructions}")
 
 
 def main() -> None:

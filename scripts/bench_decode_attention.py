@@ -66,7 +66,7 @@ def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
             + ("" if tile.words or kv != "fp8" else " bytes")
-            + ("" if tile.new_token == triton_decode.ROPE_NEW_TOKEN or not rope else f" {tile.new_token}"))
+            + ("" if tile.new_token == SERVED.new_token or not rope else f" {tile.new_token}"))
 
 
 def use_tile(tile: Tile) -> None:
@@ -163,7 +163,8 @@ def main() -> None:
                    help="also time each tile with these ways of attending to the new token (RoPE inside)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
-    tiles += [t._replace(new_token=way) for way in args.new_token for t in tiles if way != t.new_token]
+    ways = [] if args.no_rope else args.new_token  # the plain kernel has no new token to attend to
+    tiles += [t._replace(new_token=way) for way in ways for t in tiles if way != t.new_token]
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")

@@ -142,10 +142,11 @@ def _dequant_step(w, s_ptr, row0, rows, ks, k_len, SCALE_ROWS: tl.constexpr, SCA
     """A step's ``[BLOCK_K, BLOCK_N]`` tile in float32 times its scales for a dot (mode "n": unscaled,
     the caller scales the products' columns, ``_scaled_columns``)."""
     w = w.to(tl.float32)
+    scales = _step_scales(s_ptr, row0, rows, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr, MODE)
     if MODE == "k":
-        w = w * _scale_cols(s_ptr, row0, ks, k_len, SCALE_ROWS, SCALE_COLS, stride_sr)[:, None]
+        w = w * scales[:, None]
     elif MODE == "kn":
-        w = w * _scale_row(s_ptr, rows, tl.min(ks, 0), SCALE_ROWS, SCALE_COLS, stride_sr)[None, :]
+        w = w * scales[None, :]
     return w
 
 

@@ -52,7 +52,7 @@ PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
 FP8_ROPE_WARPS = 4
 # how the RoPE kernel's split that stores the new token attends to it (decode_rope_partial_kernel's NEW_TOKEN):
 # "read_back" from its slot in the plain loop, 80 registers a thread against 175 for "select" (bf16 pool, 8
-# warps; fp8 words 194 against 255 at 4; sm90, Triton 3.6). H100, one call (2026-12-07,
+# warps; fp8 words 194 against 255 at 4; scripts/attention_regs.py --arch 90, Triton 3.6). H100, one call (2026-12-07,
 # scripts/bench_decode_attention.py --contexts 4096 65536 131072 --batch 1 8 --kv-cache-dtype auto fp8
 # --table-tokens 140000, us a layer, select -> read_back): b1 over 131k bf16 106.1 -> 98.1, fp8 70.3 -> 56.9;
 # b8 over 64k fp8 251.0 -> 198.8; b1 over 4k fp8 12.3 -> 10.3. Over a 64-token prompt the read waits for
