@@ -139,3 +139,14 @@ def test_an_offloaded_row_without_guesses_gets_the_ceiling_of_its_own_non_expert
     # the misses' 290.95 MB (5.29 ms at 55 GB/s) over the timed 10 ms step less its 1.41 ms of non-expert work
     assert offloaded["miss_gbps"] == pytest.approx(5.29e-3 * 55e9 / 8.59e-3 / 1e9)
     assert all(math.isnan(x[key]) for x in (resident, guessing) for key in ("ceiling", "peak_ceiling", "miss_gbps"))
+
+
+def test_a_row_is_the_run_of_the_median_rate_and_its_spread_spans_all_runs():
+    seconds = [0.5, 0.25, 1.0, 0.4, 0.2]  # 200, 400, 100, 250 and 500 tok/s
+    runs = [dict(tokens=100, seconds=s, hits=i) for i, s in enumerate(seconds)]
+    chosen, spread = bench_decode.median_run(runs)
+    assert chosen["hits"] == 3  # 250 tok/s, the middle of five
+    assert spread == pytest.approx((500 - 100) / 250)
+    chosen, spread = bench_decode.median_run(runs[:2])  # an even count takes the upper middle
+    assert chosen["hits"] == 1 and spread == pytest.approx((400 - 200) / 400)
+    assert bench_decode.median_run(runs[:1]) == (runs[0], 0.0)

@@ -203,17 +203,6 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
 
 
 @triton.jit
-def _fold_token(q, k, v, m, l, acc, qk_scale):
-    """The online softmax ``(m, l, acc)`` of the group's queries ``q [G, D]`` after one more token,
-    key ``k`` and value ``v`` ``[1, D]``: its score a float32 row sum, no block, no dot."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
-    m_new = tl.maximum(m, s)
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new)
-    return m_new, l * alpha + p, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-
-
-@triton.jit
 def _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -303,8 +292,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
 
     NEW_TOKEN, how the split that stores the new key and value attends to them: "read_back", from
     their slot after a barrier of its program, in the plain loop as every other split runs it;
-    "fold", the plain loop over its other tokens, then the new one into the softmax from registers
-    (``_fold_token``); "select", into each block of its own loop from registers."""
+    "select", into each block of its own loop from registers."""
     d = tl.arange(0, HEAD_DIM)
     if EARLY:
         early = _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window,
@@ -344,18 +332,11 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
             m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                     table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                     BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
-    else:
-        stop = end
-        if NEW_TOKEN == "read_back":
-            tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
-        else:  # "fold": the new token after the loop
-            stop = tl.where(mine, last, end)
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, stop, d, d_live,
+    else:  # "read_back"
+        tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
+        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
                                 table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
-        if NEW_TOKEN == "fold":
-            if mine:
-                m, l, acc = _fold_token(q, k_new, v_new, m, l, acc, qk_scale)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 
