@@ -101,9 +101,11 @@ def expert_bytes(runner: ModelRunner) -> int:
 def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
     """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (torch.profiler sees
     the kernels inside replayed graphs too); the busy time is the union of the kernels' intervals
-    (kernels of two streams, or of one under PDL, overlap). ``top``: also the ``top`` kernels by time,
-    as ``[name, launches per step, microseconds per step]``; under PDL (``triton_support.pdl_args``)
-    a kernel's time includes its wait for the kernel before it."""
+    (kernels of two streams, or of one under PDL, overlap). ``top``: also the ``top`` kernels by the
+    busy time they add, as ``[name, launches per step, microseconds per step, microseconds of busy
+    time per step]``; under PDL (``triton_support.pdl_args``) a kernel's time includes its wait for
+    the kernel before it, while the busy time it adds (``added_us``) starts where the kernels before
+    it end, so those add up to the step."""
     from torch.profiler import ProfilerActivity, profile
 
     # on the host (--device cpu) there are no kernels: it counts none
@@ -113,16 +115,29 @@ def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
             engine.step()
         sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
     by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        count_us = by_name.setdefault(e.name, [0, 0.0])
+    for e, added in zip(kernels, added_us(spans)):
+        count_us = by_name.setdefault(e.name, [0, 0.0, 0.0])
         count_us[0] += 1
         count_us[1] += e.device_time
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
+        count_us[2] += added
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:top]
     return dict(kernels=len(kernels) / steps, busy_ms=busy_us([span[1:] for span in spans]) / 1e3 / steps,
                 non_expert_ms=non_expert_us(spans) / 1e3 / steps,
-                top_kernels=[[name, n / steps, us / steps] for name, (n, us) in ranked])
+                top_kernels=[[name, n / steps, us / steps, add / steps] for name, (n, us, add) in ranked])
+
+
+def added_us(kernels: list[tuple[str, float, float]]) -> list[float]:
+    """What each kernel ``(name, start, end)`` adds to the busy time: the part of its interval past
+    the end of every interval that starts before it (its own order kept; they sum to ``busy_us``)."""
+    added, reach = [0.0] * len(kernels), float("-inf")
+    for i in sorted(range(len(kernels)), key=lambda i: kernels[i][1:]):
+        start, end = kernels[i][1:]
+        if end > reach:
+            added[i] = end - max(start, reach)
+            reach = end
+    return added
 
 
 # The modules of the kernels that compute routed experts (their GEMMs, sums and activations'
@@ -500,7 +515,8 @@ def parse_args() -> argparse.Namespace:
                    help="how every request samples: greedy, or sampled (temperature 0.8, top-p 0.9; the "
                         "decode graph captures both paths, a sampled row draws by rejection); several: rows each")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N",
-                   help="print the N kernels that take the most GPU time per decode step, per row")
+                   help="print the N kernels that add the most GPU-busy time per decode step (under PDL the "
+                        "part of each past the kernels before it), per row")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the same steps on the host, for the tests (times meaningless)")
     p.add_argument("--json")
@@ -512,8 +528,9 @@ def print_top_kernels(rows: list[dict]) -> None:
         print(f"\n{r['fraction']:.0%} cache, {r['experts']}, fill {r['fill']}, {r['sampling']}, batch {r['batch']}: "
               f"{r['kernels']:.0f} kernels, "
               f"{r['busy_ms']:.2f} ms GPU-busy per step")
-        for name, launches, us in r["top_kernels"]:
-            print(f"  {us:9.1f} us {launches:6.1f}x  {name[:110]}")
+        print(f"  {'adds us':>9} {'runs us':>9} {'launches':>8}  (adds: the busy time past the kernels before it)")
+        for name, launches, us, adds in r["top_kernels"]:
+            print(f"  {adds:9.1f} {us:9.1f} {launches:7.1f}x  {name[:100]}")
 
 
 def main() -> None:

@@ -89,6 +89,15 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert bench_decode.busy_us([(3, 4)]) == 1 and bench_decode.busy_us([]) == 0
 
 
+def test_each_kernel_adds_the_busy_time_past_the_kernels_before_it():
+    """Under PDL a kernel starts while the one before runs and waits for it: it adds only what runs
+    past that one's end; one inside another's interval adds nothing; the parts sum to the union."""
+    spans = [("b", 5, 12), ("a", 0, 10), ("c", 20, 25), ("d", 21, 22), ("e", 24, 30)]
+    added = bench_decode.added_us(spans)
+    assert added == [2, 10, 5, 0, 5]  # kept in the spans' order, counted in start order
+    assert sum(added) == bench_decode.busy_us([span[1:] for span in spans])
+
+
 def test_a_prompt_longer_than_the_plans_chunk_is_prefilled_in_chunks(tmp_path, monkeypatch):
     """``--prompt-tokens 131072`` must not become one chunk past the activations the memory plan
     reserved: a long prompt takes the plan's chunks, short ones keep one chunk for the batch."""
