@@ -72,6 +72,7 @@ from worker.distributed.parallel_runner import start_runner
 from worker.runner import ModelRunner, RunnerConfig
 from worker.runner_config import KV_CACHE_DTYPES
 from scheduler.messages.to_scheduler import SamplingParams
+from kernel_profile import busy_us, cuda_kernels, print_top_kernels, top_kernels  # beside this script
 from report_table import print_table  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
@@ -99,45 +100,16 @@ def expert_bytes(runner: ModelRunner) -> int:
 
 
 def kernel_profile(engine: Engine, steps: int, top: int = 0) -> dict:
-    """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (torch.profiler sees
-    the kernels inside replayed graphs too); the busy time is the union of the kernels' intervals
-    (kernels of two streams, or of one under PDL, overlap). ``top``: also the ``top`` kernels by the
-    busy time they add, as ``[name, launches per step, microseconds per step, microseconds of busy
-    time per step]``; under PDL (``triton_support.pdl_args``) a kernel's time includes its wait for
-    the kernel before it, while the busy time it adds (``added_us``) starts where the kernels before
-    it end, so those add up to the step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    # on the host (--device cpu) there are no kernels: it counts none
-    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
+    """Kernels and GPU-busy milliseconds per decode step, over ``steps`` steps (``kernel_profile``
+    module: under PDL a kernel's own time includes its wait for the one before); ``top``: also
+    the ``top`` kernels by the busy time they add."""
+    def run() -> None:
         for _ in range(steps):
             engine.step()
-        sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
-    by_name: dict[str, list[float]] = {}
-    for e, added in zip(kernels, added_us(spans)):
-        count_us = by_name.setdefault(e.name, [0, 0.0, 0.0])
-        count_us[0] += 1
-        count_us[1] += e.device_time
-        count_us[2] += added
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:top]
-    return dict(kernels=len(kernels) / steps, busy_ms=busy_us([span[1:] for span in spans]) / 1e3 / steps,
-                non_expert_ms=non_expert_us(spans) / 1e3 / steps,
-                top_kernels=[[name, n / steps, us / steps, add / steps] for name, (n, us, add) in ranked])
 
-
-def added_us(kernels: list[tuple[str, float, float]]) -> list[float]:
-    """What each kernel ``(name, start, end)`` adds to the busy time: the part of its interval past
-    the end of every interval that starts before it (its own order kept; they sum to ``busy_us``)."""
-    added, reach = [0.0] * len(kernels), float("-inf")
-    for i in sorted(range(len(kernels)), key=lambda i: kernels[i][1:]):
-        start, end = kernels[i][1:]
-        if end > reach:
-            added[i] = end - max(start, reach)
-            reach = end
-    return added
+    spans = cuda_kernels(run)
+    return dict(kernels=len(spans) / steps, busy_ms=busy_us([span[1:] for span in spans]) / 1e3 / steps,
+                non_expert_ms=non_expert_us(spans) / 1e3 / steps, top_kernels=top_kernels(spans, top, steps))
 
 
 # The modules of the kernels that compute routed experts (their GEMMs, sums and activations'
@@ -188,16 +160,6 @@ def decode_ceilings(rows: list[dict]) -> None:
         r["ceiling"] = r["step_pcie"] / (r["step_pcie"] + serial) if offloaded else math.nan
         r["peak_ceiling"] = r["step_pcie"] / (r["step_pcie"] + at_peak) if offloaded else math.nan
         r["miss_gbps"] = r["step_pcie"] * PCIE_BYTES_PER_S / expert_s / 1e9 if offloaded and expert_s > 0 else math.nan
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of ``[start, end)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def sync() -> None:
@@ -523,14 +485,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def print_top_kernels(rows: list[dict]) -> None:
+def print_top_kernels_of(rows: list[dict]) -> None:
     for r in rows:
-        print(f"\n{r['fraction']:.0%} cache, {r['experts']}, fill {r['fill']}, {r['sampling']}, batch {r['batch']}: "
-              f"{r['kernels']:.0f} kernels, "
-              f"{r['busy_ms']:.2f} ms GPU-busy per step")
-        print(f"  {'adds us':>9} {'runs us':>9} {'launches':>8}  (adds: the busy time past the kernels before it)")
-        for name, launches, us, adds in r["top_kernels"]:
-            print(f"  {adds:9.1f} {us:9.1f} {launches:7.1f}x  {name[:100]}")
+        print_top_kernels(f"{r['fraction']:.0%} cache, {r['experts']}, fill {r['fill']}, {r['sampling']}, "
+                          f"batch {r['batch']}: {r['kernels']:.0f} kernels, {r['busy_ms']:.2f} ms GPU-busy per step",
+                          r["top_kernels"])
 
 
 def main() -> None:
@@ -557,7 +516,7 @@ def main() -> None:
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
                                guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
     if args.top_kernels:
-        print_top_kernels(rows)
+        print_top_kernels_of(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -47,7 +47,8 @@ from worker.geometry import GEOMETRIES
 from worker.runner import ModelRunner, RunnerConfig
 from worker.runner_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from scheduler.messages.to_scheduler import SamplingParams
-from report_table import print_table  # beside this script
+from kernel_profile import busy_us, cuda_kernels, print_top_kernels, top_kernels  # beside this script
+from report_table import print_table
 
 PCIE_BYTES_PER_S = 55e9
 FLOPS_PER_S = 7.9e14
@@ -170,8 +171,9 @@ def run_chunk(runner: ModelRunner, tokens: list[int], prefix: int, seq: Sequence
 
 
 def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: int, prefix: int,
-            prompt: list[int], seq: Sequence, warmup: int, fraction: float) -> list[dict]:
-    fmt = runner.expert_format.name
+            prompt: list[int], seq: Sequence, warmup: int, fraction: float, top: int = 0) -> list[dict]:
+    """A row per staging way: one timed run of the chunk after a run that compiles its kernels;
+    ``top``: then one more under the profiler, for its ``top`` kernels by the busy time they add."""
     experts, default = runner.experts, runner.experts.pipeline
     rows = []
 
@@ -189,24 +191,35 @@ def measure(runner: ModelRunner, pipelines: dict[str, PrefillPipeline], chunk: i
             before = pipeline.stats()
             seconds = run()
             staged = {k: v - before[k] for k, v in pipeline.stats().items()}
-            pcie_s = staged["bytes_h2d"] / PCIE_BYTES_PER_S
-            flops_s = runner.model_config.forward_flops([chunk], [prefix]) / FLOPS_PER_S
-            hits = staged["from_cache"] + staged["in_place"]
-            if mode == "auto":  # which way it went
-                mode = next(f"auto-{m}" for m in ("misses", "mirror", "memcpy", "kernel") if staged[f"chunks_{m}"])
-            rows.append(dict(fraction=fraction, experts=fmt, expert_mb=experts.cache.slot_bytes / 1e6,
-                             invalidate=mode, chunk=chunk, prefix=prefix,
-                             seconds=seconds, tok_s=chunk / seconds, hit_rate=hits / max(hits + staged["from_host"], 1),
-                             pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
-                             copies=staged.get("mirror_copies", 0) / runner.model_config.num_layers,
-                             bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
-                             ratio=max(pcie_s, flops_s) / seconds))
+            rows.append(chunk_row(runner, mode, staged, seconds, chunk, prefix, fraction))
+            if top:
+                spans = cuda_kernels(run)
+                rows[-1].update(busy_s=busy_us([span[1:] for span in spans]) / 1e6,
+                                top_kernels=top_kernels(spans, top))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        rows.append(dict(fraction=fraction, experts=fmt, invalidate="-", chunk=chunk, prefix=prefix, oom=True))
+        rows.append(dict(fraction=fraction, experts=runner.expert_format.name, invalidate="-", chunk=chunk,
+                         prefix=prefix, oom=True))
     finally:
         experts.pipeline = default
     return rows
+
+
+def chunk_row(runner: ModelRunner, mode: str, staged: dict, seconds: float, chunk: int, prefix: int,
+              fraction: float) -> dict:
+    """A timed chunk's row: its time and rate, what it staged, and its bound."""
+    pcie_s = staged["bytes_h2d"] / PCIE_BYTES_PER_S
+    flops_s = runner.model_config.forward_flops([chunk], [prefix]) / FLOPS_PER_S
+    hits = staged["from_cache"] + staged["in_place"]
+    if mode == "auto":  # which way it went
+        mode = next(f"auto-{m}" for m in ("misses", "mirror", "memcpy", "kernel") if staged[f"chunks_{m}"])
+    return dict(fraction=fraction, experts=runner.expert_format.name, expert_mb=runner.experts.cache.slot_bytes / 1e6,
+                invalidate=mode, chunk=chunk, prefix=prefix,
+                seconds=seconds, tok_s=chunk / seconds, hit_rate=hits / max(hits + staged["from_host"], 1),
+                pcie_gb=staged["bytes_h2d"] / 1e9, hbm_gb=hbm_bytes(runner, staged, chunk, prefix) / 1e9,
+                copies=staged.get("mirror_copies", 0) / runner.model_config.num_layers,
+                bound_s=max(pcie_s, flops_s), bound="pcie" if pcie_s >= flops_s else "flops",
+                ratio=max(pcie_s, flops_s) / seconds)
 
 
 def bench_pipelines(args: argparse.Namespace, experts: OffloadedExperts) -> dict[str, PrefillPipeline]:
@@ -253,13 +266,14 @@ def bench_fraction(args: argparse.Namespace, fraction: float, expert_dtype: str,
         stage_rows += [{"experts": fmt, **r} for r in stage_bandwidth(experts, args.stage_programs)]
     rows = []
     for chunk in args.chunks:
-        rows += measure(runner, pipelines, chunk, 0, prompt, seq, args.warmup, fraction)
+        rows += measure(runner, pipelines, chunk, 0, prompt, seq, args.warmup, fraction, args.top_kernels)
     if args.prefix:
         for pos in range(0, args.prefix, PREFIX_CHUNK):  # the cached prefix, untimed
             run_chunk(runner, prompt[pos:min(pos + PREFIX_CHUNK, args.prefix)], pos, seq)
         seq.save_state(runner)
         for chunk in args.chunks:
-            rows += measure(runner, pipelines, chunk, args.prefix, prompt, seq, args.warmup, fraction)
+            rows += measure(runner, pipelines, chunk, args.prefix, prompt, seq, args.warmup, fraction,
+                            args.top_kernels)
     del runner, experts, pipelines
     torch.cuda.empty_cache()
     return rows
@@ -293,6 +307,8 @@ def main() -> None:
                    help="run as on a card this size")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the same steps on the host, for the tests (no stage table, times meaningless)")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                   help="also profile each row's chunk once more: its N kernels by the GPU-busy time they add")
     p.add_argument("--json")
     args = p.parse_args()
     stage_rows: list[dict] = []
@@ -325,6 +341,10 @@ def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[di
             continue
         print(f"{head} {r['seconds']:>8.3f} {r['tok_s']:>8.0f} {r['hit_rate']:>5.2f} {r['pcie_gb']:>8.1f} "
               f"{r['hbm_gb']:>7.1f} {r['copies']:>6.1f} {r['bound_s']:>8.3f} {r['bound']:>5} {r['ratio']:>6.3f}")
+    for r in rows:
+        if r.get("top_kernels"):
+            print_top_kernels(f"{r['fraction']:.0%} cache, {r['experts']}, {r['invalidate']}, {r['chunk']} over "
+                              f"{r['prefix']}: {r['busy_s']:.3f} s GPU-busy (profiled)", r["top_kernels"])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # bench_decode imports report_table
 import bench_decode  # noqa: E402
+import kernel_profile  # noqa: E402
 from bench_decode import HBM_BYTES_PER_S, resident_bounds_from_lookups  # noqa: E402
 
 EXPERT, DENSE, LAYERS = 9_437_184, 2.46e9, 48
@@ -85,17 +86,19 @@ def test_a_resident_row_under_synthetic_routing_models_its_distinct_experts():
 
 def test_busy_time_is_the_union_of_kernel_intervals():
     """Kernels that overlap (two streams, or PDL's early launch) count once; gaps not at all."""
-    assert bench_decode.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
-    assert bench_decode.busy_us([(3, 4)]) == 1 and bench_decode.busy_us([]) == 0
+    assert kernel_profile.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert kernel_profile.busy_us([(3, 4)]) == 1 and kernel_profile.busy_us([]) == 0
 
 
 def test_each_kernel_adds_the_busy_time_past_the_kernels_before_it():
     """Under PDL a kernel starts while the one before runs and waits for it: it adds only what runs
     past that one's end; one inside another's interval adds nothing; the parts sum to the union."""
     spans = [("b", 5, 12), ("a", 0, 10), ("c", 20, 25), ("d", 21, 22), ("e", 24, 30)]
-    added = bench_decode.added_us(spans)
+    added = kernel_profile.added_us(spans)
     assert added == [2, 10, 5, 0, 5]  # kept in the spans' order, counted in start order
-    assert sum(added) == bench_decode.busy_us([span[1:] for span in spans])
+    assert sum(added) == kernel_profile.busy_us([span[1:] for span in spans])
+    ranked = kernel_profile.top_kernels(spans + [("a", 40, 41)], top=2, per=2)
+    assert ranked == [["a", 1.0, 5.5, 5.5], ["c", 0.5, 2.5, 2.5]]  # by the time added: a 11, c 5, e 5, b 2
 
 
 def test_a_prompt_longer_than_the_plans_chunk_is_prefilled_in_chunks(tmp_path, monkeypatch):

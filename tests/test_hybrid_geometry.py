@@ -159,8 +159,9 @@ def test_bench_prefill_runs_on_the_tiny_hybrid_geometry(tmp_path):
     out = tmp_path / "prefill.json"
     proc = run_script(["scripts/bench_prefill.py", "--device", "cpu", "--model", TINY, "--fractions", "0.75",
                        "--chunks", "24", "--prefix", "20", "--invalidate", "fixed", "--warmup", "0",
-                       "--json", str(out)])
+                       "--top-kernels", "4", "--json", str(out)])
     rows = json.loads(out.read_text())["chunks"]
+    assert all(r["top_kernels"] == [] and r["busy_s"] == 0 for r in rows)  # profiled; the host runs no kernels
     assert [(r["chunk"], r["prefix"], r["invalidate"]) for r in rows] == [(24, 0, "fixed"), (24, 20, "fixed")]
     slot = expert_slot_bytes(ModelConfig.from_dir(TINY), ExpertFormat(torch.float32))
     for r in rows:
