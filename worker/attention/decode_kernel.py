@@ -349,11 +349,15 @@ def decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, sink_ptr, out_ptr, out
                          HAS_SINK: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of row b's head h, merged in one
     pass over CHUNK splits a step (an online softmax over the splits' maxima): a 128k-token row's
-    hundreds of splits take a few steps, each a latency, where a step of 16 took dozens."""
-    pdl_wait(PDL)  # see triton_support.pdl_args
+    hundreds of splits take a few steps, each a latency, where a step of 16 took dozens.
+
+    The row's length is read before the PDL wait: the launch before this one is always the partial
+    kernel, which does not write it (``triton_support.pdl_args``)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), max_tokens).to(tl.int32)
+    early = tl.load(lens_ptr + b)
+    pdl_wait(PDL)  # see triton_support.pdl_args
+    seq_len = tl.minimum(tl.maximum(early, 0), max_tokens).to(tl.int32)
     _, _, active = _row_splits(seq_len, window, splits, min_split, BLOCK_N)  # the splits that stored a partial
     if active <= 1:  # the one split wrote the output itself
         return
