@@ -300,9 +300,10 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     # the mean context of a decode step: the prompt and half the answer
     per_sequence = sequence_bytes(runner, prompt + args.decode_tokens // 2)
     sampling = SAMPLED if setup["sampling"] == "sampled" else SamplingParams()
+    runs = repeats_for(args, prompt)
     r, spread = median_run([decode_run(runner, batch, prompt, args.decode_tokens, seed=batch + 1009 * i,
                                        prefill_every=args.prefill_every, prefill_tokens=args.prefill_tokens,
-                                       sampling=sampling) for i in range(args.repeats)])
+                                       sampling=sampling) for i in range(runs)])
     profiled = decode_run(runner, batch, prompt, 16, seed=batch, profile_steps=8,
                           top_kernels=args.top_kernels, sampling=sampling)
     tok_s = r["tokens"] / r["seconds"]
@@ -313,7 +314,7 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
     step_pcie = moved / max(r["steps"], 1) / PCIE_BYTES_PER_S
     step_hbm = (dense + batch * per_sequence + distinct * one_expert) / HBM_BYTES_PER_S
     bound = max(step_pcie, step_hbm)
-    return dict(**setup, batch=batch, tok_s=tok_s, spread=spread, decode_tok_s=decode_tok_s,
+    return dict(**setup, batch=batch, tok_s=tok_s, runs=runs, spread=spread, decode_tok_s=decode_tok_s,
                 prefill_s=r["prefill_s"],
                 prefill_steps=r["prefill_steps"],
                 hit_rate=r["hits"] / r["lookups"] if r["lookups"] else 1.0,
@@ -326,6 +327,15 @@ def bench_batch(runner, args: argparse.Namespace, batch: int, setup: dict) -> di
                 sequence_bytes=batch * per_sequence,
                 expert_bytes=one_expert, expert_mb=one_expert / 1e6, layers=cfg.num_layers, step_pcie=step_pcie,
                 **profiled)
+
+
+def repeats_for(args: argparse.Namespace, prompt: int) -> int:
+    """Timed runs of a row: ``--repeats``, else 5, or 1 over prompts of ``LONG_PROMPT`` tokens or
+    more (each run prefills its own prompt)."""
+    return args.repeats or (1 if prompt >= LONG_PROMPT else 5)
+
+
+LONG_PROMPT = 16384
 
 
 def median_run(runs: list[dict]) -> tuple[dict, float]:
@@ -412,8 +422,8 @@ COLUMNS = [("gpus", "gpus", ">4"), ("cache", "fraction", ">6.0%"), ("experts", "
            ("lent", "lent_slots", ">7"), ("prefetch", "prefetch", ">8"), ("fill", "fill", ">6"),
            ("pdl", "pdl", ">3"), ("sampling", "sampling", ">8"), ("prompt", "prompt", ">7"),
            ("batch", "batch", ">5"),
-           ("tok/s", "tok_s", ">8.1f"), ("spread", "spread", ">6.3f"), ("decode tok/s", "decode_tok_s", ">12.1f"),
-           ("prefill s", "prefill_s", ">9.2f"),
+           ("tok/s", "tok_s", ">8.1f"), ("runs", "runs", ">4"), ("spread", "spread", ">6.3f"),
+           ("decode tok/s", "decode_tok_s", ">12.1f"), ("prefill s", "prefill_s", ">9.2f"),
            ("hit rate", "hit_rate", ">8.3f"), ("guessed", "guessed", ">7.3f"),
            ("MB moved/tok", "mb_per_token", ">12.1f"), ("of which guesses", "guess_mb_per_token", ">16.1f"),
            ("MB/expert", "expert_mb", ">9.2f"), ("experts/layer", "experts_per_layer", ">13.1f"),
@@ -451,9 +461,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[64],
                    help="tokens of each request's prompt; several: rows each (decode over a long context)")
     p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=5, metavar="N",
-                   help="timed runs a row, each over new prompts; the row is the run of the median tok/s, "
-                        "'spread' the (fastest - slowest) / median of their rates")
+    p.add_argument("--repeats", type=int, default=0, metavar="N",
+                   help="timed runs a row, each over new prompts (default 5, or 1 over prompts of 16k tokens or "
+                        "more); the row is the run of the median tok/s, 'spread' the (fastest - slowest) / median "
+                        "of their rates")
     p.add_argument("--kv-cache-dtype", default=RunnerConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="what the KV pool holds (fp8: float8 e4m3, half the bytes a step reads)")
     p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
@@ -508,7 +519,7 @@ def main() -> None:
     decode_ceilings(rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"decode, {args.model}, {device}, "
-          f"{args.decode_tokens} tokens (median of {args.repeats} runs), KV {args.kv_cache_dtype}, "
+          f"{args.decode_tokens} tokens (the median run), KV {args.kv_cache_dtype}, "
           f"policy {args.policy}, "
           f"cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}, misses gathered by {args.gather_programs or 'the wide grid of'} programs, "

@@ -162,3 +162,11 @@ def test_a_row_is_the_run_of_the_median_rate_and_its_spread_spans_all_runs():
     chosen, spread = bench_decode.median_run(runs[:2])  # an even count takes the upper middle
     assert chosen["hits"] == 1 and spread == pytest.approx((400 - 200) / 400)
     assert bench_decode.median_run(runs[:1]) == (runs[0], 0.0)
+
+
+def test_rows_repeat_five_times_but_over_long_prompts_once_unless_asked():
+    from types import SimpleNamespace
+
+    assert bench_decode.repeats_for(SimpleNamespace(repeats=0), 64) == 5
+    assert bench_decode.repeats_for(SimpleNamespace(repeats=0), bench_decode.LONG_PROMPT) == 1  # a prefill a run
+    assert bench_decode.repeats_for(SimpleNamespace(repeats=3), 131072) == 3

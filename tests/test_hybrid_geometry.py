@@ -178,7 +178,8 @@ def test_bench_decode_runs_on_the_tiny_hybrid_geometry(tmp_path):
     assert [r["prompt"] for r in rows] == [8, 40]  # a row per prompt length: decode over a longer context
     runner = tiny_runner()
     for row in rows:
-        assert row["batch"] == 2 and row["tok_s"] > 0 and 0 < row["hit_rate"] <= 1 and row["spread"] >= 0
+        assert row["batch"] == 2 and row["tok_s"] > 0 and 0 < row["hit_rate"] <= 1
+        assert row["runs"] == 3 and row["spread"] >= 0
         assert row["dense_bytes"] == bench_decode.dense_bytes(runner)
         assert row["sequence_bytes"] == 2 * bench_decode.sequence_bytes(runner, row["prompt"] + 4 // 2)
         assert row["expert_bytes"] == expert_slot_bytes(runner.model_config, ExpertFormat(torch.float32))

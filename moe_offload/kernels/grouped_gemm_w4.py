@@ -36,14 +36,19 @@ __all__ = ["ACTIVATIONS", "DECODE_MAX_PAIRS", "GROUP", "BlockConfig", "W4Bank", 
 
 
 def default_config(num_tokens: int, dtype: torch.dtype) -> BlockConfig:
-    """W4A16 tiles for H200, unmeasured first guesses (``scripts/bench_grouped_gemm_w4.py --sweep``):
-    BLOCK_K 128 (eight nvfp4 or four mxfp4 groups a tile) while the weights' bytes dominate; for
-    large batches 128-row blocks, so each decoded weight tile serves 128 rows of MMA."""
+    """W4A16 tiles: BLOCK_K 128 (eight nvfp4 or four mxfp4 groups a tile) while the weights' bytes
+    dominate (first guesses, not swept); for large batches 128-row blocks, so each decoded weight
+    tile serves 128 rows of MMA, at 4 warps (swept below)."""
     return pick_config(num_tokens, dtype, _W4_CONFIGS)
 
 
+# Past 512 tokens, 4 warps where 8 were guessed: faster in every cell of the sweep (H100 80GB HBM3,
+# 2026-12-07, ``scripts/bench_grouped_gemm_w4.py --tokens 2048,8192 --dtypes nvfp4,mxfp4 --sweep``,
+# one layer, us, 8 -> 4 warps): qwen3-30b nvfp4 1,002.3 -> 958.8 at 2,048 tokens, 2,757.3 -> 2,634.5 at
+# 8,192; mxfp4 1,086.8 -> 1,001.5, 3,029.8 -> 2,765.8; gpt-oss mxfp4 3,313.7 -> 3,103.8, 7,553.4 ->
+# 7,236.5; nvfp4 at 8,192 10,525.7 -> 9,323.1. No other tile of the sweep won both sizes.
 _W4_CONFIGS = ((128, BlockConfig(16, 128, 128, 16, 4, 3)), (512, BlockConfig(64, 128, 128, 16, 4, 3)),
-               (None, BlockConfig(128, 128, 64, 8, 8, 3)))
+               (None, BlockConfig(128, 128, 64, 8, 4, 3)))
 
 
 def check_config(config: BlockConfig, fmt: str) -> None:
