@@ -60,7 +60,8 @@ FP8_ROPE_WARPS = 4
 # 392.6 tok/s (bench_decode.py), in a later call (2026-12-07, same card and commands) 365.3 -> 386.9, the
 # other way round (processes vary by that much, as I read it). A third way, the plain loop then the new
 # token folded in from registers, tied read_back (that later call: b1 over 131k fp8 59.0 against 58.6 us,
-# the step 383.2 tok/s) and was taken out (commit 4372c84 has it). SLUICE_ROPE_NEW_TOKEN=select|read_back times another, unset in serving
+# the step 383.2 tok/s) and was taken out (commit 4372c84 has it). SLUICE_ROPE_NEW_TOKEN=select|read_back
+# times another, unset in serving
 NEW_TOKEN_WAYS = ("read_back", "select")
 ROPE_NEW_TOKEN = os.environ.get("SLUICE_ROPE_NEW_TOKEN", "read_back")
 if ROPE_NEW_TOKEN not in NEW_TOKEN_WAYS:
