@@ -461,10 +461,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[64],
                    help="tokens of each request's prompt; several: rows each (decode over a long context)")
     p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=0, metavar="N",
-                   help="timed runs a row, each over new prompts (default 5, or 1 over prompts of 16k tokens or "
-                        "more); the row is the run of the median tok/s, 'spread' the (fastest - slowest) / median "
-                        "of their rates")
+    p.add_argument("--repeats", type=int, default=0, metavar="N", help="timed runs a row over new prompts (default "
+                   "5, 1 over 16k-token prompts): the median run's row, their spread (fastest - slowest) / median")
     p.add_argument("--kv-cache-dtype", default=RunnerConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="what the KV pool holds (fp8: float8 e4m3, half the bytes a step reads)")
     p.add_argument("--policy", default=ExpertOptions.policy, choices=POLICIES)
