@@ -285,6 +285,8 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels); bf16 gemv_qkv")
     p.add_argument("--ops", type=int, default=0, metavar="N", help="also each kernel's N most frequent opcodes")
+    p.add_argument("--prefill-tokens", type=int, default=16, metavar="T",
+                   help="the 4-bit prefill kernels on the tiles a batch of T tokens takes (default_config)")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
                    help="decode tiles changed from the format's (W4_DECODE_TILES, FP8_DECODE_TILES; DecodeConfig "
                         "fields), e.g. down_warps=4")
@@ -299,7 +301,8 @@ def main() -> None:
     if args.against:
         return against(args.against, not args.unweighted, target)
     changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}
-    table = kernels(decode.W4_DECODE_TILES._replace(**changes))
+    pcfg = prefill.default_config(args.prefill_tokens, torch.bfloat16)
+    table = kernels(decode.W4_DECODE_TILES._replace(**changes), pcfg)
     fp8_table = fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**changes))
     for fmt in args.formats:
         kinds = dict(fp8=fp8_table, bf16=bf16_kernels()).get(fmt, table)

@@ -140,3 +140,13 @@ def test_decode_attention_reads_a_float8_pool_as_words_through_ldmatrix():
     keys = triton_decode.FP8_BLOCK_N / triton_decode.BLOCK_N  # the word reading's step covers more keys
     assert field(rows["fp8 words"], "instructions") < keys * field(rows["fp8 bytes"], "instructions"), rows
 
+
+
+def test_the_4bit_prefill_tiles_of_a_2k_batch_run_warpgroup_mmas():
+    """``--prefill-tokens`` picks the tiles a batch of that size takes: 2,048 tokens' (128-row
+    blocks, one warpgroup) compile to Hopper's warpgroup MMAs, 16 tokens' (16-row blocks) to
+    mma.sync, which is what the prefill GEMM's figures in docs/architecture.md read."""
+    out = kernel_sass("--formats", "nvfp4", "--kernels", "prefill_gate_up", "--prefill-tokens", "2048", "--ops", "60")
+    small = kernel_sass("--formats", "nvfp4", "--kernels", "prefill_gate_up", "--ops", "60")
+    assert re.search(r"HGMMA \d+", out) and not re.search(r"\bHMMA \d+", out), out
+    assert re.search(r"\bHMMA \d+", small) and not re.search(r"HGMMA \d+", small), small
