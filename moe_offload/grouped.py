@@ -43,7 +43,7 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
                    backend: str | None = None, out_dtype: torch.dtype | None = None,
                    fill: SlotFill | None = None, w13_bias: torch.Tensor | None = None,
                    w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
-                   activation: str = "silu") -> torch.Tensor:
+                   activation: str = "silu", groups: int | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights [T, k]``, ``slots [T, k]`` -> ``[T, H]`` in ``out_dtype``
     (default hidden's). A token's k outputs are summed in float32 and rounded once (expert
     parallelism asks for float32, so that the ranks' partials, added by an all_reduce, round once).
@@ -61,19 +61,22 @@ def grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Ten
     gpt-oss's experts: ``w13_bias [E, 2I]`` (gate | up) and ``w2_bias [E, H]`` are indexed by
     ``bias_ids [T, k]`` (the routed expert ids; default ``slots``, as for resident experts), so the
     cache and the pipeline move no bias bytes; ``activation`` is ``"silu"`` or ``"gpt_oss"``
-    (``swiglu``).
+    (``swiglu``). ``groups``: at most this many distinct slots in ``slots`` (a layer's experts, one
+    slot each), which sizes the prefill-sized paths' rows and grids where the banks hold more.
     """
     _check_args(hidden, weights, slots, w13, w2, scales)
     extras = _expert_extras(slots, w13, w2, w13_bias, w2_bias, bias_ids, activation)
     fp8_activations = _fp8_activations(hidden, scales, fp8_activations)
     if scales is not None and scales.kind and use_triton(hidden, backend):  # 4-bit: the room's W4A16 GEMM
-        return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, backend, fill=fill, **extras)
+        return grouped_swiglu_w4(hidden, weights, slots, w13, w2, scales, out_dtype, backend, fill=fill,
+                                 groups=groups, **extras)
     if not use_triton(hidden, backend):
         _gather_first(fill, w13, w2, scales, backend)
         return grouped_swiglu_eager(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, **extras)
     if scales is not None:
-        return _fp8_path(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, fill, backend, extras)
-    return _float_path(hidden, weights, slots, w13, w2, out_dtype, fill, backend, extras)
+        return _fp8_path(hidden, weights, slots, w13, w2, scales, fp8_activations, out_dtype, fill, backend, extras,
+                         groups)
+    return _float_path(hidden, weights, slots, w13, w2, out_dtype, fill, backend, extras, groups)
 
 
 def _fp8_activations(hidden: torch.Tensor, scales: ExpertScales | None, asked: bool | None) -> bool:
@@ -87,7 +90,7 @@ def _fp8_activations(hidden: torch.Tensor, scales: ExpertScales | None, asked: b
 
 def _fp8_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               scales: ExpertScales, fp8_activations: bool, out_dtype: torch.dtype | None, fill: SlotFill | None,
-              backend: str | None, extras: dict) -> torch.Tensor:
+              backend: str | None, extras: dict, groups: int | None) -> torch.Tensor:
     """fp8 banks on the Triton path: decode batches fill in their GEMM, larger ones gather first."""
     if extras:
         raise ValueError("fp8 experts with biases or the gpt_oss activation are not supported (bf16 only)")
@@ -99,11 +102,12 @@ def _fp8_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, 
                                                     fill=fill)
     _gather_first(fill, w13, w2, scales, backend)
     return fused_grouped_swiglu_fp8(hidden, weights, slots, w13, w2, scales, fp8_activations=fp8_activations,
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, groups=groups)
 
 
 def _float_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                out_dtype: torch.dtype | None, fill: SlotFill | None, backend: str | None, extras: dict) -> torch.Tensor:
+                out_dtype: torch.dtype | None, fill: SlotFill | None, backend: str | None, extras: dict,
+                groups: int | None) -> torch.Tensor:
     """Float banks on the Triton path: decode batches fill in their GEMM, larger ones gather first."""
     from moe_offload.kernels import grouped_gemm_decode
 
@@ -113,7 +117,7 @@ def _float_path(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor
     from moe_offload.kernels.grouped_gemm import fused_grouped_swiglu
 
     _gather_first(fill, w13, w2, None, backend)
-    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype, **extras)
+    return fused_grouped_swiglu(hidden, weights, slots, w13, w2, out_dtype=out_dtype, groups=groups, **extras)
 
 
 class ExpertBias(NamedTuple):

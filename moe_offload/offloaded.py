@@ -160,7 +160,7 @@ class OffloadedExperts:
             self._prefetch(layer, next_ids)
         out = grouped_swiglu(hidden, weights, slots, self.cache.w13, self.cache.w2, scales=self.cache.scales,
                              backend=self.cache.backend, out_dtype=out_dtype, fill=fill, activation=activation,
-                             **bias_args(bias, ids))
+                             groups=self.cache.num_experts, **bias_args(bias, ids))
         if fill is not None:  # the GEMM reads this layer's misses over PCIe: the guess's gather waits for it
             self._prefetch(layer, next_ids)
         if last and self.pipeline is not None:

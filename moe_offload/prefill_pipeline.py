@@ -219,7 +219,7 @@ class PrefillPipeline:
                 slots = self._buffer_slots(ids)
                 w13, w2, scales = self.buf_w13[buf], self.buf_w2[buf], self.gemm_scales[buf]
             out = grouped_swiglu(hidden, weights, slots, w13, w2, scales=scales, out_dtype=out_dtype,
-                                 activation=activation, **bias_args(bias, ids))
+                                 activation=activation, groups=self.cache.num_experts, **bias_args(bias, ids))
         self.streams.record(f"release{buf}", "compute")
         self._next_layer = layer + 1
         self._begun = False

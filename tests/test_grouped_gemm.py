@@ -70,6 +70,25 @@ def test_max_blocks_bounds_every_routing(block_m):
     assert kernels().max_blocks(8, 6144, 16) == 8  # decode: no O(N) capacity
 
 
+@pytest.mark.parametrize("block_m", [1, 16, 128])
+def test_max_blocks_under_a_bound_on_distinct_slots(block_m):
+    """A prefill chunk over a cache of thousands of slots names at most a layer's experts (one slot
+    each): bounded by that count, the rows are sized by it, not by the cache (2k tokens x 8 over
+    6,144 slots: 6,224 blocks of 128, 255 for 128 experts), and still hold every such routing."""
+    grouped_gemm = kernels()
+    assert grouped_gemm.max_blocks(16384, 6144, 128) == 6224
+    assert grouped_gemm.max_blocks(16384, 6144, 128, groups=128) == 255
+    assert grouped_gemm.max_blocks(16384, 64, 128, groups=128) == grouped_gemm.max_blocks(16384, 64, 128)
+    gen = torch.Generator().manual_seed(block_m)
+    for _ in range(100):
+        experts = int(torch.randint(1, 40, (1,), generator=gen))
+        num_pairs = int(torch.randint(1, 400, (1,), generator=gen))
+        table = torch.randperm(6144, generator=gen)[:experts]  # each expert's slot in a large cache
+        slots = table[torch.randint(0, experts, (num_pairs,), generator=gen)]
+        blocks = padded_groups(slots, 6144, block_m) // block_m
+        assert blocks <= grouped_gemm.max_blocks(num_pairs, 6144, block_m, groups=experts)
+
+
 @interpreted
 @pytest.mark.parametrize("num_pairs,num_slots,block_m", [(1, 1, 16), (15, 7, 4), (40, 3, 16), (300, 6144, 16)])
 def test_alignment_groups_and_pads(num_pairs, num_slots, block_m):
@@ -90,6 +109,24 @@ def test_alignment_groups_and_pads(num_pairs, num_slots, block_m):
             rows = block[block < num_pairs].long()
             assert len(rows) > 0 and block[0] < num_pairs  # a block's first row names its slot
             assert torch.all(slots[rows] == slots[rows[0]])
+
+
+@interpreted
+def test_alignment_under_a_bound_places_every_pair_as_without_it():
+    """``groups``: the same placement in far fewer rows; a routing that names more distinct slots
+    than promised loses the pairs past the rows, never writes past them."""
+    grouped_gemm = kernels()
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(6144, generator=gen)[:12]
+    slots = table[torch.randint(0, 12, (300,), generator=gen)]
+    free = grouped_gemm.align_by_slot(slots, 6144, 16)
+    bound = grouped_gemm.align_by_slot(slots, 6144, 16, groups=12)
+    total = int(free.total)
+    assert bound.num_blocks == 12 + (300 - 12) // 16 < free.num_blocks
+    assert int(bound.total) == total and torch.equal(bound.sorted_pairs[:total], free.sorted_pairs[:total])
+    broken = grouped_gemm.align_by_slot(torch.arange(300), 6144, 16, groups=12)  # 300 slots, 12 promised
+    assert broken.sorted_pairs.numel() == (12 + 288 // 16) * 16
+    assert bool((broken.sorted_pairs <= 300).all())  # pair ids or the padding id, nothing past
 
 
 # ==== parity, interpreted ====
@@ -116,6 +153,22 @@ def test_parity_interpreted(shape, case):
         weights, slots = make_routing(case, num_tokens, top_k, num_slots, seed=seed)
         out = grouped_gemm.fused_grouped_swiglu(hidden, weights, slots, w13, w2, config)
         assert rel_err(out, grouped_swiglu_eager(hidden, weights, slots, w13, w2)) < 1e-4
+
+
+@interpreted
+def test_a_bound_on_distinct_slots_changes_no_output():
+    """A layer's routing over a bank of many slots (a cache) names a few, one an expert: bounded by
+    their count the GEMMs run on far fewer rows and compute the same outputs, bit for bit."""
+    grouped_gemm = kernels()
+    w13, w2 = make_banks(40, 32, 24)
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randperm(40, generator=gen)[:5]  # five experts' slots
+    slots = table[torch.randint(0, 5, (20, 2), generator=gen)]
+    hidden, weights = torch.randn(20, 32, generator=gen), torch.rand(20, 2, generator=gen)
+    config = grouped_gemm.BlockConfig(16, 32, 16, 2, 4, 2)
+    free = grouped_gemm.fused_grouped_swiglu(hidden, weights, slots, w13, w2, config)
+    bound = grouped_gemm.fused_grouped_swiglu(hidden, weights, slots, w13, w2, config, groups=5)
+    assert torch.equal(bound, free) and rel_err(bound, grouped_swiglu_eager(hidden, weights, slots, w13, w2)) < 1e-4
 
 
 @interpreted

@@ -130,6 +130,19 @@ def test_parity_interpreted(shape, block, tiles, dtype):
 
 
 @interpreted
+def test_a_bound_on_distinct_slots_changes_no_output():
+    """As the bf16 GEMM's test: a few slots of a large bank, bounded by their count, the same outputs."""
+    q13, q2, scales = make_fp8_banks(24, 56, 40, BLOCK_16)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.randperm(24, generator=gen)[:4][torch.randint(0, 4, (12, 2), generator=gen)]
+    hidden, weights = torch.randn(12, 56, generator=gen), torch.rand(12, 2, generator=gen)
+    config = kernels().BlockConfig(16, 32, 16, 2, 4, 2)
+    free = kernels().fused_grouped_swiglu_fp8(hidden, weights, slots, q13, q2, scales, config)
+    bound = kernels().fused_grouped_swiglu_fp8(hidden, weights, slots, q13, q2, scales, config, groups=4)
+    assert torch.equal(bound, free)
+
+
+@interpreted
 def test_public_op_takes_the_fp8_kernel_with_default_tiles():
     check_trials(make_fp8_banks(4, 48, 40, BLOCK_16), torch.float32, trials=2, token_counts=[3, 9])
 

@@ -256,6 +256,20 @@ def test_prefill_matches_twin_interpreted(fmt, case):
 
 
 @interpreted
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_bound_on_distinct_slots_changes_no_output(fmt):
+    """As the bf16 GEMM's test: a few slots of a large bank, bounded by their count, the same outputs."""
+    banks = random_banks(24, 64, 32, fmt, seed=4, gain=3.0)
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.randperm(24, generator=gen)[:3][torch.randint(0, 3, (10, 2), generator=gen)]
+    hidden, weights = torch.randn(10, 64, generator=gen), torch.rand(10, 2, generator=gen)
+    config = kernels().BlockConfig(*PREFILL_TILES[0])
+    free = kernels().fused_grouped_swiglu_w4(hidden, weights, slots, *banks.w4(), fmt=fmt, config=config)
+    bound = kernels().fused_grouped_swiglu_w4(hidden, weights, slots, *banks.w4(), fmt=fmt, config=config, groups=3)
+    assert torch.equal(bound, free)
+
+
+@interpreted
 @pytest.mark.parametrize("case", range(3))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_matches_twin_interpreted(fmt, case):

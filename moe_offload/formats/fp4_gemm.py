@@ -12,11 +12,12 @@ from moe_offload.slot_fill import SlotFill
 
 def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, scales: ExpertScales, out_dtype: torch.dtype | None = None,
-                      backend: str | None = None, fill: SlotFill | None = None, **extras) -> torch.Tensor:
+                      backend: str | None = None, fill: SlotFill | None = None, groups: int | None = None,
+                      **extras) -> torch.Tensor:
     """``grouped_swiglu`` over packed e2m1 banks ``w13 [S, 2I, H/2]``, ``w2 [S, H, I/2]`` with
     ``scales`` (nvfp4: e4m3 groups and per-row channel scales; mxfp4: e8m0 groups); ``extras``:
     gpt-oss's biases and activation. ``fill``: copied in by the GEMM where its path can (a
-    decode batch on the Triton path), else gathered first."""
+    decode batch on the Triton path), else gathered first; ``groups`` as ``grouped_swiglu``'s."""
     from moe_offload.kernels import grouped_gemm_w4
 
     if fill is not None and not grouped_gemm_w4.fills_in_gemm(hidden, slots, backend):
@@ -27,4 +28,5 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
     bank13 = grouped_gemm_w4.W4Bank(w13, scales.w13, ch13, extras.pop("w13_bias", None))
     bank2 = grouped_gemm_w4.W4Bank(w2, scales.w2, ch2, extras.pop("w2_bias", None))
     return grouped_gemm_w4.grouped_swiglu_w4(hidden, weights, slots, bank13, bank2, fmt=scales.kind,
-                                             out_dtype=out_dtype, backend=backend, fill=fill, **extras)
+                                             out_dtype=out_dtype, backend=backend, fill=fill, groups=groups,
+                                             **extras)

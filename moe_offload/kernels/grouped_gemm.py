@@ -70,11 +70,12 @@ class Alignment(NamedTuple):
     num_blocks: int  # grid bound from shapes
 
 
-def max_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
+def max_blocks(num_pairs: int, num_slots: int, block_m: int, groups: int | None = None) -> int:
     """Worst-case row blocks: ``G = min(N, T*k)`` groups need at most ``G + (T*k - G) // block_m``
     blocks (sum of ceil(c/B) <= G + floor((sum c - G) / B)); small decode batches stay small even
-    with thousands of cache slots."""
-    groups = min(num_slots, num_pairs)
+    with thousands of cache slots. ``groups``: the most distinct slots the pairs name, where the
+    caller knows fewer than ``N`` (a layer's routing names at most its experts, one slot each)."""
+    groups = min(num_slots, num_pairs, num_slots if groups is None else groups)
     return groups + (num_pairs - groups) // block_m
 
 
@@ -129,22 +130,26 @@ def _align_kernel(slots_ptr, sorted_ptr, sorted_pairs_ptr, total_ptr, num_pairs,
         count = pos - first + 1
         pad = tl.where(valid & (key != nxt), (BLOCK_M - count % BLOCK_M) % BLOCK_M, 0)
         dest = pos + carry_pad + tl.cumsum(pad, 0) - pad
-        tl.store(sorted_pairs_ptr + dest, (comp % num_pairs).to(tl.int32), mask=valid)
+        # within the rows sized for the distinct slots the caller promised (align_by_slot's groups)
+        tl.store(sorted_pairs_ptr + dest, (comp % num_pairs).to(tl.int32), mask=valid & (dest < capacity))
         carry_first = tl.max(first, 0)
         carry_pad += tl.sum(pad, 0)
         num_valid += tl.sum(valid.to(tl.int32), 0)
     tl.store(total_ptr, num_valid + carry_pad)
 
 
-def align_by_slot(slots: torch.Tensor, num_slots: int, block_m: int, sort_in_kernel: bool | None = None) -> Alignment:
+def align_by_slot(slots: torch.Tensor, num_slots: int, block_m: int, sort_in_kernel: bool | None = None,
+                  groups: int | None = None) -> Alignment:
     """Group the flat pairs by slot and pad each group to ``block_m`` rows, on the device.
 
     Out-of-range slot ids are never placed, so they contribute nothing. Small inputs sort inside
     the align kernel; larger ones sort with ``torch.sort`` first (same keys, same result).
+    ``groups`` bounds the distinct slots (``max_blocks``): the rows and the grids of the GEMMs after
+    are sized by it, not by a cache's thousands of slots; a pair past that size is never stored.
     """
     flat = slots.reshape(-1)
     num_pairs = flat.numel()
-    num_blocks = max_blocks(num_pairs, num_slots, block_m)
+    num_blocks = max_blocks(num_pairs, num_slots, block_m, groups)
     if sort_in_kernel is None:
         sort_in_kernel = num_pairs <= IN_KERNEL_SORT_MAX
     if sort_in_kernel:
@@ -312,9 +317,9 @@ def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
                          w13: torch.Tensor, w2: torch.Tensor, config: BlockConfig | None = None,
                          out_dtype: torch.dtype | None = None, w13_bias: torch.Tensor | None = None,
                          w2_bias: torch.Tensor | None = None, bias_ids: torch.Tensor | None = None,
-                         activation: str = "silu") -> torch.Tensor:
+                         activation: str = "silu", groups: int | None = None) -> torch.Tensor:
     """The Triton path of ``grouped_swiglu``; arguments are already checked (gpt-oss's biases,
-    indexed by ``bias_ids``, and activation as there)."""
+    indexed by ``bias_ids``, activation and ``groups`` as there)."""
     num_tokens, top_k = slots.shape
     num_slots, inter, dim = w2.shape[0], w2.shape[2], hidden.shape[1]
     num_pairs = num_tokens * top_k
@@ -324,7 +329,7 @@ def fused_grouped_swiglu(hidden: torch.Tensor, weights: torch.Tensor, slots: tor
     cfg = config or default_config(num_tokens, hidden.dtype)
     slots = slots.reshape(-1).contiguous()
     weights = weights.reshape(-1).contiguous()
-    align = align_by_slot(slots, num_slots, cfg.block_m)
+    align = align_by_slot(slots, num_slots, cfg.block_m, groups=groups)
     bias = bias_args_of(w13, w2, slots, w13_bias, w2_bias, bias_ids)
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     act = torch.empty(align.sorted_pairs.numel(), inter, dtype=hidden.dtype, device=hidden.device)

@@ -188,8 +188,9 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w2_ptr, s2_ptr, out_ptr, sorted_pairs_pt
 def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                              w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales,
                              config: BlockConfig | None = None, fp8_activations: bool = False,
-                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The Triton path of ``grouped_swiglu`` for fp8 banks; arguments are already checked.
+                             out_dtype: torch.dtype | None = None, groups: int | None = None) -> torch.Tensor:
+    """The Triton path of ``grouped_swiglu`` for fp8 banks; arguments are already checked
+    (``groups`` as there).
 
     ``fp8_activations`` quantizes each GEMM's input per token and 128 columns
     (``quant_fp8.quantize_activations``) and runs fp8 x fp8 dots; else the weights are converted
@@ -203,7 +204,7 @@ def fused_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots:
     if num_tokens * top_k == 0:
         return out
     slots = slots.reshape(-1).contiguous()
-    align = align_by_slot(slots, num_slots, cfg.block_m)
+    align = align_by_slot(slots, num_slots, cfg.block_m, groups=groups)
     x = quantize_activations(hidden.contiguous()) if fp8_activations else (hidden, hidden)
     act = _gate_up(x, hidden.dtype, w13, scales.w13, block, slots, align, top_k, cfg, fp8_activations)
     a = quantize_activations(act, total=align.total) if fp8_activations else (act, act)

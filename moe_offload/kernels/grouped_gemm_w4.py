@@ -111,9 +111,10 @@ def _down_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, out_ptr, sorte
 def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: W4Bank,
                             w2: W4Bank, *, fmt: str, out_dtype: torch.dtype | None = None,
                             config: BlockConfig | None = None, bias_ids: torch.Tensor | None = None,
-                            activation: str = "swiglu") -> torch.Tensor:
+                            activation: str = "swiglu", groups: int | None = None) -> torch.Tensor:
     """The prefill path: ``[T, H]`` in ``out_dtype`` (default hidden's), four launches (align,
-    gate_up, down, sum over k) over grids fixed by shapes; slots outside ``[0, S)`` contribute zero."""
+    gate_up, down, sum over k) over grids fixed by shapes and ``groups`` (``align_by_slot``); slots
+    outside ``[0, S)`` contribute zero."""
     check_w4_args(hidden, weights, slots, w13, w2, fmt, activation, out_dtype, bias_ids)
     num_tokens, top_k = slots.shape
     cfg = config or default_config(num_tokens, hidden.dtype)
@@ -124,7 +125,7 @@ def fused_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: 
     slots = slots.reshape(-1).contiguous()
     ids = slots if bias_ids is None else bias_ids.reshape(-1).contiguous()
     num_slots = w13.packed.shape[0]
-    align = align_by_slot(slots, num_slots, cfg.block_m)
+    align = align_by_slot(slots, num_slots, cfg.block_m, groups=groups)
     consts = kernel_consts(fmt, hidden.dtype)
     act = _gate_up(hidden, slots, ids, w13, align, top_k, cfg, consts, activation)
     pair_out = torch.empty(slots.numel(), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
@@ -164,12 +165,12 @@ def _down(act: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, weights: to
 def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, w13: W4Bank, w2: W4Bank,
                       *, fmt: str, out_dtype: torch.dtype | None = None, bias_ids: torch.Tensor | None = None,
                       activation: str = "swiglu", backend: str | None = None,
-                      fill: SlotFill | None = None) -> torch.Tensor:
+                      fill: SlotFill | None = None, groups: int | None = None) -> torch.Tensor:
     """``hidden [T, H]``, ``weights`` and ``slots [T, k]`` over 4-bit banks (``W4Bank``: packed
     codes, scales, biases) -> ``[T, H]``. CUDA tensors take the decode path up to
-    ``DECODE_MAX_PAIRS`` (token, slot) pairs and the prefill path above; anything else the eager
-    twin (``backend`` or ``SLUICE_KERNELS`` forces one: ``triton_support.use_triton``). ``fill``:
-    only where ``fills_in_gemm`` (else gather first)."""
+    ``DECODE_MAX_PAIRS`` (token, slot) pairs and the prefill path above (sized by ``groups``,
+    ``align_by_slot``); anything else the eager twin (``backend`` or ``SLUICE_KERNELS`` forces one:
+    ``triton_support.use_triton``). ``fill``: only where ``fills_in_gemm`` (else gather first)."""
     args = (hidden, weights, slots, w13, w2)
     kwargs = dict(fmt=fmt, out_dtype=out_dtype, bias_ids=bias_ids, activation=activation)
     if fill is not None and not fills_in_gemm(hidden, slots, backend):
@@ -178,7 +179,7 @@ def grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.
         return grouped_swiglu_w4_eager(*args, **kwargs)
     if slots.numel() <= DECODE_MAX_PAIRS:
         return decode_grouped_swiglu_w4(*args, **kwargs, fill=fill)
-    return fused_grouped_swiglu_w4(*args, **kwargs)
+    return fused_grouped_swiglu_w4(*args, **kwargs, groups=groups)
 
 
 def fills_in_gemm(hidden: torch.Tensor, slots: torch.Tensor, backend: str | None = None) -> bool:
