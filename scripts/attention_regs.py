@@ -63,45 +63,40 @@ def on_this_gpu(rope_warps: list[int]) -> None:
 def compile_here(arch: int, pool: str, words: bool, cvt: bool):
     """``decode_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` ("bf16" or "fp8e4nv"),
     read as words where ``words`` (widened by ``cvt`` where ``cvt``, else by Triton's casts)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = decode_kernel.decode_partial_kernel
     consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16, BLOCK_D=HEAD_DIM,
                   BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, PDL=False,
                   WORDS=words, CVT=cvt)
-    pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
-                    sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32")
-    names = fn.arg_names
-    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32") for name in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in ALIGNED}
-    source = ASTSource(fn, signature, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 64 if arch < 100 else 32),
-                          options=dict(num_warps=triton_decode.PARTIAL_WARPS, num_stages=triton_decode.PARTIAL_STAGES))
+    return _compile(decode_kernel.decode_partial_kernel, arch, pool, consts, {}, ALIGNED, triton_decode.PARTIAL_WARPS)
 
 
 def compile_rope_here(arch: int, pool: str, new_token: str):
     """``decode_rope_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` (float8 read as
     words), attending to the new token ``new_token``'s way, at the served warps and stages."""
+    words = pool != "bf16"
+    consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16,
+                  BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, HAS_NORM=True,
+                  PDL=True, WORDS=words, CVT=words, EARLY=True, NEW_TOKEN=new_token)
+    pointers = dict(k_new_ptr="*bf16", v_new_ptr="*bf16", loc_ptr="*i64", pos_ptr="*i64", cos_ptr="*fp32",
+                    sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+    aligned = (*ALIGNED, "k_new_ptr", "v_new_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "k_stride_b", "v_stride_b")
+    warps = triton_decode.FP8_ROPE_WARPS if words else triton_decode.ROPE_WARPS
+    return _compile(decode_kernel.decode_rope_partial_kernel, arch, pool, consts, pointers, aligned, warps)
+
+
+def _compile(fn, arch: int, pool: str, consts: dict, pointers: dict, aligned: tuple, warps: int):
+    """``fn`` compiled for ``arch`` with ``consts``, the partial kernels' common pointers (K and V of
+    ``pool``) plus ``pointers``, the ``aligned`` arguments hinted 16-divisible, at the served stages."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, words = decode_kernel.decode_rope_partial_kernel, pool != "bf16"
-    consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16,
-                  BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, HAS_NORM=True,
-                  PDL=True, WORDS=words, CVT=words, EARLY=True, NEW_TOKEN=new_token)
-    pointers = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
-                    sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32",
-                    k_new_ptr="*bf16", v_new_ptr="*bf16", loc_ptr="*i64", pos_ptr="*i64", cos_ptr="*fp32",
-                    sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
-    aligned = (*ALIGNED, "k_new_ptr", "v_new_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "k_stride_b", "v_stride_b")
+    types = dict(q_ptr="*bf16", k_ptr=f"*{pool}", v_ptr=f"*{pool}", table_ptr="*i32", lens_ptr="*i32",
+                 sink_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*bf16", qk_scale="fp32",
+                 **pointers)
     names = fn.arg_names
-    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32") for name in names}
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name in aligned}
     source = ASTSource(fn, signature, constexprs={k: v for k, v in consts.items() if k in names}, attrs=attrs)
-    warps = triton_decode.FP8_ROPE_WARPS if words else triton_decode.ROPE_WARPS
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=triton_decode.PARTIAL_STAGES))
 
