@@ -13,14 +13,13 @@ issues: instructions, byte-wide shared-memory loads (``LDS.U8``), ``ldmatrix``es
 registers (``LDG``) and to shared memory (``cp.async``, Triton's pipeline), and the kernel's waits
 for those copies (how many may stay in flight: ``0x0``, none, where the pipeline keeps one buffer).
 Then ``decode_rope_partial_kernel`` (qwen3's q/k norms, its index read before the PDL wait) over
-the bf16 pool and the float8 words at their served warps, once for each way its split attends to
-the new token (``triton_decode.NEW_TOKEN_WAYS``): registers, spills and instructions of the kernel.
+the bf16 pool and the float8 words at their served warps: registers, spills and instructions of the
+kernel.
 It measures nothing; the benchmarks decide.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import sys
@@ -69,13 +68,13 @@ def compile_here(arch: int, pool: str, words: bool, cvt: bool):
     return _compile(decode_kernel.decode_partial_kernel, arch, pool, consts, {}, ALIGNED, triton_decode.PARTIAL_WARPS)
 
 
-def compile_rope_here(arch: int, pool: str, new_token: str):
+def compile_rope_here(arch: int, pool: str):
     """``decode_rope_partial_kernel`` compiled for ``arch`` over a pool of ``pool`` (float8 read as
-    words), attending to the new token ``new_token``'s way, at the served warps and stages."""
+    words), at the served warps and stages."""
     words = pool != "bf16"
     consts = dict(HEADS=HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_G=16,
                   BLOCK_N=triton_decode.keys_a_step(words, HEAD_DIM), IEEE=False, HAS_SINK=False, HAS_NORM=True,
-                  PDL=True, WORDS=words, CVT=words, EARLY=True, NEW_TOKEN=new_token)
+                  PDL=True, WORDS=words, CVT=words, EARLY=True)
     pointers = dict(k_new_ptr="*bf16", v_new_ptr="*bf16", loc_ptr="*i64", pos_ptr="*i64", cos_ptr="*fp32",
                     sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
     aligned = (*ALIGNED, "k_new_ptr", "v_new_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "k_stride_b", "v_stride_b")
@@ -127,11 +126,11 @@ def here(arch: int) -> None:
               f"LDS.U8 {ops['LDS.U8']:3d}  ldmatrix {sum(n for op, n in ops.items() if op.startswith('LDSM')):3d}  "
               f"LDG {sum(bool(re.search(r'LDG[.]', line)) for line in step):2d}  cp.async {copies:2d}  "
               f"kernel waits for copies left {','.join(waits) or '-'}  shared {compiled.metadata.shared}")
-    for pool, way in itertools.product(("bf16", "fp8e4nv"), triton_decode.NEW_TOKEN_WAYS):
-        usage, sass = disassemble(compile_rope_here(arch, pool, way))
+    for pool in ("bf16", "fp8e4nv"):
+        usage, sass = disassemble(compile_rope_here(arch, pool))
         regs, stack = re.search(r"REG:(\d+)", usage)[1], re.search(r"STACK:(\d+)", usage)[1]
         instructions = len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass))
-        print(f"rope {'bf16 pool' if pool == 'bf16' else 'fp8 words'} new token {way:9s} regs {regs:>3}  "
+        print(f"rope {'bf16 pool' if pool == 'bf16' else 'fp8 words'} regs {regs:>3}  "
               f"spills {stack}  instructions {instructions}")
 
 

@@ -15,8 +15,7 @@ other tiles (the partial kernel's tokens a step, programs the split plan aims at
 pipeline stages; the merge's columns a program) at each shape; the served ones are the first row.
 ``--kernels`` prints each row's kernels (the partial kernel, the merge) and their microseconds a
 layer, profiled from the same graph (under programmatic dependent launch a kernel's time includes
-its wait for the one before). ``--new-token`` also times each tile with the RoPE kernel's other
-ways of attending to the row's new token (``triton_decode.ROPE_NEW_TOKEN``), named in the tile.
+its wait for the one before).
 """
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ class Tile(NamedTuple):
     stages: int | None  # None: Triton's default
     reduce_columns: int = triton_decode.REDUCE_COLUMNS  # head-dim columns a merge program takes
     words: bool = triton_decode.FP8_WORDS  # a float8 pool read as words of two values (False: as bytes)
-    new_token: str = triton_decode.ROPE_NEW_TOKEN  # how the RoPE kernel's split attends to the new token
 
 
 SERVED_WARPS = triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS
@@ -65,8 +63,7 @@ def tile_name(tile: Tile, rope: bool, kv: str = "auto") -> str:
     block_n = tile.block_n or triton_decode.keys_a_step(kv == "fp8" and tile.words, HEAD_DIM)
     return (f"n{block_n} p{tile.target_programs} w{tile.warps or served} "
             f"s{tile.stages if tile.stages is not None else 'd'} r{tile.reduce_columns}"
-            + ("" if tile.words or kv != "fp8" else " bytes")
-            + ("" if tile.new_token == SERVED.new_token or not rope else f" {tile.new_token}"))
+            + ("" if tile.words or kv != "fp8" else " bytes"))
 
 
 def use_tile(tile: Tile) -> None:
@@ -74,7 +71,7 @@ def use_tile(tile: Tile) -> None:
     triton_decode.BLOCK_N, triton_decode.FP8_BLOCK_N = (tile.block_n,) * 2 if tile.block_n else SERVED_BLOCK_N
     triton_decode.TARGET_PROGRAMS = tile.target_programs
     triton_decode.PARTIAL_STAGES, triton_decode.REDUCE_COLUMNS = tile.stages, tile.reduce_columns
-    triton_decode.FP8_WORDS, triton_decode.ROPE_NEW_TOKEN = tile.words, tile.new_token
+    triton_decode.FP8_WORDS = tile.words
     warps = (tile.warps,) * 3 if tile.warps else SERVED_WARPS
     triton_decode.ROPE_WARPS, triton_decode.PARTIAL_WARPS, triton_decode.FP8_ROPE_WARPS = warps
 
@@ -159,12 +156,8 @@ def main() -> None:
                    help="also each kernel's microseconds a layer, from the graph replayed under torch.profiler")
     p.add_argument("--fp8-bytes", action="store_true",
                    help="fp8 rows also time each tile reading the pool as bytes (widened to the query's dtype)")
-    p.add_argument("--new-token", nargs="+", default=[], choices=triton_decode.NEW_TOKEN_WAYS,
-                   help="also time each tile with these ways of attending to the new token (RoPE inside)")
     args = p.parse_args()
     tiles = [SERVED] + (SWEEP if args.sweep else [])
-    ways = [] if args.no_rope else args.new_token  # the plain kernel has no new token to attend to
-    tiles += [t._replace(new_token=way) for way in ways for t in tiles if way != t.new_token]
     print(f"decode attention, {torch.cuda.get_device_name()}, RoPE {'outside' if args.no_rope else 'inside'}, "
           f"bound = K/V bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; tile: tokens a step, target programs, warps, "
           f"stages, merge columns")

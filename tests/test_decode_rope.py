@@ -92,16 +92,9 @@ def check_against_twin(config, gen, dtype, device, tol, splits=None, lens=None, 
     return lens
 
 
-@pytest.fixture(params=triton_decode.NEW_TOKEN_WAYS)
-def new_token(request, monkeypatch):
-    """Each way the split holding the new token attends to it (``triton_decode.ROPE_NEW_TOKEN``)."""
-    monkeypatch.setattr(triton_decode, "ROPE_NEW_TOKEN", request.param)
-    return request.param
-
-
 @interpreted
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(map(str, c)))
-def test_kernel_matches_rope_then_attention_twins(config, new_token):
+def test_kernel_matches_rope_then_attention_twins(config):
     gen = torch.Generator().manual_seed(sum(config[:6]))
     for splits in (None, 1, 2, 3):
         lens = check_against_twin(config, gen, torch.float32, "cpu", 1e-4, splits, early_index=splits in (None, 2))
@@ -178,7 +171,7 @@ def test_decode_with_rope_inside_matches_transformers(tmp_path, monkeypatch, fam
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [(5, 32, 4, 128, 16, 300, True, 0, False), (8, 64, 4, 64, 16, 40, False, 128, True),
                                     (3, 16, 2, 256, 16, 700, True, 0, False)], ids=lambda c: "-".join(map(str, c[:6])))
-def test_kernel_matches_twins_bf16_on_gpu_without_syncs(config, new_token):
+def test_kernel_matches_twins_bf16_on_gpu_without_syncs(config):
     gen = torch.Generator().manual_seed(config[0])
     for trial in range(4):  # trials 0 and 2 compile: the index read after the PDL wait, then before it
         check_against_twin(config, gen, torch.bfloat16, "cuda", 3e-2, sync_debug="error" if trial % 2 else "default",

@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.test_decode_rope import CONFIGS as ROPE_CONFIGS, new_token, rope_case  # noqa: E402,F401
+from tests.test_decode_rope import CONFIGS as ROPE_CONFIGS, rope_case  # noqa: E402
 from tests.test_prefill_attention import prefill_case, rel_err  # noqa: E402
 from tests.test_sink_attention import SMALL_TILE, sinks_for  # noqa: E402
 from worker.attention import triton_decode  # noqa: E402
@@ -163,7 +163,7 @@ def byte_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[int, int]:
 
 @interpreted
 @pytest.mark.parametrize("config", ROPE_CONFIGS[:3], ids=lambda c: "-".join(map(str, c)))
-def test_decode_with_rope_stores_and_attends_what_the_pool_holds(config, new_token):
+def test_decode_with_rope_stores_and_attends_what_the_pool_holds(config):
     """Rows of length 1 attend to their new token alone: unrounded, its value would show."""
     gen = torch.Generator().manual_seed(sum(config[:6]))
     for splits in (None, 2):
@@ -204,7 +204,7 @@ def test_decode_reads_fp8_pool_as_words_under_16bit_queries(config):
 
 @interpreted
 @pytest.mark.parametrize("config", WORD_ROPE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
-def test_decode_with_rope_reads_fp8_pool_as_words_under_16bit_queries(config, new_token):
+def test_decode_with_rope_reads_fp8_pool_as_words_under_16bit_queries(config):
     gen = torch.Generator().manual_seed(sum(config[:6]))
     for splits in (None, 2):
         check_rope(config, gen, torch.float16, "cpu", 2e-3, splits)

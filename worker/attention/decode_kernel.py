@@ -97,30 +97,28 @@ def _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
-                num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
-                WORDS: tl.constexpr, CVT: tl.constexpr):
+def _walk_split(q, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b, num_pages,
+                stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WORDS: tl.constexpr,
+                CVT: tl.constexpr):
     """The online softmax of the group's queries over tokens ``[first, end)``, BLOCK_N a step:
-    ``(m, l, acc)``. NEW: token ``last``'s key and value are ``k_new, v_new [1, BLOCK_D]``, not the
-    pages' (which this launch writes). WORDS: a float8 pool read as words of two values
-    (``_walk_split_words``, BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles."""
+    ``(m, l, acc)``. WORDS: a float8 pool read as words of two values (``_walk_split_words``,
+    BLOCK_D the head dim), widened by ``cvt`` where CVT; else as tiles."""
     if WORDS:
-        m, l, acc = _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end,
-                                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale,
-                                      PAGE, BLOCK_G, BLOCK_D, BLOCK_N, NEW, CVT)
+        m, l, acc = _walk_split_words(q, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b, num_pages,
+                                      stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N,
+                                      CVT)
     else:
-        m, l, acc = _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d,
-                                      d_live, table_stride_b, num_pages, stride_page, stride_tok, stride_head,
-                                      qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE, NEW)
+        m, l, acc = _walk_split_tiles(q, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b,
+                                      num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G,
+                                      BLOCK_D, BLOCK_N, IEEE)
     return m, l, acc
 
 
 @triton.jit
-def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live,
-                      table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      NEW: tl.constexpr):
+def _walk_split_tiles(q, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, d, d_live, table_stride_b, num_pages,
+                      stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """``_walk_split`` over tiles of the pool's dtype, widened to the query's (exactly, from float8)."""
     # a finite floor instead of -inf: exp2(m - m_new) never sees inf - inf
     m = tl.full([BLOCK_G], -1e30, tl.float32)
@@ -132,9 +130,6 @@ def _walk_split_tiles(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
                         PAGE)
         k, v = _load_rows(k_ptr, v_ptr, rows, t < end, d, d_live)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if NEW:
-            new = (t == last)[:, None]
-            k, v = tl.where(new, k_new, k), tl.where(new, v_new, v)
         m, l, acc = _attend(q, k, v, t, end, m, l, acc, qk_scale, IEEE)
     return m, l, acc
 
@@ -162,10 +157,9 @@ def _halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b,
-                      num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE: tl.constexpr,
-                      BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NEW: tl.constexpr,
-                      CVT: tl.constexpr):
+def _walk_split_words(q, k_ptr, v_ptr, table_ptr, b, kv_head, first, end, table_stride_b, num_pages, stride_page,
+                      stride_tok, stride_head, qk_scale, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CVT: tl.constexpr):
     """``_walk_split`` over a float8 pool read as int16 words of two values: the even and the odd
     dims widen apart (``_e4m3_words``), the scores sum the two halves' dots and the output keeps
     the two halves of its columns, all in float16 (q, p) with float32 sums. A float8 tile loaded as
@@ -173,9 +167,6 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
     as words it takes ldmatrix and one conversion a pair. ``q``: ``[BLOCK_G, HEAD_DIM]``."""
     HALF: tl.constexpr = HEAD_DIM // 2
     q0, q1 = _halves(q, BLOCK_G, HALF)
-    if NEW:
-        kn0, kn1 = _halves(k_new, 1, HALF)
-        vn0, vn1 = _halves(v_new, 1, HALF)
     j = tl.arange(0, HALF)
     k_words = k_ptr.to(tl.pointer_type(tl.int16))
     v_words = v_ptr.to(tl.pointer_type(tl.int16))
@@ -190,10 +181,6 @@ def _walk_split_words(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head
         k, v = _load_rows(k_words, v_words, rows // 2, t < end, j, j < HALF)
         k0, k1 = _e4m3_words(k, CVT)
         v0, v1 = _e4m3_words(v, CVT)
-        if NEW:
-            new = (t == last)[:, None]
-            k0, k1 = tl.where(new, kn0, k0), tl.where(new, kn1, k1)
-            v0, v1 = tl.where(new, vn0, v0), tl.where(new, vn1, v1)
         s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
         m, alpha, p, l = _softmax_step(s, t < end, m, l, qk_scale)
         p = p.to(tl.float16)
@@ -254,9 +241,9 @@ def decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_ptr, m_
     g, head, g_live, d, d_live = _group(kv_head, GROUP, HEAD_DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=g_live[:, None] & d_live[None, :], other=0.0)
-    m, l, acc = _walk_split(q, q, q, -1, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b,
-                            num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D,
-                            BLOCK_N, IEEE, False, WORDS, CVT)
+    m, l, acc = _walk_split(q, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b, num_pages,
+                            stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE,
+                            WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, BLOCK_D, HAS_SINK)
 
@@ -273,13 +260,13 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
                                HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                                HAS_SINK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                               WORDS: tl.constexpr, CVT: tl.constexpr, EARLY: tl.constexpr,
-                               NEW_TOKEN: tl.constexpr):
+                               WORDS: tl.constexpr, CVT: tl.constexpr, EARLY: tl.constexpr):
     """``decode_partial_kernel`` over the projection's q, k and v as they are: each program norms and
     rotates its group's queries (``qk_rope``'s arithmetic), and the split holding the row's last
     token (the new one, at ``seq_len - 1``) also the new key, which with the new value it stores at
-    the token's slot, rounded as the pool holds them (``to_kv``), and attends to them as stored
-    (NEW_TOKEN below); a row of length 0 stores nothing. So ``qk_rope``'s launch is gone from a
+    the token's slot, rounded as the pool holds them (``to_kv``), and reads them back from there
+    after a barrier of its program, in the loop every split runs (``triton_decode`` says what the
+    other ways measured); a row of length 0 stores nothing. So ``qk_rope``'s launch is gone from a
     decode step. Launched with 8 warps (``triton_decode.ROPE_WARPS``): with 4 the rotation's float32 tiles
     take it to 246 registers a thread (``scripts/attention_regs.py``) and the step ran 7 % slower
     than with two launches (H200, 2026-12-05, ``SLUICE_ROPE_WARPS=4``); over a float8 pool with 4
@@ -288,11 +275,7 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
     EARLY (the row lengths and positions were written two launches back or more: a model's step
     copies its index buffer in before its first layer): the split plan and the rotation's tables
     are read before the PDL wait, beside the projection's tail (``triton_support.pdl_args``); only
-    the projection's q, k and v wait.
-
-    NEW_TOKEN, how the split that stores the new key and value attends to them: "read_back", from
-    their slot after a barrier of its program, in the plain loop as every other split runs it;
-    "select", into each block of its own loop from registers."""
+    the projection's q, k and v wait."""
     d = tl.arange(0, HEAD_DIM)
     if EARLY:
         early = _index_reads(lens_ptr, pos_ptr, cos_ptr, sin_ptr, max_tokens, splits, min_split, window,
@@ -322,21 +305,10 @@ def decode_rope_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sink_pt
         row = (slot // PAGE) * stride_page + (slot % PAGE) * stride_tok + kv_head * stride_head
         tl.store(k_ptr + row + d[None, :], k_new)
         tl.store(v_ptr + row + d[None, :], v_new)
-    k_new, v_new = k_new.to(q.dtype), v_new.to(q.dtype)
-    if NEW_TOKEN == "select":
-        if mine:  # only its split selects it into its blocks; the others run the plain loop
-            m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
-                                    table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                    BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, True, WORDS, CVT)
-        else:
-            m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
-                                    table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                    BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
-    else:  # "read_back"
-        tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
-        m, l, acc = _walk_split(q, k_new, v_new, last, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live,
-                                table_stride_b, num_pages, stride_page, stride_tok, stride_head, qk_scale, PAGE,
-                                BLOCK_G, HEAD_DIM, BLOCK_N, IEEE, False, WORDS, CVT)
+    tl.debug_barrier()  # the stores above are in place before any warp of this program reads the pages
+    m, l, acc = _walk_split(q, k_ptr, v_ptr, table_ptr, b, kv_head, start, end, d, d_live, table_stride_b, num_pages,
+                            stride_page, stride_tok, stride_head, qk_scale, PAGE, BLOCK_G, HEAD_DIM, BLOCK_N, IEEE,
+                            WORDS, CVT)
     _store_split(m, l, acc, b, head, g, g_live, d, d_live, split, active, splits, sink_ptr,
                  m_ptr, l_ptr, acc_ptr, out_ptr, out_stride_b, out_stride_h, HEADS, HEAD_DIM, HAS_SINK)
 

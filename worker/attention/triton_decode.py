@@ -50,22 +50,14 @@ PARTIAL_WARPS = 4  # the partial kernel without RoPE inside
 # (H100, 2026-12-06, scripts/bench_decode_attention.py --kv-cache-dtype auto fp8 --sweep, and the same
 # shapes' tiles set by hand)
 FP8_ROPE_WARPS = 4
-# how the RoPE kernel's split that stores the new token attends to it (decode_rope_partial_kernel's NEW_TOKEN):
-# "read_back" from its slot in the plain loop, 80 registers a thread against 175 for "select" (bf16 pool, 8
-# warps; fp8 words 194 against 255 at 4; scripts/attention_regs.py --arch 90, Triton 3.6). H100, one call (2026-12-07,
-# scripts/bench_decode_attention.py --contexts 4096 65536 131072 --batch 1 8 --kv-cache-dtype auto fp8
-# --table-tokens 140000, us a layer, select -> read_back): b1 over 131k bf16 106.1 -> 98.1, fp8 70.3 -> 56.9;
-# b8 over 64k fp8 251.0 -> 198.8; b1 over 4k fp8 12.3 -> 10.3. Over a 64-token prompt the read waits for
-# the store it follows (the row's one block holds the new token): the resident fp8 step at batch 1 406.6 ->
-# 392.6 tok/s (bench_decode.py), in a later call (2026-12-07, same card and commands) 365.3 -> 386.9, the
-# other way round (processes vary by that much, as I read it). A third way, the plain loop then the new
-# token folded in from registers, tied read_back (that later call: b1 over 131k fp8 59.0 against 58.6 us,
-# the step 383.2 tok/s) and was taken out (commit 4372c84 has it). SLUICE_ROPE_NEW_TOKEN=select|read_back
-# times another, unset in serving
-NEW_TOKEN_WAYS = ("read_back", "select")
-ROPE_NEW_TOKEN = os.environ.get("SLUICE_ROPE_NEW_TOKEN", "read_back")
-if ROPE_NEW_TOKEN not in NEW_TOKEN_WAYS:
-    raise ValueError(f"SLUICE_ROPE_NEW_TOKEN={ROPE_NEW_TOKEN!r}: one of {', '.join(NEW_TOKEN_WAYS)}")
+# The RoPE kernel's split that stores the new token reads it back from its slot in the loop every split runs
+# (decode_rope_partial_kernel). Two other ways were measured and taken out: "select", the new key and value
+# put into each block of the split's own loop from registers (175 registers a thread against 80, bf16 pool,
+# 8 warps; scripts/attention_regs.py --arch 90, Triton 3.6), lost on every long row (H100, 2026-12-07,
+# scripts/bench_decode_attention.py, us a layer, select -> read_back: b1 over 131k bf16 106.1 -> 98.1, fp8
+# 70.3 -> 56.9; b8 over 64k fp8 251.0 -> 198.8; b1 over 4k fp8 12.3 -> 10.3) and tied over a 64-token prompt
+# within the spread of processes (commit 5469b75 has it); "fold", the plain loop then the new token folded
+# in from registers, tied (b1 over 131k fp8 59.0 against 58.6 us; commit 4372c84 has it).
 # a float8 pool read as int16 words of two values, widened to float16 (decode_kernel._walk_split_words),
 # where the head dim allows it and the queries are 16-bit; False: as float8 tiles widened to the query's
 # dtype (scripts/bench_decode_attention.py --fp8-bytes times that too)
@@ -166,7 +158,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
         partial[(B, kv_heads, splits)](*args, BLOCK_D=block_d, **consts)
     else:
         rope_partial[(B, kv_heads, splits)](*args, *_rope_args(rope, k), HAS_NORM=rope.q_norm is not None,
-                                            EARLY=early_index, NEW_TOKEN=ROPE_NEW_TOKEN, **consts)
+                                            EARLY=early_index, **consts)
     reduce[(B, heads, -(-block_d // REDUCE_COLUMNS))](
         m, denom, acc, seq_lens, sink_ptr, out, out.stride(0), out.stride(1), max_tokens, splits, min_split, window,
         HEADS=heads, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_C=min(block_d, REDUCE_COLUMNS), CHUNK=REDUCE_CHUNK,
