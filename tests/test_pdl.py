@@ -15,12 +15,12 @@ from moe_offload.kernels.triton_support import PDL_ENV, pdl_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a kernel may read before its wait (the names its early loads are assigned to): the one-row
-# projection's weights (no kernel writes them), and the fp8 per-token down's routing and weights (the
+# projection's weights (no kernel writes them), and the fp8 and 4-bit per-token downs' routing and weights (the
 # launch before its gate_up wrote the last of them; a fill's gate_up writes w2 rows, and then EARLY is off), and
 # the RoPE decode attention's index reads (row lengths, positions: a model's step writes them before its first layer),
 # and the decode attention's merge's row length (the launch before it, the partial kernel, never writes it).
-EARLY_LOADS = {"gemv_kernel": {"w_all"}, "_down_fp8_kernel": {"early"}, "decode_rope_partial_kernel": {"early"},
-               "decode_reduce_kernel": {"early"}}
+EARLY_LOADS = {"gemv_kernel": {"w_all"}, "_down_fp8_kernel": {"early"}, "_down_token_w4_kernel": {"early"},
+               "decode_rope_partial_kernel": {"early"}, "decode_reduce_kernel": {"early"}}
 
 
 def pdl_kernels() -> dict[str, tuple[ast.FunctionDef, dict[str, ast.FunctionDef]]]:

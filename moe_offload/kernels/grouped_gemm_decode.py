@@ -68,9 +68,9 @@ class DecodeConfig(NamedTuple):
     warps), and a fill's copy step (columns) and w2 rows per copy program; one token's gate_up may
     cap its registers (``pair_regs``, ptxas' maxnreg; 0: the compiler's choice), which decides how
     many of its programs an SM holds at once. The defaults are bf16's; the fp8 and 4-bit decode
-    paths run the same plan from their own (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``). The fp8
-    per-token down reads its weights before its PDL wait unless ``down_early`` is 0 (a step without
-    a fill; ``grouped_gemm_decode_fp8._down_fp8_kernel``)."""
+    paths run the same plan from their own (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``). The fp8 and
+    4-bit per-token downs read their weights before their PDL wait unless ``down_early`` is 0 (a
+    step without a fill; ``grouped_gemm_decode_fp8._down_fp8_kernel``)."""
 
     gate_up_n: int = 32
     gate_up_k: int = 128

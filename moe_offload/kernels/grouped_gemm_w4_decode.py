@@ -78,6 +78,13 @@ def fma_tile(x_ptr, x_ok, q_ptr, s_ptr, rows, row_ok, k0, k_len: tl.constexpr, s
     of the row is written (``x_ok`` ignored), so the loads need no mask of their own."""
     q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP,
                        k_len % BLOCK_K == 0)
+    return group_sums(q, s, x_ptr, x_ok, k0, k_len, BLOCK_R, BLOCK_K, GROUP, E8M0, WHOLE_X)
+
+
+@triton.jit
+def group_sums(q, s, x_ptr, x_ok, k0, k_len: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP: tl.constexpr, E8M0: tl.constexpr, WHOLE_X: tl.constexpr):
+    """``fma_tile`` over a tile already read (``packed_tile``'s words ``q`` and group scales ``s``)."""
     ks = k0 + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     if WHOLE_X:  # a row written in full: no mask but k's own, none where the steps divide k_len
         x = row_step(x_ptr, ks, k_len, k_len % BLOCK_K == 0).to(tl.float32)
@@ -163,34 +170,67 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
                  mask=live[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize_on_alignment=["ids_ptr", "weights_ptr", "slots_ptr"])
-def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, out_ptr, num_slots,
-                          hidden, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
-                          TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
-                          PRECISION: tl.constexpr, WEIGHTED: tl.constexpr, PDL: tl.constexpr):
-    """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h] + bias[id_j, h]), one fp32
-    accumulator, both loops unrolled. A slot outside ``[0, S)`` reads slot 0 with its act row
-    masked to zero (it was never written) and weighs 0. WEIGHTED: one token's rows, float32,
-    weighted and zeros where unrouted by ``_gate_up_pair_w4_kernel``, are read as they are, unmasked
-    (weighing them here, each thread loads, converts and weighs its own copy of every act value it
-    multiplies, one a weight: ``kernel_sass.py --formats nvfp4 --kernels down_token --ops 8``)."""
-    pdl_wait(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols, col_ok = column_tile(hidden, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
+@triton.jit
+def _down_token_reads(q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok,
+                      stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b, TOP_K: tl.constexpr,
+                      INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                      CHANNEL: tl.constexpr, BIAS: tl.constexpr, WEIGHTED: tl.constexpr):
+    """What the per-token down reads of the routing and the weights, as tuples: each pair's index,
+    whether its slot is in range and its columns' scale (the channel scale, times the routing
+    weight unless WEIGHTED); the weighted bias rows' sum; each step's packed words and group
+    scales of the pair's slot (``packed_tile``), in (pair, step) order."""
+    pairs, oks, scales, words, groups = (), (), (), (), ()
     bias = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
         pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
         scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
         if not WEIGHTED:
             scale = scale * weight
-        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
-            part = fma_tile(act_ptr + pair * INTER, ok, q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols,
-                            col_ok, step * BLOCK_K, INTER, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0,
-                            WEIGHTED)
-            acc += part * scale[:, None]
+        pairs, oks, scales = pairs + (pair,), oks + (ok,), scales + (scale,)
         bias += weight * bias_rows(b_ptr, ids_ptr, pair, ok, cols, col_ok, num_bias, stride_b, BIAS)
+        for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
+            q, s = packed_tile(q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols, col_ok, step * BLOCK_K,
+                               INTER, stride_qn, stride_sn, BLOCK_K, GROUP, INTER % BLOCK_K == 0)
+            words, groups = words + (q,), groups + (s,)
+    return pairs, oks, scales, bias, words, groups
+
+
+@triton.jit(do_not_specialize_on_alignment=["ids_ptr", "weights_ptr", "slots_ptr"])
+def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, out_ptr, num_slots,
+                          hidden, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
+                          TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP: tl.constexpr, E8M0: tl.constexpr, CHANNEL: tl.constexpr, BIAS: tl.constexpr,
+                          PRECISION: tl.constexpr, WEIGHTED: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    """out[t, h] = sum_j weight[t, j] * (act[t*k + j] . w2[slot_j, h] + bias[id_j, h]), one fp32
+    accumulator, both loops unrolled. A slot outside ``[0, S)`` reads slot 0 with its act row
+    masked to zero (it was never written) and weighs 0. WEIGHTED: one token's rows, float32,
+    weighted and zeros where unrouted by ``_gate_up_pair_w4_kernel``, are read as they are, unmasked
+    (weighing them here, each thread loads, converts and weighs its own copy of every act value it
+    multiplies, one a weight: ``kernel_sass.py --formats nvfp4 --kernels down_token --ops 8``).
+
+    EARLY (the gate_up before it filled no slot): the routing and every weight it multiplies
+    (packed words, group and channel scales, bias rows) are read before the wait, while the gate_up
+    still runs, as the fp8 down does (``grouped_gemm_decode_fp8._down_fp8_kernel``); the act rows
+    after it."""
+    token = tl.program_id(0).to(tl.int64)
+    cols, col_ok = column_tile(hidden, BLOCK_N)
+    if EARLY:
+        early = _down_token_reads(q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, token, num_slots, cols,
+                                  col_ok, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
+                                  TOP_K, INTER, BLOCK_N, BLOCK_K, GROUP, CHANNEL, BIAS, WEIGHTED)
+    pdl_wait(PDL)
+    if not EARLY:
+        early = _down_token_reads(q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, token, num_slots, cols,
+                                  col_ok, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
+                                  TOP_K, INTER, BLOCK_N, BLOCK_K, GROUP, CHANNEL, BIAS, WEIGHTED)
+    pairs, oks, scales, bias, words, groups = early
+    STEPS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
+    for j in tl.static_range(TOP_K):
+        for step in tl.static_range(STEPS):
+            part = group_sums(words[j * STEPS + step], groups[j * STEPS + step], act_ptr + pairs[j] * INTER, oks[j],
+                              step * BLOCK_K, INTER, BLOCK_N, BLOCK_K, GROUP, E8M0, WEIGHTED)
+            acc += part * scales[j][:, None]
     out = tl.sum(acc, 1) + bias
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -239,7 +279,7 @@ def decode_grouped_swiglu_w4(hidden: torch.Tensor, weights: torch.Tensor, slots:
         fill.gather_scales(_scale_banks(w13, w2))
     act, weighted = _gate_up(hidden, weights, slots, ids, w13, w2, cfg, consts, activation, fill)
     if num_tokens <= DECODE_MAX_TOKENS:
-        _down_per_token(act, weights, slots, ids, w2, out, cfg, consts, weighted)
+        _down_per_token(act, weights, slots, ids, w2, out, cfg, consts, weighted, early=fill is None)
     else:
         _down_per_slot(act, weights, slots, ids, w2, out, cfg, consts)
     return out
@@ -300,14 +340,14 @@ def _gate_up(hidden: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, i
 
 
 def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
-                    out: torch.Tensor, cfg: DecodeConfig, consts: dict, weighted: bool) -> None:
+                    out: torch.Tensor, cfg: DecodeConfig, consts: dict, weighted: bool, early: bool) -> None:
     num_tokens, top_k = slots.shape
     num_slots, dim = bank.packed.shape[:2]
     (q, s, c, b), strides, bank_consts = bank_args(bank)
     _down_token_w4_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, q, s, c, b, ids, weights, slots, out, num_slots, dim, *strides, TOP_K=top_k, INTER=act.shape[1],
-        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, WEIGHTED=weighted, num_warps=cfg.down_warps,
-        **pdl_args(act))
+        BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, WEIGHTED=weighted,
+        EARLY=early and bool(cfg.down_early), num_warps=cfg.down_warps, **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,
