@@ -219,10 +219,10 @@ def top_opcodes(sass: str, count: int) -> str:
 
 def compile_line(kind: tuple, name: str, fmt: str, target: GPUTarget, regs: int = 0) -> tuple[str, str]:
     """One kernel of a ``kernels()``-style table compiled: its ``summary`` line (with the per-KB
-    column for one token's kernels) and its SASS. ``regs``: one token's gate_up capped there."""
+    column for one token's kernels) and its SASS, its registers capped at ``regs`` (0: none)."""
     fn, consts, warps, stages, bank = kind
     one_token = name in ONE_TOKEN and consts.get("WEIGHTED", True)  # float32 act rows
-    cap = reg_cap(regs) if name == "gate_up_pair" else {}
+    cap = reg_cap(regs)
     compiled = triton.compile(source(fn, fmt, consts, bank, one_token), target=target,
                               options=dict(num_warps=warps, num_stages=stages, **cap))
     usage, sass = disassemble(compiled)
@@ -303,12 +303,14 @@ def main() -> None:
         return against(args.against, not args.unweighted, target)
     changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}
     pcfg = prefill.default_config(args.prefill_tokens, torch.bfloat16)
-    table = kernels(decode.W4_DECODE_TILES._replace(**changes), pcfg)
+    w4_tiles = decode.W4_DECODE_TILES._replace(**changes)
+    table = kernels(w4_tiles, pcfg)
     fp8_table = fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**changes))
     for fmt in args.formats:
         kinds = dict(fp8=fp8_table, bf16=bf16_kernels()).get(fmt, table)
         for name in [k for k in args.kernels if k in kinds]:
-            line, sass = compile_line(kinds[name], name, fmt, target, args.pair_regs)
+            cap = {"gate_up_pair": args.pair_regs, "down_token": w4_tiles.down_regs if kinds is table else 0}
+            line, sass = compile_line(kinds[name], name, fmt, target, cap.get(name, 0))
             print(f"{fmt:6} {name:16} {line}{top_opcodes(sass, args.ops)}")
 
 

@@ -65,9 +65,9 @@ class DecodeConfig(NamedTuple):
     """Tile sizes: gate_up columns (each of gate and up) and reduction step, the per-token down's
     columns and reduction step, warps and stages (gate_up and the per-slot down), the per-slot
     down's columns and step, the per-token down's warps, one token's gate_up (columns, step,
-    warps), and a fill's copy step (columns) and w2 rows per copy program; one token's gate_up may
-    cap its registers (``pair_regs``, ptxas' maxnreg; 0: the compiler's choice), which decides how
-    many of its programs an SM holds at once. The defaults are bf16's; the fp8 and 4-bit decode
+    warps), and a fill's copy step (columns) and w2 rows per copy program; one token's gate_up and
+    the per-token down may cap their registers (``pair_regs``, ``down_regs``: ptxas' maxnreg; 0:
+    the compiler's choice), which decides how many of their programs an SM holds at once. The defaults are bf16's; the fp8 and 4-bit decode
     paths run the same plan from their own (``FP8_DECODE_TILES``, ``W4_DECODE_TILES``). The fp8 and
     4-bit per-token downs read their weights before their PDL wait unless ``down_early`` is 0 (a
     step without a fill; ``grouped_gemm_decode_fp8._down_fp8_kernel``)."""
@@ -88,6 +88,7 @@ class DecodeConfig(NamedTuple):
     fill_rows: int = 16
     pair_regs: int = 0
     down_early: int = 1
+    down_regs: int = 0
 
 
 # the pair count, the fill plan's length and the routing's pointers not specialised (see grouped_gemm._align_kernel)

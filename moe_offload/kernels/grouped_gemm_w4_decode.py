@@ -38,7 +38,8 @@ from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale,
-                                                       group_values, packed_tile, store_down_w4_rows, swiglu_w4_rows,
+                                                       group_scales, group_values, packed_tile, packed_words,
+                                                       store_down_w4_rows, swiglu_w4_rows,
                                                        MXFP4_ROW_ALIGN)
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
@@ -50,15 +51,19 @@ __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4", "d
 # step (every step a multiple of 32, so both formats' groups fit); the slot path's gate_up and down
 # at 64 columns x 64 steps and 128 x 64; a fill's copy step in int32 words (512 bytes, as bf16's
 # 256 items). From ``scripts/bench_grouped_gemm_w4.py --decode-sweep`` (H200, qwen3-30b's shapes:
-# one token 36.9 -> 33.5 us a layer in nvfp4, eight 212 -> 197 us with the slot down alone).
+# one token 36.9 -> 33.5 us a layer in nvfp4, eight 212 -> 197 us with the slot down alone). The
+# per-token down capped at 64 registers: its words read before the PDL wait took it to 90 (one
+# program of 16 warps an SM, so its 256 programs in two waves); at 64 it holds two, spilling nothing
+# (``kernel_sass.py --kernels down_token``, sm90, Triton 3.6).
 W4_DECODE_TILES = DecodeConfig(gate_up_n=64, gate_up_k=64, slot_down_n=128, slot_down_k=64, pair_n=8, pair_k=256,
-                               fill_k=128)
+                               fill_k=128, down_regs=64)
 # The per-token down in fewer, longer steps (1024 weights, 8 columns, 8 warps) where its reduction is
 # read masked anyway: mxfp4, whose 16-byte groups load whole under a mask, or an intermediate size 256
 # does not divide. Same sweep: gpt-oss's shapes (mxfp4, K 2880) 77.1 -> 47.8 us a layer, qwen3-30b's
 # in mxfp4 31.2 -> 27.2; nvfp4 at qwen3-30b's (768 = 3 x 256, one 8-byte group a load only unmasked)
-# keeps 256, where 512 took 36.3 us against 26.4.
-W4_LONG_DOWN = dict(down_k=1024, down_n=8, down_warps=8)
+# keeps 256, where 512 took 36.3 us against 26.4. Uncapped: one 8-warp program an SM with or
+# without its early reads (137 -> 193 registers at qwen3-30b's shapes, 152 -> 198 at gpt-oss').
+W4_LONG_DOWN = dict(down_k=1024, down_n=8, down_warps=8, down_regs=0)
 
 
 def decode_tiles(fmt: str, inter: int) -> DecodeConfig:
@@ -171,28 +176,19 @@ def _gate_up_slot_w4_kernel(x_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, act_ptr,
 
 
 @triton.jit
-def _down_token_reads(q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok,
-                      stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b, TOP_K: tl.constexpr,
-                      INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      CHANNEL: tl.constexpr, BIAS: tl.constexpr, WEIGHTED: tl.constexpr):
-    """What the per-token down reads of the routing and the weights, as tuples: each pair's index,
-    whether its slot is in range and its columns' scale (the channel scale, times the routing
-    weight unless WEIGHTED); the weighted bias rows' sum; each step's packed words and group
-    scales of the pair's slot (``packed_tile``), in (pair, step) order."""
-    pairs, oks, scales, words, groups = (), (), (), (), ()
-    bias = tl.zeros((BLOCK_N,), tl.float32)
+def _down_token_reads(q_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, stride_qs, stride_qn,
+                      TOP_K: tl.constexpr, INTER: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """What the per-token down reads of the routing and the weights' packed words, as tuples: each
+    pair's index, slot (``routed_pair``), whether it is in range and its routing weight; then each
+    step's words of the pair's slot (``packed_words``), in (pair, step) order."""
+    pairs, slots, oks, weights, words = (), (), (), (), ()
     for j in tl.static_range(TOP_K):
         pair, slot, ok, weight = routed_pair(slots_ptr, weights_ptr, token, j, num_slots, TOP_K)
-        scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slot * stride_cs, cols, col_ok, CHANNEL)
-        if not WEIGHTED:
-            scale = scale * weight
-        pairs, oks, scales = pairs + (pair,), oks + (ok,), scales + (scale,)
-        bias += weight * bias_rows(b_ptr, ids_ptr, pair, ok, cols, col_ok, num_bias, stride_b, BIAS)
+        pairs, slots, oks, weights = pairs + (pair,), slots + (slot,), oks + (ok,), weights + (weight,)
         for step in tl.static_range((INTER + BLOCK_K - 1) // BLOCK_K):
-            q, s = packed_tile(q_ptr + slot * stride_qs, s_ptr + slot * stride_ss, cols, col_ok, step * BLOCK_K,
-                               INTER, stride_qn, stride_sn, BLOCK_K, GROUP, INTER % BLOCK_K == 0)
-            words, groups = words + (q,), groups + (s,)
-    return pairs, oks, scales, bias, words, groups
+            words = words + (packed_words(q_ptr + slot * stride_qs, cols, col_ok, step * BLOCK_K, INTER, stride_qn,
+                                          BLOCK_K, GROUP, INTER % BLOCK_K == 0),)
+    return pairs, slots, oks, weights, words
 
 
 @triton.jit(do_not_specialize_on_alignment=["ids_ptr", "weights_ptr", "slots_ptr"])
@@ -208,29 +204,36 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
     (weighing them here, each thread loads, converts and weighs its own copy of every act value it
     multiplies, one a weight: ``kernel_sass.py --formats nvfp4 --kernels down_token --ops 8``).
 
-    EARLY (the gate_up before it filled no slot): the routing and every weight it multiplies
-    (packed words, group and channel scales, bias rows) are read before the wait, while the gate_up
-    still runs, as the fp8 down does (``grouped_gemm_decode_fp8._down_fp8_kernel``); the act rows
-    after it."""
+    EARLY (the gate_up before it filled no slot): the routing and the packed words of every slot
+    it names are read before the wait, while the gate_up still runs, as the fp8 down does
+    (``grouped_gemm_decode_fp8._down_fp8_kernel``); the act rows, and the scales and biases (small,
+    in L2; read early as well they took the kernel from 64 registers a thread to 86, one program
+    an SM instead of two: ``kernel_sass.py --kernels down_token``), after it."""
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
     if EARLY:
-        early = _down_token_reads(q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, token, num_slots, cols,
-                                  col_ok, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
-                                  TOP_K, INTER, BLOCK_N, BLOCK_K, GROUP, CHANNEL, BIAS, WEIGHTED)
+        early = _down_token_reads(q_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, stride_qs, stride_qn,
+                                  TOP_K, INTER, BLOCK_K, GROUP)
     pdl_wait(PDL)
     if not EARLY:
-        early = _down_token_reads(q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_ptr, slots_ptr, token, num_slots, cols,
-                                  col_ok, stride_qs, stride_qn, stride_ss, stride_sn, stride_cs, num_bias, stride_b,
-                                  TOP_K, INTER, BLOCK_N, BLOCK_K, GROUP, CHANNEL, BIAS, WEIGHTED)
-    pairs, oks, scales, bias, words, groups = early
+        early = _down_token_reads(q_ptr, weights_ptr, slots_ptr, token, num_slots, cols, col_ok, stride_qs, stride_qn,
+                                  TOP_K, INTER, BLOCK_K, GROUP)
+    pairs, slots, oks, weights, words = early
     STEPS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), tl.float32)
+    bias = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
+        scale = channel_scaled(tl.full((BLOCK_N,), 1.0, tl.float32), c_ptr + slots[j] * stride_cs, cols, col_ok,
+                               CHANNEL)
+        if not WEIGHTED:
+            scale = scale * weights[j]
         for step in tl.static_range(STEPS):
-            part = group_sums(words[j * STEPS + step], groups[j * STEPS + step], act_ptr + pairs[j] * INTER, oks[j],
-                              step * BLOCK_K, INTER, BLOCK_N, BLOCK_K, GROUP, E8M0, WEIGHTED)
-            acc += part * scales[j][:, None]
+            s = group_scales(s_ptr + slots[j] * stride_ss, cols, col_ok, step * BLOCK_K, INTER, stride_sn, BLOCK_K,
+                             GROUP, INTER % BLOCK_K == 0)
+            part = group_sums(words[j * STEPS + step], s, act_ptr + pairs[j] * INTER, oks[j], step * BLOCK_K, INTER,
+                              BLOCK_N, BLOCK_K, GROUP, E8M0, WEIGHTED)
+            acc += part * scale[:, None]
+        bias += weights[j] * bias_rows(b_ptr, ids_ptr, pairs[j], oks[j], cols, col_ok, num_bias, stride_b, BIAS)
     out = tl.sum(acc, 1) + bias
     tl.store(out_ptr + token * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -347,7 +350,7 @@ def _down_per_token(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tenso
     _down_token_w4_kernel[(num_tokens, triton.cdiv(dim, cfg.down_n))](
         act, q, s, c, b, ids, weights, slots, out, num_slots, dim, *strides, TOP_K=top_k, INTER=act.shape[1],
         BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, **consts, **bank_consts, WEIGHTED=weighted,
-        EARLY=early and bool(cfg.down_early), num_warps=cfg.down_warps, **pdl_args(act))
+        EARLY=early and bool(cfg.down_early), num_warps=cfg.down_warps, **reg_cap(cfg.down_regs), **pdl_args(act))
 
 
 def _down_per_slot(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, bank: W4Bank,

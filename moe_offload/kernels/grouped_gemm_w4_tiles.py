@@ -83,6 +83,14 @@ def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
     bytes, so with EVEN_K (``k_len`` a multiple of BLOCK_K: no mask along k) its row of BLOCK_K/8
     words loads as one run, 16 bytes at a time, and is split into groups after (compiled for sm90
     at qwen3-30b's shapes: the per-slot down's copies become 16-byte, its registers 215 -> 168)."""
+    q = packed_words(q_ptr, rows, row_ok, k0, k_len, stride_qn, BLOCK_K, GROUP, EVEN_K)
+    return q, group_scales(s_ptr, rows, row_ok, k0, k_len, stride_sn, BLOCK_K, GROUP, EVEN_K)
+
+
+@triton.jit
+def packed_words(q_ptr, rows, row_ok, k0, k_len, stride_qn, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """``packed_tile``'s words ``[R, BLOCK_K/G, G/8]``."""
     gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     row = rows.to(tl.int64) * stride_qn
     if GROUP == 32:  # (inline: a hint returned from a helper does not reach the loads)
@@ -91,13 +99,23 @@ def packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn,
         ws = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         q = tl.load(q_ptr + row[:, None] + ws[None, :], mask=row_ok[:, None], other=0)
         q = tl.reshape(q, (q.shape[0], BLOCK_K // GROUP, GROUP // 8))
-        ok = row_ok[:, None] & (gs >= 0)[None, :]
     else:
         ok = row_ok[:, None] & (gs < k_len // GROUP)[None, :]
         words = (gs * (GROUP // 8))[None, :, None] + tl.arange(0, GROUP // 8)[None, None, :]
         q = tl.load(q_ptr + row[:, None, None] + words, mask=ok[:, :, None], other=0)
-    s = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + gs[None, :], mask=ok, other=0.0)
-    return q, s
+    return q
+
+
+@triton.jit
+def group_scales(s_ptr, rows, row_ok, k0, k_len, stride_sn, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """``packed_tile``'s group scales ``[R, BLOCK_K/G]``."""
+    gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    if EVEN_K and GROUP < 32:
+        ok = row_ok[:, None] & (gs >= 0)[None, :]
+    else:
+        ok = row_ok[:, None] & (gs < k_len // GROUP)[None, :]
+    return tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sn + gs[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
