@@ -6,7 +6,7 @@ the bound K/V bytes / 4.3e12.
 
     python scripts/bench_decode_attention.py [--contexts 8192 32768 131072] [--batch 1 8]
         [--kv-cache-dtype auto fp8] [--fp8-bytes] [--table-tokens N] [--no-rope] [--sweep] [--kernels]
-        [--new-token select] [--json F]
+        [--json F]
 
 Shapes are qwen3-30b-geometry's attention (32 query heads, 4 KV heads, head dim 128), bf16, the
 pool in bf16 (``auto``) or float8 e4m3 (``fp8``, rows of their own), pages of 16 tokens in

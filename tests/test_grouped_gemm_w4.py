@@ -537,3 +537,21 @@ def test_cuda_graph_replay_with_new_routing(fmt, num_tokens, capture_graph):
         graph.replay()
         ref = grouped_swiglu_w4_eager(hidden, weights, slots, *banks.w4(extras), fmt=fmt, **extras.kwargs())
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_the_tiles_env_changes_each_formats_tiles_and_refuses_what_is_not_a_field(monkeypatch):
+    """SLUICE_W4_DECODE_TILES: how a whole decode step (bench_decode.py) times other tiles, over
+    each format's own defaults (mxfp4's long down kept)."""
+    from moe_offload.kernels import grouped_gemm_w4_decode as module
+
+    monkeypatch.delenv(module.TILES_ENV, raising=False)
+    assert module.decode_tiles("nvfp4", 768) == module.W4_DECODE_TILES
+    long_down = module.W4_DECODE_TILES._replace(**module.W4_LONG_DOWN)
+    assert module.decode_tiles("mxfp4", 768) == long_down
+    monkeypatch.setenv(module.TILES_ENV, "down_early=0, down_regs=0")
+    assert module.decode_tiles("nvfp4", 768) == module.W4_DECODE_TILES._replace(down_early=0, down_regs=0)
+    assert module.decode_tiles("mxfp4", 768) == long_down._replace(down_early=0, down_regs=0)
+    for bad in ("down_m=32", "down_regs=many", "down_regs"):
+        monkeypatch.setenv(module.TILES_ENV, bad)
+        with pytest.raises(ValueError, match="SLUICE_W4_DECODE_TILES"):
+            module.decode_tiles("nvfp4", 768)

@@ -37,6 +37,8 @@ clamped activation (the epilogue pieces of ``grouped_gemm_w4_tiles``). Callers g
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -89,6 +91,23 @@ class DecodeConfig(NamedTuple):
     pair_regs: int = 0
     down_early: int = 1
     down_regs: int = 0
+
+
+def tiles_from_env(base: DecodeConfig, env: str) -> DecodeConfig:
+    """``base`` with the fields that variable ``env`` sets ("field=N,...", e.g. "pair_n=32,pair_warps=4"):
+    how a whole decode step (``bench_decode.py``) times other tiles; unset in serving."""
+    return _tiles_from(base, env, os.environ.get(env, ""))
+
+
+@functools.cache
+def _tiles_from(base: DecodeConfig, env: str, text: str) -> DecodeConfig:
+    changes = {}
+    for item in filter(None, text.replace(" ", "").split(",")):
+        field, _, value = item.partition("=")
+        if field not in DecodeConfig._fields or not value.isdigit():
+            raise ValueError(f"{env}: {item!r} is not FIELD=N with FIELD one of {', '.join(DecodeConfig._fields)}")
+        changes[field] = int(value)
+    return base._replace(**changes)
 
 
 # the pair count, the fill plan's length and the routing's pointers not specialised (see grouped_gemm._align_kernel)

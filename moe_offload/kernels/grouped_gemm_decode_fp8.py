@@ -30,9 +30,6 @@ scaled; "kn" otherwise: each weight times its block's scale, the step inside one
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +40,8 @@ from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wa
                                               row_step, slot_program, store_weighted, store_weighted_row, tile_step,
                                               w2_copy_program, weighted_pair)
 from moe_offload.kernels.grouped_gemm import sum_over_k
-from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
+from moe_offload.kernels.grouped_gemm_decode import (DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args,
+                                                      tiles_from_env)
 from moe_offload.kernels.triton_support import pdl_args, reg_cap
 from moe_offload.slot_fill import SlotFill
 
@@ -359,19 +357,7 @@ def decode_grouped_swiglu_fp8(hidden: torch.Tensor, weights: torch.Tensor, slots
 
 def decode_tiles() -> DecodeConfig:
     """``FP8_DECODE_TILES``, changed by ``SLUICE_FP8_DECODE_TILES`` where it is set."""
-    return _tiles_from(os.environ.get(TILES_ENV, ""))
-
-
-@functools.cache
-def _tiles_from(text: str) -> DecodeConfig:
-    changes = {}
-    for item in filter(None, text.replace(" ", "").split(",")):
-        field, _, value = item.partition("=")
-        if field not in DecodeConfig._fields or not value.isdigit():
-            raise ValueError(f"{TILES_ENV}: {item!r} is not FIELD=N with FIELD one of "
-                             f"{', '.join(DecodeConfig._fields)}")
-        changes[field] = int(value)
-    return FP8_DECODE_TILES._replace(**changes)
+    return tiles_from_env(FP8_DECODE_TILES, TILES_ENV)
 
 
 def _check(hidden: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -34,7 +34,8 @@ import triton.language as tl
 from moe_offload.kernels.decode_tiles import (column_tile, fill_w13_tile, pdl_wait, round_pairs, routed_pair, row_step,
                                               slot_program, store_weighted_row, w2_copy_program, weighted_pair)
 from moe_offload.kernels.grouped_gemm import sum_over_k
-from moe_offload.kernels.grouped_gemm_decode import DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args
+from moe_offload.kernels.grouped_gemm_decode import (DECODE_MAX_PAIRS, DECODE_MAX_TOKENS, DecodeConfig, fill_args,
+                                                      tiles_from_env)
 from moe_offload.kernels.grouped_gemm_w4_banks import (GROUP, W4Bank, activation_consts, bank_args, check_w4_args,
                                                        kernel_consts)
 from moe_offload.kernels.grouped_gemm_w4_tiles import (activate, bias_rows, channel_scaled, group_scale,
@@ -64,13 +65,16 @@ W4_DECODE_TILES = DecodeConfig(gate_up_n=64, gate_up_k=64, slot_down_n=128, slot
 # keeps 256, where 512 took 36.3 us against 26.4. Uncapped: one 8-warp program an SM with or
 # without its early reads (137 -> 193 registers at qwen3-30b's shapes, 152 -> 198 at gpt-oss').
 W4_LONG_DOWN = dict(down_k=1024, down_n=8, down_warps=8, down_regs=0)
+# "field=N,...": the tiles below with these DecodeConfig fields changed, for timing others in a whole
+# decode step (e.g. "down_early=0,down_regs=0": the down as it was before it read ahead); unset in serving
+TILES_ENV = "SLUICE_W4_DECODE_TILES"
 
 
 def decode_tiles(fmt: str, inter: int) -> DecodeConfig:
-    """The decode path's default tiles for experts of ``fmt`` with intermediate size ``inter``."""
-    if fmt == "mxfp4" or inter % W4_DECODE_TILES.down_k:
-        return W4_DECODE_TILES._replace(**W4_LONG_DOWN)
-    return W4_DECODE_TILES
+    """The decode path's tiles for experts of ``fmt`` with intermediate size ``inter``, changed by
+    ``SLUICE_W4_DECODE_TILES`` where it is set."""
+    long_down = fmt == "mxfp4" or inter % W4_DECODE_TILES.down_k
+    return tiles_from_env(W4_DECODE_TILES._replace(**W4_LONG_DOWN) if long_down else W4_DECODE_TILES, TILES_ENV)
 
 
 @triton.jit
