@@ -210,8 +210,8 @@ def _down_token_w4_kernel(act_ptr, q_ptr, s_ptr, c_ptr, b_ptr, ids_ptr, weights_
 
     EARLY (the gate_up before it filled no slot): the routing and the packed words of every slot
     it names are read before the wait, while the gate_up still runs, as the fp8 down does
-    (``grouped_gemm_decode_fp8._down_fp8_kernel``); the act rows, and the scales and biases (small,
-    in L2; read early as well they took the kernel from 64 registers a thread to 86, one program
+    (``grouped_gemm_decode_fp8._down_fp8_kernel``); the act rows, and the scales and biases (a
+    few KB; read early as well they took the kernel from 64 registers a thread to 86, one program
     an SM instead of two: ``kernel_sass.py --kernels down_token``), after it."""
     token = tl.program_id(0).to(tl.int64)
     cols, col_ok = column_tile(hidden, BLOCK_N)
