@@ -77,7 +77,7 @@ ONE_TOKEN = ("gate_up_pair", "down_token")
 
 def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bfloat16)) -> dict:
     """name -> (kernel, its constexprs, warps, stages, bank: w13 [2I, H] or w2 [H, I])."""
-    act = dict(GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
+    act = dict(GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)  # the down with PDL, as served: EARLY moves reads past its wait
     nofill = fill_consts(cfg)
     even = dict(EVEN_K=True)
     return {
@@ -85,7 +85,7 @@ def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bf
                                                               BLOCK_K=cfg.pair_k, **act, **nofill), cfg.pair_warps, 3,
                          "w13"),
         "down_token": (decode._down_token_w4_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
-                                                          BLOCK_K=cfg.down_k, PDL=False, WEIGHTED=True,
+                                                          BLOCK_K=cfg.down_k, PDL=True, WEIGHTED=True,
                                                           EARLY=bool(cfg.down_early)),
                        cfg.down_warps, 3, "w2"),
         "gate_up_slot": (decode._gate_up_slot_w4_kernel, dict(BLOCK_P=16, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k,
@@ -112,7 +112,7 @@ def fp8_kernels(cfg=decode_fp8.FP8_DECODE_TILES, weighted: bool = True) -> dict:
                          dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n, BLOCK_K=cfg.pair_k, **scales, **nofill,
                               EVEN=HIDDEN % cfg.pair_k == 0 and INTER % cfg.pair_n == 0), cfg.pair_warps, 3, "w13"),
         "down_token": (decode_fp8._down_fp8_kernel,
-                       dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PDL=False,
+                       dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, PDL=True,
                             WEIGHTED=weighted, EARLY=bool(cfg.down_early), **scales,
                             EVEN=INTER % cfg.down_k == 0 and HIDDEN % cfg.down_n == 0),
                        cfg.down_warps, 3, "w2"),
@@ -303,15 +303,23 @@ def main() -> None:
         return against(args.against, not args.unweighted, target)
     changes = {field: int(value) for field, value in (item.split("=", 1) for item in args.tiles)}
     pcfg = prefill.default_config(args.prefill_tokens, torch.bfloat16)
-    w4_tiles = decode.W4_DECODE_TILES._replace(**changes)
-    table = kernels(w4_tiles, pcfg)
-    fp8_table = fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**changes))
     for fmt in args.formats:
-        kinds = dict(fp8=fp8_table, bf16=bf16_kernels()).get(fmt, table)
+        kinds, down_regs = format_kernels(fmt, changes, pcfg)
         for name in [k for k in args.kernels if k in kinds]:
-            cap = {"gate_up_pair": args.pair_regs, "down_token": w4_tiles.down_regs if kinds is table else 0}
+            cap = {"gate_up_pair": args.pair_regs, "down_token": down_regs}
             line, sass = compile_line(kinds[name], name, fmt, target, cap.get(name, 0))
             print(f"{fmt:6} {name:16} {line}{top_opcodes(sass, args.ops)}")
+
+
+def format_kernels(fmt: str, changes: dict, pcfg) -> tuple[dict, int]:
+    """``fmt``'s kernels at the tiles it is served with (a 4-bit format's per ``decode.decode_tiles``:
+    mxfp4's long down) changed by ``changes``, and the per-token down's register cap."""
+    if fmt == "bf16":
+        return bf16_kernels(), 0
+    if fmt == "fp8":
+        return fp8_kernels(decode_fp8.FP8_DECODE_TILES._replace(**changes)), 0
+    tiles = decode.decode_tiles(fmt, INTER)._replace(**changes)
+    return kernels(tiles, pcfg), tiles.down_regs
 
 
 def per_weight_kb(line: str, warps: int, name: str, fmt: str, consts: dict) -> str:

@@ -89,11 +89,15 @@ def test_the_4bit_down_loads_one_tokens_weighted_act_rows_16_bytes_at_a_time():
     """The 4-bit per-token down (WEIGHTED) reads float32 act rows against weights decoded into
     k-ordered registers (``e2m1_words``' K_ORDER), so its act loads are 16-byte vectors: weighing
     bf16 rows there took 192 two-byte loads a thread, 2,096 instructions in all for nvfp4 (1,528
-    now); in the other order the float32 rows load 4 bytes at a time."""
-    for line in sass("--formats", "nvfp4", "mxfp4", "--kernels", "down_token"):
-        loads = {op: int(n) for op, n in re.findall(r"\b(LDG\.E[.A-Z0-9]*) (\d+)", line)}
-        assert "LDG.E.U16" not in loads and loads["LDG.E.128"] >= 48 and loads["LDG.E"] <= 48, line
-        assert field(line, "instructions") < 1700, line
+    now); in the other order the float32 rows load 4 bytes at a time. The count is of the down without
+    its early reads: holding every early word across the PDL wait costs instructions of its own
+    (nvfp4 at its served cap of 64 registers: 2,272, Triton 3.6 and 3.9; as fast on an H100)."""
+    for tiles in ((), ("--tiles", "down_early=0", "down_regs=0")):
+        for line in sass("--formats", "nvfp4", "mxfp4", "--kernels", "down_token", *tiles):
+            loads = {op: int(n) for op, n in re.findall(r"\b(LDG\.E[.A-Z0-9]*) (\d+)", line)}
+            assert "LDG.E.U16" not in loads and loads["LDG.E.128"] >= loads["LDG.E"], line
+            if line.startswith("nvfp4"):  # mxfp4 at its own tiles: one long step of 1,024 weights, 8 warps
+                assert loads["LDG.E.128"] >= 48 and (not tiles or field(line, "instructions") < 1700), line
 
 
 def test_the_fp8_down_reads_one_tokens_weighted_act_rows_as_they_are():

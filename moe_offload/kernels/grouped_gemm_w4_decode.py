@@ -53,17 +53,20 @@ __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4", "d
 # at 64 columns x 64 steps and 128 x 64; a fill's copy step in int32 words (512 bytes, as bf16's
 # 256 items). From ``scripts/bench_grouped_gemm_w4.py --decode-sweep`` (H200, qwen3-30b's shapes:
 # one token 36.9 -> 33.5 us a layer in nvfp4, eight 212 -> 197 us with the slot down alone). The
-# per-token down capped at 64 registers: its words read before the PDL wait took it to 90 (one
-# program of 16 warps an SM, so its 256 programs in two waves); at 64 it holds two, spilling nothing
-# (``kernel_sass.py --kernels down_token``, sm90, Triton 3.6).
+# per-token down capped at 64 registers: its words read before the PDL wait took it to 93 (one
+# program of 16 warps an SM); at 64 two fit, spilling nothing but issuing 2,272 instructions a thread
+# against 1,528 (``kernel_sass.py --kernels down_token``, sm90, Triton 3.6), for hidden sizes past
+# 132 x 16; at qwen3-30b's 2,048 it ties uncapped (H100: 403.8 / 401.1 tok/s). Those early reads: H100,
+# resident batch 1, 396.1 -> 404.1 tok/s (``bench_decode.py``, docs/architecture.md).
 W4_DECODE_TILES = DecodeConfig(gate_up_n=64, gate_up_k=64, slot_down_n=128, slot_down_k=64, pair_n=8, pair_k=256,
                                fill_k=128, down_regs=64)
 # The per-token down in fewer, longer steps (1024 weights, 8 columns, 8 warps) where its reduction is
 # read masked anyway: mxfp4, whose 16-byte groups load whole under a mask, or an intermediate size 256
 # does not divide. Same sweep: gpt-oss's shapes (mxfp4, K 2880) 77.1 -> 47.8 us a layer, qwen3-30b's
 # in mxfp4 31.2 -> 27.2; nvfp4 at qwen3-30b's (768 = 3 x 256, one 8-byte group a load only unmasked)
-# keeps 256, where 512 took 36.3 us against 26.4. Uncapped: one 8-warp program an SM with or
-# without its early reads (137 -> 193 registers at qwen3-30b's shapes, 152 -> 198 at gpt-oss').
+# keeps 256, where 512 took 36.3 us against 26.4. Uncapped: 104 registers, two 8-warp programs an SM,
+# with or without its early reads (103 at gpt-oss' shapes; ``kernel_sass.py --formats mxfp4 --kernels
+# down_token [--geometry gpt-oss]``, Triton 3.6).
 W4_LONG_DOWN = dict(down_k=1024, down_n=8, down_warps=8, down_regs=0)
 # "field=N,...": the tiles below with these DecodeConfig fields changed, for timing others in a whole
 # decode step (e.g. "down_early=0,down_regs=0": the down as it was before it read ahead); unset in serving
