@@ -217,6 +217,30 @@ def top_opcodes(sass: str, count: int) -> str:
     return "  ops: " + ", ".join(f"{op} {n}" for op, n in opcodes) if count else ""
 
 
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+ADDRESS = re.compile(r"/\*([0-9a-f]{4,})\*/")
+BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
+
+
+def loop_body(sass: str) -> str:
+    """The longest loop's body (the instructions from a label to a branch back to it): what a
+    kernel's K loop issues each step, where ``summary``'s static count also holds its prologue and
+    epilogue, run once."""
+    where, pending, body = {}, None, []
+    for line in sass.splitlines():
+        if label := LABEL.match(line):
+            pending = label[1]
+        elif (address := ADDRESS.search(line)) and pending:
+            where[pending], pending = int(address[1], 16), None
+    lines = [(int(m[1], 16), line) for line in sass.splitlines() if (m := ADDRESS.search(line))]
+    for address, line in lines:
+        target = BRANCH.search(line)
+        start = where.get(target[1], address) if target else address
+        if start < address and address - start > (body[-1][0] - body[0][0] if body else -1):
+            body = [(a, text) for a, text in lines if start <= a <= address]
+    return "\n".join(text for _, text in body)
+
+
 def compile_line(kind: tuple, name: str, fmt: str, target: GPUTarget, regs: int = 0) -> tuple[str, str]:
     """One kernel of a ``kernels()``-style table compiled: its ``summary`` line (with the per-KB
     column for one token's kernels) and its SASS, its registers capped at ``regs`` (0: none)."""
@@ -286,6 +310,8 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="fp8 and bf16 have gate_up_pair and down_token (their one-token kernels); bf16 gemv_qkv")
     p.add_argument("--ops", type=int, default=0, metavar="N", help="also each kernel's N most frequent opcodes")
+    p.add_argument("--loop", action="store_true",
+                   help="also the longest loop's instructions a step (and with --ops its opcodes): a K loop's cost")
     p.add_argument("--prefill-tokens", type=int, default=16, metavar="T",
                    help="the 4-bit prefill kernels on the tiles a batch of T tokens takes (default_config)")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
@@ -309,6 +335,9 @@ def main() -> None:
             cap = {"gate_up_pair": args.pair_regs, "down_token": down_regs}
             line, sass = compile_line(kinds[name], name, fmt, target, cap.get(name, 0))
             print(f"{fmt:6} {name:16} {line}{top_opcodes(sass, args.ops)}")
+            if args.loop and (body := loop_body(sass)):
+                count = len(ADDRESS.findall(body))
+                print(f"{'':6} {'  its loop':16} instructions {count:5d}{top_opcodes(body, args.ops)}")
 
 
 def format_kernels(fmt: str, changes: dict, pcfg) -> tuple[dict, int]:

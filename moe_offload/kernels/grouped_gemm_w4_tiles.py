@@ -11,9 +11,12 @@ word back in k order, in registers. The group's scale, times 2^14, multiplies on
 (loaded once, broadcast along the group). ``e2m1 * scale`` is exact in bf16 (at most 6
 significant bits; e8m0 is a power of two), so the 16-bit dot sees the checkpoint's weights;
 nvfp4's channel scale multiplies the accumulator per output column. K need only be a multiple of
-G: the tail is masked by whole groups.
+G: the tail is masked by whole groups. With ``SLUICE_W4_BF16_PAIRS=1`` an nvfp4 tile for a bf16 dot
+is decoded under bf16's exponent instead and scaled a pair at a time (``pair_dequant_tile``).
 """
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -23,6 +26,16 @@ from moe_offload.kernels.decode_tiles import store_weighted
 
 # The sign bits of both halves of a word (0x80008000 as an int32, so the word stays int32).
 _HIGH_SIGNS = tl.constexpr(-0x7FFF8000)
+# nvfp4 tiles for a bf16 dot decoded as bf16 pairs (``pair_dequant_tile``): one packed multiply a
+# pair of weights where the fp32 path widens, scales and packs each (compiled for sm90: see
+# docs/architecture.md). Off until a GPU has run it: SLUICE_W4_BF16_PAIRS=1 turns it on (read at
+# import; it keys Triton's cache as a global the kernels read).
+BF16_PAIRS = tl.constexpr(os.environ.get("SLUICE_W4_BF16_PAIRS", "0") == "1")
+# A pair's multiplier is its group's e4m3 scale times 2^117 in bf16 (448 * 2^117 < 2^126: finite),
+# the decoded value e2m1 * 2^-126, so the dot sums weights times 2^-9; the sum is then taken back
+# by PAIR_UNSCALE (exact: powers of two).
+PAIR_SCALE = tl.constexpr(2.0 ** 117)
+PAIR_UNSCALE = tl.constexpr(2.0 ** 9)
 
 
 @triton.jit
@@ -47,6 +60,26 @@ def e2m1_words(w, K_ORDER: tl.constexpr = False):
     else:  # [..., a, b] holds k = 2a + b in the low halves, 4 + 2a + b in the high ones
         values = tl.permute(_halves(tl.join(tl.join(k04, k26), tl.join(k15, k37))), (0, 1, 2, 5, 3, 4))
     return tl.reshape(values, (w.shape[0], w.shape[1], w.shape[2], 8))
+
+
+@triton.jit
+def e2m1_bf16_words(w):
+    """``e2m1_words`` (the other order) in bf16: each value times 2^-126, a code's bits put under
+    bf16's exponent, three bits lower than fp16's (so +-0.5 is the subnormal 2^-127)."""
+    k04 = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
+    k15 = ((w & 0x00700070) << 2) | ((w & 0x00800080) << 8)
+    k26 = ((w & 0x07000700) >> 2) | ((w & 0x08000800) << 4)
+    k37 = ((w & 0x70007000) >> 6) | (w & _HIGH_SIGNS)
+    values = tl.permute(_bf16_halves(tl.join(tl.join(k04, k26), tl.join(k15, k37))), (0, 1, 2, 5, 3, 4))
+    return tl.reshape(values, (w.shape[0], w.shape[1], w.shape[2], 8))
+
+
+@triton.jit
+def _bf16_halves(k):
+    """Words' two bf16 halves as ``[..., 2]``: low, high."""
+    low = k.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (k >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, high)
 
 
 @triton.jit
@@ -136,14 +169,39 @@ def dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BL
 
 
 @triton.jit
+def pair_dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_R: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """``dequant_tile`` of nvfp4 in bf16, each weight times 2^-9 (``PAIR_SCALE``): exact, since
+    ``e2m1 * scale`` has at most 6 significant bits and every product is a bf16 normal (2^-19 and
+    up)."""
+    q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP, EVEN_K)
+    scale = (s.to(tl.float32) * PAIR_SCALE).to(tl.bfloat16)
+    w = tl.reshape(e2m1_bf16_words(q), (BLOCK_R, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
+    return tl.trans(tl.reshape(w, (BLOCK_R, BLOCK_K)))
+
+
+@triton.jit
 def w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, PRECISION: tl.constexpr,
             EVEN_K: tl.constexpr):
     """``acc + a . w[cols]^T`` for the K tile at k0 (``a`` the activations' tile, ``[M, BLOCK_K]``),
-    the weight in the activations' dtype, as the dot takes it."""
-    w = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0,
-                     EVEN_K)
-    return tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    the weight in the activations' dtype, as the dot takes it; on bf16 pairs (``w4_unscaled``) the
+    sum of weights times 2^-9."""
+    if BF16_PAIRS and not E8M0 and a.dtype == tl.bfloat16:
+        w = pair_dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP,
+                              EVEN_K)
+    else:
+        w = dequant_tile(q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, BLOCK_N, BLOCK_K, GROUP, E8M0,
+                         EVEN_K).to(a.dtype)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def w4_unscaled(acc, a_ptrs, E8M0: tl.constexpr):
+    """``w4_step``'s sums over rows ``a_ptrs`` as the weights' own: times 2^9 where they ran on bf16 pairs."""
+    if BF16_PAIRS and not E8M0 and a_ptrs.dtype.element_ty == tl.bfloat16:
+        acc = acc * PAIR_UNSCALE
+    return acc
 
 
 @triton.jit
@@ -165,7 +223,7 @@ def w4_dot(a_ptrs, row_ok, q_ptr, s_ptr, cols, col_ok, k_len, stride_ak, stride_
         a = a_tile(a_ptrs, row_ok, k0, k_len, stride_ak, BLOCK_K, EVEN_K)
         acc = w4_step(a, q_ptr, s_ptr, cols, col_ok, k0, k_len, stride_qn, stride_sn, acc, BLOCK_N, BLOCK_K, GROUP,
                       E8M0, PRECISION, EVEN_K)
-    return acc
+    return w4_unscaled(acc, a_ptrs, E8M0)
 
 
 @triton.jit
@@ -229,8 +287,8 @@ def swiglu_w4_rows(a_ptrs, row_ok, bias_pair, q_ptr, s_ptr, c_ptr, b_ptr, ids_pt
                        GROUP, E8M0, PRECISION, EVEN_K)
         up = w4_step(a, q_ptr, s_ptr, inter + cols, col_ok, k0, hidden, stride_qn, stride_sn, up, BLOCK_N, BLOCK_K,
                      GROUP, E8M0, PRECISION, EVEN_K)
-    gate = channel_scaled(gate, c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
-    up = channel_scaled(up, c_ptr, inter + cols[None, :], col_ok[None, :], CHANNEL)
+    gate = channel_scaled(w4_unscaled(gate, a_ptrs, E8M0), c_ptr, cols[None, :], col_ok[None, :], CHANNEL)
+    up = channel_scaled(w4_unscaled(up, a_ptrs, E8M0), c_ptr, inter + cols[None, :], col_ok[None, :], CHANNEL)
     gate += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, cols[None, :], col_ok[None, :], num_bias, stride_b,
                       BIAS)
     up += bias_rows(b_ptr, ids_ptr, bias_pair, bias_pair >= 0, inter + cols[None, :], col_ok[None, :], num_bias,
