@@ -73,7 +73,7 @@ from worker.runner import ModelRunner, RunnerConfig
 from worker.runner_config import KV_CACHE_DTYPES
 from scheduler.messages.to_scheduler import SamplingParams
 from kernel_profile import busy_us, cuda_kernels, print_top_kernels, top_kernels  # beside this script
-from report_table import print_table  # beside this script
+from report_table import print_table, switches  # beside this script
 
 PCIE_BYTES_PER_S = 55e9
 HBM_BYTES_PER_S = 4.3e12
@@ -521,7 +521,7 @@ def main() -> None:
           f"policy {args.policy}, "
           f"cuda graphs {'off' if args.no_cuda_graph else 'on'}, "
           f"routing {args.routing}, misses gathered by {args.gather_programs or 'the wide grid of'} programs, "
-          f"their scales by {args.scale_programs or 'the wide grid of'} programs")
+          f"their scales by {args.scale_programs or 'the wide grid of'} programs{switches()}")
     print_table(COLUMNS, [dict(r, mb_per_token=r["bytes_per_token"] / 1e6,
                                guess_mb_per_token=r["prefetch_bytes_per_token"] / 1e6) for r in rows])
     if args.top_kernels:

@@ -38,7 +38,7 @@ from moe_offload.kernels.grouped_gemm import BlockConfig  # noqa: E402
 from moe_offload.kernels.grouped_gemm_w4 import (DECODE_MAX_PAIRS, GROUP, W4Bank, default_config,  # noqa: E402
                                                  fused_grouped_swiglu_w4, grouped_swiglu_w4)
 from moe_offload.kernels.grouped_gemm_w4_decode import decode_grouped_swiglu_w4, decode_tiles  # noqa: E402
-from scripts.report_table import print_sweep  # noqa: E402
+from scripts.report_table import print_sweep, switches  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 7.86e14
@@ -212,6 +212,7 @@ def decode_sweep(geo_name: str, geo: dict, num_tokens: int, fmt: str, banks: tup
 
 def print_rows(rows: list[dict]) -> None:
     base = {(r["geometry"], r["tokens"], r["dtype"]): r["time_us"] for r in rows}
+    print(f"grouped SwiGLU GEMM, {torch.cuda.get_device_name()}{switches()}")
     print(f"{'geometry':>10} {'dtype':>6} {'tokens':>6} {'experts':>7} {'time us':>9} {'HBM us':>8} {'compute us':>10} "
           f"{'bound/time':>10} {'vs bf16':>8} {'vs fp8':>7}")
     for r in sorted(rows, key=lambda r: (r["geometry"], r["tokens"], r["dtype"])):

@@ -48,7 +48,7 @@ from worker.runner import ModelRunner, RunnerConfig
 from worker.runner_config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from scheduler.messages.to_scheduler import SamplingParams
 from kernel_profile import busy_us, cuda_kernels, print_top_kernels, top_kernels  # beside this script
-from report_table import print_table
+from report_table import print_table, switches
 
 PCIE_BYTES_PER_S = 55e9
 FLOPS_PER_S = 7.9e14
@@ -329,7 +329,7 @@ def print_report(args: argparse.Namespace, stage_rows: list[dict], rows: list[di
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     sizes = ", ".join(sorted({f"{r['experts']} {r['expert_mb']:.3g} MB" for r in rows if "expert_mb" in r}))
     print(f"prefill, {args.model}, {device}, attention {args.attention}, KV {args.kv_cache_dtype}, experts of {sizes} each, "
-          f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14)")
+          f"bound = max(PCIe / 55 GB/s, FLOPs / 7.9e14){switches()}")
     if stage_rows:
         print_table(STAGE_COLUMNS, stage_rows)
     print(f"{'cache':>6} {'experts':>12} {'inval':>6} {'chunk':>6} {'prefix':>6} {'s/chunk':>8} {'tok/s':>8} "

@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import Sequence
+
+
+# The variables that change which kernels or tiles a benchmark times, where they are set (README's
+# tuning lines; ``SLUICE_PDL`` is ``bench_decode.py``'s own column)
+TIMING_SWITCHES = ("SLUICE_KERNELS", "SLUICE_ROPE_INSIDE", "SLUICE_ROPE_WARPS", "SLUICE_FP8_DECODE_TILES",
+                   "SLUICE_W4_DECODE_TILES", "SLUICE_W4_BF16_PAIRS")
+
+
+def switches() -> str:
+    """``", switches NAME=value ..."`` for the ``TIMING_SWITCHES`` this process's environment sets, or
+    nothing: a benchmark's header line names what it timed besides the defaults."""
+    named = [f"{name}={os.environ[name]}" for name in TIMING_SWITCHES if name in os.environ]
+    return f", switches {' '.join(named)}" if named else ""
 
 
 def print_table(columns: Sequence[tuple[str, str, str]], rows: Sequence[dict], gap: bool = False) -> None:

@@ -170,3 +170,17 @@ def test_rows_repeat_five_times_but_over_long_prompts_once_unless_asked():
     assert bench_decode.repeats_for(SimpleNamespace(repeats=0), 64) == 5
     assert bench_decode.repeats_for(SimpleNamespace(repeats=0), bench_decode.LONG_PROMPT) == 1  # a prefill a run
     assert bench_decode.repeats_for(SimpleNamespace(repeats=3), 131072) == 3
+
+
+def test_a_benchmarks_header_names_the_timing_switches_set_and_no_other_variable(monkeypatch):
+    """``report_table.switches``: what bench_decode, bench_prefill and bench_grouped_gemm_w4 add to their
+    header line, so a result timed under SLUICE_W4_BF16_PAIRS=1 (say) says so."""
+    import report_table
+
+    for name in report_table.TIMING_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLUICE_PY", "/usr/bin/python3")  # not a switch
+    assert report_table.switches() == ""
+    monkeypatch.setenv("SLUICE_W4_BF16_PAIRS", "1")
+    monkeypatch.setenv("SLUICE_W4_DECODE_TILES", "down_regs=0")
+    assert report_table.switches() == ", switches SLUICE_W4_DECODE_TILES=down_regs=0 SLUICE_W4_BF16_PAIRS=1"
