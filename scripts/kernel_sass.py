@@ -77,13 +77,14 @@ ONE_TOKEN = ("gate_up_pair", "down_token")
 
 def kernels(cfg=decode.W4_DECODE_TILES, pcfg=prefill.default_config(16, torch.bfloat16)) -> dict:
     """name -> (kernel, its constexprs, warps, stages, bank: w13 [2I, H] or w2 [H, I])."""
-    act = dict(GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)  # the down with PDL, as served: EARLY moves reads past its wait
+    act = dict(GPT_OSS=False, LIMIT=7.0, ALPHA=1.702)
     nofill = fill_consts(cfg)
     even = dict(EVEN_K=True)
     return {
         "gate_up_pair": (decode._gate_up_pair_w4_kernel, dict(TOP_K=TOP_K, HIDDEN=HIDDEN, BLOCK_N=cfg.pair_n,
                                                               BLOCK_K=cfg.pair_k, **act, **nofill), cfg.pair_warps, 3,
                          "w13"),
+        # the down with PDL, as served: without it EARLY moves no read past the wait
         "down_token": (decode._down_token_w4_kernel, dict(TOP_K=TOP_K, INTER=INTER, BLOCK_N=cfg.down_n,
                                                           BLOCK_K=cfg.down_k, PDL=True, WEIGHTED=True,
                                                           EARLY=bool(cfg.down_early)),
@@ -226,19 +227,18 @@ def loop_body(sass: str) -> str:
     """The longest loop's body (the instructions from a label to a branch back to it): what a
     kernel's K loop issues each step, where ``summary``'s static count also holds its prologue and
     epilogue, run once."""
-    where, pending, body = {}, None, []
+    labels, pending, lines = {}, None, []
     for line in sass.splitlines():
         if label := LABEL.match(line):
             pending = label[1]
-        elif (address := ADDRESS.search(line)) and pending:
-            where[pending], pending = int(address[1], 16), None
-    lines = [(int(m[1], 16), line) for line in sass.splitlines() if (m := ADDRESS.search(line))]
-    for address, line in lines:
-        target = BRANCH.search(line)
-        start = where.get(target[1], address) if target else address
-        if start < address and address - start > (body[-1][0] - body[0][0] if body else -1):
-            body = [(a, text) for a, text in lines if start <= a <= address]
-    return "\n".join(text for _, text in body)
+        elif address := ADDRESS.search(line):
+            lines.append((int(address[1], 16), line))
+            if pending:
+                labels[pending], pending = lines[-1][0], None
+    spans = [(labels[target[1]], address) for address, line in lines
+             if (target := BRANCH.search(line)) and labels.get(target[1], address) < address]
+    start, end = max(spans, key=lambda span: span[1] - span[0], default=(0, -1))
+    return "\n".join(line for address, line in lines if start <= address <= end)
 
 
 def compile_line(kind: tuple, name: str, fmt: str, target: GPUTarget, regs: int = 0) -> tuple[str, str]:

@@ -46,10 +46,10 @@ def random_tile(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _decoded_bits(q_ptr, out_ptr, R: tl.constexpr, W: tl.constexpr):
-    """``e2m1_bf16_words`` of ``[R, W]`` words, stored as their int16 bits ``[R, 8W]``."""
+    """``e2m1_words(BF16=True)`` of ``[R, W]`` words, stored as their int16 bits ``[R, 8W]``."""
     rows, words = tl.arange(0, R), tl.arange(0, W)
     q = tl.load(q_ptr + rows[:, None, None] * W + words[None, :, None] + tl.zeros((1, 1, 1), tl.int32))
-    bits = tl.reshape(tiles.e2m1_bf16_words(q), (R, W * 8)).to(tl.int16, bitcast=True)
+    bits = tl.reshape(tiles.e2m1_words(q, False, True), (R, W * 8)).to(tl.int16, bitcast=True)
     tl.store(out_ptr + rows[:, None] * (W * 8) + tl.arange(0, W * 8)[None, :], bits)
 
 

@@ -54,8 +54,8 @@ __all__ = ["DECODE_MAX_PAIRS", "W4_DECODE_TILES", "decode_grouped_swiglu_w4", "d
 # 256 items). From ``scripts/bench_grouped_gemm_w4.py --decode-sweep`` (H200, qwen3-30b's shapes:
 # one token 36.9 -> 33.5 us a layer in nvfp4, eight 212 -> 197 us with the slot down alone). The
 # per-token down capped at 64 registers: its words read before the PDL wait took it to 93 (one
-# program of 16 warps an SM); at 64 two fit, spilling nothing but issuing 2,272 instructions a thread
-# against 1,528 (``kernel_sass.py --kernels down_token``, sm90, Triton 3.6), for hidden sizes past
+# program of 16 warps an SM); at 64 two fit, spilling nothing, 1,584 instructions a thread against
+# 1,528 (``kernel_sass.py --kernels down_token``, sm90, Triton 3.6), for hidden sizes past
 # 132 x 16; at qwen3-30b's 2,048 it ties uncapped (H100: 403.8 / 401.1 tok/s). Those early reads: H100,
 # resident batch 1, 396.1 -> 404.1 tok/s (``bench_decode.py``, docs/architecture.md).
 W4_DECODE_TILES = DecodeConfig(gate_up_n=64, gate_up_k=64, slot_down_n=128, slot_down_k=64, pair_n=8, pair_k=256,

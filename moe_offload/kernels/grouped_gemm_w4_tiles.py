@@ -39,11 +39,12 @@ PAIR_UNSCALE = tl.constexpr(2.0 ** 9)
 
 
 @triton.jit
-def e2m1_words(w, K_ORDER: tl.constexpr = False):
+def e2m1_words(w, K_ORDER: tl.constexpr = False, BF16: tl.constexpr = False):
     """int32 words ``[R, NG, W]`` of packed codes (k = 8i + 0..7: byte j's low nibble is k = 2j)
     -> fp32 ``[R, NG, W, 8]`` in k order, each e2m1 value times 2^-14. Each mask-and-shift puts
     the codes of bytes 0 and 2 (or 1 and 3) under the fp16 exponents of a word's two halves at
-    once: eleven integer operations for eight values.
+    once: eleven integer operations for eight values. BF16: under bf16's exponent instead, three
+    bits lower, and left in bf16: each value times 2^-126 (+-0.5 the subnormal 2^-127).
 
     A join's new dim is the fastest in a thread's registers. K_ORDER joins each word's halves
     first and neighbours last, so a thread's registers hold k in order and a float32 row that
@@ -51,42 +52,33 @@ def e2m1_words(w, K_ORDER: tl.constexpr = False):
     sm90, 192 four-byte loads a thread become 48 of 16); the other order joins the halves last,
     which one token's gate_up, multiplying a bf16 row, compiles to fewer instructions (mxfp4)
     or registers (nvfp4) with (``scripts/kernel_sass.py``)."""
-    k04 = ((w & 0x00070007) << 9) | ((w & 0x00080008) << 12)
-    k15 = ((w & 0x00700070) << 5) | ((w & 0x00800080) << 8)
-    k26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
-    k37 = ((w & 0x70007000) >> 3) | (w & _HIGH_SIGNS)
+    if BF16:
+        k04 = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
+        k15 = ((w & 0x00700070) << 2) | ((w & 0x00800080) << 8)
+        k26 = ((w & 0x07000700) >> 2) | ((w & 0x08000800) << 4)
+        k37 = ((w & 0x70007000) >> 6) | (w & _HIGH_SIGNS)
+    else:
+        k04 = ((w & 0x00070007) << 9) | ((w & 0x00080008) << 12)
+        k15 = ((w & 0x00700070) << 5) | ((w & 0x00800080) << 8)
+        k26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
+        k37 = ((w & 0x70007000) >> 3) | (w & _HIGH_SIGNS)
     if K_ORDER:  # [..., h, b, a] holds k = 4h + 2b + a, a the fastest register
-        values = tl.join(tl.join(_halves(k04), _halves(k26)), tl.join(_halves(k15), _halves(k37)))
+        values = tl.join(tl.join(_halves(k04, BF16), _halves(k26, BF16)),
+                         tl.join(_halves(k15, BF16), _halves(k37, BF16)))
     else:  # [..., a, b] holds k = 2a + b in the low halves, 4 + 2a + b in the high ones
-        values = tl.permute(_halves(tl.join(tl.join(k04, k26), tl.join(k15, k37))), (0, 1, 2, 5, 3, 4))
+        values = tl.permute(_halves(tl.join(tl.join(k04, k26), tl.join(k15, k37)), BF16), (0, 1, 2, 5, 3, 4))
     return tl.reshape(values, (w.shape[0], w.shape[1], w.shape[2], 8))
 
 
 @triton.jit
-def e2m1_bf16_words(w):
-    """``e2m1_words`` (the other order) in bf16: each value times 2^-126, a code's bits put under
-    bf16's exponent, three bits lower than fp16's (so +-0.5 is the subnormal 2^-127)."""
-    k04 = ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12)
-    k15 = ((w & 0x00700070) << 2) | ((w & 0x00800080) << 8)
-    k26 = ((w & 0x07000700) >> 2) | ((w & 0x08000800) << 4)
-    k37 = ((w & 0x70007000) >> 6) | (w & _HIGH_SIGNS)
-    values = tl.permute(_bf16_halves(tl.join(tl.join(k04, k26), tl.join(k15, k37))), (0, 1, 2, 5, 3, 4))
-    return tl.reshape(values, (w.shape[0], w.shape[1], w.shape[2], 8))
-
-
-@triton.jit
-def _bf16_halves(k):
-    """Words' two bf16 halves as ``[..., 2]``: low, high."""
-    low = k.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    high = (k >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return tl.join(low, high)
-
-
-@triton.jit
-def _halves(k):
-    """Words' two fp16 halves (each an e2m1 value times 2^-14) as fp32 ``[..., 2]``: low, high."""
-    low = k.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (k >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _halves(k, BF16: tl.constexpr):
+    """Words' two halves as ``[..., 2]`` (low, high): fp16 numbers widened to fp32, or BF16 bf16 ones."""
+    if BF16:
+        low = k.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        high = (k >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        low = k.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (k >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return tl.join(low, high)
 
 
@@ -176,7 +168,7 @@ def pair_dequant_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_s
     up)."""
     q, s = packed_tile(q_ptr, s_ptr, rows, row_ok, k0, k_len, stride_qn, stride_sn, BLOCK_K, GROUP, EVEN_K)
     scale = (s.to(tl.float32) * PAIR_SCALE).to(tl.bfloat16)
-    w = tl.reshape(e2m1_bf16_words(q), (BLOCK_R, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
+    w = tl.reshape(e2m1_words(q, BF16=True), (BLOCK_R, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
     return tl.trans(tl.reshape(w, (BLOCK_R, BLOCK_K)))
 
 
